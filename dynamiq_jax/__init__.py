@@ -1,0 +1,27 @@
+"""dynamiq_jax: compressed multi-hop gradient all-reduce for JAX.
+
+    import optax, dynamiq_jax as dq
+    tx = optax.chain(dq.compressed_psum("data"), optax.adamw(1e-3))
+"""
+
+from dynamiq_jax import codecs
+from dynamiq_jax import schedules
+from dynamiq_jax.allreduce import AllReduceStats
+from dynamiq_jax.allreduce import allreduce
+from dynamiq_jax.allreduce import wire_stats
+from dynamiq_jax.simulate import simulate
+from dynamiq_jax.transform import CompressedPsumState
+from dynamiq_jax.transform import compressed_psum
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "codecs",
+    "schedules",
+    "AllReduceStats",
+    "allreduce",
+    "wire_stats",
+    "simulate",
+    "CompressedPsumState",
+    "compressed_psum",
+]

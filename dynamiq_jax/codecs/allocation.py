@@ -1,0 +1,202 @@
+"""Static per-width capacities for DynamiQ's variable bit width.
+
+XLA needs static buffer sizes, so each width class gets a fixed number of
+super-groups; which super-groups fill which class is decided every step by
+ranking the global statistics F (spec §1.4, DESIGN "Static shapes").
+
+The capacities come from the paper's threshold rule (§3.2 / App. A): a
+super-group gets width ``b`` iff ``T_{a,b} <= F < T_{b,c}``, with thresholds
+set so that every extra bit buys the same error reduction. If one
+quantisation at width ``w`` leaves a relative MSE ``c_w``, raising a
+super-group of statistic F from ``a`` to ``b`` bits saves ``F (c_a - c_b)``
+for ``b - a`` bits per coordinate, so equal gain per bit means
+``T_{a,b} = lam (b - a) / (c_a - c_b)``, with ``lam`` set so that the expected
+width meets the payload budget. The paper uses the model ``c_w = 4^-w``
+("one bit = 4x less error"), which gives its ``T_{2,4} = (17/512) T_{4,8}``.
+We use each width's *measured* ``c_w`` instead
+(:meth:`pallas_kernels.dynamiq_format.Format.expected_error`): the 4^-w
+model says 2 bits are 16x worse than 4, but the ternary 2-bit quantiser is
+54x worse (0.70 vs 0.013), so the paper's model sends too many super-groups
+to 2 bits. On the reference synthetic data (iid, n = 8, ring, 5.1 bits) this
+lowers vNMSE from 3.4e-3 to about 2.3e-3 (docs/results/, bench.vnmse).
+
+Applied *offline* to a distribution of ``log F`` the rule yields the class
+fractions:
+
+* by default the paper's own fit of super-group magnitudes (App. E /
+  Table 7: a two-component LogNormal mixture);
+* or the user's own gradients, with :func:`fractions_from_norms`.
+
+The fractions are then rounded to whole chunks (multiples of ``n``
+super-groups) and trimmed until the exact wire size, padding and metadata
+included, fits the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "PAPER_MIXTURE",
+    "paper_errors",
+    "thresholds",
+    "fractions_for_budget",
+    "fractions_from_norms",
+    "round_capacities",
+]
+
+# App. E: super-group magnitude M ~ 0.79 LogNormal(-3.99, 1.22) + 0.21 LogNormal(-16.41, 4.63).
+PAPER_MIXTURE = ((0.79, -3.99, 1.22), (0.21, -16.41, 4.63))
+
+
+def paper_errors(widths: Sequence[int]) -> dict[int, float]:
+  """The paper's error model: one more bit, four times less error."""
+  return {w: 4.0**-w for w in widths}
+
+
+def thresholds(errors: Mapping[int, float]) -> list[float]:
+  """log2 of the thresholds between consecutive widths, up to a common offset.
+
+  Args:
+    errors: ``{width: relative MSE of one quantisation}``, decreasing in width.
+  """
+  w = sorted(errors)
+  out = []
+  for a, b in zip(w[:-1], w[1:]):
+    gain = errors[a] - errors[b]
+    if not gain > 0:
+      raise ValueError(f"errors={dict(errors)} must decrease with the width")
+    out.append(math.log2((b - a) / gain))
+  return out
+
+
+def _fractions_at(offset: float, errors, cdf):
+  """Class fractions when thresholds sit at log2 F = log2 T + offset."""
+  w = sorted(errors)
+  cuts = [cdf(t + offset) for t in thresholds(errors)]
+  edges = [0.0] + cuts + [1.0]
+  return {wi: max(edges[i + 1] - edges[i], 0.0) for i, wi in enumerate(w)}
+
+
+def _solve(target: float, errors, cdf, lo=-400.0, hi=400.0):
+  w = sorted(errors)
+  if target <= w[0]:
+    return {wi: float(wi == w[0]) for wi in w}
+  if target >= w[-1]:
+    return {wi: float(wi == w[-1]) for wi in w}
+  for _ in range(200):
+    mid = 0.5 * (lo + hi)
+    f = _fractions_at(mid, errors, cdf)
+    if sum(k * v for k, v in f.items()) > target:
+      lo = mid  # thresholds too low: too many bits
+    else:
+      hi = mid
+  return _fractions_at(hi, errors, cdf)
+
+
+def _mixture_cdf_log2f(mixture):
+  """CDF of log2 F = 2 log2 M for M a LogNormal mixture."""
+
+  def cdf(x):
+    ln_m = x * math.log(2.0) / 2.0
+    return sum(p * 0.5 * (1.0 + math.erf((ln_m - mu) / (s * math.sqrt(2.0))))
+               for p, mu, s in mixture)
+
+  return cdf
+
+
+def fractions_for_budget(payload_bits: float, errors: Mapping[int, float],
+                         mixture=PAPER_MIXTURE) -> dict[int, float]:
+  """Class fractions whose expected code width is ``payload_bits``.
+
+  Args:
+    payload_bits: average code bits per coordinate left after metadata.
+    errors: ``{width: c_w}``, e.g. :func:`paper_errors` or the codec's own.
+    mixture: ``((weight, mu, sigma), ...)`` of ln M, the super-group magnitude.
+
+  Returns:
+    ``{width: fraction}``, summing to 1.
+  """
+  return _solve(payload_bits, errors, _mixture_cdf_log2f(mixture))
+
+
+def fractions_from_norms(norms, payload_bits: float,
+                         errors: Mapping[int, float]) -> dict[int, float]:
+  """The threshold rule applied offline to measured super-group norms.
+
+  Args:
+    norms: array of global super-group L2 norms (or any positive quantity
+      monotone in F) from one or more representative steps.
+    payload_bits: average code bits per coordinate to spend.
+    errors: ``{width: c_w}``; ``DynamiQ.width_errors()`` for a codec.
+
+  Returns:
+    ``{width: fraction}``; pass it as ``DynamiQ(fractions=...)``.
+  """
+  v = np.asarray(norms, np.float64).ravel()
+  v = v[np.isfinite(v)]
+  if v.size == 0:
+    raise ValueError("norms holds no finite value")
+  log2f = np.sort(2.0 * np.log2(np.maximum(v, 1e-300)))
+
+  def cdf(x):
+    return float(np.searchsorted(log2f, x, side="left")) / log2f.size
+
+  return _solve(payload_bits, errors, cdf, lo=-2000.0, hi=2000.0)
+
+
+def round_capacities(fractions: Mapping[int, float], units: int,
+                     cost_per_unit: Mapping[int, int], budget: float) -> dict[int, int]:
+  """Rounds fractions to whole units under a cost budget.
+
+  Args:
+    fractions: ``{width: fraction}``.
+    units: number of units to place (a unit is n super-groups, one per chunk).
+    cost_per_unit: ``{width: bits}`` for one unit of that width.
+    budget: total bits allowed for all units.
+
+  Returns:
+    ``{width: units}`` summing to ``units`` whose cost fits the budget.
+
+  Raises:
+    ValueError: if even every unit at the narrowest width exceeds the budget.
+  """
+  w = sorted(fractions)
+  ideal = {k: fractions[k] * units for k in w}
+  got = {k: int(math.floor(ideal[k])) for k in w}
+  rest = units - sum(got.values())
+  for k in sorted(w, key=lambda k: ideal[k] - got[k], reverse=True)[:rest]:
+    got[k] += 1
+
+  def cost(g):
+    return sum(g[k] * cost_per_unit[k] for k in w)
+
+  # Downgrade the widest units until the budget holds.
+  while cost(got) > budget:
+    for i in range(len(w) - 1, 0, -1):
+      if got[w[i]] > 0:
+        got[w[i]] -= 1
+        got[w[i - 1]] += 1
+        break
+    else:
+      raise ValueError(f"even all {units} units at {w[0]} bits cost {cost(got)} > {budget}")
+  # Spend rounding slack where the ideal split is shortest, while it fits.
+  while True:
+    best = None
+    for i in range(len(w) - 1):
+      lo, hi = w[i], w[i + 1]
+      if got[lo] == 0:
+        continue
+      trial = dict(got)
+      trial[lo] -= 1
+      trial[hi] += 1
+      if cost(trial) <= budget:
+        deficit = ideal[hi] - got[hi]
+        if deficit > 0 and (best is None or deficit > best[0]):
+          best = (deficit, trial)
+    if best is None:
+      return got
+    got = best[1]

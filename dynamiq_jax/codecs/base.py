@@ -1,0 +1,102 @@
+"""What every codec gives the schedule executor.
+
+A codec is a frozen dataclass (hashable, safe as a static jit argument) with
+two methods:
+
+* ``wire_bits(d, n)``: the exact number of bits one all-reduce of ``d``
+  coordinates over ``n`` ranks puts into payloads, metadata included. Each
+  rank of a bandwidth-optimal schedule sends ``2 (n - 1) / n`` of it, so
+  ``wire_bits / d`` is the paper's bits per coordinate.
+* ``prepare(x, *, ctx, run, key_words, bucket)``: takes this rank's flat
+  float32 bucket ``x`` (already pre-divided by ``n`` when averaging), runs any
+  metadata collective it needs (through ``run``, the schedule executor, or a
+  ``pmax``), and returns :class:`Prepared`: the local data cut into ``n``
+  chunks, the per-hop operations, and a ``finish`` function that turns the
+  decoded chunks back into a flat float32 vector of length ``len(x)``.
+
+Chunks and payloads are pytrees of arrays; a chunk's arrays are the local
+data of one chunk index, the ``chunks`` pytree carries a leading axis of
+size ``n``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Protocol
+
+import jax
+
+__all__ = ["AxisContext", "HopOps", "Prepared", "Codec", "Runner"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisContext:
+  """The collective axis as seen from inside ``shard_map``/``pmap``/``vmap``.
+
+  Attributes:
+    axis_name: the bound axis name.
+    n: its size.
+    invariant_gather: True under ``shard_map(check_vma=True)``: gathers must
+      return values typed as invariant over the axis.
+  """
+
+  axis_name: Any
+  n: int
+  invariant_gather: bool = False
+
+  def rank(self):
+    return jax.lax.axis_index(self.axis_name)
+
+  def all_gather(self, tree):
+    kw = {"to": "invarying"} if self.invariant_gather else {}
+    return jax.tree.map(lambda a: jax.lax.all_gather(a, self.axis_name, **kw), tree)
+
+  def pmax(self, x):
+    return jax.lax.pmax(x, self.axis_name)
+
+
+class HopOps(NamedTuple):
+  """Per-hop operations of a codec, closed over this call's metadata.
+
+  ``c`` is the chunk index and ``hop`` the step at which the payload is sent
+  (both int32 scalars, possibly traced); they key the random streams.
+  """
+
+  encode: Callable[[PyTree, Any, Any], PyTree]
+  decode: Callable[[PyTree], PyTree]
+  decode_add_encode: Callable[[PyTree, PyTree, Any, Any], PyTree]
+  decode_add: Callable[[PyTree, PyTree], PyTree]
+
+
+class Prepared(NamedTuple):
+  chunks: PyTree
+  ops: HopOps
+  finish: Callable[[PyTree], jax.Array]
+
+
+Runner = Callable[[PyTree, HopOps], PyTree]
+"""``run(chunks, ops) -> decoded chunks``: one schedule execution."""
+
+
+class Codec(Protocol):
+
+  def wire_bits(self, d: int, n: int) -> int:
+    ...
+
+  def prepare(self, x: jax.Array, *, ctx: AxisContext, run: Runner,
+              key_words: tuple[jax.Array, jax.Array], bucket: int) -> Prepared:
+    ...
+
+
+def simple_ops(encode, decode) -> HopOps:
+  """HopOps for a codec whose hops are plain decode / add / encode."""
+
+  def dae(payload, chunk, c, hop):
+    return encode(jax.tree.map(lambda p, x: p + x, decode(payload), chunk), c, hop)
+
+  def da(payload, chunk):
+    return jax.tree.map(lambda p, x: p + x, decode(payload), chunk)
+
+  return HopOps(encode=encode, decode=decode, decode_add_encode=dae, decode_add=da)

@@ -1,0 +1,99 @@
+"""The one executor that runs any :class:`TreePlan` with any codec.
+
+Reduce phase, on rank ``r`` (chunk indices mod n):
+
+* step 0: encode own chunk ``r - a_0`` (a leaf compress);
+* steps 1..S-1: the chunk received at step j-1 either goes straight into the
+  next send (fused ``decode_add_encode``: the ring's only hop type) or is
+  decode-added into the local copy, and the next send is encoded from the
+  local copy (the butterfly's internal nodes);
+* after the last step the root of chunk ``r - root`` encodes its full sum.
+
+Gather phase: an all-gather forwards every root's final payload unchanged
+(no re-quantisation) and every rank decodes all of them, so all ranks end
+with the same bytes — including each root, which adopts the decoded version
+of what it broadcast.
+
+Plans whose steps are all alike (the ring) run as one ``fori_loop`` body, so
+compile time does not grow with n; other plans unroll their S = n - 1 steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dynamiq_jax.codecs.base import AxisContext, HopOps
+from dynamiq_jax.schedules.plan import TreePlan
+
+__all__ = ["execute"]
+
+
+def _take(chunks, c):
+  return jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, c, axis=0, keepdims=False), chunks)
+
+
+def _put(chunks, c, value):
+  return jax.tree.map(
+      lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), c, axis=0),
+      chunks, value)
+
+
+def _shift_perm(n: int, shift: int):
+  return [(i, (i + shift) % n) for i in range(n)]
+
+
+def execute(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
+  """Runs one all-reduce of ``chunks`` (leading axis n) and returns the decoded chunks."""
+  n = plan.n
+  if ctx.n != n:
+    raise ValueError(f"plan is for n={n} but the axis has size {ctx.n}")
+  r = ctx.rank()
+
+  def mod(v):
+    return jnp.asarray(v, jnp.int32) % n
+
+  if n == 1:
+    final = ops.encode(_take(chunks, 0), jnp.int32(0), jnp.int32(0))
+  elif plan.uniform:
+    shift = plan.shift(0)
+    a0 = plan.edges[0][0]
+    with jax.named_scope("reduce/leaf"):
+      payload = ops.encode(_take(chunks, mod(r - a0)), mod(r - a0), jnp.int32(0))
+
+    def hop(j, payload):
+      with jax.named_scope("reduce/hop"):
+        recv = jax.lax.ppermute(payload, ctx.axis_name, _shift_perm(n, shift))
+        # Received at step j-1: chunk r - b_{j-1} = r - (a0 + j*shift) (uniform plan).
+        c = mod(r - a0 - j * shift)
+        return ops.decode_add_encode(recv, _take(chunks, c), c, j)
+
+    final = jax.lax.fori_loop(1, n, hop, payload)
+  else:
+    acc = chunks
+    recv = None
+    for j, (a, b) in enumerate(plan.edges):
+      c_send = mod(r - a)
+      with jax.named_scope(f"reduce/step{j}"):
+        if j > 0 and plan.fused(j - 1):
+          payload = ops.decode_add_encode(recv, _take(acc, c_send), c_send, j)
+        else:
+          if j > 0:
+            c_prev = mod(r - plan.edges[j - 1][1])
+            acc = _put(acc, c_prev, ops.decode_add(recv, _take(acc, c_prev)))
+          payload = ops.encode(_take(acc, c_send), c_send, j)
+        recv = jax.lax.ppermute(payload, ctx.axis_name, _shift_perm(n, plan.shift(j)))
+    c_root = mod(r - plan.root)
+    with jax.named_scope("reduce/root"):
+      if plan.fused(plan.steps - 1):
+        final = ops.decode_add_encode(recv, _take(acc, c_root), c_root, plan.steps)
+      else:
+        c_prev = mod(r - plan.edges[-1][1])
+        acc = _put(acc, c_prev, ops.decode_add(recv, _take(acc, c_prev)))
+        final = ops.encode(_take(acc, c_root), c_root, plan.steps)
+
+  with jax.named_scope("gather"):
+    gathered = ctx.all_gather(final)  # [rank, ...]; rank s holds chunk s - root
+    by_chunk = jax.tree.map(lambda g: jnp.roll(g, -plan.root, axis=0), gathered)
+    return jax.vmap(ops.decode)(by_chunk)

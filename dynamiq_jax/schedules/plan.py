@@ -1,0 +1,155 @@
+"""Static hop plans for bandwidth-optimal multi-hop all-reduce.
+
+Both of the paper's schedules (spec §1.8) are one shape: the data is cut into
+``n`` chunks; chunk 0 is reduced along an in-tree over the ranks whose edges
+``(child -> parent)`` run one per time step, and chunk ``c`` uses the same
+tree with every rank id shifted by ``+c`` (mod n). At step ``j`` with edge
+``(a -> b)`` every rank ``r`` therefore sends chunk ``r - a`` to rank
+``r + (b - a)`` and receives chunk ``r - b``: one chunk out and one in per
+rank per step, the volume of a ring. The root holds the full sum of its chunk
+at the end, compresses it once more, and an all-gather forwards those final
+payloads unchanged.
+
+* ring: the path ``0 -> 1 -> ... -> n-1``; every received partial sum is
+  re-encoded at the next step (fused decode-add-encode).
+* butterfly: a binary tree by repeated pairing, depth ``log2 n``.
+
+Plans are plain Python data, validated without tracing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+__all__ = ["TreePlan", "ring_plan", "butterfly_plan", "get_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TreePlan:
+  """An ordered in-tree over ``n`` ranks (chunk 0's reduction tree).
+
+  Attributes:
+    name: schedule name.
+    n: number of ranks.
+    edges: ``(child, parent)`` pairs in execution order, one per step.
+    root: the rank that ends with chunk 0's full sum.
+  """
+
+  name: str
+  n: int
+  edges: tuple[tuple[int, int], ...]
+  root: int
+
+  def __post_init__(self):
+    self.validate()
+
+  @property
+  def steps(self) -> int:
+    return len(self.edges)
+
+  def shift(self, j: int) -> int:
+    a, b = self.edges[j]
+    return (b - a) % self.n
+
+  def fused(self, j: int) -> bool:
+    """Whether the chunk received at step j is the one sent at step j + 1.
+
+    For the last step: whether it is received by the root (then the root's
+    final encode fuses with it).
+    """
+    if j == self.steps - 1:
+      return self.edges[j][1] == self.root
+    return self.edges[j][1] == self.edges[j + 1][0]
+
+  @property
+  def uniform(self) -> bool:
+    """All steps alike (same shift, all fused): runnable as one loop body."""
+    return all(self.shift(j) == self.shift(0) and self.fused(j)
+               for j in range(self.steps))
+
+  def depth(self) -> int:
+    """Longest leaf-to-root path, in edges."""
+    parent = dict(self.edges)
+    best = 0
+    for r in range(self.n):
+      k, node = 0, r
+      while node != self.root:
+        node = parent[node]
+        k += 1
+      best = max(best, k)
+    return best
+
+  def validate(self):
+    n = self.n
+    if n < 1:
+      raise ValueError(f"{n=} must be >= 1")
+    if not 0 <= self.root < n:
+      raise ValueError(f"root={self.root} out of range for {n=}")
+    if len(self.edges) != n - 1:
+      raise ValueError(f"a tree over {n} ranks needs {n - 1} edges, got {len(self.edges)}")
+    parent = {}
+    for a, b in self.edges:
+      if not (0 <= a < n and 0 <= b < n) or a == b:
+        raise ValueError(f"bad edge {(a, b)} for {n=}")
+      if a in parent:
+        raise ValueError(f"rank {a} sends twice")
+      parent[a] = b
+    if self.root in parent:
+      raise ValueError("the root must not send")
+    # Every rank reaches the root, and sends only after all of its receives.
+    sent_at = {a: j for j, (a, _) in enumerate(self.edges)}
+    for j, (a, b) in enumerate(self.edges):
+      if b != self.root and sent_at[b] < j:
+        raise ValueError(f"rank {b} receives at step {j} after sending at {sent_at[b]}")
+    for r in range(n):
+      node, hops = r, 0
+      while node != self.root:
+        node = parent[node]
+        hops += 1
+        if hops > n:
+          raise ValueError("edges contain a cycle")
+    # Shifting the tree by every c makes each step a permutation: one chunk
+    # out and one chunk in per rank (true for any edge; checked for safety).
+    for j in range(self.steps):
+      a, b = self.edges[j]
+      dests = {(r + b - a) % n for r in range(n)}
+      assert len(dests) == n
+
+
+@functools.lru_cache(maxsize=None)
+def ring_plan(n: int) -> TreePlan:
+  """The ring: chunk c travels c -> c+1 -> ... -> c-1 (n - 1 hops)."""
+  return TreePlan("ring", n, tuple((s, s + 1) for s in range(n - 1)), n - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def butterfly_plan(n: int) -> TreePlan:
+  """The paper's "butterfly": a binary reduction tree by repeated pairing.
+
+  Level 0 pairs (0->1), (2->3), ...; level 1 (1->3), (5->7), ...; the root is
+  n - 1 and every chunk's aggregation depth is log2 n (spec §1.8).
+  """
+  if n < 1 or n & (n - 1):
+    raise ValueError(
+        f"axis_size={n} must be a power of two for schedule='butterfly'; use 'ring'")
+  edges = []
+  stride = 1
+  while stride < n:
+    for start in range(stride - 1, n, 2 * stride):
+      edges.append((start, start + stride))
+    stride *= 2
+  return TreePlan("butterfly", n, tuple(edges), n - 1)
+
+
+_PLANS = {"ring": ring_plan, "butterfly": butterfly_plan}
+
+
+def get_plan(schedule: str, n: int) -> TreePlan:
+  """The plan for a schedule name."""
+  try:
+    make = _PLANS[schedule]
+  except KeyError:
+    raise ValueError(
+        f"schedule={schedule!r} is not one of {sorted(_PLANS)}") from None
+  return make(n)

@@ -1,0 +1,425 @@
+"""DynamiQ's wire format and its pure-jnp reference codec.
+
+This module is the single definition of the bytes DynamiQ puts on the wire
+(spec: ALGORITHMS.md §1.5) and of the arithmetic that produces them. The
+Pallas kernels reproduce it bit for bit; the reference is also the product
+path on CPU.
+
+Format (one *super-group* = 256 consecutive coordinates, one code width
+``b`` in {2, 4, 8}):
+
+* Symmetric levels ``±lam[l]``, ``l = 0..R``, ``R = 2**(b-1) - 1``, i.e.
+  ``2**b - 1`` used codes (code ``R + sign*l``; one code is unused).
+  ``levels="mee"``: the paper's non-uniform value set
+  ``lam[l] = ((1 + 2 eps^2)^l - 1) / ((1 + 2 eps^2)^R - 1)`` (top = 1);
+  ``levels="uniform"``: ``lam[l] = l`` (top = R).
+  Every table value is rounded to bfloat16 precision once, so that a decoded
+  value ``lam * k * U`` (8 x 8 x 8 significant bits) is exact in float32.
+  That makes every result independent of whether a compiler contracts the
+  following accumulation into a fused multiply-add — the property behind the
+  bit-exact kernel/reference and vmap/shard_map parity.
+* Hierarchical scales (default): 16 groups of 16 coordinates. ``U`` =
+  bfloat16 unit per super-group, rounded *up* from ``max|x| / (255 top)``;
+  per group a uint8 ``k``; the decoded group scale is ``k U``.
+  ``scale_rounding="up"`` (the authors' kernel) takes ``k = ceil(gmax / (U
+  top))`` and normalises by the decoded scale, so no element is clamped;
+  ``"stochastic"`` (the paper's text) rounds ``k`` stochastically so that
+  ``E[k U top] = gmax`` and normalises by the exact group max. Both are
+  unbiased.
+* Flat scales (``hierarchical=False``, the ablation baseline): one bfloat16
+  scale per ``group_size`` coordinates, rounded up.
+* Element rounding is unbiased in the *value* domain: ``t = |x| / scale`` is
+  rounded to one of its two bracketing levels with probability proportional
+  to the distance (the paper and the authors' simulator; their CUDA kernel's
+  log-domain rounding is biased and not used). The uniform draw comes from
+  :mod:`pallas_kernels.rng`; with ``strata = n > 1`` it is the correlated
+  (stratified) draw ``u = (pi(rank) + gamma) / q`` with the permutation
+  ``pi`` shared by all ranks for the coordinate and ``gamma`` private
+  (:func:`pallas_kernels.rng.stratum`).
+
+Byte layout of one hierarchical super-group record (``32 b + 18`` bytes)::
+
+  for g in 0..15: [2b bytes: 16 codes, LSB-first] [1 byte: k_g]
+  then:           [2 bytes: U as bfloat16, little-endian]
+
+Flat record: per group ``[group_size*b/8 code bytes][2 bytes bf16 scale]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_dtypes import bfloat16
+
+from pallas_kernels import rng
+
+__all__ = [
+    "SUPERGROUP",
+    "HIER_GROUP",
+    "Format",
+    "compress_reference",
+    "decompress_reference",
+    "decompress_accumulate_reference",
+    "decompress_accumulate_recompress_reference",
+    "pack_codes",
+    "unpack_codes",
+    "ceil_to_bf16",
+]
+
+SUPERGROUP = 256
+HIER_GROUP = 16
+_UNIT_MAX = 255
+
+# Stream constants separating the independent random streams of one call.
+_STREAM_SCALE = 0x5CA1E5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Format:
+  """Static description of one width class of the DynamiQ format.
+
+  Attributes:
+    bits: code width, 2, 4 or 8.
+    levels: ``"mee"`` (non-uniform, the paper's) or ``"uniform"``.
+    eps: MEE error parameter for this width (ignored for uniform levels and
+      for 2 bits, where the levels are {-1, 0, 1}).
+    hierarchical: uint8 group scales under a bf16 unit per 256 coordinates;
+      otherwise one bf16 scale per ``group_size`` coordinates.
+    group_size: group length of the flat (non-hierarchical) layout.
+    scale_rounding: ``"up"`` or ``"stochastic"`` (hierarchical only).
+  """
+
+  bits: int
+  levels: Literal["mee", "uniform"] = "mee"
+  eps: float = 0.18
+  hierarchical: bool = True
+  group_size: int = 32
+  scale_rounding: Literal["up", "stochastic"] = "up"
+
+  def __post_init__(self):
+    if self.bits not in (2, 4, 8):
+      raise ValueError(f"bits={self.bits!r} must be 2, 4 or 8")
+    if self.levels not in ("mee", "uniform"):
+      raise ValueError(f"levels={self.levels!r} must be 'mee' or 'uniform'")
+    if self.levels == "mee" and not 0.0 < self.eps < 1.0:
+      raise ValueError(f"eps={self.eps!r} must be in (0, 1) for MEE levels")
+    if self.scale_rounding not in ("up", "stochastic"):
+      raise ValueError(
+          f"scale_rounding={self.scale_rounding!r} must be 'up' or 'stochastic'")
+    if not self.hierarchical:
+      gs = self.group_size
+      if gs <= 0 or SUPERGROUP % gs or (gs * self.bits) % 8:
+        raise ValueError(
+            f"group_size={gs!r} must divide {SUPERGROUP} and hold whole bytes "
+            f"of {self.bits}-bit codes")
+      if self.scale_rounding != "up":
+        raise ValueError("scale_rounding='stochastic' needs hierarchical=True")
+
+  @property
+  def top(self) -> int:
+    """Largest level index R."""
+    return 2 ** (self.bits - 1) - 1
+
+  @property
+  def groups(self) -> int:
+    return SUPERGROUP // (HIER_GROUP if self.hierarchical else self.group_size)
+
+  @property
+  def record_bytes(self) -> int:
+    """Bytes of one 256-coordinate record: ``32 b + 18`` when hierarchical."""
+    codes = SUPERGROUP * self.bits // 8
+    if self.hierarchical:
+      return codes + self.groups + 2
+    return codes + 2 * self.groups
+
+  def table(self) -> np.ndarray:
+    """Nonnegative level magnitudes ``lam[0..R]`` as bf16-exact float32."""
+    return _level_table(self.bits, self.levels, float(self.eps))
+
+  def expected_error(self) -> float:
+    """Relative MSE of one quantisation of Gaussian super-groups.
+
+    ``E ||Q(x) - x||^2 / ||x||^2`` for x ~ N(0, I_256), computed exactly from
+    the rounding variance ``(t - lo)(hi - t)`` of every coordinate of a fixed
+    sample (group scales taken at the group max). Deterministic; cached.
+    """
+    return _expected_error(self)
+
+
+@functools.lru_cache(maxsize=None)
+def _level_table(bits: int, levels: str, eps: float) -> np.ndarray:
+  r = 2 ** (bits - 1) - 1
+  idx = np.arange(r + 1, dtype=np.float64)
+  if levels == "uniform" or r == 1:
+    lam = idx if levels == "uniform" else idx / r
+  else:
+    q = 1.0 + 2.0 * eps * eps
+    lam = (q**idx - 1.0) / (q**r - 1.0)
+  lam = lam.astype(np.float32).astype(bfloat16).astype(np.float32)
+  if not np.all(np.diff(lam) > 0):
+    raise ValueError(
+        f"eps={eps} gives {bits}-bit MEE levels that coincide at bfloat16 "
+        "precision; use a larger eps")
+  lam.setflags(write=False)
+  return lam
+
+
+@functools.lru_cache(maxsize=None)
+def _expected_error(fmt: Format, supergroups: int = 4096) -> float:
+  x = np.random.default_rng(12345).standard_normal((supergroups, SUPERGROUP))
+  lam = fmt.table().astype(np.float64)
+  a = np.abs(x).reshape(supergroups, fmt.groups, -1)
+  s = a.max(-1, keepdims=True) / lam[-1]
+  t = a / s
+  j = np.clip(np.searchsorted(lam, t, side="right") - 1, 0, lam.size - 2)
+  var = (t - lam[j]) * (lam[j + 1] - t) * s**2
+  return float(var.sum() / (x**2).sum())
+
+
+# ----------------------------------------------------------------------------
+# Bit-level helpers.
+
+
+def ceil_to_bf16(v):
+  """Smallest bfloat16-representable float32 >= ``v`` (for ``v >= 0``; NaN kept)."""
+  v = jnp.asarray(v, jnp.float32)
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+  low = bits & jnp.uint32(0xFFFF)
+  up = (bits & jnp.uint32(0xFFFF0000)) + jnp.where(
+      low != 0, jnp.uint32(0x10000), jnp.uint32(0))
+  return jnp.where(jnp.isnan(v), v, jax.lax.bitcast_convert_type(up, jnp.float32))
+
+
+def _next_bf16(v):
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32) + jnp.uint32(0x10000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _bf16_bytes(v):
+  """bf16-exact float32 [...] -> uint8 [..., 2] (little-endian bf16 bits)."""
+  u = jax.lax.bitcast_convert_type(v, jnp.uint32) >> 16
+  return jnp.stack([u & 0xFF, u >> 8], axis=-1).astype(jnp.uint8)
+
+
+def _bf16_from_bytes(b):
+  """uint8 [..., 2] -> float32 [...]."""
+  u = b[..., 0].astype(jnp.uint32) | (b[..., 1].astype(jnp.uint32) << 8)
+  return jax.lax.bitcast_convert_type(u << 16, jnp.float32)
+
+
+def pack_codes(codes, bits: int):
+  """uint8 codes [..., L] (values < 2**bits) -> packed bytes [..., L*bits/8], LSB-first."""
+  per = 8 // bits
+  c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], -1, per)
+  out = c[..., 0]
+  for i in range(1, per):
+    out = out | (c[..., i] << (bits * i))
+  return out
+
+
+def unpack_codes(packed, bits: int):
+  """Inverse of :func:`pack_codes`."""
+  per = 8 // bits
+  mask = (1 << bits) - 1
+  parts = [(packed >> (bits * i)) & mask for i in range(per)]
+  return jnp.stack(parts, axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+# ----------------------------------------------------------------------------
+# Quantisation arithmetic (shared, element-wise and exact where it matters).
+
+
+def _level_index(t, fmt: Format, lam):
+  """Bracketing level ``j`` (``lam[j] <= t < lam[j+1]``, j <= R-1) for t in [0, top]."""
+  r = fmt.top
+  if fmt.levels == "uniform":
+    approx = t
+  elif r == 1:
+    approx = t
+  else:
+    q = 1.0 + 2.0 * float(fmt.eps) ** 2
+    approx = jnp.log1p(t * np.float32(q**r - 1.0)) * np.float32(1.0 / np.log(q))
+  j = jnp.clip(jnp.floor(approx), 0, r - 1).astype(jnp.int32)
+  # The approximation may be one level off; correct it exactly.
+  j = jnp.maximum(j - (t < jnp.take(lam, j)).astype(jnp.int32), 0)
+  j = jnp.minimum(j + (t >= jnp.take(lam, j + 1)).astype(jnp.int32), r - 1)
+  return j
+
+
+def _round_levels(t, fmt: Format, lam, u_scaled, q: int):
+  """Stochastically rounds t in [0, top] to a level index l in [0, R].
+
+  ``u_scaled`` is uniform on [0, q): round up iff ``u_scaled < p q``.
+  """
+  j = _level_index(t, fmt, lam)
+  lo = jnp.take(lam, j)
+  hi = jnp.take(lam, j + 1)
+  p = (t - lo) / (hi - lo)
+  up = u_scaled < p * np.float32(q)
+  return j + up.astype(jnp.int32)
+
+
+def _uniforms(keys, rank, ranks: int, shape):
+  """Per-element draws scaled to [0, q): ``pi(rank) + gamma``.
+
+  With ``ranks == 1`` (independent rounding) q = 1 and the draw is gamma.
+  """
+  k0, k1, s0, s1 = keys
+  idx = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
+  gamma = rng.uniform24(rng.hash_index(k0, k1, idx))
+  if ranks == 1:
+    return gamma
+  pi = rng.stratum(rng.hash_index(s0, s1, idx), rank, ranks)
+  return pi.astype(jnp.float32) + gamma
+
+
+def _scales_hier(a, fmt: Format, keys):
+  """Hierarchical scales. a = |x| [S, 16, 16] -> (k uint8 [S,16], U [S], t [S,16,16])."""
+  top = np.float32(fmt.top if fmt.levels == "uniform" else 1.0)
+  gmax = jnp.max(a, axis=-1)
+  smax = jnp.max(gmax, axis=-1)
+  unit = ceil_to_bf16(smax / (top * np.float32(_UNIT_MAX)))
+  live = unit > 0
+  safe_unit = jnp.where(live, unit, 1.0)
+  ut = safe_unit[:, None] * top  # exact: 8 x 7 significant bits
+  q = gmax / ut
+  if fmt.scale_rounding == "up":
+    k = jnp.ceil(q)
+    k = jnp.where(k * ut < gmax, k + 1, k)  # exact product; guards the division
+  else:
+    k0, k1, _, _ = keys
+    gidx = jnp.arange(gmax.size, dtype=jnp.uint32).reshape(gmax.shape)
+    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(_STREAM_SCALE), k1, gidx))
+    kf = jnp.floor(q)
+    k = kf + (u < q - kf).astype(jnp.float32)
+  k = jnp.where(live[:, None], jnp.clip(k, 0, _UNIT_MAX), 0.0)
+  if fmt.scale_rounding == "up":
+    s = k * unit[:, None]  # exact: 8 x 8 significant bits
+  else:
+    s = gmax / top
+  safe_s = jnp.where(s > 0, s, 1.0)
+  t = jnp.where(s[..., None] > 0, jnp.minimum(a / safe_s[..., None], top), 0.0)
+  # NaN/Inf propagate through U; keep the unit as computed.
+  return k.astype(jnp.uint8), unit, t
+
+
+def _scales_flat(a, fmt: Format):
+  """Flat scales. a = |x| [S, G, gs] -> (scale bf16-exact f32 [S, G], t)."""
+  top = np.float32(fmt.top if fmt.levels == "uniform" else 1.0)
+  gmax = jnp.max(a, axis=-1)
+  s = ceil_to_bf16(gmax / top)
+  s = jnp.where(s * top < gmax, _next_bf16(s), s)
+  safe_s = jnp.where(s > 0, s, 1.0)
+  t = jnp.where(s[..., None] > 0, jnp.minimum(a / safe_s[..., None], top), 0.0)
+  return s, t
+
+
+def _assemble(codes, fmt: Format, k=None, unit=None, scale=None):
+  """codes uint8 [S, 256] + scales -> payload uint8 [S, record_bytes]."""
+  s_count = codes.shape[0]
+  g = fmt.groups
+  packed = pack_codes(codes, fmt.bits).reshape(s_count, g, -1)
+  if fmt.hierarchical:
+    body = jnp.concatenate([packed, k[..., None]], axis=-1).reshape(s_count, -1)
+    return jnp.concatenate([body, _bf16_bytes(unit)], axis=-1)
+  body = jnp.concatenate([packed, _bf16_bytes(scale)], axis=-1)
+  return body.reshape(s_count, -1)
+
+
+def _disassemble(payload, fmt: Format):
+  """payload -> (codes uint8 [S, 256], decoded scale f32 [S, G])."""
+  s_count = payload.shape[0]
+  g = fmt.groups
+  cb = SUPERGROUP * fmt.bits // 8 // g
+  if fmt.hierarchical:
+    body = payload[:, : g * (cb + 1)].reshape(s_count, g, cb + 1)
+    unit = _bf16_from_bytes(payload[:, g * (cb + 1):])
+    k = body[..., cb].astype(jnp.float32)
+    scale = k * unit[:, None]
+    packed = body[..., :cb]
+  else:
+    body = payload.reshape(s_count, g, cb + 2)
+    scale = _bf16_from_bytes(body[..., cb:])
+    packed = body[..., :cb]
+  codes = unpack_codes(packed.reshape(s_count, -1), fmt.bits)
+  return codes, scale
+
+
+def _check_chunk(x, name):
+  if x.ndim != 2 or x.shape[1] != SUPERGROUP:
+    raise ValueError(f"{name}.shape={x.shape} must be [supergroups, {SUPERGROUP}]")
+
+
+def _check_payload(payload, fmt: Format):
+  if payload.ndim != 2 or payload.shape[1] != fmt.record_bytes or payload.dtype != jnp.uint8:
+    raise ValueError(
+        f"payload {payload.dtype}{list(payload.shape)} must be uint8 "
+        f"[supergroups, {fmt.record_bytes}] for {fmt}")
+
+
+# ----------------------------------------------------------------------------
+# The four operations (reference implementations).
+
+
+def compress_reference(x, fmt: Format, *, keys, rank=0, strata: int = 1):
+  """Quantises super-groups into DynamiQ records.
+
+  Args:
+    x: float [S, 256] (bf16, f16 or f32; computed in f32).
+    fmt: the width class.
+    keys: four uint32 scalars ``(k0, k1, s0, s1)``: the private rounding key
+      and the shared stratum key (:func:`pallas_kernels.rng.derive_key`).
+    rank: int32 scalar, this worker's index (used when ``strata > 1``).
+    strata: 1 for independent rounding, n for correlated rounding over n
+      ranks (:func:`pallas_kernels.rng.stratum`).
+
+  Returns:
+    uint8 [S, fmt.record_bytes].
+  """
+  _check_chunk(x, "x")
+  x = x.astype(jnp.float32)
+  s_count = x.shape[0]
+  lam = jnp.asarray(fmt.table())
+  a = jnp.abs(x)
+  if fmt.hierarchical:
+    k, unit, t = _scales_hier(a.reshape(s_count, fmt.groups, -1), fmt, keys)
+    scale = None
+  else:
+    scale, t = _scales_flat(a.reshape(s_count, fmt.groups, -1), fmt)
+    k = unit = None
+  t = t.reshape(s_count, SUPERGROUP)
+  u = _uniforms(keys, rank, strata, (s_count, SUPERGROUP))
+  lvl = _round_levels(t, fmt, lam, u, rng.strata_count(strata))
+  r = fmt.top
+  codes = jnp.where(x < 0, r - lvl, r + lvl).astype(jnp.uint8)
+  return _assemble(codes, fmt, k=k, unit=unit, scale=scale)
+
+
+def decompress_reference(payload, fmt: Format):
+  """Decodes records to float32 [S, 256]."""
+  _check_payload(payload, fmt)
+  codes, scale = _disassemble(payload, fmt)
+  s_count = payload.shape[0]
+  lvl = codes.astype(jnp.int32) - fmt.top
+  mag = jnp.take(jnp.asarray(fmt.table()), jnp.abs(lvl))
+  val = mag.reshape(s_count, fmt.groups, -1) * scale[..., None]  # exact product
+  val = val.reshape(s_count, SUPERGROUP)
+  return jnp.where(lvl < 0, -val, val)
+
+
+def decompress_accumulate_reference(payload, x, fmt: Format):
+  """``decompress(payload) + x`` in float32."""
+  _check_chunk(x, "x")
+  return decompress_reference(payload, fmt) + x.astype(jnp.float32)
+
+
+def decompress_accumulate_recompress_reference(payload, x, fmt: Format, *, keys,
+                                               rank=0, strata: int = 1):
+  """``compress(decompress(payload) + x)``: one ring hop."""
+  acc = decompress_accumulate_reference(payload, x, fmt)
+  return compress_reference(acc, fmt, keys=keys, rank=rank, strata=strata)

@@ -1,0 +1,172 @@
+"""Counter-based integer hash RNG shared by the Pallas kernels and their references.
+
+Stochastic rounding needs one uniform number per coordinate per quantisation.
+Pallas on GPU has no PRNG, and the kernels must agree bit for bit with the
+pure-jnp references, so both draw from the same stateless hash of integer
+counters: a 32-bit value ``h = hash(k0, k1, index)`` built only from 32-bit
+multiply, xor, shift and add, which every backend implements identically.
+
+The mixer is the "lowbias32" integer finaliser (C. Wellons, 2018; a
+variant of the MurmurHash3 finaliser), applied twice with the two key words
+folded in between. Keys are derived on the host side of a kernel (in jnp,
+from scalars such as seed, step, bucket, chunk and hop) with
+:func:`derive_key`; the per-element part, :func:`hash_index`, is what kernels
+evaluate in registers.
+
+All functions take and return ``uint32`` arrays and wrap modulo 2**32.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+__all__ = [
+    "mix32",
+    "derive_key",
+    "hash_index",
+    "uniform24",
+    "uniform_int",
+    "strata_count",
+    "stratum",
+]
+
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B
+_GOLDEN = 0x9E3779B9
+
+
+def _u32(x):
+  return jnp.asarray(x).astype(jnp.uint32)
+
+
+def mix32(x):
+  """Bijective 32-bit avalanche mixer (lowbias32)."""
+  x = _u32(x)
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(_M1)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(_M2)
+  x = x ^ (x >> 16)
+  return x
+
+
+def derive_key(*words):
+  """Folds any number of integer words into a two-word key ``(k0, k1)``.
+
+  Args:
+    *words: scalars or arrays (broadcastable), any integer dtype; negative
+      values are reinterpreted modulo 2**32.
+
+  Returns:
+    A pair of ``uint32`` arrays. Distinct word sequences give unrelated keys.
+  """
+  k0 = jnp.uint32(0x243F6A88)
+  k1 = jnp.uint32(0x85A308D3)
+  for w in words:
+    w = _u32(w)
+    k0 = mix32(k0 ^ w)
+    k1 = mix32(k1 + w * jnp.uint32(_GOLDEN) + k0)
+  return k0, mix32(k1 ^ (k0 >> 7))
+
+
+def hash_index(k0, k1, index):
+  """The per-element hash: 32 random bits for counter ``index`` under key (k0, k1)."""
+  h = mix32(_u32(index) ^ _u32(k0))
+  return mix32(h + _u32(k1))
+
+
+def uniform24(h):
+  """Maps 32 hash bits to a float32 uniform on [0, 1) with 24-bit resolution (exact)."""
+  return (_u32(h) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def uniform_int(h, n: int):
+  """Maps 32 hash bits to an integer uniform on {0, ..., n - 1}.
+
+  Computes ``floor(m * n / 2**24)`` for the top 24 bits ``m`` of ``h`` with
+  32-bit integer arithmetic only (split multiply), so it is exact for any
+  ``n < 2**16``; each value has probability within ``2**-24`` of ``1/n``
+  (exactly ``1/n`` when ``n`` is a power of two).
+  """
+  if not 1 <= n < 2**16:
+    raise ValueError(f"{n=} must be in [1, 65536)")
+  m = _u32(h) >> 8
+  hi = (m >> 12) * jnp.uint32(n)
+  lo = (m & jnp.uint32(0xFFF)) * jnp.uint32(n)
+  return ((hi + (lo >> 12)) >> 12).astype(jnp.int32)
+
+
+# Irreducible polynomials over GF(2) of degree k (bit k set), k = 1..16.
+_GF_POLY = {
+    1: 0b11, 2: 0b111, 3: 0b1011, 4: 0b10011, 5: 0b100101, 6: 0b1000011,
+    7: 0b10000011, 8: 0x11B, 9: 0x211, 10: 0x409, 11: 0x805, 12: 0x1053,
+    13: 0x201B, 14: 0x4443, 15: 0x8003, 16: 0x1100B,
+}
+
+
+def _is_prime(p: int) -> bool:
+  return p >= 2 and all(p % d for d in range(2, int(p**0.5) + 1))
+
+
+def strata_count(n: int) -> int:
+  """Number of strata q used for correlated rounding over n ranks.
+
+  ``n`` itself when it is a power of two or a prime (exact stratification:
+  the n ranks take n distinct strata); otherwise the smallest prime above
+  ``n`` (the ranks take n distinct strata out of q).
+  """
+  if n < 1 or n > 1 << 16:
+    raise ValueError(f"{n=} must be in [1, 65536] for correlated rounding")
+  if n & (n - 1) == 0 or _is_prime(n):
+    return n
+  q = n + 1
+  while not _is_prime(q):
+    q += 1
+  return q
+
+
+def _gf_mul(a, b, k: int):
+  """Product in GF(2^k) of uint32 arrays a, b < 2**k."""
+  poly = jnp.uint32(_GF_POLY[k])
+  top = jnp.uint32(1 << k)
+  r = jnp.zeros_like(a)
+  for i in range(k):
+    r = r ^ jnp.where(((b >> i) & 1) == 1, a, jnp.uint32(0))
+    a = a << 1
+    a = jnp.where((a & top) != 0, a ^ poly, a)
+  return r
+
+
+def stratum(h, rank, n: int):
+  """Stratum of ``rank`` under a shared random permutation drawn from ``h``.
+
+  For each coordinate the shared hash ``h`` (identical on every rank) picks a
+  bijection pi of the strata {0..q-1} (q = :func:`strata_count`) from a
+  *pairwise-uniform* family: for any two ranks the pair (pi(i), pi(j)) is
+  uniform over distinct pairs, exactly as for a uniformly random
+  permutation. That is what makes every pair of roundings negatively
+  correlated (Suresh et al., ICML 2022). A cyclic shift, the cheapest
+  "one rank per stratum" map, is *not* enough on a ring: consecutive hops
+  land in adjacent strata and their errors correlate positively.
+
+  * q a power of two: pi(i) = alpha * i + beta in GF(2^k), alpha != 0;
+  * q prime: pi(i) = (alpha i + beta) mod q, alpha != 0.
+
+  Args:
+    h: uint32 shared hash bits per coordinate.
+    rank: int32 rank (scalar or broadcastable), in [0, n).
+    n: number of ranks (static).
+
+  Returns:
+    int32 strata in [0, q).
+  """
+  q = strata_count(n)
+  if q == 1:
+    return jnp.zeros(jnp.shape(h), jnp.int32)
+  alpha = uniform_int(h, q - 1).astype(jnp.uint32) + jnp.uint32(1)
+  beta = uniform_int(mix32(h), q).astype(jnp.uint32)
+  i = jnp.asarray(rank).astype(jnp.uint32)
+  if q & (q - 1) == 0:
+    k = q.bit_length() - 1
+    return (_gf_mul(alpha, jnp.broadcast_to(i, jnp.shape(h)), k) ^ beta).astype(jnp.int32)
+  return ((alpha * i + beta) % jnp.uint32(q)).astype(jnp.int32)
