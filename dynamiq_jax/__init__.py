@@ -10,6 +10,9 @@ from dynamiq_jax.allreduce import AllReduceStats
 from dynamiq_jax.allreduce import allreduce
 from dynamiq_jax.allreduce import wire_stats
 from dynamiq_jax.simulate import simulate
+from dynamiq_jax.train import as_varying
+from dynamiq_jax.train import baseline_psum
+from dynamiq_jax.train import data_parallel_step
 from dynamiq_jax.transform import CompressedPsumState
 from dynamiq_jax.transform import compressed_psum
 
@@ -22,6 +25,9 @@ __all__ = [
     "allreduce",
     "wire_stats",
     "simulate",
+    "as_varying",
+    "baseline_psum",
+    "data_parallel_step",
     "CompressedPsumState",
     "compressed_psum",
 ]
