@@ -1,13 +1,7 @@
 """Shared fixtures: 8 simulated CPU devices (set in the root conftest)."""
 
-import functools
-
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 N_DEVICES = 8
 
@@ -16,39 +10,3 @@ N_DEVICES = 8
 def mesh():
   assert jax.device_count() >= N_DEVICES, "conftest must set 8 CPU devices"
   return jax.make_mesh((N_DEVICES,), ("data",))
-
-
-def per_rank(mesh, fn, stacked, *, check_vma=False):
-  """Runs ``fn(local_tree) -> tree`` on every rank of ``mesh``'s 'data' axis.
-
-  ``stacked`` has leaves [n, ...]; rank r sees leaf[r]. Returns the per-rank
-  outputs stacked on axis 0 (outputs are taken as varying, so every rank's
-  value comes back and can be compared).
-  """
-
-  def body(tree):
-    local = jax.tree.map(lambda a: a[0], tree)
-    out = fn(local)
-    return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
-
-  # check_vma=False unless asked: the outputs are gathered per rank on purpose.
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
-                            check_vma=check_vma))
-  stacked = jax.device_put(stacked, NamedSharding(mesh, P("data")))
-  return f(stacked)
-
-
-def rows_identical(stacked) -> bool:
-  """All rows of every leaf bit-identical (NaN payloads compared as bits)."""
-  for a in jax.tree.leaves(stacked):
-    a = np.asarray(a)
-    bits = a.view(np.uint8).reshape(a.shape[0], -1)
-    if not (bits == bits[:1]).all():
-      return False
-  return True
-
-
-@functools.lru_cache(maxsize=None)
-def model_data(dataset, n, d, seed):
-  from dynamiq_jax.bench.reference import paper_model_gradients
-  return paper_model_gradients(dataset, n, d, seed)

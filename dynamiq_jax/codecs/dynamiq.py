@@ -3,12 +3,13 @@
 One all-reduce of a flat bucket ``x`` (this rank's gradient, pre-divided by
 n when averaging), spec §1.2:
 
-1. Per super-group of 256 coordinates: the local mean (rounded to bf16) and
-   the L2 norm of the centred residual. Both go through one small
-   all-reduce on the same schedule (2 bf16 values per super-group: 0.125
-   bit/coordinate): means add, norms combine as ``hypot`` so that the result
-   is ``sqrt(F)`` with ``F`` the sum of local squared norms (the paper's
-   statistic, kept in range for any float32 input).
+1. Per super-group of 256 coordinates: the local mean and the L2 norm of
+   the centred residual. Both go through one small all-reduce on the same
+   schedule (2 bf16 values per super-group: 0.125 bit/coordinate): means
+   add (rounded to bf16 stochastically, so the sum stays unbiased), norms
+   combine as ``hypot`` so that the result is ``sqrt(F)`` with ``F`` the sum
+   of local squared norms (the paper's statistic, kept in range for any
+   float32 input).
 2. Each rank subtracts its *own* mean (the authors' artifact; the paper
    subtracts the global mean). Both give the same final sum, but with local
    centring every partial sum along the path is exactly zero-mean, and no rank
@@ -48,6 +49,7 @@ SUPERGROUP = fmt_lib.SUPERGROUP
 _STATS_BITS = 32  # two bf16 values per super-group
 _STREAM_ROUND = 1
 _STREAM_SHIFT = 2
+_STREAM_STATS = 3
 
 DEFAULT_EPS = ((2, 0.23), (4, 0.18), (8, 0.10))
 
@@ -106,7 +108,14 @@ class DynamiQ:
     group_size: group length when ``hierarchical=False`` (the paper's
       ablation uses 32).
     correlated: stratified rounding across ranks (shared seed); otherwise
-      independent rounding.
+      independent rounding. Every single quantisation is unbiased either
+      way, and with independent rounding so is the whole all-reduce. With
+      correlated rounding the draws of successive hops of a coordinate are
+      stratified while each hop's input depends on the earlier roundings, so
+      the all-reduce carries a small bias: measured on the synthetic
+      gradients, bias^2 is 0.6% of the MSE (none along the gradient
+      direction) while the MSE is 25-30% lower. Use ``correlated=False``
+      where exact unbiasedness matters more than variance.
     scale_rounding: ``"up"`` (deterministic, the authors' kernel) or
       ``"stochastic"`` (the paper's text); both unbiased.
     fractions: ``{width: fraction}`` of super-groups per class; default:
@@ -210,10 +219,10 @@ class DynamiQ:
     xs = jnp.pad(x.astype(jnp.float32), (0, total * SUPERGROUP - d)).reshape(total, SUPERGROUP)
 
     with jax.named_scope("dynamiq/stats"):
-      mean = _bf16(_tree_sum(xs) / SUPERGROUP)
+      mean = _tree_sum(xs) / SUPERGROUP
       resid = xs - mean[:, None]
       stats = jnp.stack([mean, _sg_norm(resid)], axis=-1).reshape(n, units, 2)
-      stats = run(stats, _STATS_OPS).reshape(total, 2)
+      stats = run(stats, _stats_ops(key_words, bucket)).reshape(total, 2)
       gmean, gnorm = stats[:, 0], stats[:, 1]
 
     with jax.named_scope("dynamiq/allocate"):
@@ -305,21 +314,43 @@ def _hypot(a, b):
   return _bf16(jnp.where(finite, h, m + a + b))
 
 
-def _stats_decode(payload):
-  return payload.astype(jnp.float32)
+def _stochastic_bf16(v, k0, k1):
+  """Rounds float32 to bfloat16 stochastically (unbiased): add 16 random bits
+  below the bf16 mantissa, then truncate. Integer ops only: exact."""
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+  idx = jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)
+  noise = rng.hash_index(k0, k1, idx) >> 16
+  out = jax.lax.bitcast_convert_type((bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
+  return jnp.where(jnp.isfinite(v), out, v).astype(jnp.bfloat16)
 
 
-def _stats_combine(payload, chunk):
-  p = _stats_decode(payload)
-  return jnp.stack([p[..., 0] + chunk[..., 0], _hypot(p[..., 1], chunk[..., 1])], axis=-1)
+def _stats_ops(key_words, bucket) -> HopOps:
+  """The statistics all-reduce: lane 0 sums means, lane 1 combines norms.
 
+  Means are rounded to bf16 *stochastically* at every hop, so the mean that
+  is added back is an unbiased estimate of the exact sum of local means and
+  the whole all-reduce stays unbiased (round-to-nearest would leave a fixed
+  error of up to 2^-9 of every super-group mean). Norms only rank
+  super-groups; they are combined with an exact-by-construction hypot.
+  """
+  kw0, kw1 = key_words
 
-_STATS_OPS = HopOps(
-    encode=lambda chunk, c, hop: chunk.astype(jnp.bfloat16),
-    decode=_stats_decode,
-    decode_add_encode=lambda p, chunk, c, hop: _stats_combine(p, chunk).astype(jnp.bfloat16),
-    decode_add=_stats_combine,
-)
+  def encode_vals(vals, c, hop):
+    k0, k1 = rng.derive_key(kw0, kw1, bucket, c, hop, _STREAM_STATS)
+    mean = _stochastic_bf16(vals[..., 0], k0, k1)
+    return jnp.stack([mean, vals[..., 1].astype(jnp.bfloat16)], axis=-1)
+
+  def decode(payload):
+    return payload.astype(jnp.float32)
+
+  def decode_add(payload, chunk):
+    p = decode(payload)
+    return jnp.stack([p[..., 0] + chunk[..., 0], _hypot(p[..., 1], chunk[..., 1])], axis=-1)
+
+  def decode_add_encode(payload, chunk, c, hop):
+    return encode_vals(decode_add(payload, chunk), c, hop)
+
+  return HopOps(encode_vals, decode, decode_add_encode, decode_add)
 
 
 def _dynamiq_ops(codec: DynamiQ, lay: DynamiQLayout, ctx, key_words, bucket) -> HopOps:

@@ -1,0 +1,62 @@
+"""Static hop plans: structure and validation, without tracing."""
+
+import pytest
+
+from dynamiq_jax.schedules import plan as plan_lib
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 64])
+def test_ring_plan(n):
+  p = plan_lib.ring_plan(n)
+  assert p.steps == n - 1 and p.root == n - 1
+  assert p.depth() == n - 1
+  assert n == 1 or p.uniform
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 64])
+def test_butterfly_plan(n):
+  p = plan_lib.butterfly_plan(n)
+  assert p.steps == n - 1 and p.root == n - 1
+  assert p.depth() == (n.bit_length() - 1)
+  if n == 8:  # spec §1.8: (0->1),(2->3),(4->5),(6->7),(1->3),(5->7),(3->7)
+    assert p.edges == ((0, 1), (2, 3), (4, 5), (6, 7), (1, 3), (5, 7), (3, 7))
+
+
+@pytest.mark.parametrize("n", [3, 6, 12])
+def test_butterfly_needs_power_of_two(n):
+  with pytest.raises(ValueError, match="power of two.*'ring'"):
+    plan_lib.butterfly_plan(n)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 16])
+@pytest.mark.parametrize("name", ["ring", "butterfly"])
+def test_every_chunk_reaches_every_rank_once(n, name):
+  """Simulate the shifted trees: chunk c's sum collects each rank exactly once."""
+  if name == "butterfly" and n & (n - 1):
+    pytest.skip("butterfly is defined for powers of two only")
+  p = plan_lib.get_plan(name, n)
+  held = {(r, c): {r} for r in range(n) for c in range(n)}  # ranks summed into r's copy of c
+  for a, b in p.edges:
+    moves = []
+    for r in range(n):
+      c = (r - a) % n  # rank r sends chunk r - a to r + (b - a)
+      moves.append(((r + b - a) % n, c, held[(r, c)]))
+    for dst, c, contrib in moves:
+      assert (dst - b) % n == c  # the receiver expects exactly that chunk
+      assert not (held[(dst, c)] & contrib)  # nothing is added twice
+      held[(dst, c)] = held[(dst, c)] | contrib
+  for c in range(n):
+    assert held[((c + p.root) % n, c)] == set(range(n))
+
+
+def test_invalid_plans_are_rejected():
+  with pytest.raises(ValueError, match="sends twice"):
+    plan_lib.TreePlan("x", 3, ((0, 2), (0, 1)), 2)
+  with pytest.raises(ValueError, match="after sending"):
+    plan_lib.TreePlan("x", 3, ((1, 2), (0, 1)), 2)
+  with pytest.raises(ValueError, match="needs 2 edges"):
+    plan_lib.TreePlan("x", 3, ((0, 2),), 2)
+  with pytest.raises(ValueError, match="root must not send"):
+    plan_lib.TreePlan("x", 3, ((0, 1), (2, 0)), 2)
+  with pytest.raises(ValueError, match="schedule='tree'"):
+    plan_lib.get_plan("tree", 4)
