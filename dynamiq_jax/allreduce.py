@@ -115,9 +115,13 @@ def _key_words(key):
   return rng.derive_key(*[words[i] for i in range(words.shape[0])])
 
 
-def _bucket_bounds(total: int, bucket_size: int):
-  if bucket_size < 1:
-    raise ValueError(f"{bucket_size=} must be >= 1")
+def _bucket_bounds(total: int, bucket_size: int, codec):
+  unit = getattr(codec, "granularity", 1)
+  if bucket_size < 1 or bucket_size % unit:
+    raise ValueError(
+        f"{bucket_size=} must be a positive multiple of {unit} for {type(codec).__name__} "
+        f"(its blocks must not straddle buckets); e.g. bucket_size="
+        f"{max(unit, bucket_size - bucket_size % unit)}")
   return [(s, min(s + bucket_size, total)) for s in range(0, total, bucket_size)]
 
 
@@ -137,7 +141,7 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE) -
   total = sum(sizes)
   if total == 0:
     return AllReduceStats(0.0, 0.0, 0)
-  bits = sum(codec.wire_bits(e - s, n) for s, e in _bucket_bounds(total, bucket_size))
+  bits = sum(codec.wire_bits(e - s, n) for s, e in _bucket_bounds(total, bucket_size, codec))
   return AllReduceStats(bits / total, bits / 8 * 2 * (n - 1) / n, total)
 
 
@@ -156,8 +160,9 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       rounding streams); fold the training step into it.
     average: return the mean over ranks (workers pre-divide by n) instead of
       the sum.
-    bucket_size: coordinates per bucket; larger trees are reduced bucket by
-      bucket.
+    bucket_size: coordinates per bucket, a multiple of the codec's block
+      (``codec.granularity``, 256 for DynamiQ); larger trees are reduced
+      bucket by bucket.
 
   Returns:
     ``(tree, stats)``: the reduced pytree (same structure, shapes and dtypes;
@@ -197,7 +202,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
   if average:
     flat = flat / np.float32(ctx.n)
   outs = []
-  for b, (s, e) in enumerate(_bucket_bounds(total, bucket_size)):
+  for b, (s, e) in enumerate(_bucket_bounds(total, bucket_size, codec)):
     with jax.named_scope(f"allreduce/bucket{b}"):
       prep = codec.prepare(flat[s:e], ctx=ctx, run=run, key_words=key_words, bucket=b)
       outs.append(prep.finish(run(prep.chunks, prep.ops)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 
 from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.allreduce import allreduce
@@ -60,6 +61,15 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
     >>> bool((out == out[0]).all())
     True
   """
+  leaves = jax.tree.leaves(stacked)
+  if not leaves:
+    return stacked
+  lead = sorted({np.shape(x)[0] if np.ndim(x) else -1 for x in leaves})
+  if len(lead) != 1 or lead[0] < 1:
+    raise ValueError(
+        f"every leaf of `stacked` needs the same leading worker axis; got leading "
+        f"sizes {[s if s >= 0 else 'scalar' for s in lead]}. Stack per-worker "
+        f"gradients with jax.tree.map(lambda *g: jnp.stack(g), *per_worker).")
   if key is None:
     key = jax.random.key(seed)
   return _run(stacked, key, codec=codec, schedule=schedule, average=average,

@@ -28,12 +28,10 @@ def test_butterfly_needs_power_of_two(n):
     plan_lib.butterfly_plan(n)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8, 16])
-@pytest.mark.parametrize("name", ["ring", "butterfly"])
-def test_every_chunk_reaches_every_rank_once(n, name):
+@pytest.mark.parametrize("name,n", [("ring", n) for n in (2, 3, 4, 8, 16)]
+                         + [("butterfly", n) for n in (2, 4, 8, 16)])
+def test_every_chunk_reaches_every_rank_once(name, n):
   """Simulate the shifted trees: chunk c's sum collects each rank exactly once."""
-  if name == "butterfly" and n & (n - 1):
-    pytest.skip("butterfly is defined for powers of two only")
   p = plan_lib.get_plan(name, n)
   held = {(r, c): {r} for r in range(n) for c in range(n)}  # ranks summed into r's copy of c
   for a, b in p.edges:

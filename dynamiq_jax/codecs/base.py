@@ -3,6 +3,8 @@
 A codec is a frozen dataclass (hashable, safe as a static jit argument) with
 two methods:
 
+* ``granularity`` (optional class attribute, default 1): bucket sizes must be
+  multiples of it, so that the codec's blocks never straddle buckets.
 * ``wire_bits(d, n)``: the exact number of bits one all-reduce of ``d``
   coordinates over ``n`` ranks puts into payloads, metadata included. Each
   rank of a bandwidth-optimal schedule sends ``2 (n - 1) / n`` of it, so

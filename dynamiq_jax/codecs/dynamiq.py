@@ -174,6 +174,9 @@ class DynamiQ:
 
   # -- static description ------------------------------------------------------
 
+  granularity = SUPERGROUP
+  """Buckets must hold whole super-groups."""
+
   def format(self, width: int) -> fmt_lib.Format:
     """The wire format of one width class."""
     return fmt_lib.Format(

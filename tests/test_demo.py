@@ -1,0 +1,19 @@
+"""The main job runs end to end (tiny size) in its own process."""
+
+import os
+import subprocess
+import sys
+
+
+def test_demo_prints_the_comparison_table():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "dynamiq_jax.demo", "--steps", "30"],
+                       capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.splitlines()
+  rows = {l.split()[0] + " " + l.split()[1]: l.split() for l in lines
+          if l.startswith(("psum BF16", "DynamiQ"))}
+  assert set(rows) == {"psum BF16", "DynamiQ 5-bit"}
+  bits = float(rows["DynamiQ 5-bit"][-3])
+  assert bits <= 5.0
+  assert float(rows["psum BF16"][-3]) == 16.0
