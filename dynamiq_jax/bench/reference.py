@@ -23,7 +23,10 @@ from __future__ import annotations
 import numpy as np
 from ml_dtypes import bfloat16
 
-__all__ = ["paper_model_gradients", "REFERENCE", "AUTHORS_ALL_IN_BITS", "vnmse"]
+__all__ = [
+    "paper_model_gradients", "REFERENCE", "AUTHORS_ALL_IN_BITS", "AUTHORS_STATS_BITS",
+    "AUTHORS_WIRE_BITS", "vnmse",
+]
 
 SUPER = 256
 _PI1, _MU1, _SIG1 = 0.79, -3.99, 1.22
@@ -31,6 +34,16 @@ _MU2, _SIG2 = -16.41, 4.63
 
 AUTHORS_ALL_IN_BITS = 5.1
 """All-in bits/coordinate of the authors' 5-bit hierarchical runs."""
+
+AUTHORS_STATS_BITS = 0.078
+"""The authors' statistics all-reduce, bits/coordinate (hierarchical)."""
+
+AUTHORS_WIRE_BITS = {
+    ("iid", 8, 4): 3.938, ("iid", 8, 5): 5.019, ("iid", 8, 6): 5.901,
+    ("heavy", 8, 4): 3.938, ("heavy", 8, 5): 5.020, ("heavy", 8, 6): 5.903,
+}
+"""Wire bits incl. scales of the authors' n = 8 hier+corr runs (data seed 0);
+add :data:`AUTHORS_STATS_BITS` for the all-in figure."""
 
 
 def paper_model_gradients(dataset: str, n: int, d: int = 1 << 20, seed: int = 0,

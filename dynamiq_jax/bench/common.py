@@ -1,0 +1,56 @@
+"""Shared plumbing for the benchmarks: machine description, JSON output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+
+__all__ = ["machine", "command_line", "write_json", "results_dir"]
+
+
+def results_dir(path: str | None = None) -> str:
+  out = path or os.path.join(os.getcwd(), "docs", "results")
+  os.makedirs(out, exist_ok=True)
+  return out
+
+
+def machine() -> dict:
+  """What the numbers were measured on."""
+  import jax
+
+  info = {
+      "platform": platform.platform(),
+      "python": sys.version.split()[0],
+      "cpu_count": os.cpu_count(),
+      "jax": jax.__version__,
+      "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()[:4]] + (["..."] if jax.device_count() > 4 else []),
+      "device_count": jax.device_count(),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  }
+  try:
+    info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                        capture_output=True, text=True, check=True,
+                                        cwd=os.path.dirname(__file__)).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    pass
+  return info
+
+
+def command_line() -> str:
+  return "python -m " + " ".join(shlex.quote(a) for a in
+                                 [sys.modules["__main__"].__spec__.name if getattr(
+                                     sys.modules["__main__"], "__spec__", None) else sys.argv[0]]
+                                 + sys.argv[1:])
+
+
+def write_json(path: str, payload: dict) -> str:
+  with open(path, "w") as f:
+    json.dump(payload, f, indent=1, sort_keys=False)
+    f.write("\n")
+  return path
