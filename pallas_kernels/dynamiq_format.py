@@ -69,6 +69,10 @@ __all__ = [
     "pack_codes",
     "unpack_codes",
     "ceil_to_bf16",
+    "block_shape",
+    "encode_block",
+    "decode_block",
+    "hier_scale",
 ]
 
 SUPERGROUP = 256
@@ -231,46 +235,52 @@ def unpack_codes(packed, bits: int):
 
 
 # ----------------------------------------------------------------------------
-# Quantisation arithmetic (shared, element-wise and exact where it matters).
+# Block arithmetic, shared by the reference and the Pallas kernels.
+#
+# A block of S super-groups is viewed as values[S, G, CB, P]: G scale groups,
+# CB code bytes per group, P = 8 / bits codes per byte (row-major, so the
+# element index is the flat coordinate index). The two implementations differ
+# only in how they move bytes (concatenate vs. scatter) and how they index
+# the level table (``lookup``: jnp.take vs. a gather from a kernel ref).
 
 
-def _level_index(t, fmt: Format, lam):
+def block_shape(fmt: Format, supergroups: int) -> tuple[int, int, int, int]:
+  """Shape [S, G, CB, P] of a block of ``supergroups`` super-groups."""
+  per = 8 // fmt.bits
+  return (supergroups, fmt.groups, SUPERGROUP // fmt.groups // per, per)
+
+
+def _level_index(t, fmt: Format, lookup):
   """Bracketing level ``j`` (``lam[j] <= t < lam[j+1]``, j <= R-1) for t in [0, top]."""
   r = fmt.top
-  if fmt.levels == "uniform":
-    approx = t
-  elif r == 1:
+  if fmt.levels == "uniform" or r == 1:
     approx = t
   else:
     q = 1.0 + 2.0 * float(fmt.eps) ** 2
     approx = jnp.log1p(t * np.float32(q**r - 1.0)) * np.float32(1.0 / np.log(q))
   j = jnp.clip(jnp.floor(approx), 0, r - 1).astype(jnp.int32)
   # The approximation may be one level off; correct it exactly.
-  j = jnp.maximum(j - (t < jnp.take(lam, j)).astype(jnp.int32), 0)
-  j = jnp.minimum(j + (t >= jnp.take(lam, j + 1)).astype(jnp.int32), r - 1)
+  j = jnp.maximum(j - (t < lookup(j)).astype(jnp.int32), 0)
+  j = jnp.minimum(j + (t >= lookup(j + 1)).astype(jnp.int32), r - 1)
   return j
 
 
-def _round_levels(t, fmt: Format, lam, u_scaled, q: int):
+def _round_levels(t, fmt: Format, lookup, u_scaled, q: int):
   """Stochastically rounds t in [0, top] to a level index l in [0, R].
 
   ``u_scaled`` is uniform on [0, q): round up iff ``u_scaled < p q``.
   """
-  j = _level_index(t, fmt, lam)
-  lo = jnp.take(lam, j)
-  hi = jnp.take(lam, j + 1)
+  j = _level_index(t, fmt, lookup)
+  lo = lookup(j)
+  hi = lookup(j + 1)
   p = (t - lo) / (hi - lo)
   up = u_scaled < p * np.float32(q)
   return j + up.astype(jnp.int32)
 
 
-def _uniforms(keys, rank, ranks: int, shape):
-  """Per-element draws scaled to [0, q): ``pi(rank) + gamma``.
-
-  With ``ranks == 1`` (independent rounding) q = 1 and the draw is gamma.
-  """
+def _uniforms(idx, keys, rank, ranks: int):
+  """Per-element draws scaled to [0, q): ``pi(rank) + gamma`` (q = 1: gamma)."""
   k0, k1, s0, s1 = keys
-  idx = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
   gamma = rng.uniform24(rng.hash_index(k0, k1, idx))
   if ranks == 1:
     return gamma
@@ -278,23 +288,25 @@ def _uniforms(keys, rank, ranks: int, shape):
   return pi.astype(jnp.float32) + gamma
 
 
-def _scales_hier(a, fmt: Format, keys):
-  """Hierarchical scales. a = |x| [S, 16, 16] -> (k uint8 [S,16], U [S], t [S,16,16])."""
-  top = np.float32(fmt.top if fmt.levels == "uniform" else 1.0)
-  gmax = jnp.max(a, axis=-1)
+def _top(fmt: Format):
+  return np.float32(fmt.top if fmt.levels == "uniform" else 1.0)
+
+
+def _scales_hier(a, fmt: Format, keys, group_idx):
+  """a = |x| [S, G, CB, P] -> (k f32 [S, G], unit f32 [S] (bf16-exact), t)."""
+  top = _top(fmt)
+  gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
   smax = jnp.max(gmax, axis=-1)
   unit = ceil_to_bf16(smax / (top * np.float32(_UNIT_MAX)))
   live = unit > 0
-  safe_unit = jnp.where(live, unit, 1.0)
-  ut = safe_unit[:, None] * top  # exact: 8 x 7 significant bits
+  ut = jnp.where(live, unit, 1.0)[:, None] * top  # exact: 8 x 7 significant bits
   q = gmax / ut
   if fmt.scale_rounding == "up":
     k = jnp.ceil(q)
     k = jnp.where(k * ut < gmax, k + 1, k)  # exact product; guards the division
   else:
     k0, k1, _, _ = keys
-    gidx = jnp.arange(gmax.size, dtype=jnp.uint32).reshape(gmax.shape)
-    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(_STREAM_SCALE), k1, gidx))
+    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(_STREAM_SCALE), k1, group_idx))
     kf = jnp.floor(q)
     k = kf + (u < q - kf).astype(jnp.float32)
   k = jnp.where(live[:, None], jnp.clip(k, 0, _UNIT_MAX), 0.0)
@@ -302,52 +314,98 @@ def _scales_hier(a, fmt: Format, keys):
     s = k * unit[:, None]  # exact: 8 x 8 significant bits
   else:
     s = gmax / top
-  safe_s = jnp.where(s > 0, s, 1.0)
-  t = jnp.where(s[..., None] > 0, jnp.minimum(a / safe_s[..., None], top), 0.0)
-  # NaN/Inf propagate through U; keep the unit as computed.
-  return k.astype(jnp.uint8), unit, t
+  t = _normalise(a, s, top)
+  return k, unit, t
 
 
 def _scales_flat(a, fmt: Format):
-  """Flat scales. a = |x| [S, G, gs] -> (scale bf16-exact f32 [S, G], t)."""
-  top = np.float32(fmt.top if fmt.levels == "uniform" else 1.0)
-  gmax = jnp.max(a, axis=-1)
+  """a = |x| [S, G, CB, P] -> (scale f32 [S, G] (bf16-exact), t)."""
+  top = _top(fmt)
+  gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
   s = ceil_to_bf16(gmax / top)
   s = jnp.where(s * top < gmax, _next_bf16(s), s)
-  safe_s = jnp.where(s > 0, s, 1.0)
-  t = jnp.where(s[..., None] > 0, jnp.minimum(a / safe_s[..., None], top), 0.0)
-  return s, t
+  return s, _normalise(a, s, top)
 
 
-def _assemble(codes, fmt: Format, k=None, unit=None, scale=None):
-  """codes uint8 [S, 256] + scales -> payload uint8 [S, record_bytes]."""
-  s_count = codes.shape[0]
-  g = fmt.groups
-  packed = pack_codes(codes, fmt.bits).reshape(s_count, g, -1)
+def _normalise(a, s, top):
+  safe = jnp.where(s > 0, s, 1.0)[..., None, None]
+  return jnp.where(s[..., None, None] > 0, jnp.minimum(a / safe, top), 0.0)
+
+
+def encode_block(x, fmt: Format, *, lookup, idx, keys, rank, strata: int):
+  """Quantises one block.
+
+  Args:
+    x: float32 [S, G, CB, P] values.
+    fmt: the width class.
+    lookup: ``lookup(j) -> lam[j]`` for int32 arrays j.
+    idx: uint32 [S, G, CB, P] element indices (the RNG counters).
+    keys: ``(k0, k1, s0, s1)`` uint32 scalars.
+    rank: int32 scalar.
+    strata: 1 (independent) or n (correlated over n ranks).
+
+  Returns:
+    ``(packed uint8 [S, G, CB], k uint8 [S, G] | None, scale)``: with
+    hierarchical scales ``scale`` is the bf16-exact unit [S]; otherwise the
+    bf16-exact group scales [S, G].
+  """
+  a = jnp.abs(x)
+  if fmt.hierarchical:
+    group_idx = jnp.min(jnp.min(idx, axis=-1), axis=-1) // np.uint32(SUPERGROUP // fmt.groups)
+    k, scale, t = _scales_hier(a, fmt, keys, group_idx)
+    k = k.astype(jnp.uint8)
+  else:
+    scale, t = _scales_flat(a, fmt)
+    k = None
+  u = _uniforms(idx, keys, rank, strata)
+  lvl = _round_levels(t, fmt, lookup, u, rng.strata_count(strata))
+  r = fmt.top
+  codes = jnp.where(x < 0, r - lvl, r + lvl).astype(jnp.uint32)
+  shifts = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 3) * np.uint32(fmt.bits)
+  packed = jnp.sum(codes << shifts, axis=-1).astype(jnp.uint8)  # disjoint bit fields
+  return packed, k, scale
+
+
+def decode_block(packed, scale, fmt: Format, *, lookup):
+  """packed uint8 [S, G, CB], decoded group scale f32 [S, G] -> float32 [S, G, CB, P]."""
+  per = 8 // fmt.bits
+  shape = packed.shape + (per,)
+  shifts = jax.lax.broadcasted_iota(jnp.uint32, shape, 3) * np.uint32(fmt.bits)
+  codes = (packed.astype(jnp.uint32)[..., None] >> shifts) & np.uint32((1 << fmt.bits) - 1)
+  lvl = codes.astype(jnp.int32) - fmt.top
+  val = lookup(jnp.abs(lvl)) * scale[..., None, None]  # exact product
+  return jnp.where(lvl < 0, -val, val)
+
+
+def hier_scale(k, unit):
+  """Decoded group scale ``k * U`` [S, G] (exact)."""
+  return k.astype(jnp.float32) * unit[:, None]
+
+
+# ----------------------------------------------------------------------------
+# Record assembly (reference): concatenation in the documented byte order.
+
+
+def _assemble(packed, k, scale, fmt: Format):
+  s_count = packed.shape[0]
   if fmt.hierarchical:
     body = jnp.concatenate([packed, k[..., None]], axis=-1).reshape(s_count, -1)
-    return jnp.concatenate([body, _bf16_bytes(unit)], axis=-1)
+    return jnp.concatenate([body, _bf16_bytes(scale)], axis=-1)
   body = jnp.concatenate([packed, _bf16_bytes(scale)], axis=-1)
   return body.reshape(s_count, -1)
 
 
 def _disassemble(payload, fmt: Format):
-  """payload -> (codes uint8 [S, 256], decoded scale f32 [S, G])."""
+  """payload [S, rec] -> (packed uint8 [S, G, CB], decoded group scale f32 [S, G])."""
   s_count = payload.shape[0]
   g = fmt.groups
   cb = SUPERGROUP * fmt.bits // 8 // g
   if fmt.hierarchical:
     body = payload[:, : g * (cb + 1)].reshape(s_count, g, cb + 1)
     unit = _bf16_from_bytes(payload[:, g * (cb + 1):])
-    k = body[..., cb].astype(jnp.float32)
-    scale = k * unit[:, None]
-    packed = body[..., :cb]
-  else:
-    body = payload.reshape(s_count, g, cb + 2)
-    scale = _bf16_from_bytes(body[..., cb:])
-    packed = body[..., :cb]
-  codes = unpack_codes(packed.reshape(s_count, -1), fmt.bits)
-  return codes, scale
+    return body[..., :cb], hier_scale(body[..., cb], unit)
+  body = payload.reshape(s_count, g, cb + 2)
+  return body[..., :cb], _bf16_from_bytes(body[..., cb:])
 
 
 def _check_chunk(x, name):
@@ -360,6 +418,11 @@ def _check_payload(payload, fmt: Format):
     raise ValueError(
         f"payload {payload.dtype}{list(payload.shape)} must be uint8 "
         f"[supergroups, {fmt.record_bytes}] for {fmt}")
+
+
+def _table_lookup(fmt: Format):
+  lam = jnp.asarray(fmt.table())
+  return lambda j: jnp.take(lam, j)
 
 
 # ----------------------------------------------------------------------------
@@ -382,34 +445,21 @@ def compress_reference(x, fmt: Format, *, keys, rank=0, strata: int = 1):
     uint8 [S, fmt.record_bytes].
   """
   _check_chunk(x, "x")
-  x = x.astype(jnp.float32)
-  s_count = x.shape[0]
-  lam = jnp.asarray(fmt.table())
-  a = jnp.abs(x)
-  if fmt.hierarchical:
-    k, unit, t = _scales_hier(a.reshape(s_count, fmt.groups, -1), fmt, keys)
-    scale = None
-  else:
-    scale, t = _scales_flat(a.reshape(s_count, fmt.groups, -1), fmt)
-    k = unit = None
-  t = t.reshape(s_count, SUPERGROUP)
-  u = _uniforms(keys, rank, strata, (s_count, SUPERGROUP))
-  lvl = _round_levels(t, fmt, lam, u, rng.strata_count(strata))
-  r = fmt.top
-  codes = jnp.where(x < 0, r - lvl, r + lvl).astype(jnp.uint8)
-  return _assemble(codes, fmt, k=k, unit=unit, scale=scale)
+  shape = block_shape(fmt, x.shape[0])
+  xb = x.astype(jnp.float32).reshape(shape)
+  idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(shape)
+  keys = tuple(jnp.asarray(k, jnp.uint32) for k in keys)
+  packed, k, scale = encode_block(xb, fmt, lookup=_table_lookup(fmt), idx=idx, keys=keys,
+                                  rank=jnp.asarray(rank, jnp.int32), strata=strata)
+  return _assemble(packed, k, scale, fmt)
 
 
 def decompress_reference(payload, fmt: Format):
   """Decodes records to float32 [S, 256]."""
   _check_payload(payload, fmt)
-  codes, scale = _disassemble(payload, fmt)
-  s_count = payload.shape[0]
-  lvl = codes.astype(jnp.int32) - fmt.top
-  mag = jnp.take(jnp.asarray(fmt.table()), jnp.abs(lvl))
-  val = mag.reshape(s_count, fmt.groups, -1) * scale[..., None]  # exact product
-  val = val.reshape(s_count, SUPERGROUP)
-  return jnp.where(lvl < 0, -val, val)
+  packed, scale = _disassemble(payload, fmt)
+  val = decode_block(packed, scale, fmt, lookup=_table_lookup(fmt))
+  return val.reshape(payload.shape[0], SUPERGROUP)
 
 
 def decompress_accumulate_reference(payload, x, fmt: Format):

@@ -1,0 +1,441 @@
+"""Pallas kernels for DynamiQ's per-hop operations, and their dispatch.
+
+Four operations on one width class of the wire format
+(:mod:`pallas_kernels.dynamiq_format`), each one launch that reads every
+input byte once and writes every output byte once:
+
+=====================================  ==============================================
+``compress(x)``                        leaf / sender: values -> records
+``decompress(p)``                      all-gather receivers: records -> float32
+``decompress_accumulate(p, x)``        butterfly internal node: ``decode(p) + x``
+``decompress_accumulate_recompress``   ring hop: ``encode(decode(p) + x)``; the sum
+                                       stays in registers
+=====================================  ==============================================
+
+Algorithm: the block arithmetic is *the same Python function* as the
+reference (:func:`~pallas_kernels.dynamiq_format.encode_block`,
+:func:`~pallas_kernels.dynamiq_format.decode_block`), so on the same inputs
+the kernel equals the reference bit for bit: the RNG is the counter hash of
+:mod:`pallas_kernels.rng` keyed by the element index, and every product that
+feeds an addition is exact, so FMA contraction cannot change a result.
+
+Memory layout: one program handles ``BLOCK`` super-groups (2048
+coordinates). Dense operands (``x``, decoded output) are viewed as
+``[S, G, CB, P]`` (G scale groups, CB code bytes per group, P codes per byte;
+every extent a power of two, as Triton requires) and moved with BlockSpecs;
+the last block may be partial and is masked. Records are ``32 b + 18`` bytes,
+not a power of two, so payloads stay flat uint8 in global memory
+(``memory_space=ANY``) and each program gathers / scatters its records with
+computed offsets: code bytes ``[BLOCK, G, CB]``, one scale byte per group, two
+unit bytes. The level table (``2**(b-1)`` floats) is a small input gathered
+by level index.
+
+GPU backend: Triton-lowered ``pallas_call``. Mosaic GPU, the other Pallas
+GPU backend, cannot lower this kernel on jax 0.10.2: gathering from the
+level table raises ``NotImplementedError: int_indexer_shape non-empty``
+(checked on a CPU machine by lowering for the ``cuda`` platform;
+``tests/test_kernels.py::test_lowers_for_gpu``), and the format needs those
+table lookups. A timing comparison of the two backends therefore waits for
+Mosaic GPU gathers; ``python -m dynamiq_jax.bench.kernels`` measures the
+Triton kernels against the unfused XLA reference and the device's copy
+bandwidth (``docs/results/kernels_<device>.json``).
+
+Dispatch: ``implementation=None`` runs the kernels on GPU and the reference
+elsewhere; ``"pallas"`` forces the kernels (``interpret=True`` off GPU, which
+is how CPU tests run them); ``"xla"`` forces the reference. A kernel raises
+``NotImplementedError`` for input it does not support and dispatch falls
+back to the reference, logging the reason once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels import dynamiq_format as F
+
+__all__ = [
+    "BLOCK",
+    "Implementation",
+    "compress",
+    "decompress",
+    "decompress_accumulate",
+    "decompress_accumulate_recompress",
+    "compress_pallas",
+    "decompress_pallas",
+    "decompress_accumulate_pallas",
+    "decompress_accumulate_recompress_pallas",
+]
+
+Implementation = Literal["pallas", "xla"] | None
+
+BLOCK = 8
+"""Super-groups per program."""
+
+_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_log = logging.getLogger("dynamiq_jax")
+_warned: set = set()
+
+
+# ----------------------------------------------------------------------------
+# Kernel bodies.
+
+
+def _iota(shape, dim):
+  return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _offsets(fmt: F.Format, s_count: int):
+  """Byte offsets (int32) of this program's records, with their validity masks.
+
+  Returns a dict: ``codes`` [BLOCK, G, CB] (code bytes), ``groups``
+  [BLOCK, G] (first byte after a group's codes: its scale byte(s)),
+  ``unit`` [BLOCK] (the unit's first byte, hierarchical), and the masks
+  ``codes_ok``, ``groups_ok``, ``unit_ok``.
+  """
+  _, g, cb, _ = F.block_shape(fmt, BLOCK)
+  step = cb + (1 if fmt.hierarchical else 2)  # code bytes + scale byte(s) per group
+  base = pl.program_id(0) * BLOCK
+  shape3, shape2 = (BLOCK, g, cb), (BLOCK, g)
+  sg3 = base + _iota(shape3, 0)
+  sg2 = base + _iota(shape2, 0)
+  sg1 = base + _iota((BLOCK,), 0)
+  return {
+      "codes": sg3 * fmt.record_bytes + _iota(shape3, 1) * step + _iota(shape3, 2),
+      "codes_ok": sg3 < s_count,
+      "groups": sg2 * fmt.record_bytes + _iota(shape2, 1) * step + cb,
+      "groups_ok": sg2 < s_count,
+      "unit": sg1 * fmt.record_bytes + g * step,
+      "unit_ok": sg1 < s_count,
+  }
+
+
+def _load_bytes(ref, offsets, mask):
+  from jax.experimental.pallas import triton as pltr
+  return pltr.load(ref.at[offsets], mask=mask, other=0)
+
+
+def _store_bytes(ref, offsets, values, mask):
+  from jax.experimental.pallas import triton as pltr
+  pltr.store(ref.at[offsets], values, mask=mask)
+
+
+def _bf16_from(lo, hi):
+  u = (lo.astype(jnp.uint32) | (hi.astype(jnp.uint32) << 8)) << 16
+  return jax.lax.bitcast_convert_type(u, jnp.float32)
+
+
+def _read_records(pay_ref, lam_ref, fmt: F.Format, s_count: int):
+  """Gathers this program's records and decodes them: float32 [BLOCK, G, CB, P]."""
+  o = _offsets(fmt, s_count)
+  packed = _load_bytes(pay_ref, o["codes"], o["codes_ok"])
+  if fmt.hierarchical:
+    k = _load_bytes(pay_ref, o["groups"], o["groups_ok"])
+    unit = _bf16_from(_load_bytes(pay_ref, o["unit"], o["unit_ok"]),
+                      _load_bytes(pay_ref, o["unit"] + 1, o["unit_ok"]))
+    scale = F.hier_scale(k, unit)
+  else:
+    scale = _bf16_from(_load_bytes(pay_ref, o["groups"], o["groups_ok"]),
+                       _load_bytes(pay_ref, o["groups"] + 1, o["groups_ok"]))
+  return F.decode_block(packed, scale, fmt, lookup=lambda j: lam_ref[j])
+
+
+def _write_records(out_ref, x, keys_ref, lam_ref, fmt: F.Format, s_count: int, strata: int):
+  """Encodes float32 [BLOCK, G, CB, P] and scatters its records."""
+  o = _offsets(fmt, s_count)
+  shape = x.shape
+  idx = ((pl.program_id(0) * BLOCK + _iota(shape, 0)) * F.SUPERGROUP
+         + _iota(shape, 1) * (shape[2] * shape[3]) + _iota(shape, 2) * shape[3]
+         + _iota(shape, 3)).astype(jnp.uint32)
+  keys = (keys_ref[0], keys_ref[1], keys_ref[2], keys_ref[3])
+  rank = keys_ref[4].astype(jnp.int32)
+  packed, k, scale = F.encode_block(x, fmt, lookup=lambda j: lam_ref[j], idx=idx, keys=keys,
+                                    rank=rank, strata=strata)
+  _store_bytes(out_ref, o["codes"], packed, o["codes_ok"])
+  bits = jax.lax.bitcast_convert_type(scale, jnp.uint32) >> 16
+  lo, hi = (bits & 0xFF).astype(jnp.uint8), (bits >> 8).astype(jnp.uint8)
+  if fmt.hierarchical:
+    _store_bytes(out_ref, o["groups"], k, o["groups_ok"])
+    _store_bytes(out_ref, o["unit"], lo, o["unit_ok"])
+    _store_bytes(out_ref, o["unit"] + 1, hi, o["unit_ok"])
+  else:
+    _store_bytes(out_ref, o["groups"], lo, o["groups_ok"])
+    _store_bytes(out_ref, o["groups"] + 1, hi, o["groups_ok"])
+
+
+def _compress_kernel(keys_ref, lam_ref, x_ref, out_ref, *, fmt, s_count, strata):
+  x = x_ref[...].astype(jnp.float32)
+  _write_records(out_ref, x, keys_ref, lam_ref, fmt, s_count, strata)
+
+
+def _decompress_kernel(lam_ref, pay_ref, out_ref, *, fmt, s_count):
+  out_ref[...] = _read_records(pay_ref, lam_ref, fmt, s_count)
+
+
+def _decompress_accumulate_kernel(lam_ref, pay_ref, x_ref, out_ref, *, fmt, s_count):
+  out_ref[...] = _read_records(pay_ref, lam_ref, fmt, s_count) + x_ref[...].astype(jnp.float32)
+
+
+def _dar_kernel(keys_ref, lam_ref, pay_ref, x_ref, out_ref, *, fmt, s_count, strata):
+  acc = _read_records(pay_ref, lam_ref, fmt, s_count) + x_ref[...].astype(jnp.float32)
+  _write_records(out_ref, acc, keys_ref, lam_ref, fmt, s_count, strata)
+
+
+# ----------------------------------------------------------------------------
+# pallas_call wrappers (one launch each).
+
+
+def _check(x=None, payload=None, fmt=None):
+  if x is not None:
+    if x.ndim != 2 or x.shape[1] != F.SUPERGROUP:
+      raise ValueError(f"x.shape={x.shape} must be [supergroups, {F.SUPERGROUP}]")
+    if x.dtype not in _SUPPORTED_DTYPES:
+      raise NotImplementedError(f"x dtype {x.dtype} (kernels take float32, bfloat16, float16)")
+  if payload is not None:
+    if payload.ndim != 2 or payload.shape[1] != fmt.record_bytes or payload.dtype != jnp.uint8:
+      raise ValueError(f"payload {payload.dtype}{list(payload.shape)} must be uint8 "
+                       f"[supergroups, {fmt.record_bytes}]")
+  s_count = (x if x is not None else payload).shape[0]
+  if s_count == 0:
+    raise NotImplementedError("an empty chunk (no super-groups)")
+  return s_count
+
+
+def _keys_array(keys, rank):
+  k = [jnp.asarray(v).astype(jnp.uint32) for v in keys]
+  r = jnp.asarray(rank).astype(jnp.uint32)
+  return jnp.stack(k + [r, jnp.uint32(0), jnp.uint32(0), jnp.uint32(0)])
+
+
+def _compiler_params(interpret):
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as pltr
+  return pltr.CompilerParams(num_warps=4, num_stages=1)
+
+
+def _dense_spec(fmt):
+  shape = F.block_shape(fmt, BLOCK)
+  return pl.BlockSpec(shape, lambda i: (i, 0, 0, 0))
+
+
+def _whole(n):
+  return pl.BlockSpec((n,), lambda i: (0,))
+
+
+def _call(kernel, fmt, s_count, in_specs, out_shape, out_spec, interpret, name, *args):
+  return pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(pl.cdiv(s_count, BLOCK),), in_specs=in_specs,
+      out_specs=out_spec, compiler_params=_compiler_params(interpret), interpret=interpret,
+      name=name)(*args)
+
+
+def _payload_out(fmt, s_count):
+  return jax.ShapeDtypeStruct((s_count * fmt.record_bytes,), jnp.uint8)
+
+
+def _dense_out(fmt, s_count):
+  return jax.ShapeDtypeStruct(F.block_shape(fmt, s_count), jnp.float32)
+
+
+_ANY = pl.BlockSpec(memory_space=pl.ANY)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "strata", "interpret"))
+def _compress_call(x, keys, lam, *, fmt, strata, interpret):
+  s_count = x.shape[0]
+  kernel = functools.partial(_compress_kernel, fmt=fmt, s_count=s_count, strata=strata)
+  out = _call(kernel, fmt, s_count, [_whole(8), _whole(lam.shape[0]), _dense_spec(fmt)],
+              _payload_out(fmt, s_count), _ANY, interpret, f"dynamiq_compress_b{fmt.bits}",
+              keys, lam, x.reshape(F.block_shape(fmt, s_count)))
+  return out.reshape(s_count, fmt.record_bytes)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "interpret"))
+def _decompress_call(payload, lam, *, fmt, interpret):
+  s_count = payload.shape[0]
+  kernel = functools.partial(_decompress_kernel, fmt=fmt, s_count=s_count)
+  out = _call(kernel, fmt, s_count, [_whole(lam.shape[0]), _ANY], _dense_out(fmt, s_count),
+              _dense_spec(fmt), interpret, f"dynamiq_decompress_b{fmt.bits}",
+              lam, payload.reshape(-1))
+  return out.reshape(s_count, F.SUPERGROUP)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "interpret"))
+def _decompress_accumulate_call(payload, x, lam, *, fmt, interpret):
+  s_count = payload.shape[0]
+  kernel = functools.partial(_decompress_accumulate_kernel, fmt=fmt, s_count=s_count)
+  out = _call(kernel, fmt, s_count, [_whole(lam.shape[0]), _ANY, _dense_spec(fmt)],
+              _dense_out(fmt, s_count), _dense_spec(fmt), interpret,
+              f"dynamiq_decompress_accumulate_b{fmt.bits}",
+              lam, payload.reshape(-1), x.reshape(F.block_shape(fmt, s_count)))
+  return out.reshape(s_count, F.SUPERGROUP)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "strata", "interpret"))
+def _dar_call(payload, x, keys, lam, *, fmt, strata, interpret):
+  s_count = payload.shape[0]
+  kernel = functools.partial(_dar_kernel, fmt=fmt, s_count=s_count, strata=strata)
+  out = _call(kernel, fmt, s_count,
+              [_whole(8), _whole(lam.shape[0]), _ANY, _dense_spec(fmt)],
+              _payload_out(fmt, s_count), _ANY, interpret,
+              f"dynamiq_decompress_accumulate_recompress_b{fmt.bits}",
+              keys, lam, payload.reshape(-1), x.reshape(F.block_shape(fmt, s_count)))
+  return out.reshape(s_count, fmt.record_bytes)
+
+
+# ----------------------------------------------------------------------------
+# vmap: pallas_call's own batching would add a grid axis under our flat
+# record offsets, so batching is defined here. Decoding merges the batch into
+# the super-group axis (no RNG); encoding maps over the batch, because keys and
+# rank may differ per batch element.
+
+
+def _merge_batch_rule(fn, n_dense_out):
+
+  def rule(axis_size, in_batched, *args):
+    args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            for a, b in zip(args, in_batched)]
+    flat = [a.reshape((-1,) + a.shape[2:]) for a in args]
+    out = fn(*flat)
+    return out.reshape((axis_size, -1) + out.shape[1:]), True
+
+  del n_dense_out
+  return rule
+
+
+def _map_batch_rule(fn):
+
+  def rule(axis_size, in_batched, *args):
+    del axis_size
+    batched = [a for a, b in zip(args, in_batched) if b]
+
+    def one(items):
+      it = iter(items)
+      return fn(*[next(it) if b else a for a, b in zip(args, in_batched)])
+
+    return jax.lax.map(one, batched), True
+
+  return rule
+
+
+def compress_pallas(x, fmt: F.Format, *, keys, rank=0, strata: int = 1, interpret=False):
+  """Kernel version of :func:`~pallas_kernels.dynamiq_format.compress_reference`."""
+  _check(x=x)
+
+  @jax.custom_batching.custom_vmap
+  def op(x, karr):
+    return _compress_call(x, karr, jnp.asarray(fmt.table()), fmt=fmt, strata=strata,
+                          interpret=interpret)
+
+  op.def_vmap(_map_batch_rule(op))
+  return op(x, _keys_array(keys, rank))
+
+
+def decompress_pallas(payload, fmt: F.Format, *, interpret=False):
+  """Kernel version of :func:`~pallas_kernels.dynamiq_format.decompress_reference`."""
+  _check(payload=payload, fmt=fmt)
+
+  @jax.custom_batching.custom_vmap
+  def op(payload):
+    return _decompress_call(payload, jnp.asarray(fmt.table()), fmt=fmt, interpret=interpret)
+
+  op.def_vmap(_merge_batch_rule(op, 1))
+  return op(payload)
+
+
+def decompress_accumulate_pallas(payload, x, fmt: F.Format, *, interpret=False):
+  """Kernel version of ``decompress_reference(payload) + x``."""
+  _check(x=x, payload=payload, fmt=fmt)
+
+  @jax.custom_batching.custom_vmap
+  def op(payload, x):
+    return _decompress_accumulate_call(payload, x, jnp.asarray(fmt.table()), fmt=fmt,
+                                       interpret=interpret)
+
+  op.def_vmap(_merge_batch_rule(op, 1))
+  return op(payload, x)
+
+
+def decompress_accumulate_recompress_pallas(payload, x, fmt: F.Format, *, keys, rank=0,
+                                            strata: int = 1, interpret=False):
+  """Kernel version of the fused ring hop."""
+  _check(x=x, payload=payload, fmt=fmt)
+
+  @jax.custom_batching.custom_vmap
+  def op(payload, x, karr):
+    return _dar_call(payload, x, karr, jnp.asarray(fmt.table()), fmt=fmt, strata=strata,
+                     interpret=interpret)
+
+  op.def_vmap(_map_batch_rule(op))
+  return op(payload, x, _keys_array(keys, rank))
+
+
+# ----------------------------------------------------------------------------
+# Dispatch.
+
+
+def _choose(implementation: Implementation):
+  """-> (use_kernels, interpret)."""
+  if implementation not in (None, "pallas", "xla"):
+    raise ValueError(f"implementation={implementation!r} must be None, 'pallas' or 'xla'")
+  on_gpu = jax.default_backend() == "gpu"
+  if implementation == "xla" or (implementation is None and not on_gpu):
+    return False, False
+  return True, not on_gpu
+
+
+def _fallback(op: str, err: NotImplementedError):
+  key = (op, str(err))
+  if key not in _warned:
+    _warned.add(key)
+    _log.warning("dynamiq_jax: Pallas %s does not support %s; using the XLA reference.",
+                 op, err)
+
+
+def _dispatch(name, kernel, reference, implementation, interpret, *args, **kwargs):
+  use, auto_interpret = _choose(implementation)
+  if use:
+    try:
+      return kernel(*args, **kwargs,
+                    interpret=auto_interpret if interpret is None else interpret)
+    except NotImplementedError as err:
+      _fallback(name, err)
+  return reference(*args, **kwargs)
+
+
+def compress(x, fmt: F.Format, *, keys, rank=0, strata: int = 1,
+             implementation: Implementation = None, interpret: bool | None = None):
+  """Quantises super-groups [S, 256] into records [S, 32b+18] (see module doc)."""
+  return _dispatch("compress", compress_pallas, F.compress_reference, implementation,
+                   interpret, x, fmt, keys=keys, rank=rank, strata=strata)
+
+
+def decompress(payload, fmt: F.Format, *, implementation: Implementation = None,
+               interpret: bool | None = None):
+  """Decodes records [S, 32b+18] to float32 [S, 256]."""
+  return _dispatch("decompress", decompress_pallas, F.decompress_reference, implementation,
+                   interpret, payload, fmt)
+
+
+def decompress_accumulate(payload, x, fmt: F.Format, *, implementation: Implementation = None,
+                          interpret: bool | None = None):
+  """``decompress(payload) + x`` in float32."""
+  return _dispatch("decompress_accumulate", decompress_accumulate_pallas,
+                   F.decompress_accumulate_reference, implementation, interpret,
+                   payload, x, fmt)
+
+
+def decompress_accumulate_recompress(payload, x, fmt: F.Format, *, keys, rank=0,
+                                     strata: int = 1, implementation: Implementation = None,
+                                     interpret: bool | None = None):
+  """``compress(decompress(payload) + x)`` in one pass; the sum is never stored."""
+  return _dispatch("decompress_accumulate_recompress", decompress_accumulate_recompress_pallas,
+                   F.decompress_accumulate_recompress_reference, implementation, interpret,
+                   payload, x, fmt, keys=keys, rank=rank, strata=strata)
