@@ -146,7 +146,8 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE) -
 
 
 def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
-              average: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE):
+              average: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
+              implementation: str | None = None):
   """Compressed all-reduce of a gradient pytree over ``axis_name``.
 
   Args:
@@ -163,6 +164,9 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     bucket_size: coordinates per bucket, a multiple of the codec's block
       (``codec.granularity``, 256 for DynamiQ); larger trees are reduced
       bucket by bucket.
+    implementation: ``None`` (Pallas kernels on GPU, the jnp reference
+      elsewhere), ``"pallas"`` (kernels; interpreted off GPU) or ``"xla"``.
+      Both give bit-identical results.
 
   Returns:
     ``(tree, stats)``: the reduced pytree (same structure, shapes and dtypes;
@@ -204,7 +208,8 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
   outs = []
   for b, (s, e) in enumerate(_bucket_bounds(total, bucket_size, codec)):
     with jax.named_scope(f"allreduce/bucket{b}"):
-      prep = codec.prepare(flat[s:e], ctx=ctx, run=run, key_words=key_words, bucket=b)
+      prep = codec.prepare(flat[s:e], ctx=ctx, run=run, key_words=key_words, bucket=b,
+                           implementation=implementation)
       outs.append(prep.finish(run(prep.chunks, prep.ops)))
   out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
   pieces = jnp.split(out, np.cumsum(sizes)[:-1])

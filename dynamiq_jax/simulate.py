@@ -22,13 +22,14 @@ __all__ = ["simulate", "SIM_AXIS"]
 SIM_AXIS = "dynamiq_sim"
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "schedule", "average", "bucket_size"))
-def _run(stacked, key, *, codec, schedule, average, bucket_size):
+@functools.partial(jax.jit, static_argnames=("codec", "schedule", "average", "bucket_size",
+                                             "implementation"))
+def _run(stacked, key, *, codec, schedule, average, bucket_size, implementation):
 
   def one(tree):
     out, _ = allreduce(
         tree, axis_name=SIM_AXIS, codec=codec, schedule=schedule, key=key,
-        average=average, bucket_size=bucket_size)
+        average=average, bucket_size=bucket_size, implementation=implementation)
     return out
 
   return jax.vmap(one, axis_name=SIM_AXIS)(stacked)
@@ -36,7 +37,7 @@ def _run(stacked, key, *, codec, schedule, average, bucket_size):
 
 def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
              average: bool = True,
-             bucket_size: int = DEFAULT_BUCKET_SIZE):
+             bucket_size: int = DEFAULT_BUCKET_SIZE, implementation: str | None = None):
   """All-reduces per-worker gradients stacked on axis 0, on one device.
 
   Args:
@@ -50,6 +51,7 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
     key: explicit rounding key, overriding ``seed``.
     average: mean (True) or sum (False).
     bucket_size: coordinates per bucket.
+    implementation: as for :func:`dynamiq_jax.allreduce`.
 
   Returns:
     The per-worker results stacked on axis 0 (all rows identical).
@@ -73,4 +75,4 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
   if key is None:
     key = jax.random.key(seed)
   return _run(stacked, key, codec=codec, schedule=schedule, average=average,
-              bucket_size=bucket_size)
+              bucket_size=bucket_size, implementation=implementation)

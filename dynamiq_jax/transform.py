@@ -30,6 +30,7 @@ class CompressedPsumState(NamedTuple):
 def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                     average: bool = True, seed: int = 0,
                     bucket_size: int = DEFAULT_BUCKET_SIZE,
+                    implementation: str | None = None,
                     ) -> optax.GradientTransformationExtraArgs:
   """Replaces ``jax.lax.pmean``/``psum`` of gradients with a compressed all-reduce.
 
@@ -50,6 +51,8 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     seed: seeds the rounding streams; step t uses
       ``jax.random.fold_in(jax.random.key(seed), t)``.
     bucket_size: coordinates per bucket.
+    implementation: ``None`` (Pallas kernels on GPU, the jnp reference
+      elsewhere), ``"pallas"`` or ``"xla"``; bit-identical results.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its state
@@ -73,7 +76,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
     reduced, _ = allreduce(
         updates, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
-        average=average, bucket_size=bucket_size)
+        average=average, bucket_size=bucket_size, implementation=implementation)
     return reduced, CompressedPsumState(
         step=optax.safe_increment(state.step), key=state.key)
 

@@ -23,9 +23,9 @@ Format (one *super-group* = 256 consecutive coordinates, one code width
   per group a uint8 ``k``; the decoded group scale is ``k U``.
   ``scale_rounding="up"`` (the authors' kernel) takes ``k = ceil(gmax / (U
   top))`` and normalises by the decoded scale, so no element is clamped;
-  ``"stochastic"`` (the paper's text) rounds ``k`` stochastically so that
-  ``E[k U top] = gmax`` and normalises by the exact group max. Both are
-  unbiased.
+  ``"stochastic"`` (the paper's text) normalises by the group max (rounded
+  up to bf16, so that products stay exact) and rounds ``k`` stochastically
+  so that ``E[k U]`` equals it. Both are unbiased.
 * Flat scales (``hierarchical=False``, the ablation baseline): one bfloat16
   scale per ``group_size`` coordinates, rounded up.
 * Element rounding is unbiased in the *value* domain: ``t = |x| / scale`` is
@@ -250,31 +250,31 @@ def block_shape(fmt: Format, supergroups: int) -> tuple[int, int, int, int]:
   return (supergroups, fmt.groups, SUPERGROUP // fmt.groups // per, per)
 
 
-def _level_index(t, fmt: Format, lookup):
-  """Bracketing level ``j`` (``lam[j] <= t < lam[j+1]``, j <= R-1) for t in [0, top]."""
+def _round_levels(a, s, fmt: Format, lookup, u_scaled, q: int):
+  """Stochastically rounds ``a / s`` (in [0, top]) to a level index in [0, R].
+
+  Division-free: the level is bracketed with exact products ``lam[j] * s``
+  (8 x 16 significant bits), and "round up iff ``u < p``" with
+  ``p = (a - lo s) / (hi s - lo s)`` is decided as ``u q (hi s - lo s) <
+  (a - lo s) q``. Every step is then one IEEE operation with the same result
+  on every backend, whatever the precision of its division or log (only the
+  first guess of ``j`` uses them) and whether it contracts into FMA.
+  ``u_scaled`` is uniform on [0, q).
+  """
   r = fmt.top
+  safe = jnp.where(s > 0, s, 1.0)
+  t = a / safe  # a guess only
   if fmt.levels == "uniform" or r == 1:
     approx = t
   else:
-    q = 1.0 + 2.0 * float(fmt.eps) ** 2
-    approx = jnp.log1p(t * np.float32(q**r - 1.0)) * np.float32(1.0 / np.log(q))
+    qq = 1.0 + 2.0 * float(fmt.eps) ** 2
+    approx = jnp.log1p(t * np.float32(qq**r - 1.0)) * np.float32(1.0 / np.log(qq))
   j = jnp.clip(jnp.floor(approx), 0, r - 1).astype(jnp.int32)
-  # The approximation may be one level off; correct it exactly.
-  j = jnp.maximum(j - (t < lookup(j)).astype(jnp.int32), 0)
-  j = jnp.minimum(j + (t >= lookup(j + 1)).astype(jnp.int32), r - 1)
-  return j
-
-
-def _round_levels(t, fmt: Format, lookup, u_scaled, q: int):
-  """Stochastically rounds t in [0, top] to a level index l in [0, R].
-
-  ``u_scaled`` is uniform on [0, q): round up iff ``u_scaled < p q``.
-  """
-  j = _level_index(t, fmt, lookup)
-  lo = lookup(j)
-  hi = lookup(j + 1)
-  p = (t - lo) / (hi - lo)
-  up = u_scaled < p * np.float32(q)
+  j = jnp.maximum(j - (a < lookup(j) * s).astype(jnp.int32), 0)
+  j = jnp.minimum(j + (a >= lookup(j + 1) * s).astype(jnp.int32), r - 1)
+  lo = lookup(j) * s  # exact
+  hi = lookup(j + 1) * s  # exact
+  up = u_scaled * (hi - lo) < (a - lo) * np.float32(q)
   return j + up.astype(jnp.int32)
 
 
@@ -292,44 +292,66 @@ def _top(fmt: Format):
   return np.float32(fmt.top if fmt.levels == "uniform" else 1.0)
 
 
+def _recip_up(c: float) -> np.float32:
+  """float32 reciprocal of c, rounded up."""
+  r = np.float32(1.0 / c)
+  return r if float(r) * c >= 1.0 else np.nextafter(r, np.float32(np.inf))
+
+
+def _ceil_div_bf16(v, c: float):
+  """Smallest bf16-exact w >= v / c (c a small integer constant), without division."""
+  w = ceil_to_bf16(v * _recip_up(c))
+  return jnp.where(w * np.float32(c) < v, _next_bf16(w), w)  # exact product
+
+
+def _ceil_quotient(v, d, kmax):
+  """ceil(v / d) clipped to [0, kmax], for d with <= 16 significant bits; exact."""
+  k = jnp.clip(jnp.ceil(v / jnp.where(d > 0, d, 1.0)), 0, kmax)  # guess
+  k = jnp.where((k > 0) & ((k - 1) * d >= v), k - 1, k)  # exact products
+  return jnp.where((k < kmax) & (k * d < v), k + 1, k)
+
+
+def _floor_quotient(v, d, kmax):
+  """floor(v / d) clipped to [0, kmax], for d with <= 16 significant bits; exact."""
+  k = jnp.clip(jnp.floor(v / jnp.where(d > 0, d, 1.0)), 0, kmax)  # guess
+  k = jnp.where((k > 0) & (k * d > v), k - 1, k)
+  return jnp.where((k < kmax) & ((k + 1) * d <= v), k + 1, k)
+
+
 def _scales_hier(a, fmt: Format, keys, group_idx):
-  """a = |x| [S, G, CB, P] -> (k f32 [S, G], unit f32 [S] (bf16-exact), t)."""
+  """a = |x| [S, G, CB, P] -> (k f32 [S, G], unit f32 [S], element scale s [S, G]).
+
+  ``"up"``: ``k = ceil(gmax / (U top))``; elements are normalised by the
+  decoded scale ``s = k U`` (so ``a <= top s``). ``"stochastic"``: the group
+  max rounded up to bf16, ``g``, normalises the elements and ``k`` is rounded
+  stochastically with ``E[k U] = g``. Both unbiased.
+  """
   top = _top(fmt)
   gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
-  smax = jnp.max(gmax, axis=-1)
-  unit = ceil_to_bf16(smax / (top * np.float32(_UNIT_MAX)))
-  live = unit > 0
-  ut = jnp.where(live, unit, 1.0)[:, None] * top  # exact: 8 x 7 significant bits
-  q = gmax / ut
   if fmt.scale_rounding == "up":
-    k = jnp.ceil(q)
-    k = jnp.where(k * ut < gmax, k + 1, k)  # exact product; guards the division
-  else:
-    k0, k1, _, _ = keys
-    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(_STREAM_SCALE), k1, group_idx))
-    kf = jnp.floor(q)
-    k = kf + (u < q - kf).astype(jnp.float32)
-  k = jnp.where(live[:, None], jnp.clip(k, 0, _UNIT_MAX), 0.0)
-  if fmt.scale_rounding == "up":
+    unit = _ceil_div_bf16(jnp.max(gmax, axis=-1), float(top) * _UNIT_MAX)
+    live = unit > 0
+    ut = unit[:, None] * top  # exact: 8 x 7 significant bits
+    k = _ceil_quotient(gmax, ut, _UNIT_MAX)
     s = k * unit[:, None]  # exact: 8 x 8 significant bits
   else:
-    s = gmax / top
-  t = _normalise(a, s, top)
-  return k, unit, t
+    g = _ceil_div_bf16(gmax, float(top))  # bf16-exact, g top >= gmax
+    unit = _ceil_div_bf16(jnp.max(g, axis=-1), _UNIT_MAX)
+    live = unit > 0
+    u1 = unit[:, None]
+    kf = _floor_quotient(g, u1, _UNIT_MAX)
+    k0, k1, _, _ = keys
+    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(_STREAM_SCALE), k1, group_idx))
+    # P(k = kf + 1) = (g - kf U) / U, decided as u U < g - kf U (exact products)
+    k = kf + ((u * u1 < g - kf * u1) & (kf < _UNIT_MAX)).astype(jnp.float32)
+    s = g
+  k = jnp.where(live[:, None], k, 0.0)
+  return k, unit, s
 
 
 def _scales_flat(a, fmt: Format):
-  """a = |x| [S, G, CB, P] -> (scale f32 [S, G] (bf16-exact), t)."""
-  top = _top(fmt)
-  gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
-  s = ceil_to_bf16(gmax / top)
-  s = jnp.where(s * top < gmax, _next_bf16(s), s)
-  return s, _normalise(a, s, top)
-
-
-def _normalise(a, s, top):
-  safe = jnp.where(s > 0, s, 1.0)[..., None, None]
-  return jnp.where(s[..., None, None] > 0, jnp.minimum(a / safe, top), 0.0)
+  """a = |x| [S, G, CB, P] -> bf16-exact group scales s [S, G] with ``a <= top s``."""
+  return _ceil_div_bf16(jnp.max(jnp.max(a, axis=-1), axis=-1), float(_top(fmt)))
 
 
 def encode_block(x, fmt: Format, *, lookup, idx, keys, rank, strata: int):
@@ -352,13 +374,13 @@ def encode_block(x, fmt: Format, *, lookup, idx, keys, rank, strata: int):
   a = jnp.abs(x)
   if fmt.hierarchical:
     group_idx = jnp.min(jnp.min(idx, axis=-1), axis=-1) // np.uint32(SUPERGROUP // fmt.groups)
-    k, scale, t = _scales_hier(a, fmt, keys, group_idx)
+    k, scale, s = _scales_hier(a, fmt, keys, group_idx)
     k = k.astype(jnp.uint8)
   else:
-    scale, t = _scales_flat(a, fmt)
+    scale = s = _scales_flat(a, fmt)
     k = None
   u = _uniforms(idx, keys, rank, strata)
-  lvl = _round_levels(t, fmt, lookup, u, rng.strata_count(strata))
+  lvl = _round_levels(a, s[..., None, None], fmt, lookup, u, rng.strata_count(strata))
   r = fmt.top
   codes = jnp.where(x < 0, r - lvl, r + lvl).astype(jnp.uint32)
   shifts = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 3) * np.uint32(fmt.bits)

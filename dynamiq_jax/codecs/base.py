@@ -9,12 +9,14 @@ two methods:
   coordinates over ``n`` ranks puts into payloads, metadata included. Each
   rank of a bandwidth-optimal schedule sends ``2 (n - 1) / n`` of it, so
   ``wire_bits / d`` is the paper's bits per coordinate.
-* ``prepare(x, *, ctx, run, key_words, bucket)``: takes this rank's flat
+* ``prepare(x, *, ctx, run, key_words, bucket, implementation)``: takes this rank's flat
   float32 bucket ``x`` (already pre-divided by ``n`` when averaging), runs any
   metadata collective it needs (through ``run``, the schedule executor, or a
   ``pmax``), and returns :class:`Prepared`: the local data cut into ``n``
   chunks, the per-hop operations, and a ``finish`` function that turns the
   decoded chunks back into a flat float32 vector of length ``len(x)``.
+  ``implementation`` (None, "pallas" or "xla") selects Pallas kernels where
+  the codec has them (:mod:`pallas_kernels.dynamiq`).
 
 Chunks and payloads are pytrees of arrays; a chunk's arrays are the local
 data of one chunk index, the ``chunks`` pytree carries a leading axis of
@@ -88,7 +90,8 @@ class Codec(Protocol):
     ...
 
   def prepare(self, x: jax.Array, *, ctx: AxisContext, run: Runner,
-              key_words: tuple[jax.Array, jax.Array], bucket: int) -> Prepared:
+              key_words: tuple[jax.Array, jax.Array], bucket: int,
+              implementation: str | None = None) -> Prepared:
     ...
 
 

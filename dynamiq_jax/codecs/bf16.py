@@ -30,8 +30,8 @@ class _CastCodec:
   def wire_bits(self, d: int, n: int) -> int:
     return self._bits * _padded(d, n)
 
-  def prepare(self, x, *, ctx, run, key_words, bucket):
-    del run, key_words, bucket
+  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None):
+    del run, key_words, bucket, implementation
     d = x.shape[0]
     chunks = jnp.pad(x, (0, _padded(d, ctx.n) - d)).reshape(ctx.n, -1)
     dtype = self._dtype

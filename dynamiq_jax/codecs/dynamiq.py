@@ -40,6 +40,7 @@ import numpy as np
 
 from dynamiq_jax.codecs import allocation
 from dynamiq_jax.codecs.base import HopOps, Prepared
+from pallas_kernels import dynamiq as kernels
 from pallas_kernels import dynamiq_format as fmt_lib
 from pallas_kernels import rng
 
@@ -213,7 +214,7 @@ class DynamiQ:
 
   # -- the all-reduce ------------------------------------------------------------
 
-  def prepare(self, x, *, ctx, run, key_words, bucket):
+  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None):
     d = x.shape[0]
     n = ctx.n
     lay = self.layout(d, n)
@@ -238,7 +239,7 @@ class DynamiQ:
         offset += cap
       chunks = tuple(chunks)
 
-    ops = _dynamiq_ops(self, lay, ctx, key_words, bucket)
+    ops = _dynamiq_ops(self, lay, ctx, key_words, bucket, implementation)
 
     def finish(decoded):
       dec = jnp.concatenate([c.reshape(-1, SUPERGROUP) for c in decoded], axis=0)
@@ -356,13 +357,15 @@ def _stats_ops(key_words, bucket) -> HopOps:
   return HopOps(encode_vals, decode, decode_add_encode, decode_add)
 
 
-def _dynamiq_ops(codec: DynamiQ, lay: DynamiQLayout, ctx, key_words, bucket) -> HopOps:
+def _dynamiq_ops(codec: DynamiQ, lay: DynamiQLayout, ctx, key_words, bucket,
+                 implementation) -> HopOps:
   n = ctx.n
   strata = n if codec.correlated else 1
   rank = ctx.rank()
   kw0, kw1 = key_words
   classes = [(w, codec.format(w), cap // n) for w, cap in lay.capacities]
   sizes = [s * f.record_bytes for _, f, s in classes]
+  impl = dict(implementation=implementation)
 
   def keys(w, c, hop):
     k0, k1 = rng.derive_key(kw0, kw1, bucket, w, c, hop, _STREAM_ROUND)
@@ -381,21 +384,21 @@ def _dynamiq_ops(codec: DynamiQ, lay: DynamiQLayout, ctx, key_words, bucket) -> 
 
   def encode(chunk, c, hop):
     return join([
-        fmt_lib.compress_reference(x, f, keys=keys(w, c, hop), rank=rank, strata=strata)
+        kernels.compress(x, f, keys=keys(w, c, hop), rank=rank, strata=strata, **impl)
         for (w, f, _), x in zip(classes, chunk)])
 
   def decode(payload):
-    return tuple(fmt_lib.decompress_reference(p, f)
+    return tuple(kernels.decompress(p, f, **impl)
                  for (_, f, _), p in zip(classes, split(payload)))
 
   def decode_add_encode(payload, chunk, c, hop):
     return join([
-        fmt_lib.decompress_accumulate_recompress_reference(
-            p, x, f, keys=keys(w, c, hop), rank=rank, strata=strata)
+        kernels.decompress_accumulate_recompress(
+            p, x, f, keys=keys(w, c, hop), rank=rank, strata=strata, **impl)
         for (w, f, _), p, x in zip(classes, split(payload), chunk)])
 
   def decode_add(payload, chunk):
-    return tuple(fmt_lib.decompress_accumulate_reference(p, x, f)
+    return tuple(kernels.decompress_accumulate(p, x, f, **impl)
                  for (_, f, _), p, x in zip(classes, split(payload), chunk))
 
   return HopOps(encode, decode, decode_add_encode, decode_add)

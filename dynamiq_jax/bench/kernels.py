@@ -1,0 +1,201 @@
+"""Kernel benchmark: DynamiQ's hop operations, Pallas vs the unfused XLA reference.
+
+    python -m dynamiq_jax.bench.kernels                  # on a GPU: 2^20 .. 2^28 coordinates
+    python -m dynamiq_jax.bench.kernels --tiny           # smoke test (CPU: interpret mode)
+
+For every size, code width and operation it times the Pallas kernel and the
+jnp reference compiled by XLA, each after a warm-up, as the median over
+repeats of ``reps`` back-to-back launches inside one jitted loop (the loop
+index is tied to the inputs with an optimisation barrier so that XLA cannot
+hoist the work), synchronised before the host clock is read. Achieved GB/s
+count the *minimal* bytes of each operation — payload in + local values in
++ payload out (decoded float32 out for the decompressing ones) — and are set
+against the device's copy bandwidth measured in the same run (read + write
+of a large float32 array).
+
+It also records which Pallas GPU backends can lower the format's table
+gather (the capability that decided Triton over Mosaic GPU; see
+``pallas_kernels/dynamiq.py``). Writes ``docs/results/kernels_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import time
+
+import numpy as np
+
+__all__ = ["main"]
+
+OPS = ("compress", "decompress", "decompress_accumulate", "decompress_accumulate_recompress")
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.kernels")
+  p.add_argument("--log2-sizes", default="20,22,24,26,28",
+                 help="comma-separated log2 of coordinates per call")
+  p.add_argument("--bits", default="2,4,8")
+  p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                 help="dtype of the local values")
+  p.add_argument("--reps", type=int, default=20, help="launches per timed loop")
+  p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is kept")
+  p.add_argument("--tiny", action="store_true", help="smoke-test sizes (CI)")
+  p.add_argument("--out", default=None)
+  return p.parse_args(argv)
+
+
+def backend_check() -> dict:
+  """Whether each Pallas GPU backend lowers a level-table gather (cuda target)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pltr
+
+  def kernel(tab_ref, idx_ref, o_ref):
+    o_ref[...] = tab_ref[idx_ref[...]]
+
+  def call(tab, idx, params):
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(idx.shape, jnp.float32), grid=(1,),
+        in_specs=[pl.BlockSpec(tab.shape, lambda i: (0,)), pl.BlockSpec(idx.shape, lambda i: (0, 0))],
+        out_specs=pl.BlockSpec(idx.shape, lambda i: (0, 0)), compiler_params=params)(tab, idx)
+
+  tab = jax.ShapeDtypeStruct((128,), jnp.float32)
+  idx = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+  out = {}
+  for name, params in (("triton", pltr.CompilerParams(num_warps=4, num_stages=1)),
+                       ("mosaic_gpu", None)):
+    try:
+      jax.jit(lambda t, i: call(t, i, params)).trace(tab, idx).lower(lowering_platforms=("cuda",))
+      out[name] = "lowers"
+    except Exception as e:  # report whatever the lowering says
+      out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return out
+
+
+def main(argv=None):
+  args = _parse(argv)
+  import jax
+  import jax.numpy as jnp
+
+  from dynamiq_jax.bench import common
+  from pallas_kernels import dynamiq as K
+  from pallas_kernels import dynamiq_format as F
+  from pallas_kernels import rng
+
+  on_gpu = jax.default_backend() == "gpu"
+  if args.tiny:
+    sizes = [1 << 12]
+    args.reps, args.repeats = 2, 1
+  else:
+    sizes = [1 << int(v) for v in args.log2_sizes.split(",")]
+  widths = [int(b) for b in args.bits.split(",")]
+  dtype = jnp.dtype(args.dtype)
+  device = jax.devices()[0]
+  kind = getattr(device, "device_kind", device.platform)
+
+  def timed(fn, *operands):
+    """Median seconds per launch of fn(i, *operands) over `repeats` loops of `reps`."""
+
+    shape = jax.eval_shape(fn, jnp.int32(0), *operands)
+
+    @jax.jit
+    def loop(*ops):
+      # The whole output is the loop carry, so XLA must produce all of it (a
+      # reduction to one element would let it compute only that part).
+      def body(i, carry):
+        del carry
+        tied = jax.lax.optimization_barrier((i, ops))[1]
+        return fn(i, *tied)
+      return jax.lax.fori_loop(0, args.reps, body, jnp.zeros(shape.shape, shape.dtype))
+
+    jax.block_until_ready(loop(*operands))  # compile + warm-up
+    jax.block_until_ready(loop(*operands))
+    runs = []
+    for _ in range(args.repeats):
+      t = time.perf_counter()
+      jax.block_until_ready(loop(*operands))
+      runs.append((time.perf_counter() - t) / args.reps)
+    return statistics.median(runs)
+
+  # Copy bandwidth: read + write of the largest float32 buffer used here.
+  big = jnp.zeros((max(sizes),), jnp.float32)
+  copy_s = timed(lambda i, a: a + jnp.asarray(i, jnp.float32), big)
+  copy_gbs = 2 * big.nbytes / copy_s / 1e9
+
+  rows = []
+  for bits in widths:
+    fmt = F.Format(bits=bits)
+    for size in sizes:
+      s_count = size // 256
+      x = jax.random.normal(jax.random.key(0), (s_count, 256), jnp.float32).astype(dtype)
+      k0, k1 = rng.derive_key(1, 2)
+      payload = F.compress_reference(x, fmt, keys=(k0, k1, k0, k1))
+      pay_b = payload.size
+      x_b = x.size * dtype.itemsize
+      dec_b = size * 4
+      minimal = {"compress": x_b + pay_b, "decompress": pay_b + dec_b,
+                 "decompress_accumulate": pay_b + x_b + dec_b,
+                 "decompress_accumulate_recompress": 2 * pay_b + x_b}
+      for op in OPS:
+        for impl in ("pallas", "xla"):
+          interpret = None if on_gpu else True
+
+          def keys_of(i):
+            a, b = rng.derive_key(i, 7)
+            return (a, b, b, a)
+
+          kw = dict(implementation=impl, interpret=interpret if impl == "pallas" else None)
+          if op == "compress":
+            f = lambda i, x: K.compress(x, fmt, keys=keys_of(i), strata=8, **kw)
+            operands = (x,)
+          elif op == "decompress":
+            f = lambda i, p: K.decompress(p, fmt, **kw)
+            operands = (payload,)
+          elif op == "decompress_accumulate":
+            f = lambda i, p, x: K.decompress_accumulate(p, x, fmt, **kw)
+            operands = (payload, x)
+          else:
+            f = lambda i, p, x: K.decompress_accumulate_recompress(p, x, fmt, keys=keys_of(i),
+                                                                   strata=8, **kw)
+            operands = (payload, x)
+          sec = timed(f, *operands)
+          rows.append({"bits": bits, "coords": size, "op": op, "impl": impl,
+                       "seconds": sec, "minimal_bytes": minimal[op],
+                       "gbs": minimal[op] / sec / 1e9,
+                       "fraction_of_copy": minimal[op] / sec / 1e9 / copy_gbs})
+
+  print(f"\nDynamiQ kernels on {kind} ({jax.default_backend()}, jax {jax.__version__}); local "
+        f"values {args.dtype}; copy bandwidth {copy_gbs:.1f} GB/s (read+write, float32)")
+  if not on_gpu:
+    print("no GPU: Pallas runs in interpret mode; these numbers only show that the "
+          "benchmark runs")
+  print(f"{'bits':>4} {'coords':>10} {'op':<34} {'pallas ms':>10} {'GB/s':>8} {'%copy':>6} "
+        f"{'xla ms':>9} {'xla/pallas':>10}")
+  for r in rows:
+    if r["impl"] != "pallas":
+      continue
+    x = next(q for q in rows if q["impl"] == "xla" and q["op"] == r["op"]
+             and q["bits"] == r["bits"] and q["coords"] == r["coords"])
+    r["speedup_vs_xla"] = x["seconds"] / r["seconds"]
+    print(f"{r['bits']:>4} {r['coords']:>10} {r['op']:<34} {r['seconds'] * 1e3:>10.3f} "
+          f"{r['gbs']:>8.1f} {r['fraction_of_copy']:>6.1%} {x['seconds'] * 1e3:>9.3f} "
+          f"{r['speedup_vs_xla']:>10.2f}")
+  backends = backend_check()
+  print("Pallas GPU backends, level-table gather lowering for cuda:",
+        ", ".join(f"{k}: {v}" for k, v in backends.items()))
+  out = common.results_dir(args.out)
+  name = re.sub(r"[^A-Za-z0-9]+", "_", kind).strip("_").lower() or "device"
+  path = common.write_json(os.path.join(out, f"kernels_{name}{'_tiny' if args.tiny else ''}.json"), {
+      "command": common.command_line(), "machine": common.machine(), "device_kind": kind,
+      "local_dtype": args.dtype, "copy_gbs": copy_gbs, "reps": args.reps,
+      "repeats": args.repeats, "backend_lowering": backends, "results": rows})
+  print(f"wrote {path}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
