@@ -9,6 +9,9 @@ from dynamiq_jax import schedules
 from dynamiq_jax.allreduce import AllReduceStats
 from dynamiq_jax.allreduce import allreduce
 from dynamiq_jax.allreduce import wire_stats
+from dynamiq_jax.registry import REDUCERS
+from dynamiq_jax.registry import codec_from_name
+from dynamiq_jax.registry import reducer
 from dynamiq_jax.simulate import simulate
 from dynamiq_jax.train import as_varying
 from dynamiq_jax.train import baseline_psum
@@ -24,6 +27,9 @@ __all__ = [
     "AllReduceStats",
     "allreduce",
     "wire_stats",
+    "REDUCERS",
+    "codec_from_name",
+    "reducer",
     "simulate",
     "as_varying",
     "baseline_psum",

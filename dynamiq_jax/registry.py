@@ -1,0 +1,76 @@
+"""Names for gradient reductions, for command-line flags and benchmarks.
+
+    tx = optax.chain(dq.reducer("dynamiq", "data", bits=5), optax.adamw(1e-3))
+
+``reducer(name, axis_name, **options)`` returns the optax transform that
+all-reduces gradients over ``axis_name``; :data:`REDUCERS` lists the names.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+import optax
+
+from dynamiq_jax import codecs
+from dynamiq_jax.train import baseline_psum
+from dynamiq_jax.transform import compressed_psum
+
+__all__ = ["REDUCERS", "reducer", "codec_from_name"]
+
+
+def _dynamiq(bits=5.0, **kw):
+  return codecs.DynamiQ(bits=bits, **kw)
+
+
+_CODECS: dict[str, Callable[..., object]] = {
+    "dynamiq": _dynamiq,
+    "bf16-ring": lambda **kw: codecs.Bf16(**kw),
+    "f32-ring": lambda **kw: codecs.F32(**kw),
+}
+
+_PSUMS = {
+    "psum-bf16": jnp.bfloat16,
+    "psum-f32": jnp.float32,
+}
+
+REDUCERS = tuple(sorted(_PSUMS)) + tuple(sorted(_CODECS))
+"""Every name :func:`reducer` accepts."""
+
+
+def codec_from_name(name: str, **options):
+  """The codec registered as ``name`` (e.g. ``"dynamiq"``), built with ``options``."""
+  try:
+    make = _CODECS[name]
+  except KeyError:
+    raise ValueError(f"codec {name!r} is not one of {sorted(_CODECS)}") from None
+  return make(**options)
+
+
+def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 0,
+            average: bool = True, implementation=None, **options
+            ) -> optax.GradientTransformationExtraArgs:
+  """The gradient all-reduce called ``name`` as an optax transform.
+
+  Args:
+    name: ``"psum-bf16"`` / ``"psum-f32"`` (XLA's all-reduce of gradients cast
+      to that dtype) or a codec name (``"dynamiq"``, ``"bf16-ring"``, ...)
+      run through :func:`dynamiq_jax.compressed_psum`.
+    axis_name: the data-parallel axis.
+    schedule, seed, average, implementation: as for ``compressed_psum``
+      (ignored by the ``psum-*`` reducers, except ``average``).
+    **options: codec options, e.g. ``bits=4`` for DynamiQ.
+
+  Examples:
+    >>> import dynamiq_jax as dq
+    >>> tx = dq.reducer("dynamiq", "data", bits=4)
+  """
+  if name in _PSUMS:
+    if options:
+      raise ValueError(f"reducer {name!r} takes no codec options, got {sorted(options)}")
+    return baseline_psum(axis_name, dtype=_PSUMS[name], average=average)
+  if name not in _CODECS:
+    raise ValueError(f"reducer {name!r} is not one of {list(REDUCERS)}")
+  return compressed_psum(axis_name, codec=codec_from_name(name, **options), schedule=schedule,
+                         average=average, seed=seed, implementation=implementation)
