@@ -26,25 +26,34 @@ from dynamiq_jax.schedules.executor import execute
 from dynamiq_jax.schedules.plan import get_plan
 from pallas_kernels import rng
 
-__all__ = ["allreduce", "AllReduceStats", "wire_stats", "DEFAULT_BUCKET_SIZE"]
+__all__ = [
+    "allreduce", "AllReduceStats", "wire_stats", "init_codec_state", "DEFAULT_BUCKET_SIZE",
+]
 
 DEFAULT_BUCKET_SIZE = 1 << 26
 """Coordinates per bucket (256 MiB of float32 staging)."""
 
 
 class AllReduceStats(NamedTuple):
-  """What one all-reduce put on the wire.
+  """What one all-reduce put on the wire, and what it leaves for the next.
 
   Attributes:
     bits_per_coord: total payload bits (metadata and padding included) per
       gradient coordinate: the paper's b. Each rank sends ``2 (n-1)/n`` of it.
     bytes_per_rank: bytes each rank sends in one all-reduce.
     coords: number of gradient coordinates reduced.
+    codec_state: the codec's state after this call, one entry per bucket
+      (None for stateless codecs); pass it back as ``codec_state=``.
+    own: with ``return_own=True``, this rank's input as the codec represented
+      it in the result (float32 tree, input units): ``input - own`` is the
+      residual error feedback carries over.
   """
 
   bits_per_coord: Any
   bytes_per_rank: Any
   coords: Any
+  codec_state: Any = None
+  own: Any = None
 
 
 def _varying_axes(x) -> frozenset:
@@ -137,17 +146,34 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE) -
   Returns:
     :class:`AllReduceStats` of Python numbers.
   """
-  sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(tree)]
-  total = sum(sizes)
+  total = _total(tree)
   if total == 0:
     return AllReduceStats(0.0, 0.0, 0)
   bits = sum(codec.wire_bits(e - s, n) for s, e in _bucket_bounds(total, bucket_size, codec))
   return AllReduceStats(bits / total, bits / 8 * 2 * (n - 1) / n, total)
 
 
+def _total(tree) -> int:
+  return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(tree))
+
+
+def init_codec_state(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE):
+  """The codec's initial state for ``allreduce(tree)`` over ``n`` ranks (None if stateless).
+
+  Its structure and shapes do not depend on ``n``; only its values do.
+  """
+  init = getattr(codec, "init_state", None)
+  total = _total(tree)
+  if init is None or total == 0:
+    return None
+  states = tuple(init(e - s, n) for s, e in _bucket_bounds(total, bucket_size, codec))
+  return None if all(s is None for s in states) else states
+
+
 def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
               average: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
-              implementation: str | None = None):
+              implementation: str | None = None, codec_state=None,
+              return_own: bool = False):
   """Compressed all-reduce of a gradient pytree over ``axis_name``.
 
   Args:
@@ -167,6 +193,10 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     implementation: ``None`` (Pallas kernels on GPU, the jnp reference
       elsewhere), ``"pallas"`` (kernels; interpreted off GPU) or ``"xla"``.
       Both give bit-identical results.
+    codec_state: the state of a stateful codec from the previous call
+      (``stats.codec_state``); None starts from :func:`init_codec_state`.
+    return_own: also return this rank's contribution as represented
+      (``stats.own``), for error feedback.
 
   Returns:
     ``(tree, stats)``: the reduced pytree (same structure, shapes and dtypes;
@@ -188,6 +218,11 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     >>> bool(jnp.allclose(out[0], g.mean(0)))
     True
   """
+  if return_own and not getattr(codec, "reports_contribution", False):
+    raise ValueError(
+        f"{type(codec).__name__} cannot report a rank's own contribution, which error "
+        f"feedback needs; use error feedback with MX, THC, OmniReduce or GlobalQSGD "
+        f"(DynamiQ is unbiased and needs none)")
   leaves, treedef = _check_leaves(tree)
   ctx = axis_context(axis_name)
   _check_varying(leaves, ctx)
@@ -195,23 +230,43 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
   sizes = [a.size for a in arrays]
   total = sum(sizes)
   report = wire_stats(arrays, codec=codec, n=ctx.n, bucket_size=bucket_size)
-  stats = AllReduceStats(jnp.float32(report.bits_per_coord),
-                         jnp.float32(report.bytes_per_rank), jnp.int32(total))
   if total == 0:
-    return tree, stats
+    return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0))
+  bounds = _bucket_bounds(total, bucket_size, codec)
+  if codec_state is None:
+    codec_state = init_codec_state(arrays, codec=codec, n=ctx.n, bucket_size=bucket_size)
+  states = codec_state if codec_state is not None else (None,) * len(bounds)
+  if len(states) != len(bounds):
+    raise ValueError(f"codec_state holds {len(states)} buckets, the tree needs {len(bounds)}")
   plan = get_plan(schedule, ctx.n)
   run = functools.partial(execute, plan, ctx)
   key_words = _key_words(key)
   flat = jnp.concatenate([a.reshape(-1).astype(jnp.float32) for a in arrays])
   if average:
     flat = flat / np.float32(ctx.n)
-  outs = []
-  for b, (s, e) in enumerate(_bucket_bounds(total, bucket_size, codec)):
+  outs, new_states, owns = [], [], []
+  for b, (s, e) in enumerate(bounds):
     with jax.named_scope(f"allreduce/bucket{b}"):
       prep = codec.prepare(flat[s:e], ctx=ctx, run=run, key_words=key_words, bucket=b,
-                           implementation=implementation)
-      outs.append(prep.finish(run(prep.chunks, prep.ops)))
+                           implementation=implementation, state=states[b])
+      out, new_state = prep.finish(run(prep.chunks, prep.ops))
+      outs.append(out)
+      new_states.append(new_state)
+      if return_own:
+        owns.append(prep.own())
+
+  def unflatten(vec, cast):
+    pieces = jnp.split(vec, np.cumsum(sizes)[:-1])
+    leaves_out = [p.reshape(a.shape).astype(a.dtype if cast else jnp.float32)
+                  for p, a in zip(pieces, arrays)]
+    return jax.tree_util.tree_unflatten(treedef, leaves_out)
+
   out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-  pieces = jnp.split(out, np.cumsum(sizes)[:-1])
-  result = [p.reshape(a.shape).astype(a.dtype) for p, a in zip(pieces, arrays)]
-  return jax.tree_util.tree_unflatten(treedef, result), stats
+  own = None
+  if return_own:
+    own_flat = jnp.concatenate(owns) if len(owns) > 1 else owns[0]
+    own = unflatten(own_flat * np.float32(ctx.n) if average else own_flat, cast=False)
+  stats = AllReduceStats(
+      jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank), jnp.int32(total),
+      codec_state=None if all(v is None for v in new_states) else tuple(new_states), own=own)
+  return unflatten(out, cast=True), stats

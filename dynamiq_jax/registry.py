@@ -28,6 +28,14 @@ _CODECS: dict[str, Callable[..., object]] = {
     "dynamiq": _dynamiq,
     "bf16-ring": lambda **kw: codecs.Bf16(**kw),
     "f32-ring": lambda **kw: codecs.F32(**kw),
+    "mxfp8": lambda **kw: codecs.MX(element="e4m3", **kw),
+    "mxfp6": lambda **kw: codecs.MX(element="e3m2", **kw),
+    "mxfp4": lambda **kw: codecs.MX(element="e2m1", **kw),
+    "mxfp8-ocp": lambda **kw: codecs.MX(element="e4m3", scale="e8m0", **kw),
+    "thc": lambda **kw: codecs.THC(**kw),
+    "thc120": lambda **kw: codecs.THC(levels=120, **kw),
+    "omnireduce": lambda **kw: codecs.OmniReduce(**kw),
+    "globalqsgd": lambda **kw: codecs.GlobalQSGD(**kw),
 }
 
 _PSUMS = {
@@ -49,18 +57,23 @@ def codec_from_name(name: str, **options):
 
 
 def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 0,
-            average: bool = True, implementation=None, **options
-            ) -> optax.GradientTransformationExtraArgs:
+            average: bool = True, implementation=None, error_feedback: bool = False,
+            **options) -> optax.GradientTransformationExtraArgs:
   """The gradient all-reduce called ``name`` as an optax transform.
 
   Args:
     name: ``"psum-bf16"`` / ``"psum-f32"`` (XLA's all-reduce of gradients cast
-      to that dtype) or a codec name (``"dynamiq"``, ``"bf16-ring"``, ...)
-      run through :func:`dynamiq_jax.compressed_psum`.
+      to that dtype) or a codec name run through
+      :func:`dynamiq_jax.compressed_psum`: ``"dynamiq"``, ``"mxfp8"``,
+      ``"mxfp6"``, ``"mxfp4"`` (the paper's adaptation), ``"mxfp8-ocp"``
+      (E8M0 scales), ``"thc"`` (16 levels), ``"thc120"``, ``"omnireduce"``,
+      ``"globalqsgd"``, ``"bf16-ring"``, ``"f32-ring"``.
     axis_name: the data-parallel axis.
-    schedule, seed, average, implementation: as for ``compressed_psum``
-      (ignored by the ``psum-*`` reducers, except ``average``).
-    **options: codec options, e.g. ``bits=4`` for DynamiQ.
+    schedule, seed, average, implementation, error_feedback: as for
+      ``compressed_psum`` (ignored by the ``psum-*`` reducers, except
+      ``average``).
+    **options: codec options, e.g. ``bits=4`` for DynamiQ, ``levels=120``
+      for THC.
 
   Examples:
     >>> import dynamiq_jax as dq
@@ -73,4 +86,5 @@ def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 
   if name not in _CODECS:
     raise ValueError(f"reducer {name!r} is not one of {list(REDUCERS)}")
   return compressed_psum(axis_name, codec=codec_from_name(name, **options), schedule=schedule,
-                         average=average, seed=seed, implementation=implementation)
+                         average=average, seed=seed, implementation=implementation,
+                         error_feedback=error_feedback)

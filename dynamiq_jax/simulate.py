@@ -24,20 +24,23 @@ SIM_AXIS = "dynamiq_sim"
 
 @functools.partial(jax.jit, static_argnames=("codec", "schedule", "average", "bucket_size",
                                              "implementation"))
-def _run(stacked, key, *, codec, schedule, average, bucket_size, implementation):
+def _run(stacked, key, codec_state, *, codec, schedule, average, bucket_size, implementation):
 
   def one(tree):
-    out, _ = allreduce(
+    out, stats = allreduce(
         tree, axis_name=SIM_AXIS, codec=codec, schedule=schedule, key=key,
-        average=average, bucket_size=bucket_size, implementation=implementation)
-    return out
+        average=average, bucket_size=bucket_size, implementation=implementation,
+        codec_state=codec_state)
+    return out, stats.codec_state
 
-  return jax.vmap(one, axis_name=SIM_AXIS)(stacked)
+  out, state = jax.vmap(one, axis_name=SIM_AXIS)(stacked)
+  return out, jax.tree.map(lambda s: s[0], state)  # identical on every worker
 
 
 def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
              average: bool = True,
-             bucket_size: int = DEFAULT_BUCKET_SIZE, implementation: str | None = None):
+             bucket_size: int = DEFAULT_BUCKET_SIZE, implementation: str | None = None,
+             codec_state=None, return_state: bool = False):
   """All-reduces per-worker gradients stacked on axis 0, on one device.
 
   Args:
@@ -52,9 +55,13 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
     average: mean (True) or sum (False).
     bucket_size: coordinates per bucket.
     implementation: as for :func:`dynamiq_jax.allreduce`.
+    codec_state: a stateful codec's state from a previous call (None: fresh).
+    return_state: also return the codec's state after this call, to carry
+      into the next (e.g. MX's adaptive scale over training rounds).
 
   Returns:
-    The per-worker results stacked on axis 0 (all rows identical).
+    The per-worker results stacked on axis 0 (all rows identical); with
+    ``return_state``, ``(results, codec_state)``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dynamiq_jax as dq
@@ -74,5 +81,6 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
         f"gradients with jax.tree.map(lambda *g: jnp.stack(g), *per_worker).")
   if key is None:
     key = jax.random.key(seed)
-  return _run(stacked, key, codec=codec, schedule=schedule, average=average,
-              bucket_size=bucket_size, implementation=implementation)
+  out, state = _run(stacked, key, codec_state, codec=codec, schedule=schedule,
+                    average=average, bucket_size=bucket_size, implementation=implementation)
+  return (out, state) if return_state else out

@@ -19,7 +19,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["as_varying", "baseline_psum", "data_parallel_step", "DataParallelStep"]
+__all__ = [
+    "as_varying", "baseline_psum", "data_parallel_init", "data_parallel_step",
+    "DataParallelStep",
+]
 
 
 def as_varying(tree, axis_name):
@@ -61,6 +64,38 @@ def baseline_psum(axis_name="data", *, dtype=jnp.bfloat16, average: bool = True
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _is_per_rank(x):
+  from dynamiq_jax.transform import PerRank
+  return isinstance(x, PerRank)
+
+
+def _state_specs(opt_state, axis_name):
+  """P(axis) for per-rank (error-feedback) leaves, P() for everything else."""
+  return jax.tree.map(
+      lambda x: jax.tree.map(lambda _: P(axis_name), x) if _is_per_rank(x) else P(),
+      opt_state, is_leaf=_is_per_rank)
+
+
+def data_parallel_init(tx: optax.GradientTransformation, params, *, mesh, axis_name="data"):
+  """``tx.init(params)`` placed for :func:`data_parallel_step`.
+
+  Replicated state goes to every device (``P()``); per-rank state (the
+  error-feedback residuals of ``compressed_psum(error_feedback=True)``) gets
+  one slice per rank along ``axis_name``.
+  """
+  state = tx.init(params)
+  n = mesh.shape[axis_name]
+  repl = NamedSharding(mesh, P())
+  split = NamedSharding(mesh, P(axis_name))
+
+  def place(x):
+    if _is_per_rank(x):
+      return jax.tree.map(lambda a: jax.device_put(jnp.repeat(a, n, axis=0), split), x)
+    return jax.device_put(x, repl)
+
+  return jax.tree.map(place, state, is_leaf=_is_per_rank)
+
+
 def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                        *, mesh, axis_name="data", has_aux: bool = False,
                        donate: bool = True):
@@ -83,10 +118,11 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss[, aux])``
-    with params and opt_state replicated and every batch leaf split over
-    ``axis_name`` along its leading axis (``jax.device_put`` it with
-    ``NamedSharding(mesh, P(axis_name))`` first). ``loss`` is the mean over
-    ranks.
+    with params replicated, the optimizer state placed by
+    :func:`data_parallel_init` (or ``jax.device_put`` to ``P()`` when it has
+    no per-rank part), and every batch leaf split over ``axis_name`` along
+    its leading axis (``jax.device_put`` it with ``NamedSharding(mesh,
+    P(axis_name))`` first). ``loss`` is the mean over ranks.
   """
 
   def local(params, opt_state, batch):
@@ -99,15 +135,20 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
       return params, opt_state, out[0], out[1]
     return params, opt_state, out
 
-  n_out = 4 if has_aux else 3
-  step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axis_name)),
-                       out_specs=(P(),) * n_out, check_vma=True)
-  # Replicated outputs carry the sharding P() that replicated inputs carry, so
-  # feeding a step's outputs to the next step hits the jit cache.
-  replicated = NamedSharding(mesh, P())
-  jitted = jax.jit(step, out_shardings=(replicated,) * n_out,
+  def build(opt_state):
+    specs = _state_specs(opt_state, axis_name)
+    n_extra = 2 if has_aux else 1
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(axis_name)),
+                         out_specs=(P(), specs) + (P(),) * n_extra, check_vma=True)
+    # Replicated outputs carry the sharding P() that replicated inputs carry, so
+    # feeding a step's outputs to the next step hits the jit cache.
+    shard = lambda spec: NamedSharding(mesh, spec)
+    out_shardings = ((shard(P()), jax.tree.map(shard, specs))
+                     + (shard(P()),) * n_extra)
+    return jax.jit(step, out_shardings=out_shardings,
                    donate_argnums=(0, 1) if donate else ())
-  return DataParallelStep(jitted, sync=mesh.devices.flat[0].platform == "cpu")
+
+  return DataParallelStep(build, sync=mesh.devices.flat[0].platform == "cpu")
 
 
 class DataParallelStep:
@@ -120,13 +161,20 @@ class DataParallelStep:
   asynchronous.
 
   Attributes:
-    jitted: the underlying ``jax.jit`` function (``.lower``, ``._cache_size``).
+    jitted: the underlying ``jax.jit`` function (``.lower``, ``._cache_size``),
+      built at the first call (its shardings follow the optimizer state).
   """
 
-  def __init__(self, jitted, sync: bool):
-    self.jitted = jitted
+  def __init__(self, build, sync: bool):
+    self._build = build
+    self._built = {}
+    self.jitted = None
     self.sync = sync
 
   def __call__(self, params, opt_state, batch):
+    structure = jax.tree.structure(opt_state, is_leaf=_is_per_rank)
+    if structure not in self._built:
+      self._built[structure] = self._build(opt_state)
+    self.jitted = self._built[structure]
     out = self.jitted(params, opt_state, batch)
     return jax.block_until_ready(out) if self.sync else out

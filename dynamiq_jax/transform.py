@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,27 +10,49 @@ import optax
 
 from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.allreduce import allreduce
+from dynamiq_jax.allreduce import init_codec_state
 from dynamiq_jax.codecs.dynamiq import DynamiQ
 
-__all__ = ["CompressedPsumState", "compressed_psum"]
+__all__ = ["CompressedPsumState", "PerRank", "compressed_psum"]
+
+
+class PerRank(NamedTuple):
+  """Optimizer-state subtree that differs between ranks (error-feedback residuals).
+
+  Inside the mapped step every leaf has a leading axis of size 1; outside,
+  ``shard_map`` sees it with a leading axis of size n split over the data
+  axis (:func:`dynamiq_jax.data_parallel_init` and
+  :func:`dynamiq_jax.data_parallel_step` do this), and ``pmap`` with its usual
+  leading device axis.
+  """
+
+  tree: Any
 
 
 class CompressedPsumState(NamedTuple):
-  """State of :func:`compressed_psum`, identical on every rank.
+  """State of :func:`compressed_psum`.
 
   Attributes:
     step: int32 count of all-reduces done; folded into the rounding key.
     key: uint32[2] raw key data of the base key (from ``seed``).
+    codec_state: per-bucket state of a stateful codec (MX's scale
+      multiplier, OmniReduce's local top-k fraction), identical on every
+      rank; None for stateless codecs.
+    residual: with ``error_feedback=True``, each rank's residual
+      (:class:`PerRank`); otherwise None.
   """
 
   step: jax.Array
   key: jax.Array
+  codec_state: Any = None
+  residual: Any = None
 
 
 def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                     average: bool = True, seed: int = 0,
                     bucket_size: int = DEFAULT_BUCKET_SIZE,
                     implementation: str | None = None,
+                    error_feedback: bool = False,
                     ) -> optax.GradientTransformationExtraArgs:
   """Replaces ``jax.lax.pmean``/``psum`` of gradients with a compressed all-reduce.
 
@@ -53,11 +75,16 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     bucket_size: coordinates per bucket.
     implementation: ``None`` (Pallas kernels on GPU, the jnp reference
       elsewhere), ``"pallas"`` or ``"xla"``; bit-identical results.
+    error_feedback: keep each rank's compression residual and add it to the
+      next step's gradient (EF-SGD: ``p = g + e``, ``e <- p - C(p)``, where
+      ``C(p)`` is the rank's contribution as the codec represented it). For
+      the biased codecs (MX, OmniReduce's top-k, THC's clamping); the
+      residual is per-rank state (:class:`PerRank`).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``. Its state
-    (:class:`CompressedPsumState`) is replicated and ``init`` accepts
-    ``jax.ShapeDtypeStruct`` leaves.
+    An ``optax.GradientTransformationExtraArgs``. ``init`` accepts
+    ``jax.ShapeDtypeStruct`` leaves; its state (:class:`CompressedPsumState`)
+    is identical on every rank apart from the error-feedback residual.
 
   Examples:
     >>> import optax, dynamiq_jax as dq
@@ -66,18 +93,41 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
   codec = DynamiQ() if codec is None else codec
 
   def init_fn(params):
-    del params
+    residual = None
+    if error_feedback:
+      residual = PerRank(jax.tree.map(
+          lambda p: jnp.zeros((1,) + tuple(p.shape), jnp.float32), params))
     return CompressedPsumState(
         step=jnp.zeros([], jnp.int32),
-        key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32))
+        key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
+        # structure only: the values depend on the axis size, set at step 0
+        codec_state=init_codec_state(params, codec=codec, n=1, bucket_size=bucket_size),
+        residual=residual)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-    reduced, _ = allreduce(
-        updates, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
-        average=average, bucket_size=bucket_size, implementation=implementation)
+    codec_state = state.codec_state
+    if codec_state is not None:
+      fresh = init_codec_state(updates, codec=codec, n=jax.lax.axis_size(axis_name),
+                               bucket_size=bucket_size)
+      codec_state = jax.tree.map(lambda f, o: jnp.where(state.step == 0, f, o),
+                                 fresh, codec_state)
+    grads = updates
+    if error_feedback:
+      grads = jax.tree.map(lambda g, e: g.astype(jnp.float32) + e[0], updates,
+                           state.residual.tree)
+    reduced, stats = allreduce(
+        grads, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
+        average=average, bucket_size=bucket_size, implementation=implementation,
+        codec_state=codec_state, return_own=error_feedback)
+    residual = None
+    if error_feedback:
+      residual = PerRank(jax.tree.map(lambda p, c: (p - c)[None], grads, stats.own))
+      reduced = jax.tree.map(lambda r, u: r.astype(u.dtype), reduced, updates)
     return reduced, CompressedPsumState(
-        step=optax.safe_increment(state.step), key=state.key)
+        step=optax.safe_increment(state.step), key=state.key,
+        codec_state=stats.codec_state if codec_state is not None else None,
+        residual=residual)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,18 +1,28 @@
-"""vNMSE benchmark: DynamiQ against the authors' own simulator on the same data.
+"""vNMSE benchmark: every codec, on synthetic and on real gradients, beside the paper.
 
-    python -m dynamiq_jax.bench.vnmse            # full size (d = 2^20, n = 8), ~1 min on 2 cores
-    python -m dynamiq_jax.bench.vnmse --tiny     # smoke test
+    python -m dynamiq_jax.bench.vnmse            # full size: ~30 min on 2 CPU cores
+    python -m dynamiq_jax.bench.vnmse --tiny     # smoke test (CI)
 
-Runs :func:`dynamiq_jax.simulate` (the distributed code under ``vmap``) on
-the paper's synthetic gradient model (:mod:`dynamiq_jax.bench.reference`),
-ring, n = 8, and prints:
+Everything runs through :func:`dynamiq_jax.simulate` (the distributed code
+under ``vmap``). vNMSE = ||estimate - mean||^2 / ||mean||^2 against the exact
+float64 mean. Data:
 
-1. DynamiQ at the authors' all-in bit rate (5.1) and at the default 5.0,
-   beside the authors' "5-bit hierarchical + correlated" result;
-2. the budget sweep 3..6 bits, correlated and independent rounding, beside
-   the authors' 4- and 6-bit points.
+* ``iid`` / ``heavy``: the paper's synthetic gradient model, the same data as
+  the authors' own simulator results (:mod:`dynamiq_jax.bench.reference`);
+* ``lm-word`` / ``lm-byte``: real gradients of a small transformer LM trained
+  on the Python standard library's source text (:mod:`dynamiq_jax.bench.lm`),
+  snapshots at steps 0, 100 and 300, each worker's gradient on its own
+  micro-batch. ``lm-word`` has an 8192-token word vocabulary, like the
+  paper's LLMs (embedding/output rows of absent tokens make super-group
+  magnitudes heavy-tailed); ``lm-byte`` is byte-level (mild dispersion).
 
-Writes ``docs/results/vnmse_dynamiq.json`` and ``vnmse_dynamiq.png``.
+Tables: (1) DynamiQ against the authors' reference; (3) every codec at its
+bit budget, ring (and butterfly on synthetic), n = 8, like the paper's
+Table 3; (4) DynamiQ's budget sweep beside MXFP8 (Table 4); (6) the ablation
+ladder (Table 6); (S) vNMSE against n = 2..64 on real gradients and to 1024
+on synthetic ones. Stateful codecs (MXFP4's adaptive scale, OmniReduce's
+local k) run ``--rounds`` steps and report the mean of the last 4, as the
+authors did. Writes ``docs/results/vnmse.json`` and ``vnmse_*.png``.
 """
 
 from __future__ import annotations
@@ -22,130 +32,283 @@ import os
 
 import numpy as np
 
-__all__ = ["main"]
+__all__ = ["main", "codec_table", "ladder"]
 
 
 def _parse(argv):
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.vnmse")
-  p.add_argument("--d", type=int, default=1 << 20, help="coordinates per worker")
-  p.add_argument("--n", type=int, default=8, help="workers")
-  p.add_argument("--seeds", type=int, default=2, help="rounding seeds averaged per point")
+  p.add_argument("--d", type=int, default=1 << 20, help="synthetic coordinates per worker")
+  p.add_argument("--seeds", type=int, default=2, help="rounding seeds per stateless point")
+  p.add_argument("--rounds", type=int, default=60, help="steps for stateful codecs")
+  p.add_argument("--max-n", type=int, default=1024, help="largest n of the synthetic scaling")
+  p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dynamiq_jax"),
+                 help="where captured LM gradients are kept ('' to disable)")
+  p.add_argument("--no-real", action="store_true", help="skip the LM gradients")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
   p.add_argument("--out", default=None, help="results directory (default docs/results)")
   return p.parse_args(argv)
+
+
+def codec_table():
+  """(name, codec, authors' reference key for the ring, for the butterfly)."""
+  from dynamiq_jax.codecs import Bf16, DynamiQ, GlobalQSGD, MX, OmniReduce, THC
+  return [
+      ("DynamiQ 5b", DynamiQ(bits=5.0), "DynamiQ-5b hier+corr (ring)",
+       "DynamiQ-5b hier+corr (butterfly)"),
+      ("MXFP8", MX(element="e4m3"), "MXFP8 (ring)", "MXFP8 (butterfly)"),
+      ("MXFP6", MX(element="e3m2"), "MXFP6 (ring)", None),
+      ("MXFP4", MX(element="e2m1"), "MXFP4 (ring, mu converged)", None),
+      ("MXFP8 OCP-E8M0", MX(element="e4m3", scale="e8m0"), None, None),
+      ("THC 16", THC(levels=16), "THC, L=16 = 4 bit (ring)", None),
+      ("THC 120", THC(levels=120), "THC, launcher default L=120 (ring)", None),
+      ("OmniReduce", OmniReduce(), "OmniReduce top-k (50% blocks)", None),
+      ("Global-QSGD 8", GlobalQSGD(bits=8), None, None),
+      ("BF16 ring", Bf16(), None, None),
+  ]
+
+
+def ladder():
+  """The paper's Table-6 ablation ladder, rung by rung, at 5 bits."""
+  from dynamiq_jax.codecs import DynamiQ
+  base = dict(bits=5.0)
+  return [
+      ("uniform", DynamiQ(levels="uniform", variable_width=False, hierarchical=False,
+                          correlated=False, **base)),
+      ("+ non-uniform (MEE)", DynamiQ(variable_width=False, hierarchical=False,
+                                      correlated=False, **base)),
+      ("+ variable bit width", DynamiQ(hierarchical=False, correlated=False, **base)),
+      ("+ hierarchical scales", DynamiQ(correlated=False, **base)),
+      ("+ correlated rounding", DynamiQ(**base)),
+  ]
 
 
 def main(argv=None):
   args = _parse(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import dynamiq_jax as dq
-  from dynamiq_jax.bench import common
-  from dynamiq_jax.bench.reference import (AUTHORS_ALL_IN_BITS, AUTHORS_STATS_BITS,
-                                           AUTHORS_WIRE_BITS, REFERENCE,
-                                           paper_model_gradients, vnmse)
-  from dynamiq_jax.codecs import DynamiQ
+  from dynamiq_jax.bench import common, lm
+  from dynamiq_jax.bench.reference import (AUTHORS_ALL_IN_BITS, REFERENCE, paper_model_gradients,
+                                           vnmse)
+  from dynamiq_jax.codecs import DynamiQ, MX
   from tqdm.auto import tqdm
 
+  n = 8
   if args.tiny:
-    args.d, args.seeds = 1 << 14, 1
-  n, d = args.n, args.d
-  data = {}
+    args.d, args.seeds, args.rounds, args.max_n = 1 << 14, 1, 2, 4
+    lm_cfgs = {"lm-word": lm.LMConfig(vocab=1024, seq_len=32, d_model=32, heads=2, layers=1),
+               "lm-byte": lm.LMConfig(seq_len=32, d_model=32, heads=2, layers=1)}
+    lm_steps, lm_kw = (0, 3), dict(train_batch=4, micro_batch=2)
+  else:
+    lm_cfgs = {"lm-word": lm.LMConfig(vocab=8192, layers=2),
+               "lm-byte": lm.LMConfig()}
+    lm_steps, lm_kw = (0, 100, 300), {}
+  real_n = 64 if not args.tiny else 16
+  sizes_real = [k for k in (2, 4, 8, 16, 32, 64) if k <= real_n]
+  sizes_syn = [k for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k <= args.max_n]
 
-  def grads(ds, seed):
-    if (ds, seed) not in data:
-      data[(ds, seed)] = paper_model_gradients(ds, n, d, seed)
-    return data[(ds, seed)]
+  data = {("iid", 0): paper_model_gradients("iid", n, args.d, 0),
+          ("heavy", 0): paper_model_gradients("heavy", n, args.d, 0)}
+  info = {}
+  if not args.no_real:
+    for tag, cfg in lm_cfgs.items():
+      workers = {s: n for s in lm_steps}
+      workers[lm_steps[-1]] = real_n if tag == "lm-word" else n
+      grads, info[tag] = lm.cached_gradients(args.cache or None, tag, workers, lm_steps, cfg,
+                                             **lm_kw)
+      for s, g in grads.items():
+        if args.tiny:  # same shape as the synthetic data: compiled code is reused (smoke test only)
+          g = np.pad(g[:, :args.d], ((0, 0), (0, max(0, args.d - g.shape[1]))))
+        data[(tag, s)] = g
+  last = lm_steps[-1]
 
-  def measure(codec, ds, seed):
-    g = grads(ds, seed)
-    vals = [vnmse(np.asarray(dq.simulate(g, codec=codec, seed=s))[0], g)
-            for s in range(args.seeds)]
-    return float(np.mean(vals)), float(np.std(vals))
+  def measure(codec, g, schedule="ring"):
+    """vNMSE; stateful codecs run `rounds` steps, mean of the last 4."""
+    stateful = getattr(codec, "init_state", None) is not None and codec.init_state(1, 2) is not None
+    vals, state = [], None
+    for r in range(args.rounds if stateful else args.seeds):
+      if stateful:
+        out, state = dq.simulate(g, codec=codec, schedule=schedule, seed=r, codec_state=state,
+                                 return_state=True)
+      else:
+        out = dq.simulate(g, codec=codec, schedule=schedule, seed=r)
+      vals.append(vnmse(np.asarray(out)[0], g))
+    return float(np.mean(vals[-4:])) if stateful else float(np.mean(vals))
 
-  def ref(ds, method, seed):
-    v = REFERENCE.get((ds, n, method))
-    return None if v is None or d != 1 << 20 else v[seed]
+  def ref(ds, key, seed=0):
+    v = REFERENCE.get((ds, n, key)) if key else None
+    return None if v is None or args.d != 1 << 20 else v[seed]
 
   jobs = []
-  for ds in ("iid", "heavy"):
-    for seed in (0, 1):
-      for bits in (AUTHORS_ALL_IN_BITS, 5.0):
-        jobs.append(("reference", ds, seed, bits, True))
-  for ds in ("iid", "heavy"):
-    for bits in (3.0, 4.0, 5.0, 6.0):
-      for corr in (True, False):
-        jobs.append(("budget", ds, 0, bits, corr))
+  datasets3 = [k for k in data if k[0] in ("iid", "heavy") or k[0].startswith("lm")]
+  if args.tiny:  # one synthetic and one real dataset, ring only: every code path, little time
+    datasets3 = [("iid", 0)] + [k for k in datasets3 if k == ("lm-word", last)]
+  for name, codec, ring_key, bfly_key in codec_table():
+    for ds in datasets3:
+      jobs.append(("table3", name, codec, ds, "ring", ring_key))
+      if ds[0] in ("iid", "heavy") and bfly_key and not args.tiny:
+        jobs.append(("table3", name, codec, ds, "butterfly", bfly_key))
+  for seed in (0, 1) if not args.tiny else ():
+    for ds_name in ("iid", "heavy"):
+      if (ds_name, seed) not in data:
+        data[(ds_name, seed)] = paper_model_gradients(ds_name, n, args.d, seed)
+      jobs.append(("table1", f"DynamiQ {AUTHORS_ALL_IN_BITS}b", DynamiQ(bits=AUTHORS_ALL_IN_BITS),
+                   (ds_name, seed), "ring", "DynamiQ-5b hier+corr (ring)"))
+  for bits in (3.0, 4.0, 5.0, 6.0) if not args.tiny else (4.0, 5.0):
+    for ds in datasets3:
+      if ds[0].startswith("lm") and ds[1] != last:
+        continue
+      jobs.append(("table4", f"DynamiQ {bits:g}b", DynamiQ(bits=bits), ds, "ring",
+                   f"DynamiQ-{int(bits)}b hier+corr (ring)"))
+      if ds[0] in ("iid", "heavy") and not args.tiny:
+        jobs.append(("table4", f"DynamiQ {bits:g}b independent", DynamiQ(bits=bits, correlated=False),
+                     ds, "ring", None))
+  rungs = ladder()
+  for name, codec in [rungs[0], rungs[-1]] if args.tiny else rungs:
+    for ds in datasets3[:1] if args.tiny else datasets3:
+      if ds[0].startswith("lm") and ds[1] != last:
+        continue
+      jobs.append(("table6", name, codec, ds, "ring", None))
+
   results = []
-  for table, ds, seed, bits, corr in tqdm(jobs, desc="vNMSE"):
-    codec = DynamiQ(bits=bits, correlated=corr)
-    mean, std = measure(codec, ds, seed)
-    results.append({"table": table, "dataset": ds, "data_seed": seed, "bits": bits,
-                    "correlated": corr, "vnmse": mean, "std_over_seeds": std,
-                    "bits_per_coord": codec.layout(d, n).bits_per_coord})
+  for table, name, codec, ds, schedule, key in tqdm(jobs, desc="vNMSE"):
+    g = data[ds]
+    v = measure(codec, g, schedule)
+    bits = dq.wire_stats(g[0], codec=codec, n=n).bits_per_coord
+    authors = ref(ds[0], key, ds[1]) if ds[0] in ("iid", "heavy") else None
+    results.append({"table": table, "codec": name, "dataset": ds[0], "step_or_seed": ds[1],
+                    "schedule": schedule, "n": n, "bits_per_coord": bits, "vnmse": v,
+                    "authors": authors, "ratio_to_authors": v / authors if authors else None})
 
-  print(f"\nDynamiQ vNMSE, ring, n={n}, d={d}, {args.seeds} rounding seed(s) per point")
-  print("1. Against the authors' simulator ('DynamiQ-5b hier+corr (ring)', ~5.1 bits all-in)")
-  print(f"{'data':<6} {'seed':>4} {'budget':>6} {'our bits':>8} {'ours':>10} {'authors':>10} {'ratio':>6}")
-  for r in results:
-    if r["table"] != "reference":
+  # Scaling with n.
+  scaling = []
+  scale_codecs = [c for c in codec_table() if c[0] not in ("MXFP8 OCP-E8M0", "THC 120")]
+  if args.tiny:
+    scale_codecs = [c for c in scale_codecs if c[0] in ("DynamiQ 5b", "MXFP8", "THC 16")]
+    sizes_syn, sizes_real = [4], [4]
+  syn = paper_model_gradients("iid", max(sizes_syn), 1 << 16 if not args.tiny else 1 << 12, 3)
+  scale_jobs = [("iid", k, c) for c in scale_codecs for k in sizes_syn]
+  if ("lm-word", last) in data:
+    scale_jobs += [("lm-word", k, c) for c in scale_codecs for k in sizes_real]
+  for ds, k, (name, codec, _, _) in tqdm(scale_jobs, desc="vNMSE vs n"):
+    g = syn[:k] if ds == "iid" else data[("lm-word", last)][:k]
+    try:
+      v = measure(codec, g)
+      bits = dq.wire_stats(g[0], codec=codec, n=k).bits_per_coord
+    except ValueError as e:  # a codec that cannot run at this n says why
+      scaling.append({"dataset": ds, "codec": name, "n": k, "vnmse": None, "reason": str(e)[:200]})
       continue
-    a = ref(r["dataset"], "DynamiQ-5b hier+corr (ring)", r["data_seed"])
-    r["authors"] = a
-    ratio = f"{r['vnmse'] / a:.2f}x" if a else "-"
-    print(f"{r['dataset']:<6} {r['data_seed']:>4} {r['bits']:>6.2f} {r['bits_per_coord']:>8.3f} "
-          f"{r['vnmse']:>10.3e} {a if a else float('nan'):>10.3e} {ratio:>6}")
-  print("\n2. Budget sweep (data seed 0); authors' hier+corr points where they exist")
-  print(f"{'data':<6} {'budget':>6} {'correlated':>11} {'independent':>11} {'corr/ind':>8} {'authors':>17}")
-  for ds in ("iid", "heavy"):
-    for bits in (3.0, 4.0, 5.0, 6.0):
-      c = next(r for r in results if r["table"] == "budget" and r["dataset"] == ds
-               and r["bits"] == bits and r["correlated"])
-      i = next(r for r in results if r["table"] == "budget" and r["dataset"] == ds
-               and r["bits"] == bits and not r["correlated"])
-      a = ref(ds, f"DynamiQ-{int(bits)}b hier+corr (ring)", 0)
-      wire = AUTHORS_WIRE_BITS.get((ds, n, int(bits)))
-      c["authors"] = a
-      c["authors_bits"] = wire + AUTHORS_STATS_BITS if (a and wire) else None
-      auth = f"{a:.3e} @{c['authors_bits']:.2f}b" if c["authors_bits"] else "-"
-      print(f"{ds:<6} {bits:>6.1f} {c['vnmse']:>11.3e} {i['vnmse']:>11.3e} "
-            f"{c['vnmse'] / i['vnmse']:>8.2f} {auth:>17}")
-  print("(authors' points at their own all-in bits: wire incl. scales + 0.078 statistics)")
+    scaling.append({"dataset": ds, "codec": name, "n": k, "vnmse": v, "bits_per_coord": bits})
 
+  _print(results, scaling, n, args, info)
   out = common.results_dir(args.out)
   suffix = "_tiny" if args.tiny else ""
-  path = common.write_json(os.path.join(out, f"vnmse_dynamiq{suffix}.json"), {
-      "command": common.command_line(), "machine": common.machine(),
-      "n": n, "d": d, "rounding_seeds": args.seeds, "results": results})
-  _plot(results, os.path.join(out, f"vnmse_dynamiq{suffix}.png"), n, d)
+  path = common.write_json(os.path.join(out, f"vnmse{suffix}.json"), {
+      "command": common.command_line(), "machine": common.machine(), "n": n, "d": args.d,
+      "rounding_seeds": args.seeds, "stateful_rounds": args.rounds, "lm": info,
+      "results": results, "scaling": scaling})
+  _plot(results, scaling, out, suffix)
   print(f"wrote {path}")
-  return results
+  return results, scaling
 
 
-def _plot(results, path, n, d):
+def _fmt(v):
+  return "-" if v is None else f"{v:.3e}"
+
+
+def _print(results, scaling, n, args, info):
+  print(f"\nvNMSE, n={n}, synthetic d={args.d}; LM gradients: "
+        + ", ".join(f"{k}: {v['params']:,} params" for k, v in info.items()))
+  rows = [r for r in results if r["table"] == "table1"]
+  if rows:
+    print("\n(1) DynamiQ at the authors' all-in rate vs their 'DynamiQ-5b hier+corr (ring)'")
+    for r in rows:
+      print(f"  {r['dataset']:<6} data seed {r['step_or_seed']}: ours {r['vnmse']:.3e} "
+            f"({r['bits_per_coord']:.3f} b)  authors {_fmt(r['authors'])}  "
+            f"ratio {r['ratio_to_authors'] or float('nan'):.2f}")
+  t3 = [r for r in results if r["table"] == "table3"]
+  cols = sorted({(r["dataset"], r["step_or_seed"], r["schedule"]) for r in t3},
+                key=lambda c: (c[0].startswith("lm"), c))
+  print("\n(3) every codec at its budget (bits/coord measured on the wire); authors' value in []")
+  head = f"  {'codec':<16}{'bits':>6}" + "".join(
+      f"{(ds + ('@' + str(s) if ds.startswith('lm') else '') + (' bfly' if sch == 'butterfly' else '')):>20}"
+      for ds, s, sch in cols)
+  print(head)
+  for name in dict.fromkeys(r["codec"] for r in t3):
+    line = f"  {name:<16}"
+    first = next(r for r in t3 if r["codec"] == name)
+    line += f"{first['bits_per_coord']:>6.2f}"
+    for c in cols:
+      r = next((r for r in t3 if r["codec"] == name and (r["dataset"], r["step_or_seed"],
+                                                         r["schedule"]) == c), None)
+      cell = "" if r is None else (_fmt(r["vnmse"]) + (f" [{r['authors']:.2e}]" if r["authors"] else ""))
+      line += f"{cell:>20}"
+    print(line)
+  for ds, s, sch in cols:
+    if sch != "ring":
+      continue
+    d5 = next(r for r in t3 if r["codec"] == "DynamiQ 5b" and (r["dataset"], r["step_or_seed"], r["schedule"]) == (ds, s, sch))
+    m8 = next(r for r in t3 if r["codec"] == "MXFP8" and (r["dataset"], r["step_or_seed"], r["schedule"]) == (ds, s, sch))
+    print(f"  MXFP8 / DynamiQ on {ds}{'@' + str(s) if ds.startswith('lm') else ''}: "
+          f"{m8['vnmse'] / d5['vnmse']:.2f}x (paper, real LLM gradients: 2.5-3.1x)")
+  print("\n(4) budget sweep, ring")
+  for r in [r for r in results if r["table"] == "table4"]:
+    print(f"  {r['dataset']:<8}{r['step_or_seed']!s:>4} {r['codec']:<26} {r['bits_per_coord']:.3f} b "
+          f"{r['vnmse']:.3e}  authors {_fmt(r['authors'])}")
+  print("\n(6) ablation ladder (paper: 0.128 -> 0.071 -> 0.020 -> 0.014 -> 0.009, LLaMA chat)")
+  for r in [r for r in results if r["table"] == "table6"]:
+    print(f"  {r['dataset']:<8}{r['step_or_seed']!s:>4} {r['codec']:<24} {r['bits_per_coord']:.3f} b "
+          f"{r['vnmse']:.3e}")
+  print("\n(S) vNMSE against n (ring)")
+  for ds in dict.fromkeys(s["dataset"] for s in scaling):
+    ns = sorted({s["n"] for s in scaling if s["dataset"] == ds})
+    print(f"  {ds}: n = {ns}")
+    for name in dict.fromkeys(s["codec"] for s in scaling if s["dataset"] == ds):
+      vals = [next((_fmt(s["vnmse"]) for s in scaling if s["dataset"] == ds and s["codec"] == name
+                    and s["n"] == k), "-") for k in ns]
+      print(f"    {name:<16}" + " ".join(f"{v:>10}" for v in vals))
+
+
+def _plot(results, scaling, out, suffix):
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for ds, color in (("iid", "C0"), ("heavy", "C1")):
-    for corr, style in ((True, "-o"), (False, "--s")):
-      pts = sorted((r["bits"], r["vnmse"]) for r in results if r["table"] == "budget"
-                   and r["dataset"] == ds and r["correlated"] == corr)
-      ax.semilogy(*zip(*pts), style, color=color,
-                  label=f"{ds}, {'correlated' if corr else 'independent'}")
-    auth = [(r["authors_bits"], r["authors"]) for r in results
-            if r["table"] == "budget" and r["dataset"] == ds and r["correlated"]
-            and r.get("authors_bits")]
-    if auth:
-      ax.semilogy(*zip(*auth), "x", color=color, markersize=9, label=f"{ds}, authors")
-  ax.set_xlabel("budget, bits/coordinate (all metadata)")
-  ax.set_ylabel("vNMSE")
-  ax.set_title(f"DynamiQ ring, n={n}, d={d}")
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8)
+  t4 = [r for r in results if r["table"] == "table4" and "independent" not in r["codec"]]
+  t3 = [r for r in results if r["table"] == "table3" and r["schedule"] == "ring"]
+  dsets = list(dict.fromkeys(r["dataset"] for r in t4))
+  fig, axes = plt.subplots(1, len(dsets), figsize=(4 * len(dsets), 3.5), squeeze=False)
+  for ax, ds in zip(axes[0], dsets):
+    pts = sorted((r["bits_per_coord"], r["vnmse"]) for r in t4 if r["dataset"] == ds)
+    ax.semilogy(*zip(*pts), "-o", label="DynamiQ")
+    for r in t3:
+      if r["dataset"] == ds and r["step_or_seed"] == max(q["step_or_seed"] for q in t3 if q["dataset"] == ds) \
+          and r["codec"] != "DynamiQ 5b" and r["bits_per_coord"] <= 17:
+        ax.semilogy(r["bits_per_coord"], r["vnmse"], "x")
+        ax.annotate(r["codec"], (r["bits_per_coord"], r["vnmse"]), fontsize=6)
+    ax.set_title(ds)
+    ax.set_xlabel("bits/coordinate")
+    ax.grid(True, which="both", alpha=0.3)
+  axes[0][0].set_ylabel("vNMSE (ring, n=8)")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  fig.savefig(os.path.join(out, f"vnmse_budget{suffix}.png"), dpi=110)
+  plt.close(fig)
+
+  dsets = list(dict.fromkeys(s["dataset"] for s in scaling))
+  fig, axes = plt.subplots(1, len(dsets), figsize=(5 * len(dsets), 3.8), squeeze=False)
+  for ax, ds in zip(axes[0], dsets):
+    for name in dict.fromkeys(s["codec"] for s in scaling if s["dataset"] == ds):
+      pts = [(s["n"], s["vnmse"]) for s in scaling if s["dataset"] == ds and s["codec"] == name
+             and s["vnmse"] is not None]
+      if pts:
+        ax.loglog(*zip(*pts), "-o", markersize=3, label=name)
+    ax.set_title(f"{ds}: vNMSE vs n (ring)")
+    ax.set_xlabel("n")
+    ax.grid(True, which="both", alpha=0.3)
+  axes[0][0].set_ylabel("vNMSE")
+  axes[0][-1].legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, f"vnmse_scaling{suffix}.png"), dpi=110)
   plt.close(fig)
 
 

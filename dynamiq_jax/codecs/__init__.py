@@ -9,6 +9,13 @@ from dynamiq_jax.codecs.bf16 import Bf16
 from dynamiq_jax.codecs.bf16 import F32
 from dynamiq_jax.codecs.dynamiq import DynamiQ
 from dynamiq_jax.codecs.dynamiq import DynamiQLayout
+from dynamiq_jax.codecs.mx import MX
+from dynamiq_jax.codecs.mx import mxfp4
+from dynamiq_jax.codecs.mx import mxfp6
+from dynamiq_jax.codecs.mx import mxfp8
+from dynamiq_jax.codecs.omnireduce import OmniReduce
+from dynamiq_jax.codecs.thc import THC
+from dynamiq_jax.codecs.thc import GlobalQSGD
 
 __all__ = [
     "allocation",
@@ -16,4 +23,11 @@ __all__ = [
     "F32",
     "DynamiQ",
     "DynamiQLayout",
+    "MX",
+    "mxfp4",
+    "mxfp6",
+    "mxfp8",
+    "OmniReduce",
+    "THC",
+    "GlobalQSGD",
 ]

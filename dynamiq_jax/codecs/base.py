@@ -5,16 +5,23 @@ two methods:
 
 * ``granularity`` (optional class attribute, default 1): bucket sizes must be
   multiples of it, so that the codec's blocks never straddle buckets.
+* ``reports_contribution`` (optional class attribute, default False): True
+  if ``prepare`` returns ``own`` (error feedback needs it).
 * ``wire_bits(d, n)``: the exact number of bits one all-reduce of ``d``
   coordinates over ``n`` ranks puts into payloads, metadata included. Each
   rank of a bandwidth-optimal schedule sends ``2 (n - 1) / n`` of it, so
   ``wire_bits / d`` is the paper's bits per coordinate.
-* ``prepare(x, *, ctx, run, key_words, bucket, implementation)``: takes this rank's flat
-  float32 bucket ``x`` (already pre-divided by ``n`` when averaging), runs any
-  metadata collective it needs (through ``run``, the schedule executor, or a
-  ``pmax``), and returns :class:`Prepared`: the local data cut into ``n``
-  chunks, the per-hop operations, and a ``finish`` function that turns the
-  decoded chunks back into a flat float32 vector of length ``len(x)``.
+* ``init_state(d, n)`` (optional): the codec's state for one bucket, carried
+  across steps by the optax transform (e.g. MX's scale multiplier, OmniReduce's
+  local top-k fraction); identical on every rank. Default: no state.
+* ``prepare(x, *, ctx, run, key_words, bucket, implementation, state)``:
+  takes this rank's flat float32 bucket ``x`` (already pre-divided by ``n``
+  when averaging), runs any metadata collective it needs (through ``run``,
+  the schedule executor, or a ``pmax``), and returns :class:`Prepared`: the
+  local data cut into ``n`` chunks, the per-hop operations, a ``finish``
+  function that turns the decoded chunks back into a flat float32 vector of
+  length ``len(x)`` and the next state, and optionally ``own``: this rank's
+  contribution as the codec represented it (for error feedback).
   ``implementation`` (None, "pallas" or "xla") selects Pallas kernels where
   the codec has them (:mod:`pallas_kernels.dynamiq`).
 
@@ -75,9 +82,20 @@ class HopOps(NamedTuple):
 
 
 class Prepared(NamedTuple):
+  """What ``prepare`` returns.
+
+  Attributes:
+    chunks: local data, leading axis n.
+    ops: the per-hop operations.
+    finish: ``finish(decoded_chunks) -> (flat float32 [len(x)], new_state)``.
+    own: ``own() -> flat float32 [len(x)]``, this rank's input as the
+      codec represented it in the sum (None if the codec cannot say).
+  """
+
   chunks: PyTree
   ops: HopOps
-  finish: Callable[[PyTree], jax.Array]
+  finish: Callable[[PyTree], tuple[jax.Array, PyTree]]
+  own: Callable[[], jax.Array] | None = None
 
 
 Runner = Callable[[PyTree, HopOps], PyTree]
@@ -91,7 +109,7 @@ class Codec(Protocol):
 
   def prepare(self, x: jax.Array, *, ctx: AxisContext, run: Runner,
               key_words: tuple[jax.Array, jax.Array], bucket: int,
-              implementation: str | None = None) -> Prepared:
+              implementation: str | None = None, state: PyTree = None) -> Prepared:
     ...
 
 

@@ -24,14 +24,16 @@ def _padded(d: int, n: int) -> int:
 class _CastCodec:
   """Shared body: the payload is the partial sum cast to ``_dtype``."""
 
+  reports_contribution = True  # prepare() gives `own`, for error feedback
+
   _dtype = None
   _bits = 0
 
   def wire_bits(self, d: int, n: int) -> int:
     return self._bits * _padded(d, n)
 
-  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None):
-    del run, key_words, bucket, implementation
+  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None, state=None):
+    del run, key_words, bucket, implementation, state
     d = x.shape[0]
     chunks = jnp.pad(x, (0, _padded(d, ctx.n) - d)).reshape(ctx.n, -1)
     dtype = self._dtype
@@ -44,9 +46,12 @@ class _CastCodec:
       return payload.astype(jnp.float32)
 
     def finish(decoded):
-      return decoded.reshape(-1)[:d]
+      return decoded.reshape(-1)[:d], None
 
-    return Prepared(chunks, simple_ops(encode, decode), finish)
+    def own():
+      return x.astype(dtype).astype(jnp.float32)
+
+    return Prepared(chunks, simple_ops(encode, decode), finish, own)
 
 
 @dataclasses.dataclass(frozen=True)

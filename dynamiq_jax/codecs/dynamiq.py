@@ -39,6 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.codecs import allocation
+from dynamiq_jax.codecs._exact import bf16_round as _bf16
+from dynamiq_jax.codecs._exact import hypot as _hypot
+from dynamiq_jax.codecs._exact import row_norm as _sg_norm
+from dynamiq_jax.codecs._exact import tree_sum as _tree_sum
 from dynamiq_jax.codecs.base import HopOps, Prepared
 from pallas_kernels import dynamiq as kernels
 from pallas_kernels import dynamiq_format as fmt_lib
@@ -200,6 +204,36 @@ class DynamiQ:
     payload = self.bits - _STATS_BITS / SUPERGROUP - scale_bits
     return allocation.fractions_for_budget(payload, self.width_errors())
 
+  def calibrate(self, grads) -> "DynamiQ":
+    """This codec with class capacities fitted to representative gradients.
+
+    Applies the threshold rule (:mod:`~dynamiq_jax.codecs.allocation`) to the
+    super-group statistics of ``grads`` — offline, once: capacities are static,
+    so the calibrated codec compiles once more and then stays fixed.
+
+    Args:
+      grads: per-worker gradients stacked on axis 0 (a pytree of ``[n, ...]``
+        arrays, e.g. what :func:`dynamiq_jax.simulate` takes) or one worker's
+        gradient pytree (``stacked=False`` semantics: treated as n = 1).
+
+    Returns:
+      ``dataclasses.replace(self, fractions=...)``.
+    """
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(grads)]
+    if not leaves:
+      raise ValueError("grads holds no arrays")
+    lead = {x.shape[0] if x.ndim else 1 for x in leaves}
+    n = lead.pop() if len(lead) == 1 and all(x.ndim > 1 for x in leaves) else 1
+    flat = np.concatenate([x.reshape(n, -1) for x in leaves], axis=1)
+    m = -(-flat.shape[1] // SUPERGROUP)
+    flat = np.pad(flat, ((0, 0), (0, m * SUPERGROUP - flat.shape[1]))).reshape(n, m, -1)
+    centred = flat - flat.mean(-1, keepdims=True)
+    norms = np.sqrt(np.sum(centred**2, axis=(0, 2)))
+    scale_bits = self.format(self.widths[0]).record_bytes * 8 / SUPERGROUP - self.widths[0]
+    payload = self.bits - _STATS_BITS / SUPERGROUP - scale_bits
+    fr = allocation.fractions_from_norms(norms, payload, self.width_errors())
+    return dataclasses.replace(self, fractions=tuple(sorted(fr.items())))
+
   def layout(self, d: int, n: int) -> DynamiQLayout:
     """Static sizes for a bucket of ``d`` coordinates over ``n`` ranks.
 
@@ -214,7 +248,8 @@ class DynamiQ:
 
   # -- the all-reduce ------------------------------------------------------------
 
-  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None):
+  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None, state=None):
+    del state
     d = x.shape[0]
     n = ctx.n
     lay = self.layout(d, n)
@@ -244,7 +279,7 @@ class DynamiQ:
     def finish(decoded):
       dec = jnp.concatenate([c.reshape(-1, SUPERGROUP) for c in decoded], axis=0)
       out = dec[jnp.argsort(order)] + gmean[:, None]
-      return out.reshape(-1)[:d]
+      return out.reshape(-1)[:d], None
 
     return Prepared(chunks, ops, finish)
 
@@ -277,45 +312,6 @@ def _layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
   capacities = tuple((w, caps[w] * n) for w in sorted(caps, reverse=True) if caps[w])
   payload_bits = sum(c * rec_bits[w] for w, c in capacities)
   return DynamiQLayout(d, n, m, units * n, capacities, stats_bits, payload_bits)
-
-
-# ----------------------------------------------------------------------------
-# Exact-by-construction helpers (results independent of FMA contraction and
-# of how XLA or Pallas schedule reductions).
-
-
-def _bf16(v):
-  return v.astype(jnp.bfloat16).astype(jnp.float32)
-
-
-def _tree_sum(v):
-  """Sum over the last axis (a power of two) by a fixed pairwise tree."""
-  while v.shape[-1] > 1:
-    h = v.shape[-1] // 2
-    v = v[..., :h] + v[..., h:]
-  return v[..., 0]
-
-
-def _sg_norm(r):
-  """Per-row L2 norm, bf16-exact, deterministic and overflow-free."""
-  m = jnp.max(jnp.abs(r), axis=-1)
-  finite = jnp.isfinite(m) & (m > 0)
-  _, e = jnp.frexp(jnp.where(finite, m, 1.0))
-  b = _bf16(jnp.ldexp(r, -e[:, None]))  # |b| <= 1; b*b is exact
-  s = _tree_sum(b * b)
-  nrm = jnp.ldexp(jnp.sqrt(s), e)
-  return _bf16(jnp.where(finite, nrm, m))
-
-
-def _hypot(a, b):
-  """sqrt(a^2 + b^2) for bf16-exact a, b >= 0; result rounded to bf16."""
-  m = jnp.maximum(a, b)
-  finite = jnp.isfinite(m) & (m > 0)
-  _, e = jnp.frexp(jnp.where(finite, m, 1.0))
-  a2 = jnp.ldexp(a, -e)
-  b2 = jnp.ldexp(b, -e)
-  h = jnp.ldexp(jnp.sqrt(a2 * a2 + b2 * b2), e)  # exact squares: one rounding
-  return _bf16(jnp.where(finite, h, m + a + b))
 
 
 def _stochastic_bf16(v, k0, k1):

@@ -1,0 +1,64 @@
+"""Arithmetic whose result does not depend on how a backend schedules it.
+
+XLA contracts ``a * b + c`` into a fused multiply-add wherever it fuses, and
+reduces in an order of its choosing; results that every rank must agree on
+(and that ``simulate`` must reproduce under ``vmap``) are therefore computed
+with explicit pairwise trees and with products that are exact (bf16-exact
+operands), so that each step is a single, uniquely rounded IEEE operation.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+__all__ = ["bf16_round", "tree_sum", "row_norm", "hypot", "vector_norm"]
+
+
+def bf16_round(v):
+  """Round to bfloat16 (nearest-even), returned as float32."""
+  return v.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def tree_sum(v):
+  """Sum over the last axis (zero-padded to a power of two) by a fixed pairwise tree."""
+  n = v.shape[-1]
+  p = 1 << max(n - 1, 0).bit_length()
+  if p != n:
+    v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (p - n,), v.dtype)], axis=-1)
+  while v.shape[-1] > 1:
+    h = v.shape[-1] // 2
+    v = v[..., :h] + v[..., h:]
+  return v[..., 0]
+
+
+def row_norm(r):
+  """L2 norm over the last axis: bf16-exact, deterministic, overflow-free."""
+  m = jnp.max(jnp.abs(r), axis=-1)
+  finite = jnp.isfinite(m) & (m > 0)
+  _, e = jnp.frexp(jnp.where(finite, m, 1.0))
+  b = bf16_round(jnp.ldexp(r, -e[..., None]))  # |b| <= 1; b*b is exact
+  nrm = jnp.ldexp(jnp.sqrt(tree_sum(b * b)), e)
+  return bf16_round(jnp.where(finite, nrm, m))
+
+
+def hypot(a, b):
+  """sqrt(a^2 + b^2) for bf16-exact a, b >= 0; result rounded to bf16."""
+  m = jnp.maximum(a, b)
+  finite = jnp.isfinite(m) & (m > 0)
+  _, e = jnp.frexp(jnp.where(finite, m, 1.0))
+  a2 = jnp.ldexp(a, -e)
+  b2 = jnp.ldexp(b, -e)
+  h = jnp.ldexp(jnp.sqrt(a2 * a2 + b2 * b2), e)  # exact squares: one rounding
+  return bf16_round(jnp.where(finite, h, m + a + b))
+
+
+def vector_norm(x, row: int = 256):
+  """L2 norm of a flat vector, bf16-exact and deterministic."""
+  pad = (-x.shape[0]) % row
+  rows = row_norm(jnp.pad(x, (0, pad)).reshape(-1, row))
+  m = jnp.max(rows)
+  finite = jnp.isfinite(m) & (m > 0)
+  _, e = jnp.frexp(jnp.where(finite, m, 1.0))
+  b = bf16_round(jnp.ldexp(rows, -e))
+  nrm = jnp.ldexp(jnp.sqrt(tree_sum(b * b)), e)
+  return bf16_round(jnp.where(finite, nrm, m))
