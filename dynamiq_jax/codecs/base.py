@@ -36,8 +36,9 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 
-__all__ = ["AxisContext", "HopOps", "Prepared", "Codec", "Runner"]
+__all__ = ["AxisContext", "HopOps", "Prepared", "Codec", "Runner", "simple_ops", "cast_ops"]
 
 PyTree = Any
 
@@ -123,3 +124,22 @@ def simple_ops(encode, decode) -> HopOps:
     return jax.tree.map(lambda p, x: p + x, decode(payload), chunk)
 
   return HopOps(encode=encode, decode=decode, decode_add_encode=dae, decode_add=da)
+
+
+def cast_ops(wire_dtype, value_dtype=None) -> HopOps:
+  """HopOps whose payload is the partial sum cast to ``wire_dtype``.
+
+  Decoding gives ``value_dtype`` (float32 for floating payloads, int32 for
+  integer ones); a hop adds in that dtype and casts back.
+  """
+  if value_dtype is None:
+    value_dtype = jnp.int32 if jnp.issubdtype(wire_dtype, jnp.integer) else jnp.float32
+
+  def encode(chunk, c, hop):
+    del c, hop
+    return chunk.astype(wire_dtype)
+
+  def decode(payload):
+    return payload.astype(value_dtype)
+
+  return simple_ops(encode, decode)

@@ -12,7 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from dynamiq_jax.codecs.base import Prepared, simple_ops
+from dynamiq_jax.codecs.base import Prepared, cast_ops
 
 __all__ = ["Bf16", "F32"]
 
@@ -38,20 +38,13 @@ class _CastCodec:
     chunks = jnp.pad(x, (0, _padded(d, ctx.n) - d)).reshape(ctx.n, -1)
     dtype = self._dtype
 
-    def encode(chunk, c, hop):
-      del c, hop
-      return chunk.astype(dtype)
-
-    def decode(payload):
-      return payload.astype(jnp.float32)
-
     def finish(decoded):
       return decoded.reshape(-1)[:d], None
 
     def own():
       return x.astype(dtype).astype(jnp.float32)
 
-    return Prepared(chunks, simple_ops(encode, decode), finish, own)
+    return Prepared(chunks, cast_ops(dtype), finish, own)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,31 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.codecs._exact import row_norm
-from dynamiq_jax.codecs.base import HopOps, Prepared, simple_ops
+from dynamiq_jax.codecs.base import Prepared, cast_ops
 
 __all__ = ["OmniReduce"]
-
-
-def _count_ops() -> HopOps:
-  def encode(chunk, c, hop):
-    del c, hop
-    return chunk.astype(jnp.uint8)
-
-  def decode(payload):
-    return payload.astype(jnp.int32)
-
-  return simple_ops(encode, decode)
-
-
-def _bf16_ops() -> HopOps:
-  def encode(chunk, c, hop):
-    del c, hop
-    return chunk.astype(jnp.bfloat16)
-
-  def decode(payload):
-    return payload.astype(jnp.float32)
-
-  return simple_ops(encode, decode)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,7 +94,7 @@ class OmniReduce:
       k = jnp.clip(jnp.floor(frac * m), 1, m).astype(jnp.int32)
       rank_local = jnp.argsort(jnp.argsort(-norms, stable=True), stable=True)
       mine = (rank_local < k) & (idx < m)
-      counts = run(mine.astype(jnp.int32).reshape(n, m_pad // n), _count_ops()).reshape(-1)
+      counts = run(mine.astype(jnp.int32).reshape(n, m_pad // n), cast_ops(jnp.uint8)).reshape(-1)
       union = counts > 0
       # Slots: union blocks by (more ranks marked it, lower index) first.
       order = jnp.argsort(jnp.where(union, -counts, 1), stable=True)
@@ -139,4 +117,4 @@ class OmniReduce:
       kept = jnp.where(mask[:, None], xb, 0.0).astype(jnp.bfloat16).astype(jnp.float32)
       return kept.reshape(-1)[:d]
 
-    return Prepared(chunks, _bf16_ops(), finish, own)
+    return Prepared(chunks, cast_ops(jnp.bfloat16), finish, own)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.codecs._exact import vector_norm
-from dynamiq_jax.codecs.base import HopOps, Prepared
+from dynamiq_jax.codecs.base import Prepared, cast_ops
 from pallas_kernels import rng
 
 __all__ = ["THC", "GlobalQSGD", "fwht"]
@@ -83,26 +83,6 @@ def _normal_two_sided_quantile(p: float) -> float:
 def _private_uniforms(key_words, bucket, stream, rank, size):
   k0, k1 = rng.derive_key(key_words[0], key_words[1], bucket, stream, rank)
   return rng.uniform24(rng.hash_index(k0, k1, jnp.arange(size, dtype=jnp.uint32)))
-
-
-def _integer_ops(dtype) -> HopOps:
-  """Exact integer partial sums: no re-quantisation at the hops."""
-
-  def encode(chunk, c, hop):
-    del c, hop
-    return chunk.astype(dtype)
-
-  def decode(payload):
-    return payload.astype(jnp.float32)
-
-  def decode_add(payload, chunk):
-    return (payload.astype(jnp.int32) + chunk).astype(jnp.int32)
-
-  def decode_add_encode(payload, chunk, c, hop):
-    del c, hop
-    return (payload.astype(jnp.int32) + chunk).astype(dtype)
-
-  return HopOps(encode, decode, decode_add_encode, decode_add)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,7 +170,7 @@ class THC:
     def own():
       return unrotate(jnp.where(live, lvl.astype(jnp.float32) * delta + lo, 0.0))
 
-    return Prepared(chunks, _integer_ops(self.container(n)), finish, own)
+    return Prepared(chunks, cast_ops(self.container(n)), finish, own)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -248,4 +228,4 @@ class GlobalQSGD:
     def own():
       return q.astype(jnp.float32) * step
 
-    return Prepared(chunks, _integer_ops(dtype), finish, own)
+    return Prepared(chunks, cast_ops(dtype), finish, own)
