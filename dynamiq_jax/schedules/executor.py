@@ -14,8 +14,9 @@ Gather phase: an all-gather forwards every root's final payload unchanged
 with the same bytes — including each root, which adopts the decoded version
 of what it broadcast.
 
-Plans whose steps are all alike (the ring) run as one ``fori_loop`` body, so
-compile time does not grow with n; other plans unroll their S = n - 1 steps.
+Runs of alike steps (:meth:`TreePlan.segments`: the ring is one run, the
+butterfly two per tree level) execute as one ``fori_loop`` body each, so
+compile time grows with log n at most.
 """
 
 from __future__ import annotations
@@ -56,42 +57,42 @@ def execute(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
 
   if n == 1:
     final = ops.encode(_take(chunks, 0), jnp.int32(0), jnp.int32(0))
-  elif plan.uniform:
-    shift = plan.shift(0)
-    a0 = plan.edges[0][0]
-    with jax.named_scope("reduce/leaf"):
-      payload = ops.encode(_take(chunks, mod(r - a0)), mod(r - a0), jnp.int32(0))
-
-    def hop(j, payload):
-      with jax.named_scope("reduce/hop"):
-        recv = jax.lax.ppermute(payload, ctx.axis_name, _shift_perm(n, shift))
-        # Received at step j-1: chunk r - b_{j-1} = r - (a0 + j*shift) (uniform plan).
-        c = mod(r - a0 - j * shift)
-        return ops.decode_add_encode(recv, _take(chunks, c), c, j)
-
-    final = jax.lax.fori_loop(1, n, hop, payload)
   else:
-    acc = chunks
-    recv = None
-    for j, (a, b) in enumerate(plan.edges):
-      c_send = mod(r - a)
-      with jax.named_scope(f"reduce/step{j}"):
-        if j > 0 and plan.fused(j - 1):
-          payload = ops.decode_add_encode(recv, _take(acc, c_send), c_send, j)
-        else:
-          if j > 0:
-            c_prev = mod(r - plan.edges[j - 1][1])
-            acc = _put(acc, c_prev, ops.decode_add(recv, _take(acc, c_prev)))
-          payload = ops.encode(_take(acc, c_send), c_send, j)
-        recv = jax.lax.ppermute(payload, ctx.axis_name, _shift_perm(n, plan.shift(j)))
+    acc, recv = chunks, None
+    for start, length in plan.segments():
+      shift = plan.shift(start)
+      before = plan.before(start)
+      a0, a1 = plan.edges[start][0], plan.edges[min(start + 1, plan.steps - 1)][0]
+      b0 = plan.edges[start - 1][1] if start > 0 else 0
+      b1 = plan.edges[start][1]
+
+      def step(j, carry, start=start, shift=shift, before=before, a0=a0, a1=a1, b0=b0, b1=b1):
+        acc, recv = carry
+        i = j - start  # position in the run: a_j = a0 + i (a1 - a0), b_{j-1} likewise
+        c_send = mod(r - (a0 + i * (a1 - a0)))
+        with jax.named_scope("reduce/hop"):
+          if before == "fused":
+            payload = ops.decode_add_encode(recv, _take(acc, c_send), c_send, j)
+          else:
+            if before == "add":
+              c_prev = mod(r - (b0 + i * (b1 - b0)))
+              acc = _put(acc, c_prev, ops.decode_add(recv, _take(acc, c_prev)))
+            payload = ops.encode(_take(acc, c_send), c_send, jnp.asarray(j, jnp.int32))
+          recv = jax.lax.ppermute(payload, ctx.axis_name, _shift_perm(n, shift))
+        return acc, recv
+
+      if length == 1:
+        acc, recv = step(start, (acc, recv))
+      else:
+        acc, recv = jax.lax.fori_loop(start, start + length, step, (acc, recv))
     c_root = mod(r - plan.root)
     with jax.named_scope("reduce/root"):
       if plan.fused(plan.steps - 1):
-        final = ops.decode_add_encode(recv, _take(acc, c_root), c_root, plan.steps)
+        final = ops.decode_add_encode(recv, _take(acc, c_root), c_root, jnp.int32(plan.steps))
       else:
         c_prev = mod(r - plan.edges[-1][1])
         acc = _put(acc, c_prev, ops.decode_add(recv, _take(acc, c_prev)))
-        final = ops.encode(_take(acc, c_root), c_root, plan.steps)
+        final = ops.encode(_take(acc, c_root), c_root, jnp.int32(plan.steps))
 
   with jax.named_scope("gather"):
     gathered = ctx.all_gather(final)  # [rank, ...]; rank s holds chunk s - root

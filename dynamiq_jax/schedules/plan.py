@@ -62,11 +62,44 @@ class TreePlan:
       return self.edges[j][1] == self.root
     return self.edges[j][1] == self.edges[j + 1][0]
 
-  @property
-  def uniform(self) -> bool:
-    """All steps alike (same shift, all fused): runnable as one loop body."""
-    return all(self.shift(j) == self.shift(0) and self.fused(j)
-               for j in range(self.steps))
+  def before(self, j: int) -> str:
+    """What step j does first with the chunk received at step j - 1.
+
+    ``"none"`` (step 0), ``"fused"`` (it is this step's send: decode, add,
+    encode in one pass) or ``"add"`` (decode-add it into the local copy, then
+    encode this step's send from the local copy).
+    """
+    if j == 0:
+      return "none"
+    return "fused" if self.fused(j - 1) else "add"
+
+  def segments(self) -> list[tuple[int, int]]:
+    """Runs ``(start, length)`` of steps that one loop body can execute.
+
+    Within a run every step has the same shift and the same ``before``, and
+    the sent chunk offset ``a_j`` and the previously received ``b_{j-1}`` are
+    affine in j. The ring is one run after its first step; the butterfly
+    two runs per tree level; so compile time grows with log n at most.
+    """
+    runs = []
+    j = 0
+    while j < self.steps:
+      k = j + 1
+      while k < self.steps and self._continues(j, k):
+        k += 1
+      runs.append((j, k - j))
+      j = k
+    return runs
+
+  def _continues(self, start: int, k: int) -> bool:
+    if self.shift(k) != self.shift(start) or self.before(k) != self.before(start):
+      return False
+    if self.before(start) == "none":
+      return False
+    def affine(f):
+      vals = [f(i) for i in range(start, k + 1)]
+      return len(vals) < 3 or len({b - a for a, b in zip(vals[:-1], vals[1:])}) == 1
+    return affine(lambda i: self.edges[i][0]) and affine(lambda i: self.edges[i - 1][1])
 
   def depth(self) -> int:
     """Longest leaf-to-root path, in edges."""
