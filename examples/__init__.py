@@ -1,0 +1,1 @@
+"""Flax training examples that all-reduce gradients with ``dynamiq_jax``."""

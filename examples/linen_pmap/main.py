@@ -1,0 +1,20 @@
+"""Trains the digits CNN with Flax Linen, a TrainState and jax.pmap, compressed all-reduce.
+
+    python -m examples.linen_pmap.main --workdir /tmp/linen_pmap --codec dynamiq --bits 5
+
+Run it from the repository root; ``--help`` lists every flag.
+"""
+
+from examples import common
+from examples.linen_pmap import config
+from examples.linen_pmap import train
+
+
+def main(argv=None) -> dict:
+  """Runs the example as ``argv`` (default: the command line) says; returns the metrics."""
+  return common.run_example(config.get_config, train.train_and_evaluate, argv,
+                            prog="python -m examples.linen_pmap.main", doc=__doc__)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,1 @@
+"""Flax NNX byte-level transformer on Python source, data-parallel with a compressed all-reduce."""

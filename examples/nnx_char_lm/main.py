@@ -1,0 +1,20 @@
+"""Trains the byte-level transformer on Python source, data-parallel, compressed all-reduce.
+
+    python -m examples.nnx_char_lm.main --workdir /tmp/char_lm --codec dynamiq --bits 5
+
+Run it from the repository root; ``--help`` lists every flag.
+"""
+
+from examples import common
+from examples.nnx_char_lm import config
+from examples.nnx_char_lm import train
+
+
+def main(argv=None) -> dict:
+  """Runs the example as ``argv`` (default: the command line) says; returns the metrics."""
+  return common.run_example(config.get_config, train.train_and_evaluate, argv,
+                            prog="python -m examples.nnx_char_lm.main", doc=__doc__)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,1 @@
+"""Flax NNX CNN on scikit-learn digits, data-parallel with a compressed all-reduce."""

@@ -1,0 +1,20 @@
+"""Trains the digits CNN data-parallel with a compressed gradient all-reduce.
+
+    python -m examples.nnx_digits.main --workdir /tmp/digits --codec dynamiq --bits 5
+
+Run it from the repository root; ``--help`` lists every flag.
+"""
+
+from examples import common
+from examples.nnx_digits import config
+from examples.nnx_digits import train
+
+
+def main(argv=None) -> dict:
+  """Runs the example as ``argv`` (default: the command line) says; returns the metrics."""
+  return common.run_example(config.get_config, train.train_and_evaluate, argv,
+                            prog="python -m examples.nnx_digits.main", doc=__doc__)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,96 @@
+"""Trains a small CNN on scikit-learn's digits, data-parallel, with NNX.
+
+The optimizer is the issue's one-liner with the all-reduce picked by name::
+
+    tx = optax.chain(dq.reducer(config.codec, "data", bits=...), optax.adamw(...))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+(``examples.common.make_optimizer`` builds it; ``dq.reducer("dynamiq", ...)`` is
+``dq.compressed_psum(codec=DynamiQ(...))``.)
+Each rank computes gradients on its slice of the global batch; the chain
+all-reduces them (compressed unless ``--codec psum-*``) before AdamW.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from examples import common
+from examples import datasets
+from examples.nnx_digits.config import Config
+from examples.nnx_parallel import DataParallel
+
+
+class CNN(nnx.Module):
+  """Two 3x3 convolutions, average pooling, two dense layers."""
+
+  def __init__(self, *, features: int = 32, hidden: int = 128, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, features, (3, 3), rngs=rngs)
+    self.conv2 = nnx.Conv(features, 2 * features, (3, 3), rngs=rngs)
+    self.dense1 = nnx.Linear(4 * 4 * 2 * features, hidden, rngs=rngs)
+    self.dense2 = nnx.Linear(hidden, 10, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """float32[batch, 8, 8, 1] images -> float32[batch, 10] logits."""
+    x = nnx.relu(self.conv1(x))
+    x = nnx.relu(self.conv2(x))
+    x = nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+    x = x.reshape(x.shape[0], -1)
+    return self.dense2(nnx.relu(self.dense1(x)))
+
+
+def loss_fn(model: CNN, batch) -> jax.Array:
+  """Mean cross-entropy over the (local) batch."""
+  images, labels = batch
+  return optax.softmax_cross_entropy_with_integer_labels(model(images), labels).mean()
+
+
+def per_example(model: CNN, batch) -> dict:
+  """Per-example loss and correctness, for evaluation."""
+  images, labels = batch
+  logits = model(images)
+  return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, labels),
+          "correct": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
+
+
+def train_and_evaluate(config: Config) -> dict:
+  """Trains the CNN on the training digits, evaluating it on the held-out ones.
+
+  Args:
+    config: the settings (``config.get_config()`` plus changes).
+
+  Returns:
+    The metrics of :func:`examples.common.run_metrics`; ``evals`` and
+    ``final`` hold ``test_loss`` and ``test_accuracy``. With a ``workdir``,
+    they are written there too, next to the checkpoints a later run
+    resumes from, bit for bit (:func:`examples.common.train_loop`).
+  """
+  devices, n, mesh = common.setup(config)
+  data = datasets.load_digits(config.test_fraction)
+
+  model = CNN(features=config.features, hidden=config.hidden, rngs=nnx.Rngs(config.seed))
+  params = common.param_shapes(nnx.state(model, nnx.Param))
+  dp = DataParallel.create(model, common.make_optimizer(config), mesh=mesh)
+  evaluate = dp.eval_step(per_example)
+  (x_test, y_test), weights = common.pad_to_multiple([data.x_test, data.y_test], n)
+  test_batch = common.shard_batch(mesh, (x_test, y_test))
+
+  def run_eval(state) -> dict:
+    out = jax.device_get(evaluate(state, test_batch))
+    return {"test_loss": common.weighted_mean(out["loss"], weights),
+            "test_accuracy": common.weighted_mean(out["correct"], weights)}
+
+  batches = datasets.EpochBatches(len(data.y_train), config.batch_size, config.seed)
+
+  def batch_fn(position):
+    idx = batches.indices(position)
+    return common.shard_batch(mesh, (data.x_train[idx], data.y_train[idx]))
+
+  state, history, start = dp.train_loop(config, loss_fn, batch_fn=batch_fn, eval_fn=run_eval,
+                                        desc=f"digits {config.codec}")
+  final = {k: history.evals[-1][k] for k in ("test_accuracy", "test_loss")}
+  return common.run_metrics("nnx_digits", config, devices=devices, params=params,
+                            history=history, start=start, state=state, final=final)
