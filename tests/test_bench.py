@@ -28,3 +28,31 @@ def test_kernels_tiny(tmp_path):
   with open(os.path.join(tmp_path, name)) as f:
     saved = json.load(f)
   assert saved["backend_lowering"]["triton"] == "lowers"
+
+
+def test_train_tiny(tmp_path):
+  import pathlib
+  import sys
+  root = str(pathlib.Path(__file__).resolve().parents[1])
+  if root not in sys.path:  # the examples live beside the package
+    sys.path.insert(0, root)
+  from dynamiq_jax.bench import train
+  report = train.main(["--tiny", "--codecs", "BF16 psum,DynamiQ 5b", "--out", str(tmp_path)])
+  assert set(report["examples"]) == set(train.EXAMPLES)
+  for name, summary in report["examples"].items():
+    bf16, dyn = summary["codecs"]["BF16 psum"], summary["codecs"]["DynamiQ 5b"]
+    assert bf16["quality_vs_bf16"] == 1.0 and bf16["bits_per_coord"] == 16
+    assert dyn["bits_per_coord"] <= 5.0
+    assert dyn["bytes_per_rank_per_step"] < bf16["bytes_per_rank_per_step"] / 3
+    assert dyn["state_sha256"] != bf16["state_sha256"]  # the codec really ran
+    assert os.path.getsize(os.path.join(tmp_path, f"train_{name}.png")) > 1000
+  with open(os.path.join(tmp_path, "train.json")) as f:
+    assert json.load(f)["examples"].keys() == report["examples"].keys()
+
+
+def test_smoothing_and_target():
+  from dynamiq_jax.bench import train
+  import numpy as np
+  np.testing.assert_allclose(train.smooth([4.0, 2.0, 0.0, 2.0], 2), [4.0, 3.0, 1.0, 1.0])
+  assert train.steps_to_target([3.0, 2.0, 1.0], 2.0) == 2
+  assert train.steps_to_target([3.0, 2.5], 2.0) is None
