@@ -30,6 +30,9 @@ __all__ = [
     "allreduce", "AllReduceStats", "wire_stats", "init_codec_state", "DEFAULT_BUCKET_SIZE",
 ]
 
+HIERARCHICAL = {"hierarchical": "ring", "hierarchical-butterfly": "butterfly"}
+"""Two-level schedules for ``axis_name=(slow, fast)``, and their slow-axis schedule."""
+
 DEFAULT_BUCKET_SIZE = 1 << 26
 """Coordinates per bucket (256 MiB of float32 staging)."""
 
@@ -218,6 +221,11 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     >>> bool(jnp.allclose(out[0], g.mean(0)))
     True
   """
+  if schedule in HIERARCHICAL:
+    return _hierarchical(tree, axis_name=axis_name, codec=codec, inner=HIERARCHICAL[schedule],
+                         key=key, average=average, bucket_size=bucket_size,
+                         implementation=implementation, codec_state=codec_state,
+                         return_own=return_own)
   if return_own and not getattr(codec, "reports_contribution", False):
     raise ValueError(
         f"{type(codec).__name__} cannot report a rank's own contribution, which error "
@@ -270,3 +278,72 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank), jnp.int32(total),
       codec_state=None if all(v is None for v in new_states) else tuple(new_states), own=own)
   return unflatten(out, cast=True), stats
+
+
+def _local_reduce_scatter(chunks, axis_name, size):
+  """Exact float32 ring reduce-scatter of ``chunks`` ([size, m]) over ``axis_name``.
+
+  Rank r ends with the sum of chunk ``(r + 1) % size``, accumulated in the
+  fixed order c, c+1, ..., so the bits do not depend on the backend.
+  """
+  r = jax.lax.axis_index(axis_name)
+  perm = [(i, (i + 1) % size) for i in range(size)]
+  send = jnp.take(chunks, r, axis=0)
+  for j in range(size - 1):
+    recv = jax.lax.ppermute(send, axis_name, perm)
+    send = recv + jnp.take(chunks, (r - 1 - j) % size, axis=0)
+  return send
+
+
+def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, implementation,
+                  codec_state, return_own):
+  """Exact reduction inside the fast axis, compressed all-reduce across the slow one.
+
+  ``axis_name=(slow, fast)``, e.g. ``("host", "local")``: the fast axis
+  reduce-scatters in float32 (NVLink inside a host), each fast rank
+  all-reduces its 1/L share with ``codec`` over the slow axis (the NIC,
+  ``inner`` schedule), and the fast axis all-gathers the results.
+  """
+  names = _names(axis_name)
+  if len(names) != 2 or isinstance(axis_name, str):
+    raise ValueError(
+        f"schedule='hierarchical' needs axis_name=(slow, fast), e.g. ('host', 'local') for a "
+        f"2-axis mesh; got axis_name={axis_name!r}. Fix: pass both mesh axes, slow first, or "
+        f"use schedule='ring' for one axis")
+  if return_own or codec_state is not None or (
+      getattr(codec, "init_state", None) is not None and codec.init_state(1, 2) is not None):
+    raise ValueError(
+        f"schedule='hierarchical' supports stateless codecs without error feedback; "
+        f"{codec!r} keeps state (or error feedback was asked for). Fix: use a flat schedule "
+        f"('ring' or 'butterfly') over axis_name={tuple(names)!r} for this codec")
+  slow, fast = names
+  leaves, treedef = _check_leaves(tree)
+  fast_ctx, slow_ctx = axis_context(fast), axis_context(slow)
+  _check_varying(leaves, axis_context(tuple(names)))
+  arrays = [jnp.asarray(leaf) for _, leaf in leaves]
+  sizes = [a.size for a in arrays]
+  total = sum(sizes)
+  if total == 0:
+    return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0))
+  size = fast_ctx.n
+  flat = jnp.concatenate([a.reshape(-1).astype(jnp.float32) for a in arrays])
+  if average:
+    flat = flat / np.float32(size * slow_ctx.n)
+  m = -(-total // size)
+  chunks = jnp.pad(flat, (0, m * size - total)).reshape(size, m)
+  owned = _local_reduce_scatter(chunks, fast, size) if size > 1 else chunks[0]
+  key = jax.random.fold_in(key, jax.lax.axis_index(fast))  # fresh rounding per fast rank
+  reduced, stats = allreduce(owned, axis_name=slow, codec=codec, schedule=inner, key=key,
+                             average=False, bucket_size=bucket_size,
+                             implementation=implementation)
+  if size > 1:
+    gathered = fast_ctx.all_gather(reduced)  # rank r holds chunk (r + 1) % size
+    out = jnp.roll(gathered, 1, axis=0).reshape(-1)[:total]
+  else:
+    out = reduced
+  pieces = jnp.split(out, np.cumsum(sizes)[:-1])
+  leaves_out = [p.reshape(a.shape).astype(a.dtype) for p, a in zip(pieces, arrays)]
+  # the slow axis's cost: every fast rank sends its share at the codec's bits per
+  # coordinate (the exact float32 traffic inside the fast axis is not counted)
+  return jax.tree_util.tree_unflatten(treedef, leaves_out), AllReduceStats(
+      stats.bits_per_coord, stats.bytes_per_rank, jnp.int32(total))

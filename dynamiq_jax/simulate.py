@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.allreduce import HIERARCHICAL
 from dynamiq_jax.allreduce import allreduce
 
 __all__ = ["simulate", "SIM_AXIS"]
@@ -22,17 +23,27 @@ __all__ = ["simulate", "SIM_AXIS"]
 SIM_AXIS = "dynamiq_sim"
 
 
+SIM_HOST_AXIS = "dynamiq_sim_host"
+
+
 @functools.partial(jax.jit, static_argnames=("codec", "schedule", "average", "bucket_size",
-                                             "implementation"))
-def _run(stacked, key, codec_state, *, codec, schedule, average, bucket_size, implementation):
+                                             "implementation", "mesh_shape"))
+def _run(stacked, key, codec_state, *, codec, schedule, average, bucket_size, implementation,
+         mesh_shape):
+  axis = (SIM_HOST_AXIS, SIM_AXIS) if mesh_shape else SIM_AXIS
 
   def one(tree):
     out, stats = allreduce(
-        tree, axis_name=SIM_AXIS, codec=codec, schedule=schedule, key=key,
+        tree, axis_name=axis, codec=codec, schedule=schedule, key=key,
         average=average, bucket_size=bucket_size, implementation=implementation,
         codec_state=codec_state)
     return out, stats.codec_state
 
+  if mesh_shape:  # workers laid out [slow, fast]: nested vmaps bind both axes
+    grid = jax.tree.map(lambda x: x.reshape(mesh_shape + x.shape[1:]), stacked)
+    out, state = jax.vmap(jax.vmap(one, axis_name=SIM_AXIS), axis_name=SIM_HOST_AXIS)(grid)
+    out = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
+    return out, jax.tree.map(lambda s: s[0, 0], state)
   out, state = jax.vmap(one, axis_name=SIM_AXIS)(stacked)
   return out, jax.tree.map(lambda s: s[0], state)  # identical on every worker
 
@@ -40,7 +51,7 @@ def _run(stacked, key, codec_state, *, codec, schedule, average, bucket_size, im
 def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
              average: bool = True,
              bucket_size: int = DEFAULT_BUCKET_SIZE, implementation: str | None = None,
-             codec_state=None, return_state: bool = False):
+             codec_state=None, return_state: bool = False, mesh_shape=None):
   """All-reduces per-worker gradients stacked on axis 0, on one device.
 
   Args:
@@ -58,6 +69,9 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
     codec_state: a stateful codec's state from a previous call (None: fresh).
     return_state: also return the codec's state after this call, to carry
       into the next (e.g. MX's adaptive scale over training rounds).
+    mesh_shape: ``(slow, fast)`` for ``schedule="hierarchical"``: the n
+      workers are laid out row-major on that grid (worker ``i`` is slow rank
+      ``i // fast``, fast rank ``i % fast``), as on a 2-axis mesh.
 
   Returns:
     The per-worker results stacked on axis 0 (all rows identical); with
@@ -79,8 +93,17 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
         f"every leaf of `stacked` needs the same leading worker axis; got leading "
         f"sizes {[s if s >= 0 else 'scalar' for s in lead]}. Stack per-worker "
         f"gradients with jax.tree.map(lambda *g: jnp.stack(g), *per_worker).")
+  if mesh_shape is not None:
+    mesh_shape = tuple(int(k) for k in mesh_shape)
+    if len(mesh_shape) != 2 or mesh_shape[0] * mesh_shape[1] != lead[0]:
+      raise ValueError(f"mesh_shape={mesh_shape} must be (slow, fast) with slow * fast = "
+                       f"{lead[0]} workers")
+  elif schedule in HIERARCHICAL:
+    raise ValueError(f"schedule={schedule!r} simulates a 2-axis mesh: pass "
+                     f"mesh_shape=(slow, fast), e.g. (2, {lead[0] // 2})")
   if key is None:
     key = jax.random.key(seed)
   out, state = _run(stacked, key, codec_state, codec=codec, schedule=schedule,
-                    average=average, bucket_size=bucket_size, implementation=implementation)
+                    average=average, bucket_size=bucket_size, implementation=implementation,
+                    mesh_shape=mesh_shape)
   return (out, state) if return_state else out

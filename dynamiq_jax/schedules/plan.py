@@ -184,5 +184,6 @@ def get_plan(schedule: str, n: int) -> TreePlan:
     make = _PLANS[schedule]
   except KeyError:
     raise ValueError(
-        f"schedule={schedule!r} is not one of {sorted(_PLANS)}") from None
+        f"schedule={schedule!r} is not one of {sorted(_PLANS)} (or 'hierarchical', "
+        f"'hierarchical-butterfly' with axis_name=(slow, fast))") from None
   return make(n)
