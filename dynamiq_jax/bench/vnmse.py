@@ -41,6 +41,8 @@ def _parse(argv):
   p.add_argument("--seeds", type=int, default=2, help="rounding seeds per stateless point")
   p.add_argument("--rounds", type=int, default=60, help="steps for stateful codecs")
   p.add_argument("--max-n", type=int, default=1024, help="largest n of the synthetic scaling")
+  p.add_argument("--max-n-real", type=int, default=64,
+                 help="largest n of the real-gradient scaling (<= 64)")
   p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dynamiq_jax"),
                  help="where captured LM gradients are kept ('' to disable)")
   p.add_argument("--no-real", action="store_true", help="skip the LM gradients")
@@ -102,8 +104,8 @@ def main(argv=None):
     lm_cfgs = {"lm-word": lm.LMConfig(vocab=8192, layers=2),
                "lm-byte": lm.LMConfig()}
     lm_steps, lm_kw = (0, 100, 300), {}
-  real_n = 64 if not args.tiny else 16
-  sizes_real = [k for k in (2, 4, 8, 16, 32, 64) if k <= real_n]
+  real_n = 64 if not args.tiny else 16  # workers captured at the last step (cached)
+  sizes_real = [k for k in (2, 4, 8, 16, 32, 64) if k <= min(real_n, args.max_n_real)]
   sizes_syn = [k for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k <= args.max_n]
 
   data = {("iid", 0): paper_model_gradients("iid", n, args.d, 0),
