@@ -29,6 +29,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 __all__ = ["initialize", "global_batch", "free_port", "launch"]
@@ -106,12 +107,14 @@ def launch(argv_per_rank, *, timeout: float, env=None, prefix_per_rank=None):
       after the others were stopped.
     TimeoutError: when the job ran past ``timeout``.
   """
-  procs = []
+  procs, logs = [], []
   try:
     for r, argv in enumerate(argv_per_rank):
       cmd = (list(prefix_per_rank[r]) if prefix_per_rank else []) + list(argv)
-      procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=env, text=True))
+      # files, not pipes: a chatty rank can never block on a full pipe buffer
+      out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+      logs.append((out, err))
+      procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True))
     deadline = time.monotonic() + timeout
     while True:
       codes = [p.poll() for p in procs]
@@ -119,11 +122,10 @@ def launch(argv_per_rank, *, timeout: float, env=None, prefix_per_rank=None):
       if failed:
         r = failed[0]
         _stop(procs)
-        err = procs[r].stderr.read()[-3000:]
         raise RuntimeError(f"rank {r} exited with code {codes[r]}; the other ranks were "
-                           f"stopped. Its stderr ends:\n{err}")
+                           f"stopped. Its stderr ends:\n{_read(logs[r][1])[-3000:]}")
       if all(c == 0 for c in codes):
-        return [p.stdout.read() for p in procs]
+        return [_read(out) for out, _ in logs]
       if time.monotonic() > deadline:
         _stop(procs)
         raise TimeoutError(f"the {len(procs)}-process job ran past {timeout:.0f} s and was "
@@ -132,6 +134,14 @@ def launch(argv_per_rank, *, timeout: float, env=None, prefix_per_rank=None):
       time.sleep(0.05)
   finally:
     _stop(procs)
+    for out, err in logs:
+      out.close()
+      err.close()
+
+
+def _read(f) -> str:
+  f.seek(0)
+  return f.read()
 
 
 def _stop(procs):
