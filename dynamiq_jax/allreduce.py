@@ -127,6 +127,19 @@ def _key_words(key):
   return rng.derive_key(*[words[i] for i in range(words.shape[0])])
 
 
+def _flatten(arrays):
+  """The leaves as one float32 vector (the buckets are slices of it)."""
+  return jnp.concatenate([a.reshape(-1).astype(jnp.float32) for a in arrays])
+
+
+def _unflatten(vec, arrays, treedef, cast: bool = True):
+  """Cuts ``vec`` back into leaves shaped like ``arrays`` (their dtypes if ``cast``)."""
+  pieces = jnp.split(vec, np.cumsum([a.size for a in arrays])[:-1])
+  leaves_out = [p.reshape(a.shape).astype(a.dtype if cast else jnp.float32)
+                for p, a in zip(pieces, arrays)]
+  return jax.tree_util.tree_unflatten(treedef, leaves_out)
+
+
 def _bucket_bounds(total: int, bucket_size: int, codec):
   unit = getattr(codec, "granularity", 1)
   if bucket_size < 1 or bucket_size % unit:
@@ -235,8 +248,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
   ctx = axis_context(axis_name)
   _check_varying(leaves, ctx)
   arrays = [jnp.asarray(leaf) for _, leaf in leaves]
-  sizes = [a.size for a in arrays]
-  total = sum(sizes)
+  total = sum(a.size for a in arrays)
   report = wire_stats(arrays, codec=codec, n=ctx.n, bucket_size=bucket_size)
   if total == 0:
     return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0))
@@ -249,7 +261,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
   plan = get_plan(schedule, ctx.n)
   run = functools.partial(execute, plan, ctx)
   key_words = _key_words(key)
-  flat = jnp.concatenate([a.reshape(-1).astype(jnp.float32) for a in arrays])
+  flat = _flatten(arrays)
   if average:
     flat = flat / np.float32(ctx.n)
   outs, new_states, owns = [], [], []
@@ -263,21 +275,16 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       if return_own:
         owns.append(prep.own())
 
-  def unflatten(vec, cast):
-    pieces = jnp.split(vec, np.cumsum(sizes)[:-1])
-    leaves_out = [p.reshape(a.shape).astype(a.dtype if cast else jnp.float32)
-                  for p, a in zip(pieces, arrays)]
-    return jax.tree_util.tree_unflatten(treedef, leaves_out)
-
   out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
   own = None
   if return_own:
     own_flat = jnp.concatenate(owns) if len(owns) > 1 else owns[0]
-    own = unflatten(own_flat * np.float32(ctx.n) if average else own_flat, cast=False)
+    own = _unflatten(own_flat * np.float32(ctx.n) if average else own_flat, arrays, treedef,
+                     cast=False)
   stats = AllReduceStats(
       jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank), jnp.int32(total),
       codec_state=None if all(v is None for v in new_states) else tuple(new_states), own=own)
-  return unflatten(out, cast=True), stats
+  return _unflatten(out, arrays, treedef), stats
 
 
 def _local_reduce_scatter(chunks, axis_name, size):
@@ -321,12 +328,11 @@ def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, i
   fast_ctx, slow_ctx = axis_context(fast), axis_context(slow)
   _check_varying(leaves, axis_context(tuple(names)))
   arrays = [jnp.asarray(leaf) for _, leaf in leaves]
-  sizes = [a.size for a in arrays]
-  total = sum(sizes)
+  total = sum(a.size for a in arrays)
   if total == 0:
     return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0))
   size = fast_ctx.n
-  flat = jnp.concatenate([a.reshape(-1).astype(jnp.float32) for a in arrays])
+  flat = _flatten(arrays)
   if average:
     flat = flat / np.float32(size * slow_ctx.n)
   m = -(-total // size)
@@ -341,9 +347,7 @@ def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, i
     out = jnp.roll(gathered, 1, axis=0).reshape(-1)[:total]
   else:
     out = reduced
-  pieces = jnp.split(out, np.cumsum(sizes)[:-1])
-  leaves_out = [p.reshape(a.shape).astype(a.dtype) for p, a in zip(pieces, arrays)]
   # the slow axis's cost: every fast rank sends its share at the codec's bits per
   # coordinate (the exact float32 traffic inside the fast axis is not counted)
-  return jax.tree_util.tree_unflatten(treedef, leaves_out), AllReduceStats(
+  return _unflatten(out, arrays, treedef), AllReduceStats(
       stats.bits_per_coord, stats.bytes_per_rank, jnp.int32(total))
