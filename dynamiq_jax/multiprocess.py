@@ -25,6 +25,7 @@ the same data, bit for bit.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import socket
 import subprocess
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["initialize", "global_batch", "free_port", "launch"]
+__all__ = ["initialize", "global_batch", "free_port", "launch", "Job"]
 
 
 def initialize(coordinator_address: str, *, num_processes: int, process_id: int,
@@ -90,6 +91,132 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+class Job:
+  """Processes of one multi-process job, with their output in temporary files.
+
+  Files, not pipes: a chatty rank can never block on a full pipe buffer.
+  With ``stdin=True`` each process reads commands from a pipe
+  (:meth:`send`). Use it as a context manager: every process still running
+  at exit is killed, and the log files are closed.
+  """
+
+  def __init__(self, argv_per_rank, *, env=None, prefix_per_rank=None, stdin: bool = False):
+    self.procs, self.logs, self._seen = [], [], []
+    try:
+      for r, argv in enumerate(argv_per_rank):
+        cmd = (list(prefix_per_rank[r]) if prefix_per_rank else []) + list(argv)
+        out, err = _log_file(), _log_file()
+        self.logs.append((out, err))
+        self._seen.append(0)
+        self.procs.append(subprocess.Popen(
+            cmd, stdout=out, stderr=err, env=env, text=True,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL))
+    except BaseException:
+      self.close()
+      raise
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def check(self) -> list:
+    """Exit codes (None: running); raises if a rank failed, after stopping the others."""
+    codes = [p.poll() for p in self.procs]
+    failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+    if failed:
+      r = failed[0]
+      self.stop()
+      raise RuntimeError(f"rank {r} exited with code {codes[r]}; the other ranks were "
+                         f"stopped. Its stderr ends:\n{self.stderr(r)[-3000:]}")
+    return codes
+
+  def send(self, line: str) -> None:
+    """Writes ``line`` to every rank's stdin."""
+    for r, p in enumerate(self.procs):
+      try:
+        p.stdin.write(line.rstrip("\n") + "\n")
+        p.stdin.flush()
+      except BrokenPipeError:
+        self.check()
+        raise RuntimeError(f"rank {r} closed its input") from None
+
+  def wait_lines(self, prefix: str, *, timeout: float) -> list:
+    """The next stdout line of each rank starting with ``prefix`` (prefix removed)."""
+    deadline = time.monotonic() + timeout
+    got = [None] * len(self.procs)
+    while True:
+      for r in range(len(self.procs)):
+        if got[r] is None:
+          got[r] = self._next_line(r, prefix)
+      if all(g is not None for g in got):
+        return got
+      codes = self.check()
+      if any(c == 0 for r, c in enumerate(codes) if got[r] is None):
+        self.stop()
+        raise RuntimeError(f"a rank exited before printing {prefix!r}")
+      if time.monotonic() > deadline:
+        self.stop()
+        raise TimeoutError(f"no {prefix!r} line within {timeout:.0f} s from ranks "
+                           f"{[r for r, g in enumerate(got) if g is None]}; the job was "
+                           f"stopped")
+      time.sleep(0.05)
+
+  def _next_line(self, r, prefix):
+    f = self.logs[r][0]
+    f.seek(self._seen[r])
+    while True:
+      line = f.readline()
+      if not line.endswith("\n"):
+        return None  # nothing complete yet
+      self._seen[r] = f.tell()
+      if line.startswith(prefix):
+        return line[len(prefix):].rstrip("\n")
+
+  def wait(self, *, timeout: float) -> list:
+    """Waits until every rank exits 0; returns their stdout texts."""
+    deadline = time.monotonic() + timeout
+    while True:
+      codes = self.check()
+      if all(c == 0 for c in codes):
+        return [self.stdout(r) for r in range(len(self.procs))]
+      if time.monotonic() > deadline:
+        self.stop()
+        raise TimeoutError(f"the {len(self.procs)}-process job ran past {timeout:.0f} s and "
+                           f"was stopped; still running: "
+                           f"{[r for r, c in enumerate(codes) if c is None]}")
+      time.sleep(0.05)
+
+  def stdout(self, r) -> str:
+    return _read(self.logs[r][0])
+
+  def stderr(self, r) -> str:
+    return _read(self.logs[r][1])
+
+  def stop(self) -> None:
+    for p in self.procs:
+      if p.poll() is None:
+        p.kill()
+    for p in self.procs:
+      try:
+        p.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        pass
+
+  def close(self) -> None:
+    self.stop()
+    for p in self.procs:
+      if p.stdin:
+        try:
+          p.stdin.close()
+        except OSError:
+          pass
+    for out, err in self.logs:
+      out.close()
+      err.close()
+
+
 def launch(argv_per_rank, *, timeout: float, env=None, prefix_per_rank=None):
   """Runs one process per rank and waits for all; kills all on error or timeout.
 
@@ -107,52 +234,20 @@ def launch(argv_per_rank, *, timeout: float, env=None, prefix_per_rank=None):
       after the others were stopped.
     TimeoutError: when the job ran past ``timeout``.
   """
-  procs, logs = [], []
-  try:
-    for r, argv in enumerate(argv_per_rank):
-      cmd = (list(prefix_per_rank[r]) if prefix_per_rank else []) + list(argv)
-      # files, not pipes: a chatty rank can never block on a full pipe buffer
-      out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-      logs.append((out, err))
-      procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True))
-    deadline = time.monotonic() + timeout
-    while True:
-      codes = [p.poll() for p in procs]
-      failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-      if failed:
-        r = failed[0]
-        _stop(procs)
-        raise RuntimeError(f"rank {r} exited with code {codes[r]}; the other ranks were "
-                           f"stopped. Its stderr ends:\n{_read(logs[r][1])[-3000:]}")
-      if all(c == 0 for c in codes):
-        return [_read(out) for out, _ in logs]
-      if time.monotonic() > deadline:
-        _stop(procs)
-        raise TimeoutError(f"the {len(procs)}-process job ran past {timeout:.0f} s and was "
-                           f"stopped; still running: "
-                           f"{[r for r, c in enumerate(codes) if c is None]}")
-      time.sleep(0.05)
-  finally:
-    _stop(procs)
-    for out, err in logs:
-      out.close()
-      err.close()
+  with Job(argv_per_rank, env=env, prefix_per_rank=prefix_per_rank) as job:
+    return job.wait(timeout=timeout)
+
+
+def _log_file():
+  """A temporary file a child writes in append mode, so our reads may seek freely."""
+  f = tempfile.TemporaryFile("w+")
+  fcntl.fcntl(f.fileno(), fcntl.F_SETFL, fcntl.fcntl(f.fileno(), fcntl.F_GETFL) | os.O_APPEND)
+  return f
 
 
 def _read(f) -> str:
   f.seek(0)
   return f.read()
-
-
-def _stop(procs):
-  for p in procs:
-    if p.poll() is None:
-      p.kill()
-  for p in procs:
-    try:
-      p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-      pass
 
 
 def _check(args) -> None:

@@ -1,0 +1,179 @@
+"""An emulated cluster network: one Linux network namespace per worker.
+
+Each worker ``r`` lives in namespace ``<prefix>-w<r>`` with address
+``10.77.0.<r+1>``; a veth pair joins it to a bridge in ``<prefix>-br``, the
+switch. :meth:`Network.set_rate` puts a token-bucket (``tc tbf``) on both
+ends of every veth, so each worker's link carries at most ``rate`` bit/s in
+each direction, like a NIC into a non-blocking switch. Every namespace gets
+its own ``/etc/netns/<ns>/hosts`` mapping this machine's host name to the
+worker's address, because gloo connects to the address the host name
+resolves to.
+
+Everything created is removed by :meth:`Network.close` (the context manager
+calls it, also on an exception or Ctrl-C; SIGTERM is turned into an
+exception while the network is up). Needs root and ``ip``/``tc``;
+:func:`can_shape` says whether that holds here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+
+__all__ = ["Network", "can_shape", "NetworkError"]
+
+SUBNET = "10.77.0"
+
+
+class NetworkError(RuntimeError):
+  """An ``ip``/``tc`` command failed (the message has the command and its error)."""
+
+
+def can_shape() -> tuple[bool, str]:
+  """(True, "") if namespaces and tc are usable here, else (False, the reason)."""
+  if os.geteuid() != 0:
+    return False, "not running as root (network namespaces and tc need root)"
+  for tool in ("ip", "tc"):
+    if shutil.which(tool) is None:
+      return False, f"the {tool!r} command is not installed (iproute2)"
+  return True, ""
+
+
+def _run(*cmd: str) -> str:
+  res = subprocess.run(cmd, capture_output=True, text=True)
+  if res.returncode:
+    raise NetworkError(f"`{' '.join(cmd)}` failed: {res.stderr.strip() or res.stdout.strip()}")
+  return res.stdout
+
+
+class Network:
+  """``workers`` namespaces on a bridge, with rate-limited links (see module doc).
+
+  Args:
+    workers: number of worker namespaces.
+    prefix: namespace name prefix (default: ``dqn<pid>``, unique per run).
+  """
+
+  def __init__(self, workers: int, prefix: str | None = None):
+    if not 1 <= workers <= 250:
+      raise ValueError(f"workers={workers} must be in [1, 250] (one /24 subnet)")
+    ok, why = can_shape()
+    if not ok:
+      raise NetworkError(f"cannot build the emulated network: {why}")
+    self.workers = workers
+    self.prefix = prefix or f"dqn{os.getpid()}"
+    self.bridge_ns = f"{self.prefix}-br"
+    self.namespaces: list[str] = []
+    self.rate_mbit: float | None = None
+    self.delay_ms: float = 0.0
+    self._old_sigterm = None
+
+  # -- life cycle -----------------------------------------------------------
+
+  def __enter__(self):
+    self._old_sigterm = signal.signal(signal.SIGTERM, _raise_sigterm)
+    try:
+      self.open()
+    except BaseException:
+      self.close()
+      raise
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def open(self) -> None:
+    host = socket.gethostname()
+    self._add_ns(self.bridge_ns)
+    _run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+    _run("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
+    for r in range(self.workers):
+      ns = self.worker_ns(r)
+      self._add_ns(ns)
+      _run("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"vb{r}",
+           "netns", self.bridge_ns)
+      _run("ip", "-n", self.bridge_ns, "link", "set", f"vb{r}", "master", "br0")
+      _run("ip", "-n", self.bridge_ns, "link", "set", f"vb{r}", "up")
+      _run("ip", "-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", "eth0")
+      _run("ip", "-n", ns, "link", "set", "eth0", "up")
+      _run("ip", "-n", ns, "link", "set", "lo", "up")
+      etc = os.path.join("/etc/netns", ns)
+      os.makedirs(etc, exist_ok=True)
+      with open(os.path.join(etc, "hosts"), "w") as f:
+        f.write(f"127.0.0.1 localhost\n{self.address(r)} {host}\n")
+
+  def _add_ns(self, ns: str) -> None:
+    _run("ip", "netns", "add", ns)
+    self.namespaces.append(ns)
+
+  def close(self) -> None:
+    """Removes every namespace (their links go with them) and hosts file; idempotent."""
+    errors = []
+    for ns in reversed(self.namespaces):
+      try:
+        _run("ip", "netns", "del", ns)
+      except NetworkError as e:
+        errors.append(str(e))
+      shutil.rmtree(os.path.join("/etc/netns", ns), ignore_errors=True)
+    self.namespaces = []
+    if self._old_sigterm is not None:
+      signal.signal(signal.SIGTERM, self._old_sigterm)
+      self._old_sigterm = None
+    if errors:
+      raise NetworkError("cleanup failed: " + "; ".join(errors))
+
+  # -- addressing -----------------------------------------------------------
+
+  def worker_ns(self, r: int) -> str:
+    return f"{self.prefix}-w{r}"
+
+  def address(self, r: int) -> str:
+    return f"{SUBNET}.{r + 1}"
+
+  def exec_prefix(self, r: int) -> list[str]:
+    """Command prefix that runs a program inside worker ``r``'s namespace."""
+    return ["ip", "netns", "exec", self.worker_ns(r)]
+
+  # -- shaping --------------------------------------------------------------
+
+  def set_rate(self, rate_mbit: float | None, delay_ms: float = 0.0) -> None:
+    """Limits every link to ``rate_mbit`` Mbit/s each way (None: unshaped).
+
+    ``delay_ms`` adds one-way latency per link end with ``netem``; a kernel
+    (or sandbox) without netem gets a :class:`NetworkError` saying so.
+    """
+    if rate_mbit is not None and not rate_mbit > 0:
+      raise ValueError(f"rate_mbit={rate_mbit} must be positive (or None for no limit)")
+    for r in range(self.workers):
+      for ns, dev in ((self.worker_ns(r), "eth0"), (self.bridge_ns, f"vb{r}")):
+        subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"],
+                       capture_output=True)  # absent the first time: fine
+        if rate_mbit is None and not delay_ms:
+          continue
+        if delay_ms:
+          cmd = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "delay",
+                 f"{delay_ms}ms"]
+          if rate_mbit is not None:
+            cmd += ["rate", f"{rate_mbit}mbit"]
+          try:
+            _run(*cmd)
+          except NetworkError as e:
+            raise NetworkError(f"{e}. Link delay needs the netem qdisc, which this kernel "
+                               f"lacks; run without --delay-ms") from None
+        else:
+          # burst: >= 2 ms of traffic (and 64 KiB) so the bucket never starves the rate
+          burst = max(64 << 10, int(rate_mbit * 1e6 / 8 * 2e-3))
+          _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+               f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms")
+    self.rate_mbit, self.delay_ms = rate_mbit, delay_ms
+
+  def set_link(self, r: int, up: bool) -> None:
+    """Takes worker ``r``'s link down or up (fault injection)."""
+    _run("ip", "-n", self.bridge_ns, "link", "set", f"vb{r}", "up" if up else "down")
+
+
+def _raise_sigterm(signum, frame):
+  raise SystemExit(f"terminated by signal {signum}")
