@@ -19,9 +19,9 @@ def _namespaces() -> str:
 
 
 def test_method_names():
-  assert net.parse_method("psum-f32") == ("psum", "psum-f32", None)
-  kind, codec, schedule = net.parse_method("dynamiq4/butterfly")
-  assert (kind, codec.bits, schedule) == ("allreduce", 4.0, "butterfly")
+  assert net.parse_method("psum-f32") == ("psum", "psum-f32", None, None)
+  kind, codec, schedule, tile = net.parse_method("dynamiq4/butterfly@0")
+  assert (kind, codec.bits, schedule, tile) == ("allreduce", 4.0, "butterfly", 0.0)
   assert net.parse_method("mxfp8/ring")[1].element == "e4m3"
   with pytest.raises(ValueError, match="'<codec>/<schedule>'"):
     net.parse_method("dynamiq")
@@ -29,6 +29,8 @@ def test_method_names():
     net.parse_method("dynamiq/tree")
   with pytest.raises(ValueError, match="not one of"):
     net.parse_method("zip/ring")
+  with pytest.raises(ValueError, match="tile 'big' is not a number"):
+    net.parse_method("dynamiq/ring@big")
 
 
 def test_speedups_are_against_the_fastest_uncompressed_and_use_the_slowest_rank():
@@ -77,14 +79,16 @@ def test_network_is_removed_on_error():
 
 @needs_root
 def test_tiny_benchmark_runs_and_cleans_up(tmp_path):
-  payload = net.main(["--tiny", "--out", str(tmp_path)])
+  payload = net.main(["--tiny", "--methods", "psum-bf16", "bf16-ring/ring", "dynamiq/ring",
+                       "--out", str(tmp_path)])
   assert payload["shaped"] and payload["workers"] == 2
-  methods = {r["method"] for r in payload["rows"] if not r.get("lm")}
-  assert methods == {"psum-f32", "psum-bf16", "bf16-ring/ring", "dynamiq/ring"}
-  for r in payload["rows"]:
+  rows = {(r["method"], bool(r.get("lm"))): r for r in payload["rows"]}
+  assert {m for m, _ in rows} == {"psum-bf16", "bf16-ring/ring", "dynamiq/ring"}
+  for r in rows.values():
     assert r["seconds"] > 0 and math.isfinite(r["speedup"])
-  dq = next(r for r in payload["rows"] if r["method"] == "dynamiq/ring" and not r.get("lm"))
-  assert 2.5 < dq["ideal"] < 3.5  # bytes: bf16 ring / DynamiQ ~5 bits
+  for lm in (False, True):  # bytes: bf16 ring / DynamiQ at ~5 bits
+    ratio = rows["bf16-ring/ring", lm]["bytes_per_rank"] / rows["dynamiq/ring", lm]["bytes_per_rank"]
+    assert 3.0 < ratio < 3.3, ratio
   assert any(r.get("lm") for r in payload["rows"])
   assert json.loads((tmp_path / "net.json").read_text())["rows"]
   assert (tmp_path / "net_speedup.png").exists()

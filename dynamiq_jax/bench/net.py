@@ -56,15 +56,26 @@ LM_PARAMS = dict(vocab=256, seq_len=128, d_model=384, heads=6, layers=4, mlp=4)
 
 
 def parse_method(name: str):
-  """``"psum-f32"``, ``"psum-bf16"`` or ``"<codec>/<schedule>"`` -> (kind, codec, schedule).
+  """``"psum-f32"``, ``"psum-bf16"`` or ``"<codec>/<schedule>[@<tile MiB>]"``.
 
-  ``<codec>`` is a registry name (``dynamiq``, ``mxfp8``, ...); ``dynamiq4``
-  etc. name DynamiQ at that many bits.
+  Returns ``(kind, codec, schedule, tile_mb)``. ``<codec>`` is a registry
+  name (``dynamiq``, ``mxfp8``, ...); ``dynamiq4`` etc. name DynamiQ at that
+  many bits. ``@<tile MiB>`` overrides ``--tile-mb`` for this method
+  (``@0``: the whole gradient in one bucket); ``tile_mb`` is None otherwise.
   """
   import dynamiq_jax as dq
 
   if name in ("psum-f32", "psum-bf16"):
-    return "psum", name, None
+    return "psum", name, None, None
+  tile_mb = None
+  if "@" in name:
+    name, tile = name.rsplit("@", 1)
+    try:
+      tile_mb = float(tile)
+    except ValueError:
+      raise ValueError(f"method {name}@{tile}: tile {tile!r} is not a number of MiB") from None
+    if tile_mb < 0:
+      raise ValueError(f"method {name}@{tile}: the tile size must be >= 0 MiB (0: one bucket)")
   if "/" not in name:
     raise ValueError(f"method {name!r}: use 'psum-f32', 'psum-bf16' or '<codec>/<schedule>', "
                      f"e.g. 'dynamiq/ring' or 'mxfp8/butterfly'")
@@ -77,8 +88,16 @@ def parse_method(name: str):
     except ValueError:
       raise ValueError(f"method {name!r}: DynamiQ bits {codec_name[7:]!r} is not a number"
                        ) from None
-    return "allreduce", dq.codecs.DynamiQ(bits=bits), schedule
-  return "allreduce", dq.codec_from_name(codec_name), schedule
+    return "allreduce", dq.codecs.DynamiQ(bits=bits), schedule, tile_mb
+  return "allreduce", dq.codec_from_name(codec_name), schedule, tile_mb
+
+
+def tile_coords(tile_mb: float) -> int:
+  """Bucket size in coordinates for tiles of ``tile_mb`` MiB of bf16 (0: one bucket)."""
+  import dynamiq_jax as dq
+  if not tile_mb:
+    return dq.DEFAULT_BUCKET_SIZE
+  return max(256, int(tile_mb * 2**20 / 2) // 256 * 256)
 
 
 # ---------------------------------------------------------------------------
@@ -108,8 +127,8 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
     jax.block_until_ready(barrier_fn(ones))
 
   def reduction(method, d):
-    kind, codec, schedule = parse_method(method)
-    tile = cfg["tile_coords"] or dq.DEFAULT_BUCKET_SIZE
+    kind, codec, schedule, tile_mb = parse_method(method)
+    tile = tile_coords(cfg["tile_mb"] if tile_mb is None else tile_mb)
 
     def body(g):
       g = g[0]
@@ -142,7 +161,7 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
 
   rng = np.random.default_rng(1000 + rank)
   jobs = []  # (size_mb, method, fn, x, wire)
-  compute = {}
+  compute, digests = {}, {}
   for size_mb in cfg["sizes_mb"]:
     d = int(size_mb * 2**20 / 2) // (256 * n) * (256 * n)  # bf16 gradient of size_mb MB
     scale = np.exp(rng.normal(-4.0, 1.5, d // 256)).repeat(256).astype(np.float32)
@@ -150,15 +169,17 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
     x = multiprocess.global_batch(mesh, g[None])
     for method in cfg["methods"]:
       fn, wire, local = reduction(method, d)
-      fn(x)  # compile and warm up (the links are not shaped yet)
+      out = fn(x)  # compile and warm up (the links are not shaped yet)
+      digests[f"{size_mb}|{method}"] = _digest(out)
       jobs.append((size_mb, method, fn, x, wire))
-      if local is not None and cfg["compute"]:
+      # throughput barely depends on size: measure it at the smallest (memory: n copies)
+      if local is not None and cfg["compute"] and size_mb == min(cfg["sizes_mb"]):
         xs = jnp.asarray(np.tile(np.asarray(g, np.float32)[None], (n, 1)))
         local(xs)
         times = [timed(local, xs) / n for _ in range(cfg["repeats"])]
         compute[f"{size_mb}|{method}"] = {"seconds": statistics.median(times), "coords": d}
   lm_steps = _lm_steps(cfg, mesh, rank, barrier) if cfg["lm"] else []
-  say("READY", {"rank": rank, "compute": compute,
+  say("READY", {"rank": rank, "compute": compute, "digests": digests,
                 "wire": {f"{s}|{m}": w for s, m, _, _, w in jobs},
                 "lm_wire": {m: w for m, _, w in lm_steps}})
 
@@ -177,6 +198,15 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
     for method, step, _ in lm_steps:
       lm[method] = [step() for _ in range(cfg["lm_steps"])]
     say("RESULT", {"rank": rank, "times": times, "lm": lm})
+
+
+def _digest(out) -> str:
+  """Hash of this process's shard of a result (ranks must agree bit for bit)."""
+  import hashlib
+  h = hashlib.sha256()
+  for shard in out.addressable_shards:
+    h.update(np.asarray(shard.data).tobytes())
+  return h.hexdigest()[:16]
 
 
 def _lm_steps(cfg, mesh, rank, barrier):
@@ -213,14 +243,15 @@ def _lm_steps(cfg, mesh, rank, barrier):
   d = sum(int(np.prod(np.shape(a))) for a in jax.tree.leaves(params))
   out = []
   for method in cfg["methods"]:
-    kind, codec, schedule = parse_method(method)
+    kind, codec, schedule, tile_mb = parse_method(method)
+    tile = tile_coords(cfg["tile_mb"] if tile_mb is None else tile_mb)
     if kind == "psum":
       red = dq.baseline_psum("data", dtype=jnp.float32 if codec == "psum-f32" else jnp.bfloat16)
       wire = 2 * (n - 1) / n * d * (4 if codec == "psum-f32" else 2)
     else:
-      red = dq.compressed_psum("data", codec=codec, schedule=schedule)
-      wire = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32), codec=codec,
-                           n=n).bytes_per_rank
+      red = dq.compressed_psum("data", codec=codec, schedule=schedule, bucket_size=tile)
+      wire = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32), codec=codec, n=n,
+                           bucket_size=tile).bytes_per_rank
     tx = optax.chain(red, optax.adamw(1e-3))
     step = dq.data_parallel_step(loss_fn, tx, mesh=mesh, donate=False)
     p0, o0 = replicate(params), replicate(tx.init(params))
@@ -263,7 +294,7 @@ def summarize(results: list, ready: list, cfg: dict) -> list:
   for row in rows:
     groups.setdefault((row["rate_mbit"], row["size_mb"], bool(row.get("lm"))), []).append(row)
   for group in groups.values():
-    base = [r for r in group if r["method"] in UNCOMPRESSED]
+    base = [r for r in group if r["method"].split("@")[0] in UNCOMPRESSED]
     if not base:
       continue
     fastest = min(base, key=lambda r: r["seconds"])
@@ -394,7 +425,7 @@ def main(argv=None):
     _worker(cfg, args.worker, args.coordinator)
     return None
   for m in args.methods:
-    kind, _, schedule = parse_method(m)  # fail early on a bad name
+    kind, _, schedule, _ = parse_method(m)  # fail early on a bad name
     if schedule == "butterfly" and args.workers & (args.workers - 1):
       raise SystemExit(f"method {m!r} needs a power-of-two --workers, got {args.workers}")
   if args.workers < 2:
@@ -414,7 +445,7 @@ def main(argv=None):
       "lm_steps": args.lm_steps, "lm_batch": args.lm_batch,
       "lm_model": dict(LM_PARAMS, **({"d_model": 64, "layers": 1, "heads": 2} if args.tiny
                                      else {})),
-      "tile_coords": int(args.tile_mb * 2**20 / 2) // 256 * 256,
+      "tile_mb": args.tile_mb,
       "heartbeat_s": args.heartbeat_s,
   }
   import tempfile
@@ -449,6 +480,12 @@ def _drive(args, cfg, cfg_path, shaped):
     print(f"{args.workers} workers {'in network namespaces' if net else 'on loopback'}: "
           f"compiling {len(args.methods)} methods x {len(args.sizes_mb)} sizes ...", flush=True)
     ready = [json.loads(s) for s in job.wait_lines("READY ", timeout=args.timeout)]
+    for key, digest in ready[0]["digests"].items():
+      differ = [r for r, msg in enumerate(ready) if msg["digests"][key] != digest]
+      if differ:
+        raise RuntimeError(f"{key.replace('|', ' MB ')}: ranks {differ} hold a different "
+                           f"result than rank 0; an all-reduce must be bit-identical on "
+                           f"every rank, so nothing is reported")
     if args.compute:
       _print_compute(ready, args.workers)
     for i, rate in enumerate(args.rates):
@@ -509,4 +546,7 @@ def _machine():
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except (RuntimeError, TimeoutError) as e:  # a failed run: no partial result is reported
+    raise SystemExit(f"bench.net stopped, nothing was written: {e}") from None
