@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.bench import net
 from dynamiq_jax.bench.netns import Network, can_shape
 
@@ -29,6 +30,8 @@ def test_method_names():
     net.parse_method("dynamiq/tree")
   with pytest.raises(ValueError, match="not one of"):
     net.parse_method("zip/ring")
+  assert net.tile_coords(8) == 4 << 20  # 8 MiB of bf16
+  assert net.tile_coords(0) == DEFAULT_BUCKET_SIZE  # @0: the whole gradient in one bucket
   with pytest.raises(ValueError, match="tile 'big' is not a number"):
     net.parse_method("dynamiq/ring@big")
 
@@ -51,7 +54,7 @@ def test_speedups_are_against_the_fastest_uncompressed_and_use_the_slowest_rank(
 def test_crossover_rate():
   compute = {"a": {"seconds": 0.5}, "b": {"seconds": 0.1}}
   wire = {"a": 25e6, "b": 100e6}
-  # saves 75 MB = 600 Mbit for 0.4 s more compute: pays above 1500 Mbit/s
+  # saves 75 MB = 600 Mbit for 0.4 s more compute: pays on links below 1500 Mbit/s
   assert net.crossover(compute, wire, "a", "b") == pytest.approx(1500.0)
   assert net.crossover(compute, {"a": 200e6, "b": 100e6}, "a", "b") is None
 

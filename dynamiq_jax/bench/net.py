@@ -94,9 +94,9 @@ def parse_method(name: str):
 
 def tile_coords(tile_mb: float) -> int:
   """Bucket size in coordinates for tiles of ``tile_mb`` MiB of bf16 (0: one bucket)."""
-  import dynamiq_jax as dq
+  from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
   if not tile_mb:
-    return dq.DEFAULT_BUCKET_SIZE
+    return DEFAULT_BUCKET_SIZE
   return max(256, int(tile_mb * 2**20 / 2) // 256 * 256)
 
 
@@ -336,16 +336,19 @@ def _print_compute(ready, workers):
 
 
 def crossover(compute: dict, wire: dict, key: str, base_key: str) -> float | None:
-  """Link rate (Mbit/s) above which ``key`` beats ``base_key`` if compute does not overlap.
+  """Link rate (Mbit/s) below which ``key`` beats ``base_key`` if compute does not overlap.
 
-  Time = bytes / rate + compute: equal when rate = saved bytes / extra compute.
+  Time = bytes / rate + compute: equal when rate = saved bits / extra compute.
+  On slower links the saved bytes win; on faster ones the extra compute
+  costs more than the wire time it saves. None: ``key`` saves no bytes;
+  inf: it costs no extra compute.
   """
   extra = compute[key]["seconds"] - compute.get(base_key, {"seconds": 0.0})["seconds"]
   saved = wire[base_key] - wire[key]
   if saved <= 0:
     return None
   if extra <= 0:
-    return 0.0
+    return math.inf
   return saved * 8 / extra / 1e6
 
 
@@ -519,8 +522,8 @@ def _drive(args, cfg, cfg_path, shaped):
       c = crossover(compute, ready[0]["wire"], key, base)
       cross[key] = c
   if cross:
-    print("\n== crossover link rate vs the Bf16 ring, if compression compute does not "
-          "overlap the wire (from the throughput above) ==")
+    print("\n== crossover: compression beats the Bf16 ring on links slower than this, if its "
+          "compute does not overlap the wire (from the throughput above) ==")
     for key, c in cross.items():
       print(f"{key.replace('|', ' MB '):<32} "
             f"{'never' if c is None else f'{c:9.0f} Mbit/s'}")
