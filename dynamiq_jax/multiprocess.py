@@ -144,24 +144,22 @@ class Job:
 
   def wait_lines(self, prefix: str, *, timeout: float) -> list:
     """The next stdout line of each rank starting with ``prefix`` (prefix removed)."""
-    deadline = time.monotonic() + timeout
     got = [None] * len(self.procs)
-    while True:
+
+    def step(codes):
       for r in range(len(self.procs)):
         if got[r] is None:
           got[r] = self._next_line(r, prefix)
       if all(g is not None for g in got):
         return got
-      codes = self.check()
       if any(c == 0 for r, c in enumerate(codes) if got[r] is None):
         self.stop()
         raise RuntimeError(f"a rank exited before printing {prefix!r}")
-      if time.monotonic() > deadline:
-        self.stop()
-        raise TimeoutError(f"no {prefix!r} line within {timeout:.0f} s from ranks "
-                           f"{[r for r, g in enumerate(got) if g is None]}; the job was "
-                           f"stopped")
-      time.sleep(0.05)
+      return None
+
+    return self._poll(step, timeout, lambda codes: (
+        f"no {prefix!r} line within {timeout:.0f} s from ranks "
+        f"{[r for r, g in enumerate(got) if g is None]}"))
 
   def _next_line(self, r, prefix):
     f = self.logs[r][0]
@@ -176,16 +174,25 @@ class Job:
 
   def wait(self, *, timeout: float) -> list:
     """Waits until every rank exits 0; returns their stdout texts."""
+    return self._poll(
+        lambda codes: ([self.stdout(r) for r in range(len(self.procs))]
+                       if all(c == 0 for c in codes) else None),
+        timeout, lambda codes: (
+            f"the {len(self.procs)}-process job ran past {timeout:.0f} s; still running: "
+            f"{[r for r, c in enumerate(codes) if c is None]}"))
+
+  def _poll(self, step, timeout: float, late):
+    """Calls ``step(exit codes)`` until it returns non-None; a failed rank or the
+    deadline stops every process (``late(codes)`` says what was still awaited)."""
     deadline = time.monotonic() + timeout
     while True:
       codes = self.check()
-      if all(c == 0 for c in codes):
-        return [self.stdout(r) for r in range(len(self.procs))]
+      result = step(codes)
+      if result is not None:
+        return result
       if time.monotonic() > deadline:
         self.stop()
-        raise TimeoutError(f"the {len(self.procs)}-process job ran past {timeout:.0f} s and "
-                           f"was stopped; still running: "
-                           f"{[r for r, c in enumerate(codes) if c is None]}")
+        raise TimeoutError(f"{late(codes)}; the job was stopped")
       time.sleep(0.05)
 
   def stdout(self, r) -> str:

@@ -111,7 +111,7 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
                           heartbeat_timeout_seconds=cfg["heartbeat_s"])
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import PartitionSpec as P
 
   import dynamiq_jax as dq
 
@@ -528,7 +528,7 @@ def _drive(args, cfg, cfg_path, shaped):
       print(f"{key.replace('|', ' MB '):<32} "
             f"{'never' if c is None else f'{c:9.0f} Mbit/s'}")
   payload = {
-      "benchmark": "net", "command": common.command_line(), "machine": _machine(),
+      "benchmark": "net", "command": common.command_line(), "machine": common.machine(),
       "shaped": shaped, "workers": args.workers, "config": cfg,
       "link_model": ("each worker's veth into a bridge namespace rate limited with tc tbf in "
                      "both directions" if shaped else "plain loopback, no shaping"),
@@ -540,12 +540,6 @@ def _drive(args, cfg, cfg_path, shaped):
     _plot(rows, png)
   print(f"\nwrote {path}" + (f" and {png}" if shaped else ""))
   return payload
-
-
-def _machine():
-  import platform
-  return {"platform": platform.platform(), "python": sys.version.split()[0],
-          "cpu_count": os.cpu_count()}
 
 
 if __name__ == "__main__":
