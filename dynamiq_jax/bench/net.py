@@ -100,6 +100,24 @@ def tile_coords(tile_mb: float) -> int:
   return max(256, int(tile_mb * 2**20 / 2) // 256 * 256)
 
 
+def _plan(method: str, cfg: dict, d: int, n: int):
+  """``(kind, codec or psum dtype, schedule, bucket size, bytes each rank sends)`` of a method
+  reducing ``d`` coordinates over ``n`` ranks."""
+  import jax
+  import jax.numpy as jnp
+
+  import dynamiq_jax as dq
+
+  kind, codec, schedule, tile_mb = parse_method(method)
+  tile = tile_coords(cfg["tile_mb"] if tile_mb is None else tile_mb)
+  if kind == "psum":  # XLA's all-reduce, taken as a ring of the dtype
+    dtype = jnp.float32 if codec == "psum-f32" else jnp.bfloat16
+    return kind, dtype, schedule, tile, 2 * (n - 1) / n * d * jnp.dtype(dtype).itemsize
+  wire = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32), codec=codec, n=n,
+                       bucket_size=tile).bytes_per_rank
+  return kind, codec, schedule, tile, wire
+
+
 # ---------------------------------------------------------------------------
 # worker side
 
@@ -127,24 +145,17 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
     jax.block_until_ready(barrier_fn(ones))
 
   def reduction(method, d):
-    kind, codec, schedule, tile_mb = parse_method(method)
-    tile = tile_coords(cfg["tile_mb"] if tile_mb is None else tile_mb)
+    kind, codec, schedule, tile, wire = _plan(method, cfg, d, n)
 
     def body(g):
       g = g[0]
       if kind == "psum":
-        dt = jnp.float32 if codec == "psum-f32" else jnp.bfloat16
-        return jax.lax.psum(g.astype(dt), "data").astype(jnp.float32)[None]
+        return jax.lax.psum(g.astype(codec), "data").astype(jnp.float32)[None]
       out, _ = dq.allreduce(g, axis_name="data", codec=codec, schedule=schedule,
                             key=jax.random.key(0), bucket_size=tile)
       return out[None]
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
-    if kind == "psum":
-      wire = 2 * (n - 1) / n * d * (4 if codec == "psum-f32" else 2)
-    else:
-      wire = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32), codec=codec, n=n,
-                           bucket_size=tile).bytes_per_rank
     local = None
     if kind == "allreduce":
       # the codec's arithmetic alone: all n ranks' work under vmap, divided by n
@@ -212,7 +223,6 @@ def _digest(out) -> str:
 def _lm_steps(cfg, mesh, rank, barrier):
   """(method, timed step, wire bytes) for a small transformer LM per reduction."""
   import jax
-  import jax.numpy as jnp
   import optax
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -243,15 +253,11 @@ def _lm_steps(cfg, mesh, rank, barrier):
   d = sum(int(np.prod(np.shape(a))) for a in jax.tree.leaves(params))
   out = []
   for method in cfg["methods"]:
-    kind, codec, schedule, tile_mb = parse_method(method)
-    tile = tile_coords(cfg["tile_mb"] if tile_mb is None else tile_mb)
+    kind, codec, schedule, tile, wire = _plan(method, cfg, d, n)
     if kind == "psum":
-      red = dq.baseline_psum("data", dtype=jnp.float32 if codec == "psum-f32" else jnp.bfloat16)
-      wire = 2 * (n - 1) / n * d * (4 if codec == "psum-f32" else 2)
+      red = dq.baseline_psum("data", dtype=codec)
     else:
       red = dq.compressed_psum("data", codec=codec, schedule=schedule, bucket_size=tile)
-      wire = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32), codec=codec, n=n,
-                           bucket_size=tile).bytes_per_rank
     tx = optax.chain(red, optax.adamw(1e-3))
     step = dq.data_parallel_step(loss_fn, tx, mesh=mesh, donate=False)
     p0, o0 = replicate(params), replicate(tx.init(params))
