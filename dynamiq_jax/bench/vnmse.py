@@ -109,7 +109,7 @@ def main(argv=None):
 
   data = {("iid", 0): paper_model_gradients("iid", n, args.d, 0),
           ("heavy", 0): paper_model_gradients("heavy", n, args.d, 0)}
-  info = {}
+  info, scaling_real = {}, None
   if not args.no_real:
     for tag, cfg in lm_cfgs.items():
       workers = {s: n for s in lm_steps}
@@ -117,6 +117,9 @@ def main(argv=None):
       grads, info[tag] = lm.cached_gradients(args.cache or None, tag, workers, lm_steps, cfg,
                                              **lm_kw)
       for s, g in grads.items():
+        if tag == "lm-word" and s == lm_steps[-1]:
+          scaling_real = g  # all real_n workers, for the scaling with n
+        g = g[:n]  # the tables are at n workers
         if args.tiny:  # same shape as the synthetic data: compiled code is reused (smoke test only)
           g = np.pad(g[:, :args.d], ((0, 0), (0, max(0, args.d - g.shape[1]))))
         data[(tag, s)] = g
@@ -177,7 +180,7 @@ def main(argv=None):
     bits = dq.wire_stats(g[0], codec=codec, n=n).bits_per_coord
     authors = ref(ds[0], key, ds[1]) if ds[0] in ("iid", "heavy") else None
     results.append({"table": table, "codec": name, "dataset": ds[0], "step_or_seed": ds[1],
-                    "schedule": schedule, "n": n, "bits_per_coord": bits, "vnmse": v,
+                    "schedule": schedule, "n": int(g.shape[0]), "bits_per_coord": bits, "vnmse": v,
                     "authors": authors, "ratio_to_authors": v / authors if authors else None})
 
   # Scaling with n.
@@ -188,10 +191,10 @@ def main(argv=None):
     sizes_syn, sizes_real = [n], [n]  # the shapes of table 3: its compiled code is reused
   syn = paper_model_gradients("iid", max(sizes_syn), 1 << 16 if not args.tiny else args.d, 3)
   scale_jobs = [("iid", k, c) for c in scale_codecs for k in sizes_syn]
-  if ("lm-word", last) in data:
+  if scaling_real is not None:
     scale_jobs += [("lm-word", k, c) for c in scale_codecs for k in sizes_real]
   for ds, k, (name, codec, _, _) in tqdm(scale_jobs, desc="vNMSE vs n"):
-    g = syn[:k] if ds == "iid" else data[("lm-word", last)][:k]
+    g = syn[:k] if ds == "iid" else scaling_real[:k]
     try:
       v = measure(codec, g)
       bits = dq.wire_stats(g[0], codec=codec, n=k).bits_per_coord
