@@ -79,6 +79,12 @@ class ExampleConfig:
   checkpoint_every: int = flag(0, "checkpoint every this many steps and at the end "
                                "(0: no checkpoints)")
   progress: bool = flag(True, "show a progress bar")
+  calibrate: bool = flag(True, "fit the codec's per-class capacities to this run's first-batch "
+                         "gradients before training (DynamiQ; codecs without calibrate() "
+                         "ignore it)")
+  # Set by calibrate(), not a flag: the fitted ``fractions=`` option of the codec.
+  calibrated_fractions: tuple | None = dataclasses.field(default=None,
+                                                         metadata={"flag": False})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +138,8 @@ def parse_flags(default: ExampleConfig, argv: Sequence[str] | None = None, *,
   """
   parser = argparse.ArgumentParser(prog=prog, description=description)
   for field in dataclasses.fields(default):
+    if field.metadata.get("flag") is False:
+      continue  # derived during the run (e.g. calibrated_fractions), not set by hand
     value = getattr(default, field.name)
     names = [f"--{field.name}"]
     if "_" in field.name:
@@ -318,17 +326,64 @@ def reducer_options(config: ExampleConfig) -> dict:
   Raises:
     ValueError: if the codec takes whole bits and ``config.bits`` is not whole.
   """
+  options = {}
+  if config.calibrated_fractions is not None:
+    options["fractions"] = tuple(tuple(p) for p in config.calibrated_fractions)
   if config.bits is None:
-    return {}
+    return options
   field = _bits_field(config.codec)
   if field is None:
-    return {}
+    return options
   kind = str(getattr(field, "type", getattr(field, "annotation", "")))
   if "int" in kind and "float" not in kind:
     if not float(config.bits).is_integer():
       raise ValueError(f"codec {config.codec!r} takes whole bits; got bits={config.bits}")
-    return {"bits": int(config.bits)}
-  return {"bits": config.bits}
+    return {"bits": int(config.bits), **options}
+  return {"bits": config.bits, **options}
+
+
+def calibrate(config: ExampleConfig, grad_fn: Callable[[Any], Any], batch, n: int):
+  """``config`` with the codec's capacities fitted to the first batch's per-rank gradients.
+
+  DynamiQ's bit allocation gives each width class a fixed share of the
+  super-groups (static shapes: one compilation). Its default shares come
+  from a model of the error; ``DynamiQ.calibrate`` fits them to real
+  gradient statistics instead. This runs before training, on the initial
+  parameters and the run's first batch split as the ranks will split it, so
+  a run restored from a checkpoint gets the same capacities again.
+
+  Args:
+    config: the run's settings; nothing happens unless ``config.calibrate``
+      is set and the codec has a ``calibrate`` method (DynamiQ).
+    grad_fn: ``grad_fn(rank_batch) -> gradient pytree`` at the initial
+      parameters.
+    batch: the first global batch (pytree of arrays whose leading axis is
+      the global batch; device arrays are fetched to the host).
+    n: the number of ranks.
+
+  Returns:
+    ``dataclasses.replace(config, calibrated_fractions=...)``, or ``config``
+    unchanged when there is nothing to calibrate.
+  """
+  if not config.calibrate or config.calibrated_fractions is not None:
+    return config
+  try:
+    codec = dq.codec_from_name(config.codec, **reducer_options(config))
+  except ValueError:
+    return config  # the psum-* reducers have no codec
+  if not hasattr(codec, "calibrate"):
+    return config
+  host = jax.device_get(batch)
+  size = len(jax.tree.leaves(host)[0])
+  if size % n:
+    raise ValueError(f"the first batch has {size} examples, not a multiple of the {n} ranks")
+  per_rank = []
+  for r in range(n):
+    shard = jax.tree.map(lambda a: a[r * size // n:(r + 1) * size // n], host)
+    per_rank.append(np.concatenate([np.asarray(g, np.float32).ravel()
+                                    for g in jax.tree.leaves(grad_fn(shard))]))
+  fitted = codec.calibrate(np.stack(per_rank))
+  return dataclasses.replace(config, calibrated_fractions=fitted.fractions)
 
 
 def make_reducer(config: ExampleConfig, axis_name: str = "data"):
@@ -665,7 +720,10 @@ def print_summary(metrics: dict) -> None:
   parts = [f"{k}={v:.4f}" for k, v in final.items() if isinstance(v, float)]
   bits = wire["bits_per_coord"]
   reducer = metrics["reducer"]
-  options = "".join(f" {k}={v}" for k, v in reducer["options"].items())
+  options = "".join(
+      f" {k}=" + ("{" + ", ".join(f"{w}: {f:.3f}" for w, f in v) + "} (calibrated)"
+                  if k == "fractions" else str(v))
+      for k, v in reducer["options"].items())
   print(f"{metrics['example']}: {reducer['name']}{options} ({reducer['schedule']}) on "
         f"{metrics['devices']['count']} {metrics['devices']['platform']} devices, "
         f"{metrics['steps']} steps")

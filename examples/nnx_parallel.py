@@ -37,6 +37,24 @@ import dynamiq_jax as dq
 from examples import common
 
 
+def calibrate(config, model: nnx.Module, loss_fn: Callable, batch, n: int):
+  """:func:`examples.common.calibrate` for an NNX model, before ``DataParallel.create``.
+
+  Args:
+    config: the run's settings.
+    model: the freshly initialised model.
+    loss_fn: ``loss_fn(model, batch) -> mean loss``.
+    batch: the first global batch.
+    n: the number of ranks.
+
+  Returns:
+    The config with the fitted capacities (or unchanged; see
+    :func:`examples.common.calibrate`).
+  """
+  grad = nnx.jit(nnx.grad(loss_fn))
+  return common.calibrate(config, lambda shard: grad(model, shard), batch, n)
+
+
 def _raw_key(k):
   for attr in ("key", "name", "idx"):
     if hasattr(k, attr):

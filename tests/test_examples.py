@@ -102,6 +102,32 @@ def test_every_registered_reducer_can_be_built_from_flags():
       common.reducer_options(digits_config.get_config(codec="globalqsgd", bits=4.5))
 
 
+def test_calibrate_fits_the_codec_to_the_per_rank_gradients():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((16, 4096)).astype(np.float32) * np.exp(rng.normal(size=4096) * 2)
+  grad_fn = lambda shard: {"g": shard.mean(0), "h": shard[:, :100].max(0)}
+  config = digits_config.get_config(codec="dynamiq", bits=4)
+  fitted = common.calibrate(config, grad_fn, x, 4)
+  # the same as calibrating the codec by hand on the four ranks' gradients
+  by_hand = [np.concatenate([g.ravel() for g in grad_fn(x[4 * r:4 * r + 4]).values()])
+             for r in range(4)]
+  assert fitted.calibrated_fractions == dq.codecs.DynamiQ(bits=4).calibrate(
+      np.stack(by_hand)).fractions
+  assert fitted.calibrated_fractions != tuple(dq.codecs.DynamiQ(bits=4).default_fractions().items())
+  assert common.reducer_options(fitted) == {"bits": 4, "fractions": fitted.calibrated_fractions}
+  assert common.calibrate(fitted, grad_fn, x, 4) is fitted  # already calibrated
+  for unchanged in (dataclasses.replace(config, calibrate=False),
+                    digits_config.get_config(codec="psum-bf16"),
+                    digits_config.get_config(codec="mxfp8")):
+    assert common.calibrate(unchanged, grad_fn, x, 4) is unchanged
+  with pytest.raises(ValueError, match="not a multiple of the 3 ranks"):
+    common.calibrate(config, grad_fn, x, 3)
+  # a flag turns it off; the fitted shares are not a flag
+  assert common.parse_flags(config, ["--no-calibrate"]).calibrate is False
+  with pytest.raises(SystemExit):
+    common.parse_flags(config, ["--calibrated_fractions", "1"])
+
+
 def test_wire_report_counts_what_each_rank_sends():
   params = {"w": np.zeros((300, 400), np.float32)}
   bf16 = common.wire_report(digits_config.get_config(codec="psum-bf16"), params, 8)
@@ -157,7 +183,12 @@ def test_nnx_digits_main(tmp_path):
                               "--eval_every", "12", "--bits", "4", "--schedule", "butterfly")
   _check_run(metrics, 24)
   assert metrics["devices"]["count"] == 4
-  assert metrics["reducer"]["options"] == {"bits": 4.0}
+  options = metrics["reducer"]["options"]
+  assert options["bits"] == 4.0
+  # calibrated on the first batch (the default): one capacity share per width class
+  assert [w for w, _ in options["fractions"]] == [2, 4, 8]
+  assert sum(f for _, f in options["fractions"]) == pytest.approx(1.0)
+  assert "fractions=" in metrics["reducer"]["codec"]
   assert metrics["reducer"]["schedule"] == "butterfly"
   assert metrics["reducer"]["codec"].startswith("DynamiQ(bits=4.0")
   assert 3.5 < metrics["wire"]["bits_per_coord"] <= 4.0

@@ -44,16 +44,19 @@ import numpy as np
 
 __all__ = ["main", "CODECS", "EXAMPLES", "steps_to_target", "smooth"]
 
-# (label, registry name, bits)
+# (label, registry name, bits, more config overrides). DynamiQ runs calibrate its
+# class capacities on the first batch (the examples' default, --calibrate);
+# "DynamiQ 5b fixed" keeps the capacities of the error model, to show what that buys.
 CODECS = (
-    ("BF16 psum", "psum-bf16", None),
-    ("DynamiQ 5b", "dynamiq", 5.0),
-    ("DynamiQ 4b", "dynamiq", 4.0),
-    ("MXFP8", "mxfp8", None),
-    ("MXFP6", "mxfp6", None),
-    ("MXFP4", "mxfp4", None),
-    ("THC", "thc", None),
-    ("OmniReduce", "omnireduce", None),
+    ("BF16 psum", "psum-bf16", None, {}),
+    ("DynamiQ 5b", "dynamiq", 5.0, {}),
+    ("DynamiQ 5b fixed", "dynamiq", 5.0, {"calibrate": False}),
+    ("DynamiQ 4b", "dynamiq", 4.0, {}),
+    ("MXFP8", "mxfp8", None, {}),
+    ("MXFP6", "mxfp6", None, {}),
+    ("MXFP4", "mxfp4", None, {}),
+    ("THC", "thc", None, {}),
+    ("OmniReduce", "omnireduce", None, {}),
 )
 
 # name -> (module, quality metric, higher is better, tiny-size overrides)
@@ -167,9 +170,10 @@ def main(argv=None):
       module, *_, tiny = EXAMPLES[example]
       config_lib = importlib.import_module(module + ".config")
       train = importlib.import_module(module + ".train")
-      for label, name, bits in args.codecs:
+      for label, name, bits, extra in args.codecs:
         for seed in args.seeds:
-          overrides = dict(codec=name, bits=bits, seed=seed, progress=False, devices=len(devices))
+          overrides = dict(codec=name, bits=bits, seed=seed, progress=False, devices=len(devices),
+                           **extra)
           if args.tiny:
             overrides.update(tiny)
           if args.steps:
@@ -199,7 +203,7 @@ def _summarise(example, args, runs) -> dict:
   out = {"metric": metric, "higher_is_better": higher, "steps": steps,
          "target_loss": float(np.mean(targets)), "target_loss_per_seed": targets,
          "target_step_bf16": at, "codecs": {}}
-  for label, name, bits in args.codecs:
+  for label, name, bits, extra in args.codecs:
     ms = [runs[(example, label, s)] for s in args.seeds]
     quality = [m["final"][metric] for m in ms]
     q_mean, q_std = _mean_std(quality)
@@ -219,7 +223,8 @@ def _summarise(example, args, runs) -> dict:
                                    "reached": sum(s is not None for s in secs),
                                    "comm_s_per_step": comm}
     out["codecs"][label] = {
-        "reducer": name, "bits_option": bits, "bits_per_coord": wire["bits_per_coord"],
+        "reducer": name, "bits_option": bits, "overrides": extra,
+        "options_used": [m["reducer"]["options"] for m in ms], "bits_per_coord": wire["bits_per_coord"],
         "bytes_per_rank_per_step": wire["bytes_per_rank_per_step"],
         "quality": quality, "quality_mean": q_mean, "quality_std": q_std,
         "quality_vs_bf16": q_mean / bf16_quality if q_mean is not None else None,
@@ -242,14 +247,14 @@ def _print(example, summary, args, model):
   print(f"time-to-accuracy target: each seed's BF16 smoothed train loss at step "
         f"{summary['target_step_bf16']} (mean {summary['target_loss']:.4f}); "
         f"seconds/step = {model['seconds_per_step']}")
-  head = (f"{'codec':<12} {'bits':>6} {metric + ' mean+-std':>22} {'vs BF16':>8} "
+  head = (f"{'codec':<17} {'bits':>6} {metric + ' mean+-std':>22} {'vs BF16':>8} "
           f"{'steps->tgt':>11}" + "".join(f" {'TTA ' + k + ' [s]':>16}"
                                           for k in (f"model@{r:g}G" for r in args.link_gbps))
           + f" {'TTA own@' + format(rate, 'g') + 'G':>14}")
   print(head)
   for label, c in summary["codecs"].items():
     k_mean, _ = _mean_std(c["steps_to_target"])
-    row = (f"{label:<12} {_fmt(c['bits_per_coord'], '6.2f')} "
+    row = (f"{label:<17} {_fmt(c['bits_per_coord'], '6.2f')} "
            f"{_fmt(c['quality_mean'], '.4f'):>12} +- {_fmt(c['quality_std'], '.4f'):<6} "
            f"{_fmt(c['quality_vs_bf16'] and 100 * c['quality_vs_bf16'], '7.2f')}% "
            f"{_fmt(k_mean, '7.1f'):>7}({sum(k is not None for k in c['steps_to_target'])}/"
@@ -268,7 +273,7 @@ def _plot(example, args, runs, out_dir):
 
   _, metric, _, _ = EXAMPLES[example]
   fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-  for label, _, _ in args.codecs:
+  for label, *_ in args.codecs:
     ms = [runs[(example, label, s)] for s in args.seeds]
     curves = np.stack([smooth(m["train_loss"], args.smooth) for m in ms])
     ax.plot(np.arange(1, curves.shape[1] + 1), curves.mean(0), label=label)

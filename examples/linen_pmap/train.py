@@ -50,22 +50,35 @@ class CNN(nn.Module):
     return nn.Dense(10)(nn.relu(nn.Dense(self.hidden)(x)))
 
 
-def create_train_state(config: Config, rng) -> train_state.TrainState:
-  """Parameters, and the optimizer whose first transform all-reduces over ``AXIS``."""
+def create_train_state(config: Config, rng, first_batch=None,
+                       n: int = 1) -> tuple[train_state.TrainState, Config]:
+  """Parameters, and the optimizer whose first transform all-reduces over ``AXIS``.
+
+  With ``first_batch`` (global ``(images, labels)``), the codec is first
+  calibrated on its per-rank gradients at the initial parameters
+  (:func:`examples.common.calibrate`); the config that was used comes back
+  beside the state.
+  """
   model = CNN(features=config.features, hidden=config.hidden)
   params = model.init(rng, jnp.zeros((1, 8, 8, 1), jnp.float32))["params"]
-  return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                       tx=common.make_optimizer(config, AXIS))
+  if first_batch is not None:
+    grad = jax.jit(jax.grad(functools.partial(loss_fn, model.apply)))
+    config = common.calibrate(config, lambda b: grad(params, *b), first_batch, n)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=common.make_optimizer(config, AXIS))
+  return state, config
+
+
+def loss_fn(apply_fn, params, images, labels):
+  """Mean cross-entropy of ``images`` under ``params``."""
+  logits = apply_fn({"params": params}, images)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def train_step(state: train_state.TrainState, images, labels):
   """One step on one device's share of the batch (run under ``jax.pmap``)."""
-
-  def loss_fn(params):
-    logits = state.apply_fn({"params": params}, images)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-  loss, grads = jax.value_and_grad(loss_fn)(state.params)  # this device's gradients
+  loss, grads = jax.value_and_grad(loss_fn, argnums=1)(  # this device's gradients
+      state.apply_fn, state.params, images, labels)
   state = state.apply_gradients(grads=grads)               # tx all-reduces them first
   return state, jax.lax.pmean(loss, AXIS)
 
@@ -96,7 +109,10 @@ def train_and_evaluate(config: Config) -> dict:
   devices, n, _ = common.setup(config, AXIS)
   data = datasets.load_digits(config.test_fraction)
 
-  state = create_train_state(config, jax.random.key(config.seed))
+  batches = datasets.EpochBatches(len(data.y_train), config.batch_size, config.seed)
+  first = batches.indices(0)
+  state, config = create_train_state(config, jax.random.key(config.seed),
+                                     (data.x_train[first], data.y_train[first]), n)
   params = common.param_shapes(state.params)
   # One copy of the state per device, stacked on a leading axis: the pmap way.
   # Naming the mesh axis like pmap's gives the copies the sharding the step
@@ -111,8 +127,6 @@ def train_and_evaluate(config: Config) -> dict:
     out = jax.device_get(p_eval_step(state, *test_batch))
     return {"test_loss": common.weighted_mean(out["loss"], weights),
             "test_accuracy": common.weighted_mean(out["correct"], weights)}
-
-  batches = datasets.EpochBatches(len(data.y_train), config.batch_size, config.seed)
 
   def batch_fn(position):
     idx = batches.indices(position)

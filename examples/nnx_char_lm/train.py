@@ -27,6 +27,7 @@ from examples import common
 from examples import datasets
 from examples.nnx_char_lm.config import Config
 from examples.nnx_parallel import DataParallel
+from examples.nnx_parallel import calibrate
 
 VOCAB = 256  # bytes
 
@@ -115,8 +116,13 @@ def train_and_evaluate(config: Config) -> dict:
   devices, n, mesh = common.setup(config)
   corpus = datasets.python_source_corpus(config.corpus_bytes, config.held_out_every)
 
+  def batch_fn(position):
+    return common.shard_batch(mesh, datasets.random_windows(
+        corpus.train, config.batch_size, config.context, config.seed, position))
+
   model = CharTransformer(config, rngs=nnx.Rngs(config.seed))
   params = common.param_shapes(nnx.state(model, nnx.Param))
+  config = calibrate(config, model, loss_fn, batch_fn(0), n)
   dp = DataParallel.create(model, make_optimizer(config), mesh=mesh)
   evaluate = dp.eval_step(per_example)
   (x_eval, y_eval), weights = common.pad_to_multiple(
@@ -127,10 +133,6 @@ def train_and_evaluate(config: Config) -> dict:
     losses = np.asarray(jax.device_get(evaluate(state, eval_batch)), np.float64)
     loss = float(np.sum(losses * weights) / weights.sum())
     return {"eval_loss": loss, "eval_bits_per_byte": loss / math.log(2)}
-
-  def batch_fn(position):
-    return common.shard_batch(mesh, datasets.random_windows(
-        corpus.train, config.batch_size, config.context, config.seed, position))
 
   state, history, start = dp.train_loop(config, loss_fn, batch_fn=batch_fn, eval_fn=run_eval,
                                         desc=f"char-LM {config.codec}")

@@ -22,6 +22,7 @@ from examples import common
 from examples import datasets
 from examples.nnx_digits.config import Config
 from examples.nnx_parallel import DataParallel
+from examples.nnx_parallel import calibrate
 
 
 class CNN(nnx.Module):
@@ -71,8 +72,15 @@ def train_and_evaluate(config: Config) -> dict:
   devices, n, mesh = common.setup(config)
   data = datasets.load_digits(config.test_fraction)
 
+  batches = datasets.EpochBatches(len(data.y_train), config.batch_size, config.seed)
+
+  def batch_fn(position):
+    idx = batches.indices(position)
+    return common.shard_batch(mesh, (data.x_train[idx], data.y_train[idx]))
+
   model = CNN(features=config.features, hidden=config.hidden, rngs=nnx.Rngs(config.seed))
   params = common.param_shapes(nnx.state(model, nnx.Param))
+  config = calibrate(config, model, loss_fn, batch_fn(0), n)
   dp = DataParallel.create(model, common.make_optimizer(config), mesh=mesh)
   evaluate = dp.eval_step(per_example)
   (x_test, y_test), weights = common.pad_to_multiple([data.x_test, data.y_test], n)
@@ -82,12 +90,6 @@ def train_and_evaluate(config: Config) -> dict:
     out = jax.device_get(evaluate(state, test_batch))
     return {"test_loss": common.weighted_mean(out["loss"], weights),
             "test_accuracy": common.weighted_mean(out["correct"], weights)}
-
-  batches = datasets.EpochBatches(len(data.y_train), config.batch_size, config.seed)
-
-  def batch_fn(position):
-    idx = batches.indices(position)
-    return common.shard_batch(mesh, (data.x_train[idx], data.y_train[idx]))
 
   state, history, start = dp.train_loop(config, loss_fn, batch_fn=batch_fn, eval_fn=run_eval,
                                         desc=f"digits {config.codec}")
