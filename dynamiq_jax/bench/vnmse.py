@@ -173,7 +173,18 @@ def main(argv=None):
         continue
       jobs.append(("table6", name, codec, ds, "ring", None))
 
-  results = []
+  out = common.results_dir(args.out)
+  suffix = "_tiny" if args.tiny else ""
+  path = os.path.join(out, f"vnmse{suffix}.json")
+  results, scaling = [], []
+
+  def save(complete):
+    """Writes what is measured so far: an interrupted run keeps its finished tables."""
+    return common.write_json(path, {
+        "command": common.command_line(), "machine": common.machine(), "complete": complete,
+        "n": n, "d": args.d, "rounding_seeds": args.seeds, "stateful_rounds": args.rounds,
+        "lm": info, "results": results, "scaling": scaling})
+
   for table, name, codec, ds, schedule, key in tqdm(jobs, desc="vNMSE"):
     g = data[ds]
     v = measure(codec, g, schedule)
@@ -182,17 +193,20 @@ def main(argv=None):
     results.append({"table": table, "codec": name, "dataset": ds[0], "step_or_seed": ds[1],
                     "schedule": schedule, "n": int(g.shape[0]), "bits_per_coord": bits, "vnmse": v,
                     "authors": authors, "ratio_to_authors": v / authors if authors else None})
+    save(False)
+
+  save(False)
 
   # Scaling with n.
-  scaling = []
   scale_codecs = [c for c in codec_table() if c[0] not in ("MXFP8 OCP-E8M0", "THC 120")]
   if args.tiny:
     scale_codecs = [c for c in scale_codecs if c[0] in ("DynamiQ 5b", "MXFP8", "THC 16")]
     sizes_syn, sizes_real = [n], [n]  # the shapes of table 3: its compiled code is reused
   syn = paper_model_gradients("iid", max(sizes_syn), 1 << 16 if not args.tiny else args.d, 3)
-  scale_jobs = [("iid", k, c) for c in scale_codecs for k in sizes_syn]
+  # by n, then codec: an interrupted run has every codec at the smaller n
+  scale_jobs = [("iid", k, c) for k in sizes_syn for c in scale_codecs]
   if scaling_real is not None:
-    scale_jobs += [("lm-word", k, c) for c in scale_codecs for k in sizes_real]
+    scale_jobs += [("lm-word", k, c) for k in sizes_real for c in scale_codecs]
   for ds, k, (name, codec, _, _) in tqdm(scale_jobs, desc="vNMSE vs n"):
     g = syn[:k] if ds == "iid" else scaling_real[:k]
     try:
@@ -200,16 +214,12 @@ def main(argv=None):
       bits = dq.wire_stats(g[0], codec=codec, n=k).bits_per_coord
     except ValueError as e:  # a codec that cannot run at this n says why
       scaling.append({"dataset": ds, "codec": name, "n": k, "vnmse": None, "reason": str(e)[:200]})
-      continue
-    scaling.append({"dataset": ds, "codec": name, "n": k, "vnmse": v, "bits_per_coord": bits})
+    else:
+      scaling.append({"dataset": ds, "codec": name, "n": k, "vnmse": v, "bits_per_coord": bits})
+    save(False)
 
   _print(results, scaling, n, args, info)
-  out = common.results_dir(args.out)
-  suffix = "_tiny" if args.tiny else ""
-  path = common.write_json(os.path.join(out, f"vnmse{suffix}.json"), {
-      "command": common.command_line(), "machine": common.machine(), "n": n, "d": args.d,
-      "rounding_seeds": args.seeds, "stateful_rounds": args.rounds, "lm": info,
-      "results": results, "scaling": scaling})
+  save(True)
   _plot(results, scaling, out, suffix)
   print(f"wrote {path}")
   return results, scaling
