@@ -47,7 +47,24 @@ def test_train_tiny(tmp_path):
     assert dyn["state_sha256"] != bf16["state_sha256"]  # the codec really ran
     assert os.path.getsize(os.path.join(tmp_path, f"train_{name}.png")) > 1000
   with open(os.path.join(tmp_path, "train.json")) as f:
-    assert json.load(f)["examples"].keys() == report["examples"].keys()
+    saved = json.load(f)
+  assert saved["examples"].keys() == report["examples"].keys()
+  assert all(e["command"] == saved["command"] for e in saved["examples"].values())
+
+
+def test_train_keeps_examples_measured_earlier(tmp_path):
+  from dynamiq_jax.bench import train
+  path = os.path.join(tmp_path, "train.json")
+  assert train._earlier_examples(path) == {}
+  with open(path, "w") as f:
+    json.dump({"command": "python -m dynamiq_jax.bench.train --examples char_lm",
+               "machine": {"cpu_count": 2}, "model": {"workers": 8},
+               "examples": {"char_lm": {"steps": 400},
+                            "digits": {"steps": 300, "command": "older"}}}, f)
+  kept = train._earlier_examples(path)
+  assert kept["char_lm"] == {"steps": 400, "machine": {"cpu_count": 2}, "model": {"workers": 8},
+                             "command": "python -m dynamiq_jax.bench.train --examples char_lm"}
+  assert kept["digits"]["command"] == "older"  # its own record wins
 
 
 def test_smoothing_and_target():

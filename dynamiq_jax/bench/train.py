@@ -30,6 +30,8 @@ Time-to-accuracy, with the model printed beside the table:
   completeness.
 
 Writes ``docs/results/train.json`` and ``train_<example>.png`` (loss curves).
+Examples already in ``train.json`` and not run again are kept, each with the
+command and machine that measured it.
 """
 
 from __future__ import annotations
@@ -163,6 +165,8 @@ def main(argv=None):
             "examples": {}}
   out_dir = common.results_dir(args.out)
   path = os.path.join(out_dir, "train.json")
+  # Examples measured by earlier invocations stay, each with its own command and machine.
+  report["examples"] = _earlier_examples(path)
   runs = {}
   jobs = [(e, c, s) for e in args.examples for c in args.codecs for s in args.seeds]
   with tqdm(total=len(jobs), desc="training runs") as bar:
@@ -181,7 +185,9 @@ def main(argv=None):
           runs[(example, label, seed)] = train.train_and_evaluate(
               config_lib.get_config(**overrides))
           bar.update()
-      report["examples"][example] = _summarise(example, args, runs)
+      report["examples"][example] = {
+          **_summarise(example, args, runs), "command": report["command"],
+          "machine": report["machine"], "model": report["model"]}
       _print(example, report["examples"][example], args, report["model"])
       _plot(example, args, runs, out_dir)
       common.write_json(path, report)
@@ -189,6 +195,21 @@ def main(argv=None):
         f"{report['machine']['device_count']} {report['machine']['backend']} devices; "
         f"reproduce: {report['command']}")
   return report
+
+
+def _earlier_examples(path: str) -> dict:
+  """The examples of an existing ``train.json``, each tagged with the run that measured it."""
+  import json
+  try:
+    with open(path) as f:
+      earlier = json.load(f)
+  except FileNotFoundError:
+    return {}
+  examples = earlier.get("examples", {})
+  for entry in examples.values():
+    for key in ("command", "machine", "model"):
+      entry.setdefault(key, earlier.get(key))
+  return examples
 
 
 def _summarise(example, args, runs) -> dict:
