@@ -11,13 +11,22 @@ def test_vnmse_tiny(tmp_path):
   assert {r["table"] for r in results} == {"table3", "table4", "table6"}
   assert all(r["vnmse"] > 0 for r in results)
   assert {r["codec"] for r in results if r["table"] == "table3"} == {
-      c[0] for c in vnmse.codec_table()}
+      c[0] for c in vnmse.codec_table()} | {"DynamiQ 5b cal@0"}  # calibrated on the LM data
+  cal = [r for r in results if r["codec"] == "DynamiQ 5b cal@0"]
+  assert {r["dataset"] for r in cal} == {"lm-word"} and all(r["fractions"] for r in cal)
   assert {r["dataset"] for r in results} == {"iid", "lm-word"}
-  with open(os.path.join(tmp_path, "vnmse_tiny.json")) as f:
+  path = os.path.join(tmp_path, "vnmse_tiny.json")
+  with open(path) as f:
     saved = json.load(f)
+  assert saved["complete"] is True
   assert len(saved["results"]) == len(results) and saved["scaling"] == scaling
-  for png in ("vnmse_budget_tiny.png", "vnmse_scaling_tiny.png"):
+  assert set(saved["dataset_stats"]) == {"iid@0", "lm-word@3"}  # the datasets of table 3
+  pngs = ("vnmse_budget_tiny.png", "vnmse_scaling_tiny.png")
+  for png in pngs:
     assert os.path.getsize(os.path.join(tmp_path, png)) > 1000
+    os.remove(os.path.join(tmp_path, png))
+  assert vnmse.main(["--render", path]) == saved  # redraws without measuring
+  assert all(os.path.exists(os.path.join(tmp_path, png)) for png in pngs)
 
 
 def test_kernels_tiny(tmp_path):

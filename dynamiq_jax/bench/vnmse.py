@@ -48,6 +48,9 @@ def _parse(argv):
   p.add_argument("--no-real", action="store_true", help="skip the LM gradients")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
   p.add_argument("--out", default=None, help="results directory (default docs/results)")
+  p.add_argument("--render", metavar="JSON", default=None,
+                 help="measure nothing: print the tables of an earlier run's JSON and draw its "
+                 "plots beside it")
   return p.parse_args(argv)
 
 
@@ -84,8 +87,26 @@ def ladder():
   ]
 
 
+def render(path: str):
+  """Prints the tables of a results JSON and draws its plots in the same folder."""
+  import json
+  with open(path) as f:
+    saved = json.load(f)
+  if not saved.get("complete", True):
+    print(f"note: {path} is from a run that did not finish (complete: false); "
+          f"these are the measurements it saved")
+  args = argparse.Namespace(d=saved["d"])
+  _print(saved["results"], saved["scaling"], saved["n"], args, saved["lm"],
+         saved.get("dataset_stats", {}))
+  suffix = "_tiny" if path.endswith("_tiny.json") else ""
+  _plot(saved["results"], saved["scaling"], os.path.dirname(os.path.abspath(path)), suffix)
+  return saved
+
+
 def main(argv=None):
   args = _parse(argv)
+  if args.render:
+    return render(args.render)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import dynamiq_jax as dq
   from dynamiq_jax.bench import common, lm
@@ -245,7 +266,7 @@ def _fmt(v):
   return "-" if v is None else f"{v:.3e}"
 
 
-def _print(results, scaling, n, args, info):
+def _print(results, scaling, n, args, info, stats):
   print(f"\nvNMSE, n={n}, synthetic d={args.d}; LM gradients: "
         + ", ".join(f"{k}: {v['params']:,} params" for k, v in info.items()))
   for k, v in stats.items():
