@@ -358,6 +358,9 @@ def _plot(results, scaling, out, suffix):
              and s["vnmse"] is not None]
       if pts:
         ax.loglog(*zip(*pts), "-o", markersize=3, label=name)
+    ns = sorted({s["n"] for s in scaling if s["dataset"] == ds})
+    ax.set_xticks(ns, [str(k) for k in ns])
+    ax.minorticks_off()
     ax.set_title(f"{ds}: vNMSE vs n (ring)")
     ax.set_xlabel("n")
     ax.grid(True, which="both", alpha=0.3)
