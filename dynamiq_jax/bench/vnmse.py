@@ -232,8 +232,6 @@ def main(argv=None):
                     "authors": authors, "ratio_to_authors": v / authors if authors else None})
     save(False)
 
-  save(False)
-
   # Scaling with n.
   scale_codecs = [c for c in codec_table() if c[0] not in ("MXFP8 OCP-E8M0", "THC 120")]
   if args.tiny:
