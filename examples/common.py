@@ -82,9 +82,9 @@ class ExampleConfig:
   calibrate: bool = flag(True, "fit the codec's per-class capacities to this run's first-batch "
                          "gradients before training (DynamiQ; codecs without calibrate() "
                          "ignore it)")
-  # Set by calibrate(), not a flag: the fitted ``fractions=`` option of the codec.
-  calibrated_fractions: tuple | None = dataclasses.field(default=None,
-                                                         metadata={"flag": False})
+  # Set by calibrate(), not a flag: the fitted ``profile=`` option of the codec.
+  calibrated_profile: tuple | None = dataclasses.field(default=None,
+                                                       metadata={"flag": False})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,7 @@ def parse_flags(default: ExampleConfig, argv: Sequence[str] | None = None, *,
   parser = argparse.ArgumentParser(prog=prog, description=description)
   for field in dataclasses.fields(default):
     if field.metadata.get("flag") is False:
-      continue  # derived during the run (e.g. calibrated_fractions), not set by hand
+      continue  # derived during the run (e.g. calibrated_profile), not set by hand
     value = getattr(default, field.name)
     names = [f"--{field.name}"]
     if "_" in field.name:
@@ -327,8 +327,8 @@ def reducer_options(config: ExampleConfig) -> dict:
     ValueError: if the codec takes whole bits and ``config.bits`` is not whole.
   """
   options = {}
-  if config.calibrated_fractions is not None:
-    options["fractions"] = tuple(tuple(p) for p in config.calibrated_fractions)
+  if config.calibrated_profile is not None:
+    options["profile"] = tuple(float(v) for v in config.calibrated_profile)
   if config.bits is None:
     return options
   field = _bits_field(config.codec)
@@ -347,8 +347,8 @@ def calibrate(config: ExampleConfig, grad_fn: Callable[[Any], Any], batch, n: in
 
   DynamiQ's bit allocation gives each width class a fixed share of the
   super-groups (static shapes: one compilation). Its default shares come
-  from a model of the error; ``DynamiQ.calibrate`` fits them to real
-  gradient statistics instead. This runs before training, on the initial
+  from the paper's model of gradient statistics; ``DynamiQ.calibrate``
+  records the real ones (a profile of super-group norms) instead. This runs before training, on the initial
   parameters and the run's first batch split as the ranks will split it, so
   a run restored from a checkpoint gets the same capacities again.
 
@@ -362,10 +362,10 @@ def calibrate(config: ExampleConfig, grad_fn: Callable[[Any], Any], batch, n: in
     n: the number of ranks.
 
   Returns:
-    ``dataclasses.replace(config, calibrated_fractions=...)``, or ``config``
+    ``dataclasses.replace(config, calibrated_profile=...)``, or ``config``
     unchanged when there is nothing to calibrate.
   """
-  if not config.calibrate or config.calibrated_fractions is not None:
+  if not config.calibrate or config.calibrated_profile is not None:
     return config
   try:
     codec = dq.codec_from_name(config.codec, **reducer_options(config))
@@ -383,7 +383,7 @@ def calibrate(config: ExampleConfig, grad_fn: Callable[[Any], Any], batch, n: in
     per_rank.append(np.concatenate([np.asarray(g, np.float32).ravel()
                                     for g in jax.tree.leaves(grad_fn(shard))]))
   fitted = codec.calibrate(np.stack(per_rank))
-  return dataclasses.replace(config, calibrated_fractions=fitted.fractions)
+  return dataclasses.replace(config, calibrated_profile=fitted.profile)
 
 
 def make_reducer(config: ExampleConfig, axis_name: str = "data"):
@@ -721,8 +721,7 @@ def print_summary(metrics: dict) -> None:
   bits = wire["bits_per_coord"]
   reducer = metrics["reducer"]
   options = "".join(
-      f" {k}=" + ("{" + ", ".join(f"{w}: {f:.3f}" for w, f in v) + "} (calibrated)"
-                  if k == "fractions" else str(v))
+      f" {k}=" + (f"<{len(v)} log2 F quantiles> (calibrated)" if k == "profile" else str(v))
       for k, v in reducer["options"].items())
   print(f"{metrics['example']}: {reducer['name']}{options} ({reducer['schedule']}) on "
         f"{metrics['devices']['count']} {metrics['devices']['platform']} devices, "

@@ -13,7 +13,7 @@ def test_vnmse_tiny(tmp_path):
   assert {r["codec"] for r in results if r["table"] == "table3"} == {
       c[0] for c in vnmse.codec_table()} | {"DynamiQ 5b cal@0"}  # calibrated on the LM data
   cal = [r for r in results if r["codec"] == "DynamiQ 5b cal@0"]
-  assert {r["dataset"] for r in cal} == {"lm-word"} and all(r["fractions"] for r in cal)
+  assert {r["dataset"] for r in cal} == {"lm-word"} and all(r["profile"] for r in cal)
   assert {r["dataset"] for r in results} == {"iid", "lm-word"}
   path = os.path.join(tmp_path, "vnmse_tiny.json")
   with open(path) as f:

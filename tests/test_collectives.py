@@ -173,6 +173,10 @@ class TestErrors:
       DynamiQ(bits=-1)
     with pytest.raises(ValueError, match="sum to"):
       DynamiQ(fractions={2: 0.5, 4: 0.2, 8: 0.2})
+    with pytest.raises(ValueError, match="either profile= or fractions="):
+      DynamiQ(profile=(0.0, 1.0), fractions={4: 1.0})
+    with pytest.raises(ValueError, match="non-decreasing log2 F quantiles"):
+      DynamiQ(profile=(3.0, 1.0))
     with pytest.raises(ValueError, match="schedule='tree'"):
       dq.simulate(np.ones((N, 4), np.float32), codec=F32(), schedule="tree")
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import dynamiq_jax as dq
 from dynamiq_jax.allreduce import axis_context
 from dynamiq_jax.bench.reference import AUTHORS_ALL_IN_BITS, REFERENCE, vnmse
-from dynamiq_jax.codecs import DynamiQ
+from dynamiq_jax.codecs import DynamiQ, allocation
 from dynamiq_jax.schedules import execute, get_plan
 
 from _helpers import model_data, rows_identical
@@ -77,6 +77,65 @@ class TestBudget:
     assert 8 * n * sum(sent) == codec.wire_bits(d, n)
     stats = dq.wire_stats(jnp.zeros(d), codec=codec, n=n)
     assert stats.bytes_per_rank == 2 * (n - 1) * sum(sent)
+
+
+class TestCapacities:
+  """Whole-unit class capacities (codecs.allocation.best_capacities)."""
+
+  @settings(max_examples=40, deadline=None)
+  @given(units=st.integers(1, 40), spread=st.floats(0.5, 20.0), slack=st.floats(0.0, 1.0),
+         seed=st.integers(0, 2**31 - 1))
+  def test_best_split_beats_every_other_split_that_fits(self, units, spread, slack, seed):
+    rng = np.random.default_rng(seed)
+    norms = np.exp(spread * rng.standard_normal(500))
+    profile = allocation.profile_from_norms(norms)
+    errors = DynamiQ().width_errors()
+    cost = {2: 82 * 8, 4: 146 * 8, 8: 274 * 8}
+    budget = units * (cost[2] + slack * (cost[8] - cost[2]))
+    got = allocation.best_capacities(profile, errors, units, cost, budget)
+    assert sum(got.values()) == units and sum(got[w] * cost[w] for w in got) <= budget
+    share = allocation._top_share(profile)
+
+    def err(k8, k4):
+      s8, s84 = share(k8 / units), share((k8 + k4) / units)
+      return errors[8] * s8 + errors[4] * (s84 - s8) + errors[2] * (1 - s84)
+
+    brute = min(err(k8, k4) for k8 in range(units + 1) for k4 in range(units + 1 - k8)
+                if k8 * cost[8] + k4 * cost[4] + (units - k8 - k4) * cost[2] <= budget)
+    assert err(got[8], got[4]) <= brute * (1 + 1e-12)
+
+  def test_many_units_follow_the_threshold_rule(self):
+    codec = DynamiQ()
+    lay = codec.layout(D, N)
+    units = lay.padded_supergroups // N
+    for w, cap in lay.capacities:
+      assert abs(cap / lay.padded_supergroups - codec.default_fractions()[w]) <= 2 / units
+
+  def test_few_units_lower_the_error_of_rounded_fractions(self):
+    """Rounding the default fractions to 4 units left 0.8 bit unspent and
+    sent a quarter of the vector at 2 bits; the best split does better."""
+    n, d = 16, 1 << 14  # 4 super-groups per ring chunk
+    codec = DynamiQ()
+    rounded = DynamiQ(fractions=codec.default_fractions())
+    assert rounded.layout(d, n).bits_per_coord < 4.2 < codec.layout(d, n).bits_per_coord <= 5
+    err = {c: np.mean([vnmse(np.asarray(dq.simulate(g, codec=c, seed=0))[0], g)
+                       for g in (model_data("iid", n, d, s) for s in (0, 1))])
+           for c in (codec, rounded)}
+    assert err[codec] < 0.75 * err[rounded]
+
+  def test_calibrate_records_the_profile_of_the_norms(self):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 256 * 64)) * np.repeat(np.exp(3 * rng.standard_normal(64)), 256)
+    codec = DynamiQ().calibrate(x)
+    assert codec.fractions is None and len(codec.profile) == allocation.PROFILE_POINTS
+    centred = x.reshape(4, 64, 256) - x.reshape(4, 64, 256).mean(-1, keepdims=True)
+    norms = np.sqrt((centred**2).sum((0, 2)))
+    assert codec.profile == allocation.profile_from_norms(norms)
+    assert np.isclose(codec.profile[0], 2 * np.log2(norms.min()), atol=0.5)
+    assert np.isclose(codec.profile[-1], 2 * np.log2(norms.max()), atol=0.5)
+    assert "profile=<256 log2 F quantiles" in repr(codec)
+    # a wide spread of norms buys 8 bits for the top and 2 for the bottom
+    assert codec.default_fractions()[8] > 0.1 and codec.default_fractions()[2] > 0.1
 
 
 class TestAccuracy:

@@ -41,6 +41,8 @@ def _parse(argv):
   p.add_argument("--seeds", type=int, default=2, help="rounding seeds per stateless point")
   p.add_argument("--rounds", type=int, default=60, help="steps for stateful codecs")
   p.add_argument("--max-n", type=int, default=1024, help="largest n of the synthetic scaling")
+  p.add_argument("--scaling-cells", type=int, default=1 << 28,
+                 help="synthetic scaling: n * d at most this (memory); d = min(--d, this / n)")
   p.add_argument("--max-n-real", type=int, default=64,
                  help="largest n of the real-gradient scaling (<= 64)")
   p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dynamiq_jax"),
@@ -113,6 +115,7 @@ def main(argv=None):
   from dynamiq_jax.bench.reference import (AUTHORS_ALL_IN_BITS, REFERENCE, paper_model_gradients,
                                            vnmse)
   from dynamiq_jax.codecs import DynamiQ, MX
+  from dynamiq_jax.codecs.dynamiq import SUPERGROUP
   from tqdm.auto import tqdm
 
   n = 8
@@ -229,7 +232,8 @@ def main(argv=None):
     bits = dq.wire_stats(g[0], codec=codec, n=n).bits_per_coord
     authors = ref(ds[0], key, ds[1]) if ds[0] in ("iid", "heavy") else None
     results.append({"table": table, "codec": name, "dataset": ds[0], "step_or_seed": ds[1],
-                    "fractions": getattr(codec, "fractions", None),
+                    "profile": getattr(codec, "profile", None),
+                    "class_shares": _class_shares(codec, g.shape[1], g.shape[0]),
                     "schedule": schedule, "n": int(g.shape[0]), "bits_per_coord": bits, "vnmse": v,
                     "authors": authors, "ratio_to_authors": v / authors if authors else None})
     save(False)
@@ -239,20 +243,31 @@ def main(argv=None):
   if args.tiny:
     scale_codecs = [c for c in scale_codecs if c[0] in ("DynamiQ 5b", "MXFP8", "THC 16")]
     sizes_syn, sizes_real = [n], [n]  # the shapes of table 3: its compiled code is reused
-  syn = paper_model_gradients("iid", max(sizes_syn), 1 << 16 if not args.tiny else args.d, 3)
+  # Synthetic: d = 2^20 per worker while n * d fits --scaling-cells, then d shrinks
+  # (2^18 at n = 1024: one super-group per ring chunk). A ring chunk holds d / n
+  # coordinates, and DynamiQ's widths are shared out in whole super-groups per chunk,
+  # so a small d at a large n measures the rounding of a few super-groups, not
+  # the codec (at d = 2^16 and n = 64 each chunk held only 4 of them).
+  d_syn = {k: args.d if args.tiny else max(SUPERGROUP, min(args.d, args.scaling_cells // k)
+                                           // SUPERGROUP * SUPERGROUP) for k in sizes_syn}
+  syn = {d: paper_model_gradients("iid", max(k for k in sizes_syn if d_syn[k] == d), d, 3)
+         for d in sorted(set(d_syn.values()))}
   # by n, then codec: an interrupted run has every codec at the smaller n
   scale_jobs = [("iid", k, c) for k in sizes_syn for c in scale_codecs]
   if scaling_real is not None:
     scale_jobs += [("lm-word", k, c) for k in sizes_real for c in scale_codecs]
   for ds, k, (name, codec, _, _) in tqdm(scale_jobs, desc="vNMSE vs n"):
-    g = syn[:k] if ds == "iid" else scaling_real[:k]
+    g = syn[d_syn[k]][:k] if ds == "iid" else scaling_real[:k]
     try:
       v = measure(codec, g)
       bits = dq.wire_stats(g[0], codec=codec, n=k).bits_per_coord
     except ValueError as e:  # a codec that cannot run at this n says why
-      scaling.append({"dataset": ds, "codec": name, "n": k, "vnmse": None, "reason": str(e)[:200]})
+      scaling.append({"dataset": ds, "codec": name, "n": k, "d": int(g.shape[1]), "vnmse": None,
+                      "reason": str(e)[:200]})
     else:
-      scaling.append({"dataset": ds, "codec": name, "n": k, "vnmse": v, "bits_per_coord": bits})
+      scaling.append({"dataset": ds, "codec": name, "n": k, "d": int(g.shape[1]), "vnmse": v,
+                      "bits_per_coord": bits,
+                      "class_shares": _class_shares(codec, g.shape[1], k)})
     save(False)
 
   _print(results, scaling, n, args, info, stats)
@@ -264,6 +279,15 @@ def main(argv=None):
 
 def _fmt(v):
   return "-" if v is None else f"{v:.3e}"
+
+
+def _class_shares(codec, d, n):
+  """``{width: share of super-groups}`` that a DynamiQ codec uses for this bucket."""
+  from dynamiq_jax.codecs import DynamiQ
+  if not isinstance(codec, DynamiQ):
+    return None
+  lay = codec.layout(d, n)
+  return {str(w): cap / lay.padded_supergroups for w, cap in lay.capacities}
 
 
 def _print(results, scaling, n, args, info, stats):
@@ -317,11 +341,21 @@ def _print(results, scaling, n, args, info, stats):
   print("\n(S) vNMSE against n (ring)")
   for ds in dict.fromkeys(s["dataset"] for s in scaling):
     ns = sorted({s["n"] for s in scaling if s["dataset"] == ds})
+    ds_d = {s["n"]: s.get("d") for s in scaling if s["dataset"] == ds}
     print(f"  {ds}: n = {ns}")
+    if any(ds_d.values()):  # older results did not record d
+      print(f"    {'d':<16}" + " ".join(f"{_fmt_d(ds_d[k]):>10}" for k in ns))
     for name in dict.fromkeys(s["codec"] for s in scaling if s["dataset"] == ds):
       vals = [next((_fmt(s["vnmse"]) for s in scaling if s["dataset"] == ds and s["codec"] == name
                     and s["n"] == k), "-") for k in ns]
       print(f"    {name:<16}" + " ".join(f"{v:>10}" for v in vals))
+
+
+def _fmt_d(d):
+  if not d:
+    return "-"
+  e = int(np.log2(d))
+  return f"2^{e}" if d == 1 << e else str(d)
 
 
 def _plot(results, scaling, out, suffix):

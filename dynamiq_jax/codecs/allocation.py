@@ -27,9 +27,19 @@ fractions:
   Table 7: a two-component LogNormal mixture);
 * or the user's own gradients, with :func:`fractions_from_norms`.
 
-The fractions are then rounded to whole chunks (multiples of ``n``
-super-groups) and trimmed until the exact wire size, padding and metadata
-included, fits the budget.
+Capacities come in whole *units* of ``n`` super-groups (one per ring
+chunk), so a bucket of ``m`` super-groups has only ``m / n`` units to share
+out. With many units, rounding the fractions is harmless; with few (a small
+bucket, or a large ``n``) it is not: at 4 units the nearest rounding of the
+default fractions is {4: 3, 2: 1}, which leaves 0.8 bit/coordinate unspent
+and sends a quarter of the vector at 2 bits. So the default and calibrated
+codecs describe the gradients by a *profile* (``log2 F`` at evenly spaced
+quantiles) and :func:`best_capacities` picks the whole-unit split that
+minimises the same expected error the threshold rule minimises,
+``sum_w c_w * (share of sum F sent at width w)``, under the exact budget.
+With many units it agrees with the threshold rule; with few it is the best
+split that exists. Explicit ``fractions`` are rounded with
+:func:`round_capacities`.
 """
 
 from __future__ import annotations
@@ -41,12 +51,20 @@ import numpy as np
 
 __all__ = [
     "PAPER_MIXTURE",
+    "PROFILE_POINTS",
     "paper_errors",
     "thresholds",
     "fractions_for_budget",
     "fractions_from_norms",
+    "fractions_from_profile",
+    "mixture_profile",
+    "profile_from_norms",
+    "best_capacities",
     "round_capacities",
 ]
+
+PROFILE_POINTS = 256
+"""Quantiles in a profile: enough to place class boundaries to well under 1%."""
 
 # App. E: super-group magnitude M ~ 0.79 LogNormal(-3.99, 1.22) + 0.21 LogNormal(-16.41, 4.63).
 PAPER_MIXTURE = ((0.79, -3.99, 1.22), (0.21, -16.41, 4.63))
@@ -121,6 +139,135 @@ def fractions_for_budget(payload_bits: float, errors: Mapping[int, float],
     ``{width: fraction}``, summing to 1.
   """
   return _solve(payload_bits, errors, _mixture_cdf_log2f(mixture))
+
+
+def _profile_cdf(profile):
+  """CDF of log2 F for a profile: its points are the (i + 1/2) / K quantiles."""
+  x = np.asarray(profile, np.float64)
+  p = (np.arange(x.size) + 0.5) / x.size
+
+  def cdf(t):
+    return float(np.interp(t, x, p, left=0.0, right=1.0))
+
+  return cdf
+
+
+def _check_profile(profile):
+  x = np.asarray(profile, np.float64)
+  if x.ndim != 1 or x.size < 2 or not np.all(np.isfinite(x)) or np.any(np.diff(x) < 0):
+    raise ValueError(f"profile must be >= 2 finite, non-decreasing log2 F quantiles, got "
+                     f"{x.size} values; build it with profile_from_norms(...) or "
+                     f"DynamiQ.calibrate(...)")
+  return x
+
+
+def mixture_profile(mixture=PAPER_MIXTURE, points: int = PROFILE_POINTS) -> tuple[float, ...]:
+  """``log2 F`` at the (i + 1/2) / points quantiles of a LogNormal mixture of M."""
+  cdf = _mixture_cdf_log2f(mixture)
+  out = []
+  for i in range(points):
+    p, lo, hi = (i + 0.5) / points, -2000.0, 2000.0
+    for _ in range(100):
+      mid = 0.5 * (lo + hi)
+      lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    out.append(round(0.5 * (lo + hi), 3))
+  return tuple(out)
+
+
+def profile_from_norms(norms, points: int = PROFILE_POINTS) -> tuple[float, ...]:
+  """``log2 F`` (F = norm^2) at the (i + 1/2) / points quantiles of measured norms.
+
+  Args:
+    norms: global super-group L2 norms from one or more representative steps.
+    points: number of quantiles kept.
+
+  Returns:
+    a non-decreasing tuple of ``points`` floats, rounded to 1e-3 (0.07% in F):
+    small and hashable, so a codec that carries it stays a static argument.
+  """
+  v = np.asarray(norms, np.float64).ravel()
+  v = v[np.isfinite(v)]
+  if v.size == 0:
+    raise ValueError("norms holds no finite value")
+  log2f = 2.0 * np.log2(np.maximum(v, 1e-300))
+  q = np.quantile(log2f, (np.arange(points) + 0.5) / points)
+  return tuple(float(round(t, 3)) for t in np.maximum.accumulate(q))
+
+
+def fractions_from_profile(profile, payload_bits: float,
+                           errors: Mapping[int, float]) -> dict[int, float]:
+  """The threshold rule on a profile: ``{width: fraction}`` for a payload budget."""
+  x = _check_profile(profile)
+  return _solve(payload_bits, errors, _profile_cdf(x), lo=-4000.0, hi=4000.0)
+
+
+def _top_share(profile, grid: int = 1 << 14):
+  """S(t): share of sum F held by the top ``t`` of super-groups (increasing, S(1) = 1).
+
+  F between profile points is interpolated geometrically (linear in log2 F).
+  """
+  x = _check_profile(profile)
+  p = (np.arange(x.size) + 0.5) / x.size
+  q = (np.arange(grid) + 0.5) / grid
+  log2f = np.interp(q, p, x)[::-1]  # largest first
+  f = np.exp2(log2f - log2f[0])
+  cum = np.concatenate([[0.0], np.cumsum(f)])
+  cum /= cum[-1]
+  t = np.linspace(0.0, 1.0, grid + 1)
+  return lambda u: np.interp(u, t, cum)
+
+
+def best_capacities(profile, errors: Mapping[int, float], units: int,
+                    cost_per_unit: Mapping[int, int], budget: float) -> dict[int, int]:
+  """The whole-unit split of minimum expected error that fits the budget.
+
+  Super-groups are ranked by F, the widest class takes the top ones; the
+  expected error of a split is ``sum_w errors[w] * (share of sum F in class
+  w)``, with shares read off ``profile``. For every count of the widest
+  class, the next class takes as many units as the budget allows (each one
+  more lowers the error), the narrowest takes the rest; the best of these
+  is returned (among equals, the one with the fewest widest units).
+
+  Args:
+    profile: ``log2 F`` quantiles (:func:`mixture_profile`,
+      :func:`profile_from_norms`).
+    errors: ``{width: c_w}``, decreasing in width; at most 3 widths.
+    units: units to place (a unit is n super-groups, one per chunk).
+    cost_per_unit: ``{width: bits}`` of one unit.
+    budget: total bits allowed for all units.
+
+  Returns:
+    ``{width: units}``, summing to ``units``, within ``budget``.
+
+  Raises:
+    ValueError: if even every unit at the narrowest width exceeds the budget.
+  """
+  w = sorted(errors)
+  if len(w) > 3:
+    raise ValueError(f"at most 3 widths, got {w}")
+  lo = w[0]
+  if units * cost_per_unit[lo] > budget:
+    raise ValueError(f"even all {units} units at {lo} bits cost "
+                     f"{units * cost_per_unit[lo]} > {budget}")
+  share = _top_share(profile)
+  if len(w) == 1:
+    return {lo: units}
+  hi = w[-1]
+  k_hi = np.arange(units + 1) if len(w) == 3 else np.zeros(1, np.int64)
+  rest = units - k_hi
+  spare = budget - k_hi * cost_per_unit[hi] - rest * cost_per_unit[lo]
+  mid = w[1]
+  k_mid = np.minimum(rest, np.floor(spare / (cost_per_unit[mid] - cost_per_unit[lo])))
+  ok = k_mid >= 0
+  k_hi, k_mid = k_hi[ok], k_mid[ok].astype(np.int64)
+  s_hi = share(k_hi / units)
+  s_mid = share((k_hi + k_mid) / units)
+  err = errors[hi] * s_hi + errors[mid] * (s_mid - s_hi) + errors[lo] * (1.0 - s_mid)
+  best = int(np.argmin(err))  # first minimum: the fewest widest units
+  got = {lo: units - int(k_hi[best]) - int(k_mid[best]), mid: int(k_mid[best])}
+  if len(w) == 3:
+    got[hi] = int(k_hi[best])
+  return got
 
 
 def fractions_from_norms(norms, payload_bits: float,

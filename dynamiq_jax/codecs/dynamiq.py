@@ -123,12 +123,15 @@ class DynamiQ:
       where exact unbiasedness matters more than variance.
     scale_rounding: ``"up"`` (deterministic, the authors' kernel) or
       ``"stochastic"`` (the paper's text); both unbiased.
-    fractions: ``{width: fraction}`` of super-groups per class; default:
-      the paper's threshold rule, with each width's measured error, on the
-      paper's fitted gradient model
-      (:func:`dynamiq_jax.codecs.allocation.fractions_for_budget`); or use
-      :func:`~dynamiq_jax.codecs.allocation.fractions_from_norms` on your own
-      gradients.
+    profile: the gradients' super-group statistics, ``log2 F`` at evenly
+      spaced quantiles, from which the class capacities of every bucket
+      size are chosen (the whole-unit split of least expected error within
+      the budget, :func:`dynamiq_jax.codecs.allocation.best_capacities`);
+      default: the paper's fitted gradient model
+      (:func:`~dynamiq_jax.codecs.allocation.mixture_profile`). Fit it to
+      your own gradients with :meth:`calibrate`.
+    fractions: ``{width: fraction}`` of super-groups per class, rounded to
+      whole units for each bucket; overrides ``profile`` (give one of the two).
 
   Examples:
     >>> import dynamiq_jax as dq
@@ -151,6 +154,7 @@ class DynamiQ:
   group_size: int = 32
   correlated: bool = True
   scale_rounding: Literal["up", "stochastic"] = "up"
+  profile: tuple[float, ...] | None = None
   fractions: tuple[tuple[int, float], ...] | None = None
 
   def __post_init__(self):
@@ -174,8 +178,23 @@ class DynamiQ:
       if not np.isclose(total, 1.0, atol=1e-6):
         raise ValueError(f"fractions={self.fractions!r} sum to {total}, not 1")
     set_("fractions", fr)
+    if self.profile is not None:
+      if fr is not None:
+        raise ValueError("give DynamiQ either profile= or fractions=, not both")
+      set_("profile", tuple(float(v) for v in allocation._check_profile(self.profile)))
     for w in widths:  # validates levels / eps / group_size / scale_rounding
       self.format(w)
+
+  def __repr__(self):
+    parts = []
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name == "profile" and v is not None:  # 256 numbers: say what they are
+        v = f"<{len(v)} log2 F quantiles, {v[0]:g}..{v[-1]:g}>"
+      else:
+        v = repr(v)
+      parts.append(f"{f.name}={v}")
+    return f"DynamiQ({', '.join(parts)})"
 
   # -- static description ------------------------------------------------------
 
@@ -193,23 +212,33 @@ class DynamiQ:
     """``{width: relative MSE of one quantisation}`` for this configuration."""
     return {w: self.format(w).expected_error() for w in self.widths}
 
+  def _payload_bits(self) -> float:
+    """Average code bits per coordinate left once statistics and scales are paid."""
+    scale_bits = self.format(self.widths[0]).record_bytes * 8 / SUPERGROUP - self.widths[0]
+    return self.bits - _STATS_BITS / SUPERGROUP - scale_bits
+
   def default_fractions(self) -> dict[int, float]:
-    """Class fractions for this budget (``fractions`` if given)."""
+    """Class fractions of an unbounded bucket (the threshold rule; ``fractions`` if given).
+
+    Small buckets and large ``n`` get the best whole-unit split instead:
+    ``layout(d, n).capacities``.
+    """
     if self.fractions is not None:
       return dict(self.fractions)
     w = self.widths
     if len(w) == 1:
       return {w[0]: 1.0}
-    scale_bits = self.format(w[0]).record_bytes * 8 / SUPERGROUP - w[0]
-    payload = self.bits - _STATS_BITS / SUPERGROUP - scale_bits
-    return allocation.fractions_for_budget(payload, self.width_errors())
+    if self.profile is not None:
+      return allocation.fractions_from_profile(self.profile, self._payload_bits(),
+                                               self.width_errors())
+    return allocation.fractions_for_budget(self._payload_bits(), self.width_errors())
 
   def calibrate(self, grads) -> "DynamiQ":
     """This codec with class capacities fitted to representative gradients.
 
-    Applies the threshold rule (:mod:`~dynamiq_jax.codecs.allocation`) to the
-    super-group statistics of ``grads`` — offline, once: capacities are static,
-    so the calibrated codec compiles once more and then stays fixed.
+    Records the profile of the super-group statistics of ``grads`` (see
+    :mod:`~dynamiq_jax.codecs.allocation`) — offline, once: capacities are
+    static, so the calibrated codec compiles once more and then stays fixed.
 
     Args:
       grads: per-worker gradients stacked on axis 0 (a pytree of ``[n, ...]``
@@ -217,7 +246,7 @@ class DynamiQ:
         gradient pytree (``stacked=False`` semantics: treated as n = 1).
 
     Returns:
-      ``dataclasses.replace(self, fractions=...)``.
+      ``dataclasses.replace(self, profile=..., fractions=None)``.
     """
     leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(grads)]
     if not leaves:
@@ -229,10 +258,8 @@ class DynamiQ:
     flat = np.pad(flat, ((0, 0), (0, m * SUPERGROUP - flat.shape[1]))).reshape(n, m, -1)
     centred = flat - flat.mean(-1, keepdims=True)
     norms = np.sqrt(np.sum(centred**2, axis=(0, 2)))
-    scale_bits = self.format(self.widths[0]).record_bytes * 8 / SUPERGROUP - self.widths[0]
-    payload = self.bits - _STATS_BITS / SUPERGROUP - scale_bits
-    fr = allocation.fractions_from_norms(norms, payload, self.width_errors())
-    return dataclasses.replace(self, fractions=tuple(sorted(fr.items())))
+    return dataclasses.replace(self, profile=allocation.profile_from_norms(norms),
+                               fractions=None)
 
   def layout(self, d: int, n: int) -> DynamiQLayout:
     """Static sizes for a bucket of ``d`` coordinates over ``n`` ranks.
@@ -304,14 +331,22 @@ def _layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
         f"needs {need:.3f} bits/coordinate. Fix: raise bits to at least "
         f"{np.ceil(need * 100) / 100:.2f}, all-reduce a larger bucket (more "
         f"parameters per call), or send small models with codecs.Bf16().")
-  if codec.variable_width:
-    caps = allocation.round_capacities(codec.default_fractions(), units, cost, budget)
+  if codec.variable_width and codec.fractions is not None:
+    caps = allocation.round_capacities(dict(codec.fractions), units, cost, budget)
+  elif codec.variable_width:
+    profile = codec.profile if codec.profile is not None else _paper_profile()
+    caps = allocation.best_capacities(profile, codec.width_errors(), units, cost, budget)
   else:
     fits = [w for w in codec.widths if units * cost[w] <= budget]
     caps = {w: (units if w == max(fits) else 0) for w in codec.widths}
   capacities = tuple((w, caps[w] * n) for w in sorted(caps, reverse=True) if caps[w])
   payload_bits = sum(c * rec_bits[w] for w, c in capacities)
   return DynamiQLayout(d, n, m, units * n, capacities, stats_bits, payload_bits)
+
+
+@functools.lru_cache(maxsize=1)
+def _paper_profile():
+  return allocation.mixture_profile()
 
 
 def _stochastic_bf16(v, k0, k1):
