@@ -96,7 +96,8 @@ class TestDynamiQParity:
       assert a.shape == np.shape(b) and a.dtype == jnp.asarray(b).dtype
 
   @pytest.mark.parametrize("codec", [DynamiQ(bits=4, correlated=False),
-                                     DynamiQ(bits=6, levels="uniform", hierarchical=False)])
+                                     DynamiQ(bits=6, levels="uniform", hierarchical=False),
+                                     DynamiQ(centre=False)])
   def test_other_configurations_match_too(self, mesh, codec):
     g = np.random.default_rng(5).standard_normal((N, 70_000)).astype(np.float32)
     out = per_rank(mesh, _reduce(codec, key=jax.random.key(3)), g)

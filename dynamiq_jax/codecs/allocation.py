@@ -59,6 +59,7 @@ __all__ = [
     "fractions_from_profile",
     "mixture_profile",
     "profile_from_norms",
+    "check_profile",
     "best_capacities",
     "round_capacities",
 ]
@@ -142,17 +143,18 @@ def fractions_for_budget(payload_bits: float, errors: Mapping[int, float],
 
 
 def _profile_cdf(profile):
-  """CDF of log2 F for a profile: its points are the (i + 1/2) / K quantiles."""
+  """CDF of log2 F for a profile: a step of 1/K at each of its K points
+  (which may repeat, e.g. the many exact zeros of an embedding)."""
   x = np.asarray(profile, np.float64)
-  p = (np.arange(x.size) + 0.5) / x.size
 
   def cdf(t):
-    return float(np.interp(t, x, p, left=0.0, right=1.0))
+    return float(np.searchsorted(x, t, side="left")) / x.size
 
   return cdf
 
 
-def _check_profile(profile):
+def check_profile(profile):
+  """``profile`` as a float64 array; ``ValueError`` unless it is a valid profile."""
   x = np.asarray(profile, np.float64)
   if x.ndim != 1 or x.size < 2 or not np.all(np.isfinite(x)) or np.any(np.diff(x) < 0):
     raise ValueError(f"profile must be >= 2 finite, non-decreasing log2 F quantiles, got "
@@ -197,7 +199,7 @@ def profile_from_norms(norms, points: int = PROFILE_POINTS) -> tuple[float, ...]
 def fractions_from_profile(profile, payload_bits: float,
                            errors: Mapping[int, float]) -> dict[int, float]:
   """The threshold rule on a profile: ``{width: fraction}`` for a payload budget."""
-  x = _check_profile(profile)
+  x = check_profile(profile)
   return _solve(payload_bits, errors, _profile_cdf(x), lo=-4000.0, hi=4000.0)
 
 
@@ -206,7 +208,7 @@ def _top_share(profile, grid: int = 1 << 14):
 
   F between profile points is interpolated geometrically (linear in log2 F).
   """
-  x = _check_profile(profile)
+  x = check_profile(profile)
   p = (np.arange(x.size) + 0.5) / x.size
   q = (np.arange(grid) + 0.5) / grid
   log2f = np.interp(q, p, x)[::-1]  # largest first

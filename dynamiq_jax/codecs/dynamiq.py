@@ -121,6 +121,11 @@ class DynamiQ:
       gradients, bias^2 is 0.6% of the MSE (none along the gradient
       direction) while the MSE is 25-30% lower. Use ``correlated=False``
       where exact unbiasedness matters more than variance.
+    centre: subtract each super-group's mean before quantising and add the
+      all-reduced means back (the paper's step 2). ``False`` quantises the
+      raw values: exact zeros then stay exactly zero (zero is a level),
+      which the centred codec does not guarantee when a super-group mixes
+      zeros with non-zeros (embedding rows of absent tokens).
     scale_rounding: ``"up"`` (deterministic, the authors' kernel) or
       ``"stochastic"`` (the paper's text); both unbiased.
     profile: the gradients' super-group statistics, ``log2 F`` at evenly
@@ -153,6 +158,7 @@ class DynamiQ:
   hierarchical: bool = True
   group_size: int = 32
   correlated: bool = True
+  centre: bool = True
   scale_rounding: Literal["up", "stochastic"] = "up"
   profile: tuple[float, ...] | None = None
   fractions: tuple[tuple[int, float], ...] | None = None
@@ -181,7 +187,7 @@ class DynamiQ:
     if self.profile is not None:
       if fr is not None:
         raise ValueError("give DynamiQ either profile= or fractions=, not both")
-      set_("profile", tuple(float(v) for v in allocation._check_profile(self.profile)))
+      set_("profile", tuple(float(v) for v in allocation.check_profile(self.profile)))
     for w in widths:  # validates levels / eps / group_size / scale_rounding
       self.format(w)
 
@@ -285,7 +291,7 @@ class DynamiQ:
     xs = jnp.pad(x.astype(jnp.float32), (0, total * SUPERGROUP - d)).reshape(total, SUPERGROUP)
 
     with jax.named_scope("dynamiq/stats"):
-      mean = _tree_sum(xs) / SUPERGROUP
+      mean = _tree_sum(xs) / SUPERGROUP if self.centre else jnp.zeros((total,), jnp.float32)
       resid = xs - mean[:, None]
       stats = jnp.stack([mean, _sg_norm(resid)], axis=-1).reshape(n, units, 2)
       stats = run(stats, _stats_ops(key_words, bucket)).reshape(total, 2)
