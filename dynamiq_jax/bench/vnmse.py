@@ -40,6 +40,9 @@ def _parse(argv):
   p.add_argument("--d", type=int, default=1 << 20, help="synthetic coordinates per worker")
   p.add_argument("--seeds", type=int, default=2, help="rounding seeds per stateless point")
   p.add_argument("--rounds", type=int, default=60, help="steps for stateful codecs")
+  p.add_argument("--scaling-rounds", type=int, default=12,
+                 help="steps for stateful codecs in the scaling with n (2^28 coordinates a step "
+                 "at large n)")
   p.add_argument("--max-n", type=int, default=1024, help="largest n of the synthetic scaling")
   p.add_argument("--scaling-cells", type=int, default=1 << 28,
                  help="synthetic scaling: n * d at most this (memory); d = min(--d, this / n)")
@@ -121,6 +124,7 @@ def main(argv=None):
   n = 8
   if args.tiny:
     args.d, args.seeds, args.rounds, args.max_n = 1 << 14, 1, 2, 4
+    args.scaling_rounds = 2
     lm_cfgs = {"lm-word": lm.LMConfig(vocab=1024, seq_len=32, d_model=32, heads=2, layers=1)}
     lm_steps, lm_kw = (0, 3), dict(train_batch=4, micro_batch=2)
   else:
@@ -149,11 +153,11 @@ def main(argv=None):
         data[(tag, s)] = g
   last = lm_steps[-1]
 
-  def measure(codec, g, schedule="ring"):
+  def measure(codec, g, schedule="ring", rounds=None):
     """vNMSE; stateful codecs run `rounds` steps, mean of the last 4."""
     stateful = getattr(codec, "init_state", None) is not None and codec.init_state(1, 2) is not None
     vals, state = [], None
-    for r in range(args.rounds if stateful else args.seeds):
+    for r in range((rounds or args.rounds) if stateful else args.seeds):
       if stateful:
         out, state = dq.simulate(g, codec=codec, schedule=schedule, seed=r, codec_state=state,
                                  return_state=True)
@@ -224,6 +228,7 @@ def main(argv=None):
     return common.write_json(path, {
         "command": common.command_line(), "machine": common.machine(), "complete": complete,
         "n": n, "d": args.d, "rounding_seeds": args.seeds, "stateful_rounds": args.rounds,
+        "scaling_rounds": args.scaling_rounds, "scaling_cells": args.scaling_cells,
         "lm": info, "dataset_stats": stats, "results": results, "scaling": scaling})
 
   for table, name, codec, ds, schedule, key in tqdm(jobs, desc="vNMSE"):
@@ -259,7 +264,7 @@ def main(argv=None):
   for ds, k, (name, codec, _, _) in tqdm(scale_jobs, desc="vNMSE vs n"):
     g = syn[d_syn[k]][:k] if ds == "iid" else scaling_real[:k]
     try:
-      v = measure(codec, g)
+      v = measure(codec, g, rounds=args.scaling_rounds)
       bits = dq.wire_stats(g[0], codec=codec, n=k).bits_per_coord
     except ValueError as e:  # a codec that cannot run at this n says why
       scaling.append({"dataset": ds, "codec": name, "n": k, "d": int(g.shape[1]), "vnmse": None,
