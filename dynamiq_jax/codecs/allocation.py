@@ -142,9 +142,19 @@ def fractions_for_budget(payload_bits: float, errors: Mapping[int, float],
   return _solve(payload_bits, errors, _mixture_cdf_log2f(mixture))
 
 
+def _log2_f(norms):
+  """log2 F = 2 log2 |norm| of the finite norms (zeros at -1993, not -inf)."""
+  v = np.asarray(norms, np.float64).ravel()
+  v = v[np.isfinite(v)]
+  if v.size == 0:
+    raise ValueError("norms holds no finite value")
+  return 2.0 * np.log2(np.maximum(v, 1e-300))
+
+
 def _profile_cdf(profile):
-  """CDF of log2 F for a profile: a step of 1/K at each of its K points
-  (which may repeat, e.g. the many exact zeros of an embedding)."""
+  """CDF of log2 F for a profile (or any sorted sample of log2 F): a step
+  of 1/K at each of its K points, which may repeat (e.g. the many exact
+  zeros of an embedding)."""
   x = np.asarray(profile, np.float64)
 
   def cdf(t):
@@ -187,12 +197,7 @@ def profile_from_norms(norms, points: int = PROFILE_POINTS) -> tuple[float, ...]
     a non-decreasing tuple of ``points`` floats, rounded to 1e-3 (0.07% in F):
     small and hashable, so a codec that carries it stays a static argument.
   """
-  v = np.asarray(norms, np.float64).ravel()
-  v = v[np.isfinite(v)]
-  if v.size == 0:
-    raise ValueError("norms holds no finite value")
-  log2f = 2.0 * np.log2(np.maximum(v, 1e-300))
-  q = np.quantile(log2f, (np.arange(points) + 0.5) / points)
+  q = np.quantile(_log2_f(norms), (np.arange(points) + 0.5) / points)
   return tuple(float(round(t, 3)) for t in np.maximum.accumulate(q))
 
 
@@ -285,16 +290,8 @@ def fractions_from_norms(norms, payload_bits: float,
   Returns:
     ``{width: fraction}``; pass it as ``DynamiQ(fractions=...)``.
   """
-  v = np.asarray(norms, np.float64).ravel()
-  v = v[np.isfinite(v)]
-  if v.size == 0:
-    raise ValueError("norms holds no finite value")
-  log2f = np.sort(2.0 * np.log2(np.maximum(v, 1e-300)))
-
-  def cdf(x):
-    return float(np.searchsorted(log2f, x, side="left")) / log2f.size
-
-  return _solve(payload_bits, errors, cdf, lo=-2000.0, hi=2000.0)
+  log2f = np.sort(_log2_f(norms))
+  return _solve(payload_bits, errors, _profile_cdf(log2f), lo=-2000.0, hi=2000.0)
 
 
 def round_capacities(fractions: Mapping[int, float], units: int,
