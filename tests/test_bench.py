@@ -15,6 +15,9 @@ def test_vnmse_tiny(tmp_path):
   cal = [r for r in results if r["codec"] == "DynamiQ 5b cal@0"]
   assert {r["dataset"] for r in cal} == {"lm-word"} and all(r["profile"] for r in cal)
   assert {r["dataset"] for r in results} == {"iid", "lm-word"}
+  for r in [r for r in results + scaling if r["codec"].startswith("DynamiQ")]:
+    assert abs(sum(r["class_shares"].values()) - 1) < 1e-9  # the layout it ran with
+  assert all(r["d"] == 1 << 14 for r in scaling if r["dataset"] == "iid")
   path = os.path.join(tmp_path, "vnmse_tiny.json")
   with open(path) as f:
     saved = json.load(f)

@@ -398,10 +398,13 @@ def _plot(results, scaling, out, suffix):
       if pts:
         ax.loglog(*zip(*pts), "-o", markersize=3, label=name)
     ns = sorted({s["n"] for s in scaling if s["dataset"] == ds})
-    ax.set_xticks(ns, [str(k) for k in ns])
+    d_of = {s["n"]: s.get("d") for s in scaling if s["dataset"] == ds}
+    varies = len(set(d_of.values())) > 1  # say where d shrinks to fit memory
+    ax.set_xticks(ns, [f"{k}\n{_fmt_d(d_of[k])}" if varies else str(k) for k in ns])
     ax.minorticks_off()
-    ax.set_title(f"{ds}: vNMSE vs n (ring)")
-    ax.set_xlabel("n")
+    same_d = "" if varies or not d_of[ns[0]] else f", d = {_fmt_d(d_of[ns[0]])}"
+    ax.set_title(f"{ds}: vNMSE vs n (ring{same_d})")
+    ax.set_xlabel("n (and d, coordinates per rank)" if varies else "n")
     ax.grid(True, which="both", alpha=0.3)
   axes[0][0].set_ylabel("vNMSE")
   axes[0][-1].legend(fontsize=6)
