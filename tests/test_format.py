@@ -263,3 +263,28 @@ class TestRng:
       assert np.all(np.diag(pairs) == 0)
       expect = pis.shape[0] / (q * (q - 1))
       assert np.all(np.abs(off - expect) < 6 * np.sqrt(expect))
+
+
+class TestMaterialize:
+  """The reference stores an encode's input and (2/4 bits) its draws before use."""
+
+  @pytest.mark.parametrize("first", [0.0, -0.0, np.nan, -np.inf, 3.5])
+  def test_identity(self, first):
+    v = jnp.asarray(np.array([first, -1.0, 2.0, np.nan], np.float32))
+    out = jax.jit(F.materialize)(v)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(v).view(np.uint32))
+    assert jax.jit(F.materialize)(jnp.zeros((0, 3))).shape == (0, 3)
+
+  def test_identity_under_vmap(self):
+    v = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32))
+    np.testing.assert_array_equal(jax.jit(jax.vmap(F.materialize))(v), v)
+
+  @pytest.mark.parametrize("bits,stores", [(2, 2), (4, 2), (8, 1)])
+  def test_compiled_reference_keeps_the_stores(self, bits, stores):
+    # What the CPU speed rests on (see materialize): the one-trip loops must
+    # survive XLA's simplifier, or the encode falls back to the slow fused loop.
+    fmt = F.Format(bits=bits)
+    x = jnp.zeros((4, F.SUPERGROUP), jnp.float32)
+    hlo = jax.jit(lambda x, k: F.compress_reference(x, fmt, keys=tuple(k), rank=1, strata=4)
+                  ).lower(x, jnp.arange(4, dtype=jnp.uint32)).compile().as_text()
+    assert hlo.count(" while(") == stores, hlo
