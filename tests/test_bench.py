@@ -3,7 +3,7 @@
 import json
 import os
 
-from dynamiq_jax.bench import kernels, vnmse
+from dynamiq_jax.bench import kernels, schedules, vnmse
 
 
 def test_vnmse_tiny(tmp_path):
@@ -30,6 +30,27 @@ def test_vnmse_tiny(tmp_path):
     os.remove(os.path.join(tmp_path, png))
   assert vnmse.main(["--render", path]) == saved  # redraws without measuring
   assert all(os.path.exists(os.path.join(tmp_path, png)) for png in pngs)
+
+
+def test_schedules_tiny(tmp_path):
+  rows = schedules.main(["--tiny", "--out", str(tmp_path), "--cache", ""])
+  labels = {schedules._label(*s) for s in schedules.SCHEDULES}
+  assert {(r["codec"], r["schedule"]) for r in rows} == {
+      (c, s) for c in ("DynamiQ 5b", "MXFP8") for s in labels}
+  assert {r["dataset"] for r in rows} == {"iid", "lm-word@3"}
+  # MXFP8 keeps state (its adaptive scale), which the hierarchical schedule refuses
+  refused = [r for r in rows if r["vnmse"] is None]
+  assert {(r["codec"], r["schedule"].split()[0]) for r in refused} == {("MXFP8", "hierarchical")}
+  assert all("stateless" in r["reason"] for r in refused)
+  ran = [r for r in rows if r["vnmse"] is not None]
+  assert all(0 < r["vnmse"] < 1 for r in ran)
+  flat = [r for r in ran if r["compressed_axis"] == "data"]
+  # DynamiQ never exceeds its budget; MX pads to whole blocks per rank, which only adds bits
+  assert all(r["bits_per_coord"] <= 5.0 for r in flat if r["codec"] == "DynamiQ 5b")
+  assert all(8.5 <= r["bits_per_coord"] < 9.0 for r in flat if r["codec"] == "MXFP8")
+  assert all(r["compressed_axis"] == "slow" for r in ran if r not in flat)
+  with open(os.path.join(tmp_path, "schedules_tiny.json")) as f:
+    assert json.load(f)["rows"] == rows
 
 
 def test_kernels_tiny(tmp_path):

@@ -59,6 +59,52 @@ def _parse(argv):
   return p.parse_args(argv)
 
 
+N = 8  # workers of the tables (the paper's)
+
+
+def lm_gradients(cache: str | None, tiny: bool = False):
+  """Per-worker gradients of the two small transformer LMs, captured once (cached).
+
+  Returns ``({(tag, step): float32 [workers, d]}, {tag: model info}, steps)``:
+  ``N`` workers at every step, and 64 of the word LM's at the last step (for
+  the scaling with n). ``tiny``: one small word LM, two steps (CI).
+  """
+  from dynamiq_jax.bench import lm
+  if tiny:
+    cfgs = {"lm-word": lm.LMConfig(vocab=1024, seq_len=32, d_model=32, heads=2, layers=1)}
+    steps, kw, last_n = (0, 3), dict(train_batch=4, micro_batch=2), 16
+  else:
+    cfgs = {"lm-word": lm.LMConfig(vocab=8192, layers=2), "lm-byte": lm.LMConfig()}
+    steps, kw, last_n = (0, 100, 300), {}, 64
+  grads, info = {}, {}
+  for tag, cfg in cfgs.items():
+    workers = {s: N for s in steps}
+    workers[steps[-1]] = last_n if tag == "lm-word" else N
+    g, info[tag] = lm.cached_gradients(cache or None, tag, workers, steps, cfg, **kw)
+    grads.update({(tag, s): v for s, v in g.items()})
+  return grads, info, steps
+
+
+def measure(codec, g, *, schedule="ring", seeds=2, rounds=60, mesh_shape=None):
+  """vNMSE of ``codec`` on the workers' gradients ``g`` [n, d], through ``simulate``.
+
+  Stateless codecs: the mean over ``seeds`` rounding seeds. Stateful codecs
+  (MX's adaptive scale, OmniReduce's k) run ``rounds`` steps carrying their
+  state; the mean of the last 4.
+  """
+  import dynamiq_jax as dq
+  from dynamiq_jax.bench.reference import vnmse
+  stateful = getattr(codec, "init_state", None) is not None and codec.init_state(1, 2) is not None
+  vals, state = [], None
+  for r in range(rounds if stateful else seeds):
+    out = dq.simulate(g, codec=codec, schedule=schedule, seed=r, codec_state=state,
+                      return_state=stateful, mesh_shape=mesh_shape)
+    if stateful:
+      out, state = out
+    vals.append(vnmse(np.asarray(out)[0], g))
+  return float(np.mean(vals[-4:])) if stateful else float(np.mean(vals))
+
+
 def codec_table():
   """(name, codec, authors' reference key for the ring, for the butterfly)."""
   from dynamiq_jax.codecs import Bf16, DynamiQ, GlobalQSGD, MX, OmniReduce, THC
@@ -114,57 +160,32 @@ def main(argv=None):
     return render(args.render)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import dynamiq_jax as dq
-  from dynamiq_jax.bench import common, lm
-  from dynamiq_jax.bench.reference import (AUTHORS_ALL_IN_BITS, REFERENCE, paper_model_gradients,
-                                           vnmse)
+  from dynamiq_jax.bench import common
+  from dynamiq_jax.bench.reference import AUTHORS_ALL_IN_BITS, REFERENCE, paper_model_gradients
   from dynamiq_jax.codecs import DynamiQ, MX
   from dynamiq_jax.codecs.dynamiq import SUPERGROUP
   from tqdm.auto import tqdm
 
-  n = 8
+  n = N
   if args.tiny:
     args.d, args.seeds, args.rounds, args.max_n = 1 << 14, 1, 2, 4
     args.scaling_rounds = 2
-    lm_cfgs = {"lm-word": lm.LMConfig(vocab=1024, seq_len=32, d_model=32, heads=2, layers=1)}
-    lm_steps, lm_kw = (0, 3), dict(train_batch=4, micro_batch=2)
-  else:
-    lm_cfgs = {"lm-word": lm.LMConfig(vocab=8192, layers=2),
-               "lm-byte": lm.LMConfig()}
-    lm_steps, lm_kw = (0, 100, 300), {}
-  real_n = 64 if not args.tiny else 16  # workers captured at the last step (cached)
-  sizes_real = [k for k in (2, 4, 8, 16, 32, 64) if k <= min(real_n, args.max_n_real)]
   sizes_syn = [k for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k <= args.max_n]
 
   data = {("iid", 0): paper_model_gradients("iid", n, args.d, 0),
           ("heavy", 0): paper_model_gradients("heavy", n, args.d, 0)}
-  info, scaling_real = {}, None
+  info, scaling_real, lm_steps, sizes_real = {}, None, (0,), []
   if not args.no_real:
-    for tag, cfg in lm_cfgs.items():
-      workers = {s: n for s in lm_steps}
-      workers[lm_steps[-1]] = real_n if tag == "lm-word" else n
-      grads, info[tag] = lm.cached_gradients(args.cache or None, tag, workers, lm_steps, cfg,
-                                             **lm_kw)
-      for s, g in grads.items():
-        if tag == "lm-word" and s == lm_steps[-1]:
-          scaling_real = g  # all real_n workers, for the scaling with n
-        g = g[:n]  # the tables are at n workers
-        if args.tiny:  # same shape as the synthetic data: compiled code is reused (smoke test only)
-          g = np.pad(g[:, :args.d], ((0, 0), (0, max(0, args.d - g.shape[1]))))
-        data[(tag, s)] = g
+    grads, info, lm_steps = lm_gradients(args.cache, args.tiny)
+    for (tag, s), g in grads.items():
+      if tag == "lm-word" and s == lm_steps[-1]:
+        scaling_real = g  # all captured workers, for the scaling with n
+        sizes_real = [k for k in (2, 4, 8, 16, 32, 64) if k <= min(len(g), args.max_n_real)]
+      g = g[:n]  # the tables are at n workers
+      if args.tiny:  # same shape as the synthetic data: compiled code is reused (smoke test only)
+        g = np.pad(g[:, :args.d], ((0, 0), (0, max(0, args.d - g.shape[1]))))
+      data[(tag, s)] = g
   last = lm_steps[-1]
-
-  def measure(codec, g, schedule="ring", rounds=None):
-    """vNMSE; stateful codecs run `rounds` steps, mean of the last 4."""
-    stateful = getattr(codec, "init_state", None) is not None and codec.init_state(1, 2) is not None
-    vals, state = [], None
-    for r in range((rounds or args.rounds) if stateful else args.seeds):
-      if stateful:
-        out, state = dq.simulate(g, codec=codec, schedule=schedule, seed=r, codec_state=state,
-                                 return_state=True)
-      else:
-        out = dq.simulate(g, codec=codec, schedule=schedule, seed=r)
-      vals.append(vnmse(np.asarray(out)[0], g))
-    return float(np.mean(vals[-4:])) if stateful else float(np.mean(vals))
 
   def ref(ds, key, seed=0):
     v = REFERENCE.get((ds, n, key)) if key else None
@@ -233,7 +254,7 @@ def main(argv=None):
 
   for table, name, codec, ds, schedule, key in tqdm(jobs, desc="vNMSE"):
     g = data[ds]
-    v = measure(codec, g, schedule)
+    v = measure(codec, g, schedule=schedule, seeds=args.seeds, rounds=args.rounds)
     bits = dq.wire_stats(g[0], codec=codec, n=n).bits_per_coord
     authors = ref(ds[0], key, ds[1]) if ds[0] in ("iid", "heavy") else None
     results.append({"table": table, "codec": name, "dataset": ds[0], "step_or_seed": ds[1],
@@ -264,7 +285,7 @@ def main(argv=None):
   for ds, k, (name, codec, _, _) in tqdm(scale_jobs, desc="vNMSE vs n"):
     g = syn[d_syn[k]][:k] if ds == "iid" else scaling_real[:k]
     try:
-      v = measure(codec, g, rounds=args.scaling_rounds)
+      v = measure(codec, g, seeds=args.seeds, rounds=args.scaling_rounds)
       bits = dq.wire_stats(g[0], codec=codec, n=k).bits_per_coord
     except ValueError as e:  # a codec that cannot run at this n says why
       scaling.append({"dataset": ds, "codec": name, "n": k, "d": int(g.shape[1]), "vnmse": None,

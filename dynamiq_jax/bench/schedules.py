@@ -1,0 +1,138 @@
+"""vNMSE of each schedule at n = 8: ring, butterfly and the two-level hierarchy.
+
+    python -m dynamiq_jax.bench.schedules            # ~10 min on 2 cores (+ the LM capture)
+    python -m dynamiq_jax.bench.schedules --tiny     # smoke test (CI)
+
+The same codec through different schedules, on the same data as
+:mod:`dynamiq_jax.bench.vnmse` (the spec's synthetic gradients, data seed 0,
+d = 2^20, where the authors' ring and butterfly values exist; and the word-
+and byte-LM gradients, shared cache):
+
+* ``ring``: every partial sum is re-quantised at each of the n - 1 hops;
+* ``butterfly``: a rotated binary tree per chunk, so a coordinate is
+  re-quantised log2 n times (the paper's bandwidth-optimal schedule: same
+  bytes as the ring, lower error);
+* ``hierarchical`` on a (slow, fast) mesh, (2, 4) and (4, 2): exact float32
+  inside the fast axis, the codec across the slow one only, so its error is
+  that of a ring over ``slow`` ranks of partial sums.
+
+Prints one row per codec and schedule with the authors' value where the
+reference has one and the butterfly / ring ratio; writes
+``docs/results/schedules.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from dynamiq_jax.bench.vnmse import N, lm_gradients, measure
+
+__all__ = ["main", "SCHEDULES"]
+
+SCHEDULES = (("ring", None), ("butterfly", None), ("hierarchical", (2, 4)),
+             ("hierarchical", (4, 2)))
+
+
+def _label(schedule, mesh_shape):
+  return schedule if mesh_shape is None else f"{schedule} {mesh_shape[0]}x{mesh_shape[1]}"
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.schedules")
+  p.add_argument("--d", type=int, default=1 << 20, help="synthetic coordinates per worker")
+  p.add_argument("--seeds", type=int, default=2, help="rounding seeds per stateless point")
+  p.add_argument("--rounds", type=int, default=12, help="steps for stateful codecs")
+  p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dynamiq_jax"),
+                 help="where captured LM gradients are kept ('' to disable)")
+  p.add_argument("--no-real", action="store_true", help="skip the LM gradients")
+  p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
+  p.add_argument("--out", default=None, help="results directory (default docs/results)")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = _parse(argv)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import dynamiq_jax as dq
+  from dynamiq_jax.bench import common
+  from dynamiq_jax.bench.reference import REFERENCE, paper_model_gradients
+  from dynamiq_jax.codecs import DynamiQ, MX
+  from tqdm.auto import tqdm
+
+  if args.tiny:
+    args.d, args.seeds, args.rounds = 1 << 14, 1, 2
+  codecs = [("DynamiQ 5b", DynamiQ(bits=5.0), "DynamiQ-5b hier+corr"),
+            ("MXFP8", MX(element="e4m3"), "MXFP8")]
+  data = {"iid": paper_model_gradients("iid", N, args.d, 0)}
+  if not args.tiny:
+    data["heavy"] = paper_model_gradients("heavy", N, args.d, 0)
+  info = {}
+  if not args.no_real:
+    grads, info, steps = lm_gradients(args.cache, args.tiny)
+    for (tag, s), g in grads.items():
+      if s == steps[-1]:
+        data[f"{tag}@{s}"] = g[:N]
+
+  rows = []
+  jobs = [(c, ds, sch) for c in codecs for ds in data for sch in SCHEDULES]
+  for (name, codec, ref_name), ds, (schedule, mesh_shape) in tqdm(jobs, desc="vNMSE by schedule"):
+    g = data[ds]
+    row = {"codec": name, "dataset": ds, "schedule": _label(schedule, mesh_shape),
+           "n": int(g.shape[0]), "d": int(g.shape[1])}
+    try:
+      v = measure(codec, g, schedule=schedule, seeds=args.seeds, rounds=args.rounds,
+                  mesh_shape=mesh_shape)
+    except ValueError as e:  # e.g. a stateful codec on the hierarchical schedule: say why
+      rows.append(dict(row, vnmse=None, reason=str(e)[:300]))
+      continue
+    authors = None
+    if ds in ("iid", "heavy") and mesh_shape is None and args.d == 1 << 20:
+      ref = REFERENCE.get((ds, N, f"{ref_name} ({schedule})"))
+      authors = None if ref is None else ref[0]
+    axis = ("slow", "fast") if mesh_shape else "data"
+    stats = dq.wire_stats(g[0], codec=codec, n=N) if mesh_shape is None else None
+    rows.append(dict(row, vnmse=v, authors=authors,
+                     compressed_axis=axis[0] if mesh_shape else axis,
+                     bits_per_coord=stats.bits_per_coord if stats else None))
+
+  _print(rows, list(data))
+  out = common.results_dir(args.out)
+  path = os.path.join(out, f"schedules{'_tiny' if args.tiny else ''}.json")
+  common.write_json(path, {"command": common.command_line(), "machine": common.machine(),
+                           "n": N, "d": args.d, "rounding_seeds": args.seeds,
+                           "stateful_rounds": args.rounds, "lm": info, "rows": rows})
+  print(f"wrote {path}")
+  return rows
+
+
+def _print(rows, datasets):
+  print(f"\nvNMSE by schedule, n = {N} workers (authors' simulator in [])")
+  print(f"  {'codec':<11} {'schedule':<17}" + "".join(f"{d:>22}" for d in datasets))
+  for codec in dict.fromkeys(r["codec"] for r in rows):
+    for label in dict.fromkeys(r["schedule"] for r in rows):
+      cells = []
+      for ds in datasets:
+        (r,) = [r for r in rows if (r["codec"], r["schedule"], r["dataset"]) == (codec, label, ds)]
+        if r["vnmse"] is None:
+          cells.append("-")
+          continue
+        ref = f" [{r['authors']:.2e}]" if r.get("authors") else ""
+        cells.append(f"{r['vnmse']:.3e}{ref}")
+      print(f"  {codec:<11} {label:<17}" + "".join(f"{c:>22}" for c in cells))
+      reasons = {r["reason"] for r in rows if (r["codec"], r["schedule"]) == (codec, label)
+                 and r["vnmse"] is None}
+      for why in reasons:
+        print(f"  {'':<11} {'':<17} not run: {why.split(';')[0]}")
+    ratios = []
+    for ds in datasets:
+      get = lambda s: next(r["vnmse"] for r in rows
+                           if (r["codec"], r["schedule"], r["dataset"]) == (codec, s, ds))
+      ratios.append(f"{get('butterfly') / get('ring'):.2f}x")
+    print(f"  {codec:<11} {'butterfly / ring':<17}" + "".join(f"{c:>22}" for c in ratios))
+
+
+if __name__ == "__main__":
+  main()
