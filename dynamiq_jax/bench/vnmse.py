@@ -334,7 +334,7 @@ def _print(results, scaling, n, args, info, stats):
                 key=lambda c: (c[0].startswith("lm"), c))
   print("\n(3) every codec at its budget (bits/coord measured on the wire); authors' value in []")
   head = f"  {'codec':<16}{'bits':>6}" + "".join(
-      f"{(ds + ('@' + str(s) if ds.startswith('lm') else '') + (' bfly' if sch == 'butterfly' else '')):>20}"
+      f"{(ds + ('@' + str(s) if ds.startswith('lm') else '') + (' bfly' if sch == 'butterfly' else '')):>22}"
       for ds, s, sch in cols)
   print(head)
   for name in dict.fromkeys(r["codec"] for r in t3):
@@ -345,7 +345,7 @@ def _print(results, scaling, n, args, info, stats):
       r = next((r for r in t3 if r["codec"] == name and (r["dataset"], r["step_or_seed"],
                                                          r["schedule"]) == c), None)
       cell = "" if r is None else (_fmt(r["vnmse"]) + (f" [{r['authors']:.2e}]" if r["authors"] else ""))
-      line += f"{cell:>20}"
+      line += f"{cell:>22}"  # "9.311e-04 [1.44e-03]" is 20 wide: keep a gap
     print(line)
   for ds, s, sch in cols:
     if sch != "ring":
