@@ -310,6 +310,15 @@ def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, i
   reduce-scatters in float32 (NVLink inside a host), each fast rank
   all-reduces its 1/L share with ``codec`` over the slow axis (the NIC,
   ``inner`` schedule), and the fast axis all-gathers the results.
+
+  Shares are interleaved in blocks of the codec's granularity (share r
+  holds blocks r, r + L, r + 2L, ...: whole super-groups for DynamiQ), so
+  every share has the whole gradient's mix of large and small blocks. With
+  contiguous shares a model's layers fall into different shares (one all
+  embedding rows, another all dense layers), and DynamiQ's static class
+  capacities fit none of them: on the word-LM gradients of
+  ``bench.schedules`` a (2, 4) mesh measured 4.3e-3 vNMSE with contiguous
+  shares against 9.4e-4 for the flat ring.
   """
   names = _names(axis_name)
   if len(names) != 2 or isinstance(axis_name, str):
@@ -335,8 +344,11 @@ def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, i
   flat = _flatten(arrays)
   if average:
     flat = flat / np.float32(size * slow_ctx.n)
-  m = -(-total // size)
-  chunks = jnp.pad(flat, (0, m * size - total)).reshape(size, m)
+  unit = getattr(codec, "granularity", 1)
+  blocks = -(-total // (unit * size))  # per share
+  m = blocks * unit
+  chunks = jnp.pad(flat, (0, m * size - total)).reshape(blocks, size, unit)
+  chunks = chunks.transpose(1, 0, 2).reshape(size, m)  # share r: blocks r, r + size, ...
   owned = _local_reduce_scatter(chunks, fast, size) if size > 1 else chunks[0]
   key = jax.random.fold_in(key, jax.lax.axis_index(fast))  # fresh rounding per fast rank
   reduced, stats = allreduce(owned, axis_name=slow, codec=codec, schedule=inner, key=key,
@@ -344,9 +356,10 @@ def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, i
                              implementation=implementation)
   if size > 1:
     gathered = fast_ctx.all_gather(reduced)  # rank r holds chunk (r + 1) % size
-    out = jnp.roll(gathered, 1, axis=0).reshape(-1)[:total]
+    shares = jnp.roll(gathered, 1, axis=0).reshape(size, blocks, unit)
+    out = shares.transpose(1, 0, 2).reshape(-1)[:total]
   else:
-    out = reduced
+    out = reduced[:total]
   # the slow axis's cost: every fast rank sends its share at the codec's bits per
   # coordinate (the exact float32 traffic inside the fast axis is not counted)
   return _unflatten(out, arrays, treedef), AllReduceStats(

@@ -75,3 +75,28 @@ def test_bad_hierarchical_inputs(grads):
                                     key=jax.random.key(0)), axis_name="i")(grads)
   with pytest.raises(ValueError, match="stateless codecs"):
     dq.simulate(grads, codec=MX(element="e2m1"), schedule="hierarchical", mesh_shape=(2, 4))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (8, 1), (1, 8)])
+def test_interleaved_shares_reassemble_exactly(grads, mesh_shape):
+  # a length that is no multiple of 256 * fast: shares are padded, then cut back
+  g = grads[:, : D - 100]
+  out = np.asarray(dq.simulate(g, codec=F32(), schedule="hierarchical", mesh_shape=mesh_shape))
+  np.testing.assert_allclose(out[0], g.astype(np.float64).mean(0), rtol=0, atol=1e-6)
+  assert out.shape == g.shape and (out == out[0]).all()
+
+
+def test_layered_gradients_keep_the_error_class(grads):
+  """A model's layers lie contiguously: here the first 3/4 of the vector are exact zeros
+  (like the embedding rows of absent tokens) and the rest dense. Contiguous fast-axis
+  shares would give three ranks only zeros and one only the dense part, whose static
+  class capacities (fitted to a mix) then send a third of it at 2 bits; interleaved
+  shares see the whole mix. Measured: flat / hierarchical = 2.38 interleaved, 1.29
+  contiguous (2.63 on the unlayered data)."""
+  g = grads.copy()
+  g[:, : 3 * D // 4] = 0.0
+  codec = DynamiQ(bits=5.0)
+  flat = vnmse(np.asarray(dq.simulate(g, codec=codec))[0], g)
+  hier = vnmse(np.asarray(dq.simulate(g, codec=codec, schedule="hierarchical",
+                                      mesh_shape=(2, 4)))[0], g)
+  assert hier < flat / 2
