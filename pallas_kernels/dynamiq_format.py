@@ -508,15 +508,17 @@ def materialize(value):
   """``value``, stored to memory before any consumer reads it (XLA:CPU).
 
   XLA fuses a producer into every consumer that it judges cheap to
-  recompute. For an encode that puts its whole input computation (a ring
+  recompute. For the encode that means its whole input computation (a ring
   hop's decode: byte unpacking, level lookup, scale; or the gather that
-  sorts super-groups into width classes) inside the encode loop, where it
-  is evaluated once per use and the merged loop no longer vectorises.
-  ``jax.lax.optimization_barrier`` does not prevent this on XLA:CPU (it is
-  expanded away before fusion); a while loop's body is its own computation,
-  so a loop that runs exactly once, from a start that XLA cannot fold to a
-  constant (derived from the data), stores its result. Identity on values,
-  so bit-exactness is unaffected whatever a compiler does with it.
+  sorts super-groups into width classes) lands inside the encode loop,
+  where it is evaluated once per use and the merged loop no longer
+  vectorises. ``jax.lax.optimization_barrier`` does not prevent this on
+  XLA:CPU (it is expanded away before fusion); a while loop's body is its
+  own computation, so a loop that runs exactly once, from a start that XLA
+  cannot fold to a constant (derived from the data), stores its result.
+  Identity on values, so bit-exactness is unaffected whatever a compiler
+  does with it. Only the XLA reference uses it; on GPU the Pallas kernels
+  run by default and keep such values in registers.
   """
   if value.size == 0:
     return value
