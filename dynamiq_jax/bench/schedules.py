@@ -1,6 +1,6 @@
 """vNMSE of each schedule at n = 8: ring, butterfly and the two-level hierarchy.
 
-    python -m dynamiq_jax.bench.schedules            # ~10 min on 2 cores (+ the LM capture)
+    python -m dynamiq_jax.bench.schedules            # ~4 min on 2 cores, 8 with the LM capture
     python -m dynamiq_jax.bench.schedules --tiny     # smoke test (CI)
 
 The same codec through different schedules, on the same data as
@@ -92,10 +92,9 @@ def main(argv=None):
     if ds in ("iid", "heavy") and mesh_shape is None and args.d == 1 << 20:
       ref = REFERENCE.get((ds, N, f"{ref_name} ({schedule})"))
       authors = None if ref is None else ref[0]
-    axis = ("slow", "fast") if mesh_shape else "data"
     stats = dq.wire_stats(g[0], codec=codec, n=N) if mesh_shape is None else None
     rows.append(dict(row, vnmse=v, authors=authors,
-                     compressed_axis=axis[0] if mesh_shape else axis,
+                     compressed_axis="slow" if mesh_shape else "data",
                      bits_per_coord=stats.bits_per_coord if stats else None))
 
   _print(rows, list(data))
