@@ -77,11 +77,18 @@ def test_bad_hierarchical_inputs(grads):
     dq.simulate(grads, codec=MX(element="e2m1"), schedule="hierarchical", mesh_shape=(2, 4))
 
 
+class _F32Blocks(F32):
+  """Lossless, but with DynamiQ's granularity: shares interleave whole 256-blocks."""
+
+  granularity = 256
+
+
+@pytest.mark.parametrize("codec", [F32(), _F32Blocks()], ids=["unit1", "unit256"])
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (8, 1), (1, 8)])
-def test_interleaved_shares_reassemble_exactly(grads, mesh_shape):
+def test_interleaved_shares_reassemble_exactly(grads, mesh_shape, codec):
   # a length that is no multiple of 256 * fast: shares are padded, then cut back
   g = grads[:, : D - 100]
-  out = np.asarray(dq.simulate(g, codec=F32(), schedule="hierarchical", mesh_shape=mesh_shape))
+  out = np.asarray(dq.simulate(g, codec=codec, schedule="hierarchical", mesh_shape=mesh_shape))
   np.testing.assert_allclose(out[0], g.astype(np.float64).mean(0), rtol=0, atol=1e-6)
   assert out.shape == g.shape and (out == out[0]).all()
 

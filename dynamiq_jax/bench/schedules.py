@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 
-import numpy as np
-
 from dynamiq_jax.bench.vnmse import N, lm_gradients, measure
 
 __all__ = ["main", "SCHEDULES"]
