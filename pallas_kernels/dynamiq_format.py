@@ -31,7 +31,9 @@ Format (one *super-group* = 256 consecutive coordinates, one code width
 * Element rounding is unbiased in the *value* domain: ``t = |x| / scale`` is
   rounded to one of its two bracketing levels with probability proportional
   to the distance (the paper and the authors' simulator; their CUDA kernel's
-  log-domain rounding is biased and not used). The uniform draw comes from
+  log-domain rounding is biased and not used), in the *signed* lattice:
+  the value goes to the level above (towards +inf) iff ``u < p``, so a
+  negative value is rounded by ``1 - u`` in magnitude. The uniform draw comes from
   :mod:`pallas_kernels.rng`; with ``strata = n > 1`` it is the correlated
   (stratified) draw ``u = (pi(rank) + gamma) / q`` with the permutation
   ``pi`` shared by all ranks for the coordinate and ``gamma`` private
@@ -388,10 +390,18 @@ def encode_block(x, fmt: Format, *, lookup, idx, keys, rank, strata: int, store=
   else:
     scale = s = _scales_flat(a, fmt)
     k = None
+  q = rng.strata_count(strata)
   u = _uniforms(idx, keys, rank, strata)
+  # Signed-domain rounding: "up" means towards +inf whatever the sign, so a
+  # negative value rounds away from zero iff q - u < p q. Each quantisation
+  # is unbiased either way; with stratified draws, only the signed rule keeps
+  # the hops' errors negatively correlated when a coordinate's partial sums
+  # change sign along the path (ring vNMSE: 0.61x of independent rounding
+  # instead of 0.76x on the spec's iid data, as in the authors' simulator).
+  u = jnp.where(x < 0, np.float32(q) - u, u)
   if store is not None and fmt.bits < 8:
     u = store(u)
-  lvl = _round_levels(a, s[..., None, None], fmt, lookup, u, rng.strata_count(strata))
+  lvl = _round_levels(a, s[..., None, None], fmt, lookup, u, q)
   r = fmt.top
   codes = jnp.where(x < 0, r - lvl, r + lvl).astype(jnp.uint32)
   shifts = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 3) * np.uint32(fmt.bits)

@@ -191,7 +191,7 @@ class TestAccuracy:
     y, ref = self._many_keys(DynamiQ(bits=5))
     mse = np.mean(np.sum((y - ref) ** 2, 1))
     bias2 = np.sum((y.mean(0) - ref) ** 2)
-    assert bias2 < 0.02 * mse, bias2 / mse  # measured 0.6%
+    assert bias2 < 0.02 * mse, bias2 / mse  # measured 0.7%
     # no shrinkage or growth of the gradient as a whole
     assert abs(np.dot(y.mean(0) - ref, ref) / np.dot(ref, ref)) < 2e-4
     y_ind, _ = self._many_keys(DynamiQ(bits=5, correlated=False), draws=256)
