@@ -83,6 +83,33 @@ def test_train_tiny(tmp_path):
     saved = json.load(f)
   assert saved["examples"].keys() == report["examples"].keys()
   assert all(e["command"] == saved["command"] for e in saved["examples"].values())
+  # BF16 alone again: its runs are bit-identical, so DynamiQ's earlier row is kept, as measured
+  again = train.main(["--tiny", "--examples", "digits", "--codecs", "BF16 psum",
+                      "--out", str(tmp_path)])["examples"]["digits"]["codecs"]
+  first = report["examples"]["digits"]["codecs"]
+  assert list(again) == ["BF16 psum", "DynamiQ 5b"]
+  assert again["BF16 psum"]["state_sha256"] == first["BF16 psum"]["state_sha256"]
+  for key in ("quality", "steps_to_target", "state_sha256", "bytes_per_rank_per_step"):
+    assert again["DynamiQ 5b"][key] == first["DynamiQ 5b"][key], key
+  assert again["DynamiQ 5b"]["measured_by"] == first["DynamiQ 5b"]["measured_by"]
+  assert again["BF16 psum"]["measured_by"]["date"] >= first["DynamiQ 5b"]["measured_by"]["date"]
+
+
+def test_train_drops_earlier_codecs_when_bf16_differs():
+  from dynamiq_jax.bench import train
+  args = train._parse(["--codecs", "BF16 psum", "--seeds", "0"])
+  curve = {"seed": 0, "train_loss": [1.0, 0.5], "evals": []}
+  entry = lambda sha: {"quality": [0.9], "curves": [curve], "median_step_time_s": [0.1],
+                       "bits_per_coord": 8.5, "bytes_per_rank_per_step": 10, "options_used": [{}],
+                       "state_sha256": [sha], "reducer": "mxfp8", "bits_option": None,
+                       "overrides": {}}
+  earlier = {"metric": "test_accuracy", "steps": 2, "command": "old", "machine": {},
+             "codecs": {"BF16 psum": entry("aaa"), "MXFP8": entry("bbb")}}
+  runs = {("digits", "BF16 psum", 0): {"state_sha256": "aaa", "train_loss": [1.0, 0.4]}}
+  kept = train._reuse_earlier("digits", earlier, args, dict(runs))
+  assert [c[0] for c, _ in kept] == ["MXFP8"] and kept[0][1]["command"] == "old"
+  runs[("digits", "BF16 psum", 0)]["state_sha256"] = "ccc"  # BF16 changed: targets would not match
+  assert train._reuse_earlier("digits", earlier, args, dict(runs)) == []
 
 
 def test_train_keeps_examples_measured_earlier(tmp_path):

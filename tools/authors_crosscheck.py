@@ -20,7 +20,8 @@ synthetic data:
   ``agg_chunk_size=16``, ``quantization_levels=120``, ``seed=63``), on one
   bucket holding the whole flat gradient, cast to bf16 as their models are.
 * Rounds 0 and 1 are the artifact's uncompressed warm-up and round 2 its
-  first compressed round. We report the mean of: DynamiQ, rounds 3-5 (round
+  first compressed round. We report the mean of: DynamiQ (with correlated
+  rounding, or ``dynamiq-independent`` without), rounds 3-5 (round
   2 sends everything at 8 bits while it searches its offset u); MXFP8,
   rounds 2-3; OmniReduce, rounds 18-21 (its k settles over about 15).
 * vNMSE = ||mean_hat - mean||^2 / ||mean||^2 against the float64 mean of the
@@ -51,6 +52,7 @@ import numpy as np
 
 METHODS = {
     "dynamiq": "dynamiQ_mee_5bit_dynamic_bitrate_hierarchical_correlated",
+    "dynamiq-independent": "dynamiQ_mee_5bit_dynamic_bitrate_hierarchical",
     "mxfp8": "MXfp8",
     "omnireduce": "omnireduce",
 }
@@ -161,7 +163,8 @@ def main(argv=None):
   import torch.multiprocessing as mp
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--artifact", required=True, help="checkout of CharlesHan24/DynamiQ")
-  p.add_argument("--grads", required=True, help="a gradient cache .npz of bench.vnmse")
+  p.add_argument("--grads", required=True,
+                 help="a gradient cache .npz of bench.vnmse, or one [n, d] .npy (step 0)")
   p.add_argument("--tag", required=True, help="name of these gradients in the output")
   p.add_argument("--steps", type=int, nargs="*", help="steps to run (default: all in the file)")
   p.add_argument("--workers", type=int, default=8)
@@ -169,12 +172,17 @@ def main(argv=None):
   p.add_argument("--out", required=True, help="JSON file; new results are merged into it")
   a = p.parse_args(argv)
 
-  with np.load(os.path.expanduser(a.grads)) as z:
-    steps = sorted(int(k[5:]) for k in z.files if k.startswith("step_"))
-    steps = [s for s in steps if a.steps is None or s in a.steps]
-    if not steps:
-      raise SystemExit(f"--steps {a.steps} not in {a.grads}")
-    snaps = {s: z[f"step_{s}"][:a.workers].astype(np.float32) for s in steps}
+  path = os.path.expanduser(a.grads)
+  if path.endswith(".npy"):  # one [n, d] array, e.g. from the spec's paper_model_data.py
+    snaps = {0: np.load(path)[:a.workers].astype(np.float32)}
+    steps = [0]
+  else:
+    with np.load(path) as z:
+      steps = sorted(int(k[5:]) for k in z.files if k.startswith("step_"))
+      steps = [s for s in steps if a.steps is None or s in a.steps]
+      if not steps:
+        raise SystemExit(f"--steps {a.steps} not in {a.grads}")
+      snaps = {s: z[f"step_{s}"][:a.workers].astype(np.float32) for s in steps}
   n, d = next(iter(snaps.values())).shape
   if n < a.workers:
     raise SystemExit(f"{a.grads} holds {n} workers, fewer than --workers {a.workers}")
@@ -190,12 +198,12 @@ def main(argv=None):
       path = os.path.join(tmp, f"step_{s}.npy")
       np.save(path, snaps[s])
       for m in a.methods:
-        rounds = {"dynamiq": 6, "mxfp8": 4, "omnireduce": 22}[m]
+        rounds = {"mxfp8": 4, "omnireduce": 22}.get(m, 6)
         out = os.path.join(tmp, "out.json")
         mp.spawn(_worker, args=(n, root, path, METHODS[m], rounds, _free_port(), out), nprocs=n)
         with open(out) as f:
           rows = json.load(f)
-        keep = rows[{"dynamiq": 3, "mxfp8": 2, "omnireduce": -4}[m]:]
+        keep = rows[{"mxfp8": 2, "omnireduce": -4}.get(m, 3):]
         row = dict(tag=a.tag, step=s, method=m, aggregation_method=METHODS[m], workers=n, d=d,
                    vnmse=float(np.mean([r["vnmse"] for r in keep])),
                    rounds=[r["vnmse"] for r in rows],

@@ -31,7 +31,11 @@ Time-to-accuracy, with the model printed beside the table:
 
 Writes ``docs/results/train.json`` and ``train_<example>.png`` (loss curves).
 Examples already in ``train.json`` and not run again are kept, each with the
-command and machine that measured it.
+command and machine that measured it. Within an example run again, codecs of
+the earlier run that ``--codecs`` leaves out are kept too when the new BF16
+runs are bit-identical to the earlier ones (so a changed codec can be
+re-measured alone); every codec row records the command and commit that
+measured it (``measured_by``).
 """
 
 from __future__ import annotations
@@ -185,11 +189,21 @@ def main(argv=None):
           runs[(example, label, seed)] = train.train_and_evaluate(
               config_lib.get_config(**overrides))
           bar.update()
-      report["examples"][example] = {
-          **_summarise(example, args, runs), "command": report["command"],
-          "machine": report["machine"], "model": report["model"]}
+      measured_by = {"command": report["command"], "git_commit": report["machine"]["git_commit"],
+                     "date": report["machine"]["date"]}
+      codecs, provenance = list(args.codecs), {c[0]: measured_by for c in args.codecs}
+      for codec, origin in _reuse_earlier(example, report["examples"].get(example), args, runs):
+        codecs.append(codec)
+        provenance[codec[0]] = origin
+      order = [c[0] for c in CODECS]
+      codecs.sort(key=lambda c: order.index(c[0]))
+      summary = _summarise(example, args, runs, codecs)
+      for label, entry in summary["codecs"].items():
+        entry["measured_by"] = provenance[label]
+      report["examples"][example] = {**summary, "command": report["command"],
+                                     "machine": report["machine"], "model": report["model"]}
       _print(example, report["examples"][example], args, report["model"])
-      _plot(example, args, runs, out_dir)
+      _plot(example, args, runs, out_dir, codecs)
       common.write_json(path, report)
   print(f"\nwrote {path}\nmachine: {report['machine']['platform']}, "
         f"{report['machine']['device_count']} {report['machine']['backend']} devices; "
@@ -212,7 +226,55 @@ def _earlier_examples(path: str) -> dict:
   return examples
 
 
-def _summarise(example, args, runs) -> dict:
+def _reuse_earlier(example, earlier, args, runs):
+  """Codecs of an earlier run of ``example`` that this run did not repeat, if still valid.
+
+  They are kept only when this run's BF16 runs are bit-identical to the
+  earlier ones (same seeds, steps and final-state hashes): then the targets
+  and data order are the same, and each kept codec's stored per-seed curves,
+  quality, bytes and step times give its row exactly as if it had been run
+  again (its time-to-accuracy is recomputed with this run's BF16 step
+  times). Adds their per-seed records to ``runs``; returns ``[(codec tuple,
+  measured_by)]``.
+  """
+  if not earlier or "BF16 psum" not in earlier.get("codecs", {}):
+    return []
+  ran = {c[0] for c in args.codecs}
+  left = [label for label in earlier["codecs"] if label not in ran]
+  if not left:
+    return []
+  old = earlier["codecs"]["BF16 psum"]
+  new_sha = [runs[(example, "BF16 psum", s)]["state_sha256"] for s in args.seeds]
+  new_steps = len(runs[(example, "BF16 psum", args.seeds[0])]["train_loss"])
+  if ([c["seed"] for c in old["curves"]] != list(args.seeds) or earlier.get("steps") != new_steps
+      or old.get("state_sha256") != new_sha):
+    print(f"{example}: dropping the earlier results of {', '.join(left)}: this run's BF16 "
+          "runs differ from theirs (seeds, steps or final state), so their targets would not "
+          "match; run them again with --codecs")
+    return []
+  known = {c[0] for c in CODECS}
+  origin_default = {"command": earlier.get("command"),
+                    "git_commit": (earlier.get("machine") or {}).get("git_commit"),
+                    "date": (earlier.get("machine") or {}).get("date")}
+  kept = []
+  for label in left:
+    if label not in known:
+      continue
+    c = earlier["codecs"][label]
+    for i, seed in enumerate(args.seeds):
+      runs[(example, label, seed)] = {
+          "final": {earlier["metric"]: c["quality"][i]},
+          "train_loss": c["curves"][i]["train_loss"], "evals": c["curves"][i]["evals"],
+          "timing": {"median_step_time_s": c["median_step_time_s"][i]},
+          "wire": {"bits_per_coord": c["bits_per_coord"],
+                   "bytes_per_rank_per_step": c["bytes_per_rank_per_step"]},
+          "reducer": {"options": c["options_used"][i]}, "state_sha256": c["state_sha256"][i]}
+    kept.append(((label, c["reducer"], c["bits_option"], c["overrides"]),
+                 c.get("measured_by") or origin_default))
+  return kept
+
+
+def _summarise(example, args, runs, codecs) -> dict:
   _, metric, higher, _ = EXAMPLES[example]
   bf16 = [runs[(example, "BF16 psum", s)] for s in args.seeds]
   steps = len(bf16[0]["train_loss"])
@@ -224,7 +286,7 @@ def _summarise(example, args, runs) -> dict:
   out = {"metric": metric, "higher_is_better": higher, "steps": steps,
          "target_loss": float(np.mean(targets)), "target_loss_per_seed": targets,
          "target_step_bf16": at, "codecs": {}}
-  for label, name, bits, extra in args.codecs:
+  for label, name, bits, extra in codecs:
     ms = [runs[(example, label, s)] for s in args.seeds]
     quality = [m["final"][metric] for m in ms]
     q_mean, q_std = _mean_std(quality)
@@ -287,14 +349,14 @@ def _print(example, summary, args, model):
     print(row)
 
 
-def _plot(example, args, runs, out_dir):
+def _plot(example, args, runs, out_dir, codecs):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   _, metric, _, _ = EXAMPLES[example]
   fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-  for label, *_ in args.codecs:
+  for label, *_ in codecs:
     ms = [runs[(example, label, s)] for s in args.seeds]
     curves = np.stack([smooth(m["train_loss"], args.smooth) for m in ms])
     ax.plot(np.arange(1, curves.shape[1] + 1), curves.mean(0), label=label)
