@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from dynamiq_jax.bench import kernels, schedules, vnmse
 
 
@@ -30,6 +32,16 @@ def test_vnmse_tiny(tmp_path):
     os.remove(os.path.join(tmp_path, png))
   assert vnmse.main(["--render", path]) == saved  # redraws without measuring
   assert all(os.path.exists(os.path.join(tmp_path, png)) for png in pngs)
+  # --resume measures only what an interrupted run lacks, and refuses a finished run
+  with pytest.raises(SystemExit, match="finished run"):
+    vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", "", "--resume"])
+  cut = dict(saved, complete=False, results=saved["results"][:-1], scaling=saved["scaling"][:-1])
+  with open(path, "w") as f:
+    json.dump(cut, f)
+  results2, scaling2 = vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", "", "--resume"])
+  assert results2[:-1] == cut["results"] and scaling2[:-1] == cut["scaling"]
+  assert results2[-1]["vnmse"] == results[-1]["vnmse"]  # the same point, measured again
+  assert scaling2[-1]["vnmse"] == scaling[-1]["vnmse"]
 
 
 def test_schedules_tiny(tmp_path):

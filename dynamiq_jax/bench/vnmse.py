@@ -28,6 +28,7 @@ authors did. Writes ``docs/results/vnmse.json`` and ``vnmse_*.png``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import numpy as np
@@ -53,6 +54,9 @@ def _parse(argv):
   p.add_argument("--no-real", action="store_true", help="skip the LM gradients")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
   p.add_argument("--out", default=None, help="results directory (default docs/results)")
+  p.add_argument("--resume", action="store_true",
+                 help="continue an interrupted run: keep the points of the results JSON "
+                 "(complete: false) measured with the same settings and measure the rest")
   p.add_argument("--render", metavar="JSON", default=None,
                  help="measure nothing: print the tables of an earlier run's JSON and draw its "
                  "plots beside it")
@@ -234,6 +238,21 @@ def main(argv=None):
   suffix = "_tiny" if args.tiny else ""
   path = os.path.join(out, f"vnmse{suffix}.json")
   results, scaling = [], []
+  settings = {"n": n, "d": args.d, "rounding_seeds": args.seeds, "stateful_rounds": args.rounds,
+              "scaling_rounds": args.scaling_rounds, "scaling_cells": args.scaling_cells}
+  resumed_from = None
+  if args.resume:
+    with open(path) as f:
+      earlier = json.load(f)
+    if earlier.get("complete", True):
+      raise SystemExit(f"--resume: {path} is from a finished run; nothing to resume")
+    if {k: earlier.get(k) for k in settings} != settings:
+      raise SystemExit(f"--resume: {path} was measured with "
+                       f"{ {k: earlier.get(k) for k in settings} }, not {settings}")
+    results, scaling = earlier["results"], earlier["scaling"]
+    resumed_from = {"command": earlier["command"], "git_commit": earlier["machine"]["git_commit"]}
+  done = {(r["table"], r["codec"], r["dataset"], r["step_or_seed"], r["schedule"]) for r in results}
+  done_scaling = {(r["dataset"], r["codec"], r["n"]) for r in scaling}
 
   # What decides how the codecs compare on a dataset: how much of it is exactly zero
   # (embedding rows of tokens absent from a micro-batch), and how far the workers'
@@ -248,10 +267,10 @@ def main(argv=None):
     """Writes what is measured so far: an interrupted run keeps its finished tables."""
     return common.write_json(path, {
         "command": common.command_line(), "machine": common.machine(), "complete": complete,
-        "n": n, "d": args.d, "rounding_seeds": args.seeds, "stateful_rounds": args.rounds,
-        "scaling_rounds": args.scaling_rounds, "scaling_cells": args.scaling_cells,
+        "resumed_from": resumed_from, **settings,
         "lm": info, "dataset_stats": stats, "results": results, "scaling": scaling})
 
+  jobs = [j for j in jobs if (j[0], j[1], j[3][0], j[3][1], j[4]) not in done]
   for table, name, codec, ds, schedule, key in tqdm(jobs, desc="vNMSE"):
     g = data[ds]
     v = measure(codec, g, schedule=schedule, seeds=args.seeds, rounds=args.rounds)
@@ -282,6 +301,7 @@ def main(argv=None):
   scale_jobs = [("iid", k, c) for k in sizes_syn for c in scale_codecs]
   if scaling_real is not None:
     scale_jobs += [("lm-word", k, c) for k in sizes_real for c in scale_codecs]
+  scale_jobs = [j for j in scale_jobs if (j[0], j[2][0], j[1]) not in done_scaling]
   for ds, k, (name, codec, _, _) in tqdm(scale_jobs, desc="vNMSE vs n"):
     g = syn[d_syn[k]][:k] if ds == "iid" else scaling_real[:k]
     try:
