@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynamiq_jax.codecs.base import AxisContext
+from dynamiq_jax.codecs.base import AxisContext, is_stateful
 from dynamiq_jax.schedules.executor import execute
 from dynamiq_jax.schedules.plan import get_plan
 from pallas_kernels import rng
@@ -326,8 +326,7 @@ def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, i
         f"schedule='hierarchical' needs axis_name=(slow, fast), e.g. ('host', 'local') for a "
         f"2-axis mesh; got axis_name={axis_name!r}. Fix: pass both mesh axes, slow first, or "
         f"use schedule='ring' for one axis")
-  if return_own or codec_state is not None or (
-      getattr(codec, "init_state", None) is not None and codec.init_state(1, 2) is not None):
+  if return_own or codec_state is not None or is_stateful(codec):
     raise ValueError(
         f"schedule='hierarchical' supports stateless codecs without error feedback; "
         f"{codec!r} keeps state (or error feedback was asked for). Fix: use a flat schedule "

@@ -32,6 +32,7 @@ import dynamiq_jax as dq  # noqa: E402
 from dynamiq_jax import codecs as C  # noqa: E402
 from dynamiq_jax.bench import lm  # noqa: E402
 from dynamiq_jax.bench import vnmse as bench_vnmse  # noqa: E402
+from dynamiq_jax.codecs.base import is_stateful  # noqa: E402
 
 
 def main():
@@ -53,7 +54,7 @@ def main():
   }
   print(f"byte-LM step 300, ring, n = {g.shape[0]}, d = {g.shape[1]}")
   for name, codec in codecs.items():
-    stateful = codec.init_state(1, 2) is not None if hasattr(codec, "init_state") else False
+    stateful = is_stateful(codec)
     state, outs = None, []
     for r in range(12 if stateful else 2):
       out = dq.simulate(gp, codec=codec, seed=r, codec_state=state, return_state=stateful)

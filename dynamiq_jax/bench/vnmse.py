@@ -98,7 +98,8 @@ def measure(codec, g, *, schedule="ring", seeds=2, rounds=60, mesh_shape=None):
   """
   import dynamiq_jax as dq
   from dynamiq_jax.bench.reference import vnmse
-  stateful = getattr(codec, "init_state", None) is not None and codec.init_state(1, 2) is not None
+  from dynamiq_jax.codecs.base import is_stateful
+  stateful = is_stateful(codec)
   vals, state = [], None
   for r in range(rounds if stateful else seeds):
     out = dq.simulate(g, codec=codec, schedule=schedule, seed=r, codec_state=state,

@@ -38,7 +38,8 @@ from typing import Any, Callable, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-__all__ = ["AxisContext", "HopOps", "Prepared", "Codec", "Runner", "simple_ops", "cast_ops"]
+__all__ = ["AxisContext", "HopOps", "Prepared", "Codec", "Runner", "simple_ops", "cast_ops",
+           "is_stateful"]
 
 PyTree = Any
 
@@ -112,6 +113,13 @@ class Codec(Protocol):
               key_words: tuple[jax.Array, jax.Array], bucket: int,
               implementation: str | None = None, state: PyTree = None) -> Prepared:
     ...
+
+
+def is_stateful(codec) -> bool:
+  """Whether ``codec`` carries state from one all-reduce to the next (MX's adaptive
+  scale, OmniReduce's k): it then defines ``init_state`` and it returns a state."""
+  init = getattr(codec, "init_state", None)
+  return init is not None and init(1, 2) is not None
 
 
 def simple_ops(encode, decode) -> HopOps:
