@@ -54,6 +54,9 @@ def _parse(argv):
   p.add_argument("--no-real", action="store_true", help="skip the LM gradients")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
   p.add_argument("--out", default=None, help="results directory (default docs/results)")
+  p.add_argument("--scaling-codecs", default=None,
+                 help="comma-separated codec labels: measure the scaling with n for these only "
+                 "(default: all; the run then stays complete: false)")
   p.add_argument("--resume", action="store_true",
                  help="continue an interrupted run: keep the points of the results JSON "
                  "(complete: false) measured with the same settings and measure the rest")
@@ -303,6 +306,15 @@ def main(argv=None):
   if scaling_real is not None:
     scale_jobs += [("lm-word", k, c) for k in sizes_real for c in scale_codecs]
   scale_jobs = [j for j in scale_jobs if (j[0], j[2][0], j[1]) not in done_scaling]
+  partial = False
+  if args.scaling_codecs is not None:
+    wanted = {c.strip() for c in args.scaling_codecs.split(",") if c.strip()}
+    unknown = wanted - {c[0] for c in scale_codecs}
+    if unknown:
+      raise SystemExit(f"--scaling-codecs: unknown {sorted(unknown)}; choose from "
+                       f"{[c[0] for c in scale_codecs]}")
+    partial = any(j[2][0] not in wanted for j in scale_jobs)
+    scale_jobs = [j for j in scale_jobs if j[2][0] in wanted]
   for ds, k, (name, codec, _, _) in tqdm(scale_jobs, desc="vNMSE vs n"):
     g = syn[d_syn[k]][:k] if ds == "iid" else scaling_real[:k]
     try:
@@ -318,7 +330,7 @@ def main(argv=None):
     save(False)
 
   _print(results, scaling, n, args, info, stats)
-  save(True)
+  save(not partial)
   _plot(results, scaling, out, suffix)
   print(f"wrote {path}")
   return results, scaling
