@@ -38,10 +38,17 @@ def test_vnmse_tiny(tmp_path):
   cut = dict(saved, complete=False, results=saved["results"][:-1], scaling=saved["scaling"][:-1])
   with open(path, "w") as f:
     json.dump(cut, f)
-  results2, scaling2 = vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", "", "--resume"])
-  assert results2[:-1] == cut["results"] and scaling2[:-1] == cut["scaling"]
+  assert scaling[-1]["codec"] != "DynamiQ 5b"
+  results2, scaling2 = vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", "", "--resume",
+                                   "--scaling-codecs", "DynamiQ 5b"])
+  assert results2[:-1] == cut["results"] and scaling2 == cut["scaling"]  # not a DynamiQ point
   assert results2[-1]["vnmse"] == results[-1]["vnmse"]  # the same point, measured again
-  assert scaling2[-1]["vnmse"] == scaling[-1]["vnmse"]
+  with open(path) as f:
+    assert json.load(f)["complete"] is False
+  _, scaling3 = vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", "", "--resume"])
+  assert scaling3[:-1] == cut["scaling"] and scaling3[-1]["vnmse"] == scaling[-1]["vnmse"]
+  with open(path) as f:
+    assert json.load(f)["complete"] is True
 
 
 def test_schedules_tiny(tmp_path):
