@@ -18,7 +18,8 @@ We use each width's *measured* ``c_w`` instead
 model says 2 bits are 16x worse than 4, but the ternary 2-bit quantiser is
 54x worse (0.70 vs 0.013), so the paper's model sends too many super-groups
 to 2 bits. On the reference synthetic data (iid, n = 8, ring, 5.1 bits) this
-lowers vNMSE from 3.4e-3 to about 2.3e-3 (docs/results/, bench.vnmse).
+lowered vNMSE from 3.4e-3 to about 2.3e-3 (measured before DynamiQ's rounding
+became signed; 1.8e-3 since: docs/results/vnmse.json, table 1).
 
 Applied *offline* to a distribution of ``log F`` the rule yields the class
 fractions:
