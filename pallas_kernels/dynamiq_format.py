@@ -397,7 +397,7 @@ def encode_block(x, fmt: Format, *, lookup, idx, keys, rank, strata: int, store=
   # is unbiased either way; with stratified draws, only the signed rule keeps
   # the hops' errors negatively correlated when a coordinate's partial sums
   # change sign along the path (ring vNMSE: 0.61x of independent rounding
-  # instead of 0.76x on the spec's iid data, as in the authors' simulator).
+  # instead of 0.79x on the spec's iid data, as in the authors' simulator).
   u = jnp.where(x < 0, np.float32(q) - u, u)
   if store is not None and fmt.bits < 8:
     u = store(u)

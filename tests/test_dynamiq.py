@@ -159,7 +159,9 @@ class TestAccuracy:
   def test_correlated_rounding_beats_independent(self, dataset):
     corr = _vnmse(DynamiQ(bits=5.0), dataset, 0)
     ind = _vnmse(DynamiQ(bits=5.0, correlated=False), dataset, 0)
-    assert corr < 0.9 * ind, (corr, ind)
+    # signed-lattice rounding: 0.61x (iid) and 0.63x (heavy); rounding magnitudes
+    # with the same draws gave 0.79x and 0.70x (the authors' simulator: 0.61x on iid)
+    assert corr < 0.68 * ind, (corr, ind)
 
   @staticmethod
   def _many_keys(codec, draws=1024):
