@@ -119,7 +119,7 @@ class DynamiQ:
       stratified while each hop's input depends on the earlier roundings, so
       the all-reduce carries a small bias: measured on the synthetic
       gradients, bias^2 is 0.7% of the MSE (none along the gradient
-      direction) while the MSE is 30-39% lower. Use ``correlated=False``
+      direction) while the MSE is 29-39% lower. Use ``correlated=False``
       where exact unbiasedness matters more than variance.
     centre: subtract each super-group's mean before quantising and add the
       all-reduced means back (the paper's step 2). ``False`` quantises the
