@@ -82,6 +82,14 @@ def test_kernels_tiny(tmp_path):
   assert saved["backend_lowering"]["triton"] == "lowers"
 
 
+def test_vnmse_rejects_bad_options_before_measuring(tmp_path):
+  with pytest.raises(SystemExit, match="no .* to continue"):
+    vnmse.main(["--tiny", "--out", str(tmp_path), "--resume"])
+  with pytest.raises(SystemExit, match="unknown \\['DynamiQ 9b'\\]"):
+    vnmse.main(["--tiny", "--out", str(tmp_path), "--scaling-codecs", "DynamiQ 9b"])
+  assert os.listdir(tmp_path) == []
+
+
 def test_train_tiny(tmp_path):
   import pathlib
   import sys

@@ -92,6 +92,9 @@ def lm_gradients(cache: str | None, tiny: bool = False):
   return grads, info, steps
 
 
+_NOT_SCALED = ("MXFP8 OCP-E8M0", "THC 120")  # codecs left out of the scaling with n
+
+
 def measure(codec, g, *, schedule="ring", seeds=2, rounds=60, mesh_shape=None):
   """vNMSE of ``codec`` on the workers' gradients ``g`` [n, d], through ``simulate``.
 
@@ -174,6 +177,18 @@ def main(argv=None):
   from dynamiq_jax.codecs.dynamiq import SUPERGROUP
   from tqdm.auto import tqdm
 
+  wanted = None  # --scaling-codecs, checked before anything is measured
+  if args.scaling_codecs is not None:
+    wanted = {c.strip() for c in args.scaling_codecs.split(",") if c.strip()}
+    known = [c[0] for c in codec_table() if c[0] not in _NOT_SCALED]
+    if not wanted or wanted - set(known):
+      raise SystemExit(f"--scaling-codecs {args.scaling_codecs!r}: unknown "
+                       f"{sorted(wanted - set(known))}; choose from {known}")
+  out = common.results_dir(args.out)
+  suffix = "_tiny" if args.tiny else ""
+  path = os.path.join(out, f"vnmse{suffix}.json")
+  if args.resume and not os.path.exists(path):
+    raise SystemExit(f"--resume: there is no {path} to continue; run without --resume")
   n = N
   if args.tiny:
     args.d, args.seeds, args.rounds, args.max_n = 1 << 14, 1, 2, 4
@@ -238,9 +253,6 @@ def main(argv=None):
         continue
       jobs.append(("table6", name, codec, ds, "ring", None))
 
-  out = common.results_dir(args.out)
-  suffix = "_tiny" if args.tiny else ""
-  path = os.path.join(out, f"vnmse{suffix}.json")
   results, scaling = [], []
   settings = {"n": n, "d": args.d, "rounding_seeds": args.seeds, "stateful_rounds": args.rounds,
               "scaling_rounds": args.scaling_rounds, "scaling_cells": args.scaling_cells}
@@ -288,7 +300,7 @@ def main(argv=None):
     save(False)
 
   # Scaling with n.
-  scale_codecs = [c for c in codec_table() if c[0] not in ("MXFP8 OCP-E8M0", "THC 120")]
+  scale_codecs = [c for c in codec_table() if c[0] not in _NOT_SCALED]
   if args.tiny:
     scale_codecs = [c for c in scale_codecs if c[0] in ("DynamiQ 5b", "MXFP8", "THC 16")]
     sizes_syn, sizes_real = [n], [n]  # the shapes of table 3: its compiled code is reused
@@ -307,12 +319,7 @@ def main(argv=None):
     scale_jobs += [("lm-word", k, c) for k in sizes_real for c in scale_codecs]
   scale_jobs = [j for j in scale_jobs if (j[0], j[2][0], j[1]) not in done_scaling]
   partial = False
-  if args.scaling_codecs is not None:
-    wanted = {c.strip() for c in args.scaling_codecs.split(",") if c.strip()}
-    unknown = wanted - {c[0] for c in scale_codecs}
-    if unknown:
-      raise SystemExit(f"--scaling-codecs: unknown {sorted(unknown)}; choose from "
-                       f"{[c[0] for c in scale_codecs]}")
+  if wanted is not None:
     partial = any(j[2][0] not in wanted for j in scale_jobs)
     scale_jobs = [j for j in scale_jobs if j[2][0] in wanted]
   for ds, k, (name, codec, _, _) in tqdm(scale_jobs, desc="vNMSE vs n"):
