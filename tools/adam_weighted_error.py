@@ -28,11 +28,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-import dynamiq_jax as dq  # noqa: E402
 from dynamiq_jax import codecs as C  # noqa: E402
 from dynamiq_jax.bench import lm  # noqa: E402
 from dynamiq_jax.bench import vnmse as bench_vnmse  # noqa: E402
-from dynamiq_jax.codecs.base import is_stateful  # noqa: E402
 
 
 def main():
@@ -54,14 +52,8 @@ def main():
   }
   print(f"byte-LM step 300, ring, n = {g.shape[0]}, d = {g.shape[1]}")
   for name, codec in codecs.items():
-    stateful = is_stateful(codec)
-    state, outs = None, []
-    for r in range(12 if stateful else 2):
-      out = dq.simulate(gp, codec=codec, seed=r, codec_state=state, return_state=stateful)
-      if stateful:
-        out, state = out
-      outs.append(np.asarray(out)[0].astype(np.float64))
-    e2 = np.mean([(o - mean) ** 2 for o in outs[-2:]], 0)
+    _, outs = bench_vnmse.simulate_rounds(codec, gp, seeds=2, rounds=12)
+    e2 = np.mean([(o.astype(np.float64) - mean) ** 2 for o in outs[-2:]], 0)
     print(f"{name:42s} vNMSE {e2.sum() / (mean ** 2).sum():.3e}   "
           f"Adam-weighted {(e2 * w).sum() / (mean ** 2 * w).sum():.3e}")
 

@@ -189,8 +189,7 @@ def main(argv=None):
           runs[(example, label, seed)] = train.train_and_evaluate(
               config_lib.get_config(**overrides))
           bar.update()
-      measured_by = {"command": report["command"], "git_commit": report["machine"]["git_commit"],
-                     "date": report["machine"]["date"]}
+      measured_by = _origin(report)
       codecs, provenance = list(args.codecs), {c[0]: measured_by for c in args.codecs}
       for codec, origin in _reuse_earlier(example, report["examples"].get(example), args, runs):
         codecs.append(codec)
@@ -226,6 +225,13 @@ def _earlier_examples(path: str) -> dict:
   return examples
 
 
+def _origin(record) -> dict:
+  """``measured_by`` of a report (or example entry): its command, commit and date."""
+  machine = record.get("machine") or {}
+  return {"command": record.get("command"), "git_commit": machine.get("git_commit"),
+          "date": machine.get("date")}
+
+
 def _reuse_earlier(example, earlier, args, runs):
   """Codecs of an earlier run of ``example`` that this run did not repeat, if still valid.
 
@@ -253,9 +259,7 @@ def _reuse_earlier(example, earlier, args, runs):
           "match; run them again with --codecs")
     return []
   known = {c[0] for c in CODECS}
-  origin_default = {"command": earlier.get("command"),
-                    "git_commit": (earlier.get("machine") or {}).get("git_commit"),
-                    "date": (earlier.get("machine") or {}).get("date")}
+  origin_default = _origin(earlier)
   kept = []
   for label in left:
     if label not in known:

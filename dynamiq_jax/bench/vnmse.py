@@ -95,24 +95,37 @@ def lm_gradients(cache: str | None, tiny: bool = False):
 _NOT_SCALED = ("MXFP8 OCP-E8M0", "THC 120")  # codecs left out of the scaling with n
 
 
-def measure(codec, g, *, schedule="ring", seeds=2, rounds=60, mesh_shape=None):
-  """vNMSE of ``codec`` on the workers' gradients ``g`` [n, d], through ``simulate``.
+def simulate_rounds(codec, g, *, schedule="ring", seeds=2, rounds=60, mesh_shape=None):
+  """``(stateful, [rank 0's result of each round])`` of ``codec`` on ``g`` [n, d].
 
-  Stateless codecs: the mean over ``seeds`` rounding seeds. Stateful codecs
+  Stateless codecs: one round per rounding seed (``seeds``). Stateful codecs
   (MX's adaptive scale, OmniReduce's k) run ``rounds`` steps carrying their
-  state; the mean of the last 4.
+  state.
   """
   import dynamiq_jax as dq
-  from dynamiq_jax.bench.reference import vnmse
   from dynamiq_jax.codecs.base import is_stateful
   stateful = is_stateful(codec)
-  vals, state = [], None
+  outs, state = [], None
   for r in range(rounds if stateful else seeds):
     out = dq.simulate(g, codec=codec, schedule=schedule, seed=r, codec_state=state,
                       return_state=stateful, mesh_shape=mesh_shape)
     if stateful:
       out, state = out
-    vals.append(vnmse(np.asarray(out)[0], g))
+    outs.append(np.asarray(out)[0])
+  return stateful, outs
+
+
+def measure(codec, g, *, schedule="ring", seeds=2, rounds=60, mesh_shape=None):
+  """vNMSE of ``codec`` on the workers' gradients ``g`` [n, d], through ``simulate``.
+
+  Stateless codecs: the mean over ``seeds`` rounding seeds. Stateful codecs
+  run ``rounds`` steps carrying their state; the mean of the last 4
+  (:func:`simulate_rounds`).
+  """
+  from dynamiq_jax.bench.reference import vnmse
+  stateful, outs = simulate_rounds(codec, g, schedule=schedule, seeds=seeds, rounds=rounds,
+                                   mesh_shape=mesh_shape)
+  vals = [vnmse(o, g) for o in outs]
   return float(np.mean(vals[-4:])) if stateful else float(np.mean(vals))
 
 
