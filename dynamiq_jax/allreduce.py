@@ -6,7 +6,17 @@ leaves, any shapes), each bucket is all-reduced by the codec on the
 schedule, and the result is cut back into leaves of the original shapes and
 dtypes. Every rank ends with bit-identical values.
 
-All reductions, including the codec's own metadata, run on the library's
+One bucket, in order (:func:`_reduce_bucket`):
+
+1. ``codec.metadata(x)``: this rank's metadata, combined across ranks here
+   (an exact ``pmax``, or a sum on the schedule with the codec the metadata
+   names), so every rank holds the same global metadata;
+2. ``codec.plan(x, metadata)``: the local data cut into n chunks;
+3. :func:`dynamiq_jax.schedules.execute`: the payload pass, calling the
+   codec's hop functions (``encode``, ``decode_add_encode``, ...) at each hop;
+4. ``codec.finish(decoded)``: the flat result and the codec's next state.
+
+All reductions, including the codec's metadata sums, run on the library's
 schedule executor, whose summation order is fixed by the plan; so results do
 not depend on how the backend implements ``psum`` (XLA CPU, NCCL, gloo)
 or on whether the code runs under ``shard_map``, ``pmap`` or ``vmap``.
@@ -14,24 +24,24 @@ or on whether the code runs under ``shard_map``, ``pmap`` or ``vmap``.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynamiq_jax.codecs.base import AxisContext, is_stateful
-from dynamiq_jax.schedules.executor import execute
-from dynamiq_jax.schedules.plan import get_plan
-from pallas_kernels import rng
+from dynamiq_jax.codecs.base import Bucket, Codec, Keys
+from dynamiq_jax.schedules import hierarchical
+from dynamiq_jax.schedules.context import AxisContext, axis_context, axis_names, varying_axes
+from dynamiq_jax.schedules.executor import HopOps, execute
+from dynamiq_jax.schedules.plan import TreePlan, get_plan
 
 __all__ = [
     "allreduce", "AllReduceStats", "wire_stats", "init_codec_state", "DEFAULT_BUCKET_SIZE",
+    "HIERARCHICAL",
 ]
 
-HIERARCHICAL = {"hierarchical": "ring", "hierarchical-butterfly": "butterfly"}
-"""Two-level schedules for ``axis_name=(slow, fast)``, and their slow-axis schedule."""
+HIERARCHICAL = hierarchical.HIERARCHICAL
 
 DEFAULT_BUCKET_SIZE = 1 << 26
 """Coordinates per bucket (256 MiB of float32 staging)."""
@@ -59,34 +69,6 @@ class AllReduceStats(NamedTuple):
   own: Any = None
 
 
-def _varying_axes(x) -> frozenset:
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)
-  if vma is None:
-    mat = getattr(aval, "manual_axis_type", None)
-    vma = getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
-  return frozenset(vma)
-
-
-def _names(axis_name) -> tuple:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def axis_context(axis_name) -> AxisContext:
-  """Resolves ``axis_name`` in the current trace; clear error if unbound."""
-  try:
-    n = jax.lax.axis_size(axis_name)
-    idx = jax.lax.axis_index(axis_name)
-  except NameError:
-    raise ValueError(
-        f"axis_name={axis_name!r} is not bound here. Call this inside "
-        f"jax.shard_map(..., mesh=mesh) whose mesh has that axis, or inside "
-        f"jax.pmap(..., axis_name={axis_name!r}) / jax.vmap(..., axis_name="
-        f"{axis_name!r}); or pass the name your mesh actually uses.") from None
-  checked = set(_names(axis_name)) <= _varying_axes(idx)
-  return AxisContext(axis_name=axis_name, n=int(n), invariant_gather=checked)
-
-
 def _check_leaves(tree):
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   for path, leaf in leaves:
@@ -103,9 +85,9 @@ def _check_leaves(tree):
 def _check_varying(leaves, ctx: AxisContext):
   if not ctx.invariant_gather:
     return
-  want = set(_names(ctx.axis_name))
+  want = set(axis_names(ctx.axis_name))
   for path, leaf in leaves:
-    if not want <= _varying_axes(leaf):
+    if not want <= varying_axes(leaf):
       raise ValueError(
           f"gradient leaf {jax.tree_util.keystr(path) or '<root>'} is not varying "
           f"over axis_name={ctx.axis_name!r}: under jax.shard_map(check_vma=True), "
@@ -115,16 +97,6 @@ def _check_varying(leaves, ctx: AxisContext):
           f"`params = jax.lax.pcast(params, {ctx.axis_name!r}, to='varying')` "
           f"before jax.grad (dynamiq_jax.data_parallel_step does this), or run "
           f"the shard_map with check_vma=False.")
-
-
-def _key_words(key):
-  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-    key = jax.random.key_data(key)
-  if not jnp.issubdtype(key.dtype, jnp.integer):
-    raise TypeError(f"key must be a jax.random key, got dtype {key.dtype}")
-  words = key.reshape(-1).astype(jnp.uint32)
-  return rng.derive_key(*[words[i] for i in range(words.shape[0])])
 
 
 def _flatten(arrays):
@@ -140,8 +112,16 @@ def _unflatten(vec, arrays, treedef, cast: bool = True):
   return jax.tree_util.tree_unflatten(treedef, leaves_out)
 
 
+def _check_codec(codec):
+  if not isinstance(codec, Codec):
+    raise TypeError(
+        f"codec={codec!r} is not a dynamiq_jax codec: pass e.g. codecs.DynamiQ(bits=5), "
+        f"or subclass dynamiq_jax.codecs.Codec (see its docstring for the contract)")
+
+
 def _bucket_bounds(total: int, bucket_size: int, codec):
-  unit = getattr(codec, "granularity", 1)
+  _check_codec(codec)
+  unit = codec.granularity
   if bucket_size < 1 or bucket_size % unit:
     raise ValueError(
         f"{bucket_size=} must be a positive multiple of {unit} for {type(codec).__name__} "
@@ -178,12 +158,11 @@ def init_codec_state(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_S
 
   Its structure and shapes do not depend on ``n``; only its values do.
   """
-  init = getattr(codec, "init_state", None)
+  _check_codec(codec)
   total = _total(tree)
-  if init is None or total == 0:
+  if not codec.stateful or total == 0:
     return None
-  states = tuple(init(e - s, n) for s, e in _bucket_bounds(total, bucket_size, codec))
-  return None if all(s is None for s in states) else states
+  return tuple(codec.init_state(e - s, n) for s, e in _bucket_bounds(total, bucket_size, codec))
 
 
 def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
@@ -239,94 +218,115 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
                          key=key, average=average, bucket_size=bucket_size,
                          implementation=implementation, codec_state=codec_state,
                          return_own=return_own)
-  if return_own and not getattr(codec, "reports_contribution", False):
+  _check_codec(codec)
+  if return_own and not codec.reports_contribution:
     raise ValueError(
-        f"{type(codec).__name__} cannot report a rank's own contribution, which error "
-        f"feedback needs; use error feedback with MX, THC, OmniReduce or GlobalQSGD "
-        f"(DynamiQ is unbiased and needs none)")
+        f"{type(codec).__name__} cannot report a rank's own contribution "
+        f"(reports_contribution=False), which error feedback needs; use a codec that "
+        f"does, or error_feedback=False")
   leaves, treedef = _check_leaves(tree)
   ctx = axis_context(axis_name)
   _check_varying(leaves, ctx)
   arrays = [jnp.asarray(leaf) for _, leaf in leaves]
   total = sum(a.size for a in arrays)
-  report = wire_stats(arrays, codec=codec, n=ctx.n, bucket_size=bucket_size)
   if total == 0:
     return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0))
+  flat = _flatten(arrays)
+  if average:
+    flat = flat / np.float32(ctx.n)
+  out, stats, own_flat = _reduce_flat(flat, ctx=ctx, codec=codec, schedule=schedule, key=key,
+                                      bucket_size=bucket_size, implementation=implementation,
+                                      codec_state=codec_state, return_own=return_own)
+  own = None
+  if return_own:
+    own = _unflatten(own_flat * np.float32(ctx.n) if average else own_flat, arrays, treedef,
+                     cast=False)
+  return _unflatten(out, arrays, treedef), stats._replace(own=own)
+
+
+def _reduce_flat(flat, *, ctx: AxisContext, codec, schedule, key, bucket_size, implementation,
+                 codec_state, return_own):
+  """All-reduces one flat float32 vector bucket by bucket -> (out, stats, own or None)."""
+  total = flat.shape[0]
+  report = wire_stats(flat, codec=codec, n=ctx.n, bucket_size=bucket_size)
   bounds = _bucket_bounds(total, bucket_size, codec)
   if codec_state is None:
-    codec_state = init_codec_state(arrays, codec=codec, n=ctx.n, bucket_size=bucket_size)
+    codec_state = init_codec_state(flat, codec=codec, n=ctx.n, bucket_size=bucket_size)
   states = codec_state if codec_state is not None else (None,) * len(bounds)
   if len(states) != len(bounds):
     raise ValueError(f"codec_state holds {len(states)} buckets, the tree needs {len(bounds)}")
   plan = get_plan(schedule, ctx.n)
-  run = functools.partial(execute, plan, ctx)
-  key_words = _key_words(key)
-  flat = _flatten(arrays)
-  if average:
-    flat = flat / np.float32(ctx.n)
   outs, new_states, owns = [], [], []
   for b, (s, e) in enumerate(bounds):
     with jax.named_scope(f"allreduce/bucket{b}"):
-      prep = codec.prepare(flat[s:e], ctx=ctx, run=run, key_words=key_words, bucket=b,
-                           implementation=implementation, state=states[b])
-      out, new_state = prep.finish(run(prep.chunks, prep.ops))
-      outs.append(out)
-      new_states.append(new_state)
-      if return_own:
-        owns.append(prep.own())
-
+      bucket = Bucket(b, e - s, ctx.n, implementation)
+      keys = Keys.from_key(key, bucket=b, rank=ctx.rank())
+      out, new_state, own = _reduce_bucket(flat[s:e], codec, bucket, states[b], keys, plan, ctx,
+                                           return_own)
+    outs.append(out)
+    new_states.append(new_state)
+    owns.append(own)
   out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-  own = None
-  if return_own:
-    own_flat = jnp.concatenate(owns) if len(owns) > 1 else owns[0]
-    own = _unflatten(own_flat * np.float32(ctx.n) if average else own_flat, arrays, treedef,
-                     cast=False)
+  own = (jnp.concatenate(owns) if len(owns) > 1 else owns[0]) if return_own else None
   stats = AllReduceStats(
       jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank), jnp.int32(total),
-      codec_state=None if all(v is None for v in new_states) else tuple(new_states), own=own)
-  return _unflatten(out, arrays, treedef), stats
+      codec_state=tuple(new_states) if codec.stateful else None)
+  return out, stats, own
 
 
-def _local_reduce_scatter(chunks, axis_name, size):
-  """Exact float32 ring reduce-scatter of ``chunks`` ([size, m]) over ``axis_name``.
+def _hop_ops(codec: Codec, aux, keys: Keys) -> HopOps:
+  """The codec's hop functions with this bucket's ``aux`` and keys bound: what the
+  executor calls at each hop (it passes the chunk index and the step)."""
 
-  Rank r ends with the sum of chunk ``(r + 1) % size``, accumulated in the
-  fixed order c, c+1, ..., so the bits do not depend on the backend.
-  """
-  r = jax.lax.axis_index(axis_name)
-  perm = [(i, (i + 1) % size) for i in range(size)]
-  send = jnp.take(chunks, r, axis=0)
-  for j in range(size - 1):
-    recv = jax.lax.ppermute(send, axis_name, perm)
-    send = recv + jnp.take(chunks, (r - 1 - j) % size, axis=0)
-  return send
+  def encode(chunk, c, hop):
+    return codec.encode(chunk, aux, keys.at(c, hop))
+
+  def decode(payload):
+    return codec.decode(payload, aux)
+
+  def decode_add_encode(payload, chunk, c, hop):
+    return codec.decode_add_encode(payload, chunk, aux, keys.at(c, hop))
+
+  def decode_add(payload, chunk):
+    return codec.decode_add(payload, chunk, aux)
+
+  return HopOps(encode, decode, decode_add_encode, decode_add)
+
+
+def _combine(meta, ctx: AxisContext, plan: TreePlan, keys: Keys):
+  """Pass 1: every rank's metadata combined, identical on every rank."""
+  if meta.combine == "max":
+    return ctx.pmax(meta.local)
+  if isinstance(meta.combine, Codec):
+    return execute(plan, ctx, meta.local, _hop_ops(meta.combine, None, keys))
+  raise ValueError(f"Metadata.combine={meta.combine!r} must be 'max' or a Codec")
+
+
+def _reduce_bucket(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
+                   ctx: AxisContext, return_own: bool):
+  """One bucket: metadata pass, payload pass, finish -> (out, new state, own)."""
+  meta = codec.metadata(x, bucket, state)
+  if meta is not None:
+    with jax.named_scope("metadata"):
+      meta = _combine(meta, ctx, plan, keys)
+  p = codec.plan(x, meta, bucket, state, keys)
+  decoded = execute(plan, ctx, p.chunks, _hop_ops(codec, p.aux, keys))
+  out, new_state = codec.finish(decoded, p.aux, bucket, state)
+  own = codec.contribution(x, p.aux, bucket) if return_own else None
+  return out, new_state, own
 
 
 def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, implementation,
                   codec_state, return_own):
-  """Exact reduction inside the fast axis, compressed all-reduce across the slow one.
-
-  ``axis_name=(slow, fast)``, e.g. ``("host", "local")``: the fast axis
-  reduce-scatters in float32 (NVLink inside a host), each fast rank
-  all-reduces its 1/L share with ``codec`` over the slow axis (the NIC,
-  ``inner`` schedule), and the fast axis all-gathers the results.
-
-  Shares are interleaved in blocks of the codec's granularity (share r
-  holds blocks r, r + L, r + 2L, ...: whole super-groups for DynamiQ), so
-  every share has the whole gradient's mix of large and small blocks. With
-  contiguous shares a model's layers fall into different shares (one all
-  embedding rows, another all dense layers), and DynamiQ's static class
-  capacities fit none of them: on the word-LM gradients of
-  ``bench.schedules`` a (2, 4) mesh measured 4.3e-3 vNMSE with contiguous
-  shares against 9.4e-4 for the flat ring.
-  """
-  names = _names(axis_name)
+  """``schedule="hierarchical"``: see :mod:`dynamiq_jax.schedules.hierarchical`."""
+  names = axis_names(axis_name)
   if len(names) != 2 or isinstance(axis_name, str):
     raise ValueError(
         f"schedule='hierarchical' needs axis_name=(slow, fast), e.g. ('host', 'local') for a "
         f"2-axis mesh; got axis_name={axis_name!r}. Fix: pass both mesh axes, slow first, or "
         f"use schedule='ring' for one axis")
-  if return_own or codec_state is not None or is_stateful(codec):
+  _check_codec(codec)
+  if return_own or codec_state is not None or codec.stateful:
     raise ValueError(
         f"schedule='hierarchical' supports stateless codecs without error feedback; "
         f"{codec!r} keeps state (or error feedback was asked for). Fix: use a flat schedule "
@@ -339,26 +339,17 @@ def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, i
   total = sum(a.size for a in arrays)
   if total == 0:
     return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0))
-  size = fast_ctx.n
   flat = _flatten(arrays)
   if average:
-    flat = flat / np.float32(size * slow_ctx.n)
-  unit = getattr(codec, "granularity", 1)
-  blocks = -(-total // (unit * size))  # per share
-  m = blocks * unit
-  chunks = jnp.pad(flat, (0, m * size - total)).reshape(blocks, size, unit)
-  chunks = chunks.transpose(1, 0, 2).reshape(size, m)  # share r: blocks r, r + size, ...
-  owned = _local_reduce_scatter(chunks, fast, size) if size > 1 else chunks[0]
+    flat = flat / np.float32(fast_ctx.n * slow_ctx.n)
+  unit = codec.granularity
+  shares = hierarchical.split_shares(flat, fast_ctx.n, unit)
+  owned = hierarchical.reduce_scatter_shares(fast_ctx, shares)  # share (r + 1) % size
   key = jax.random.fold_in(key, jax.lax.axis_index(fast))  # fresh rounding per fast rank
-  reduced, stats = allreduce(owned, axis_name=slow, codec=codec, schedule=inner, key=key,
-                             average=False, bucket_size=bucket_size,
-                             implementation=implementation)
-  if size > 1:
-    gathered = fast_ctx.all_gather(reduced)  # rank r holds chunk (r + 1) % size
-    shares = jnp.roll(gathered, 1, axis=0).reshape(size, blocks, unit)
-    out = shares.transpose(1, 0, 2).reshape(-1)[:total]
-  else:
-    out = reduced[:total]
+  reduced, stats, _ = _reduce_flat(owned, ctx=slow_ctx, codec=codec, schedule=inner, key=key,
+                                   bucket_size=bucket_size, implementation=implementation,
+                                   codec_state=None, return_own=False)
+  out = hierarchical.join_shares(hierarchical.all_gather_shares(fast_ctx, reduced), total, unit)
   # the slow axis's cost: every fast rank sends its share at the codec's bits per
   # coordinate (the exact float32 traffic inside the fast axis is not counted)
   return _unflatten(out, arrays, treedef), AllReduceStats(

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from pallas_kernels import bf16
 from pallas_kernels import dynamiq_format as F
 
 __all__ = [
@@ -126,22 +127,17 @@ def _store_bytes(ref, offsets, values, mask):
   pltr.store(ref.at[offsets], values, mask=mask)
 
 
-def _bf16_from(lo, hi):
-  u = (lo.astype(jnp.uint32) | (hi.astype(jnp.uint32) << 8)) << 16
-  return jax.lax.bitcast_convert_type(u, jnp.float32)
-
-
 def _read_records(pay_ref, lam_ref, fmt: F.Format, s_count: int):
   """Gathers this program's records and decodes them: float32 [BLOCK, G, CB, P]."""
   o = _offsets(fmt, s_count)
   packed = _load_bytes(pay_ref, o["codes"], o["codes_ok"])
   if fmt.hierarchical:
     k = _load_bytes(pay_ref, o["groups"], o["groups_ok"])
-    unit = _bf16_from(_load_bytes(pay_ref, o["unit"], o["unit_ok"]),
+    unit = bf16.from_bytes(_load_bytes(pay_ref, o["unit"], o["unit_ok"]),
                       _load_bytes(pay_ref, o["unit"] + 1, o["unit_ok"]))
     scale = F.hier_scale(k, unit)
   else:
-    scale = _bf16_from(_load_bytes(pay_ref, o["groups"], o["groups_ok"]),
+    scale = bf16.from_bytes(_load_bytes(pay_ref, o["groups"], o["groups_ok"]),
                        _load_bytes(pay_ref, o["groups"] + 1, o["groups_ok"]))
   return F.decode_block(packed, scale, fmt, lookup=lambda j: lam_ref[j])
 

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_dtypes import bfloat16
 
+from pallas_kernels import bf16
 from pallas_kernels import rng
 
 __all__ = [
@@ -81,9 +82,6 @@ __all__ = [
 SUPERGROUP = 256
 HIER_GROUP = 16
 _UNIT_MAX = 255
-
-# Stream constants separating the independent random streams of one call.
-_STREAM_SCALE = 0x5CA1E5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,31 +190,8 @@ def _expected_error(fmt: Format, supergroups: int = 4096) -> float:
 # Bit-level helpers.
 
 
-def ceil_to_bf16(v):
-  """Smallest bfloat16-representable float32 >= ``v`` (for ``v >= 0``; NaN kept)."""
-  v = jnp.asarray(v, jnp.float32)
-  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
-  low = bits & jnp.uint32(0xFFFF)
-  up = (bits & jnp.uint32(0xFFFF0000)) + jnp.where(
-      low != 0, jnp.uint32(0x10000), jnp.uint32(0))
-  return jnp.where(jnp.isnan(v), v, jax.lax.bitcast_convert_type(up, jnp.float32))
-
-
-def _next_bf16(v):
-  bits = jax.lax.bitcast_convert_type(v, jnp.uint32) + jnp.uint32(0x10000)
-  return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _bf16_bytes(v):
-  """bf16-exact float32 [...] -> uint8 [..., 2] (little-endian bf16 bits)."""
-  u = jax.lax.bitcast_convert_type(v, jnp.uint32) >> 16
-  return jnp.stack([u & 0xFF, u >> 8], axis=-1).astype(jnp.uint8)
-
-
-def _bf16_from_bytes(b):
-  """uint8 [..., 2] -> float32 [...]."""
-  u = b[..., 0].astype(jnp.uint32) | (b[..., 1].astype(jnp.uint32) << 8)
-  return jax.lax.bitcast_convert_type(u << 16, jnp.float32)
+ceil_to_bf16 = bf16.ceil
+"""Smallest bfloat16-representable float32 >= ``v`` (re-exported from :mod:`pallas_kernels.bf16`)."""
 
 
 def pack_codes(codes, bits: int):
@@ -304,7 +279,7 @@ def _recip_up(c: float) -> np.float32:
 def _ceil_div_bf16(v, c: float):
   """Smallest bf16-exact w >= v / c (c a small integer constant), without division."""
   w = ceil_to_bf16(v * _recip_up(c))
-  return jnp.where(w * np.float32(c) < v, _next_bf16(w), w)  # exact product
+  return jnp.where(w * np.float32(c) < v, bf16.next_up(w), w)  # exact product
 
 
 def _ceil_quotient(v, d, kmax):
@@ -344,7 +319,7 @@ def _scales_hier(a, fmt: Format, keys, group_idx):
     u1 = unit[:, None]
     kf = _floor_quotient(g, u1, _UNIT_MAX)
     k0, k1, _, _ = keys
-    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(_STREAM_SCALE), k1, group_idx))
+    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
     # P(k = kf + 1) = (g - kf U) / U, decided as u U < g - kf U (exact products)
     k = kf + ((u * u1 < g - kf * u1) & (kf < _UNIT_MAX)).astype(jnp.float32)
     s = g
@@ -433,8 +408,8 @@ def _assemble(packed, k, scale, fmt: Format):
   s_count = packed.shape[0]
   if fmt.hierarchical:
     body = jnp.concatenate([packed, k[..., None]], axis=-1).reshape(s_count, -1)
-    return jnp.concatenate([body, _bf16_bytes(scale)], axis=-1)
-  body = jnp.concatenate([packed, _bf16_bytes(scale)], axis=-1)
+    return jnp.concatenate([body, bf16.to_bytes(scale)], axis=-1)
+  body = jnp.concatenate([packed, bf16.to_bytes(scale)], axis=-1)
   return body.reshape(s_count, -1)
 
 
@@ -445,10 +420,10 @@ def _disassemble(payload, fmt: Format):
   cb = SUPERGROUP * fmt.bits // 8 // g
   if fmt.hierarchical:
     body = payload[:, : g * (cb + 1)].reshape(s_count, g, cb + 1)
-    unit = _bf16_from_bytes(payload[:, g * (cb + 1):])
+    unit = bf16.from_bytes(payload[:, g * (cb + 1)], payload[:, g * (cb + 1) + 1])
     return body[..., :cb], hier_scale(body[..., cb], unit)
   body = payload.reshape(s_count, g, cb + 2)
-  return body[..., :cb], _bf16_from_bytes(body[..., cb:])
+  return body[..., :cb], bf16.from_bytes(body[..., cb], body[..., cb + 1])
 
 
 def _check_chunk(x, name):

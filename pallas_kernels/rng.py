@@ -18,9 +18,12 @@ All functions take and return ``uint32`` arrays and wrap modulo 2**32.
 
 from __future__ import annotations
 
+import enum
+
 import jax.numpy as jnp
 
 __all__ = [
+    "Stream",
     "mix32",
     "derive_key",
     "hash_index",
@@ -29,6 +32,42 @@ __all__ = [
     "strata_count",
     "stratum",
 ]
+
+
+
+class Stream(enum.IntEnum):
+  """Every random stream of the library, in one list: which key feeds which draw.
+
+  A key is :func:`derive_key` of the words ``(seed0, seed1, bucket, ...,
+  stream)``; ``seed0, seed1`` are the words of the user's ``jax.random`` key
+  (identical on every rank), ``bucket`` the bucket index, and the words
+  between are listed here. The draw is then :func:`hash_index` of that key at
+  each element's index.
+
+  ==========================  =====================  ==============================================
+  stream                      words before it         draws
+  ==========================  =====================  ==============================================
+  ``DYNAMIQ_ROUND``           width, chunk, hop       private part gamma of each element's rounding
+  ``DYNAMIQ_PERMUTATION``     width, chunk            shared stratum permutation of correlated
+                                                      rounding (no hop: a coordinate's hops share
+                                                      it, which makes them stratified)
+  ``DYNAMIQ_STATS``           chunk, hop              stochastic bf16 rounding of the super-group
+                                                      means in the statistics all-reduce
+  ``DYNAMIQ_SCALE``           (xor-ed into word 0     stochastic rounding of the uint8 group
+                              of the rounding key)    scales (``scale_rounding="stochastic"``)
+  ``THC_SIGNS``               (none)                  the shared random signs of THC's Hadamard
+                                                      rotation (identical on every rank)
+  ``PRIVATE_ROUND``           (after it: rank)        THC's and Global-QSGD's per-rank rounding
+  ==========================  =====================  ==============================================
+  """
+
+  DYNAMIQ_ROUND = 1
+  DYNAMIQ_PERMUTATION = 2
+  DYNAMIQ_STATS = 3
+  THC_SIGNS = 11
+  PRIVATE_ROUND = 12
+  DYNAMIQ_SCALE = 0x5CA1E5
+
 
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B

@@ -10,10 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dynamiq_jax as dq
-from dynamiq_jax.allreduce import axis_context
+from dynamiq_jax.schedules import AxisContext
 from dynamiq_jax.bench.reference import AUTHORS_ALL_IN_BITS, REFERENCE, vnmse
 from dynamiq_jax.codecs import DynamiQ, allocation
-from dynamiq_jax.schedules import execute, get_plan
 
 from _helpers import model_data, rows_identical
 
@@ -53,27 +52,22 @@ class TestBudget:
   @pytest.mark.parametrize("codec", [DynamiQ(), DynamiQ(bits=3.5, hierarchical=False),
                                      DynamiQ(variable_width=False, bits=4.7)])
   @pytest.mark.parametrize("d,n", [(100_000, 8), (65_536, 4), (300_001, 3)])
-  def test_wire_bits_equal_the_bytes_actually_sent(self, codec, d, n):
-    """Record every payload the executor sends; compare with wire_bits."""
-    sent = []
+  def test_wire_bits_equal_the_bytes_actually_sent(self, codec, d, n, monkeypatch):
+    """Record every payload the schedule sends; compare with wire_bits."""
+    sent = set()
+    ppermute = AxisContext.ppermute
+
+    def recording(self, tree, perm):
+      sent.add(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
+      return ppermute(self, tree, perm)
+
+    monkeypatch.setattr(AxisContext, "ppermute", recording)
 
     def one(x):
-      ctx = axis_context("i")
-      plan = get_plan("ring", n)
-
-      def run(chunks, ops):
-        def encode(chunk, c, hop):
-          p = ops.encode(chunk, c, hop)
-          sent.append(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(p)))
-          return p
-        return execute(plan, ctx, chunks, ops._replace(encode=encode))
-
-      prep = codec.prepare(x, ctx=ctx, run=run, key_words=(jnp.uint32(0), jnp.uint32(1)),
-                           bucket=0)
-      return prep.finish(run(prep.chunks, prep.ops))
+      return dq.allreduce(x, axis_name="i", codec=codec, key=jax.random.key(0))[0]
 
     jax.eval_shape(jax.vmap(one, axis_name="i"), jax.ShapeDtypeStruct((n, d), jnp.float32))
-    assert len(sent) == 2  # one payload shape per all-reduce: statistics, classes
+    assert len(sent) == 2  # one payload shape per pass: statistics, classes
     assert 8 * n * sum(sent) == codec.wire_bits(d, n)
     stats = dq.wire_stats(jnp.zeros(d), codec=codec, n=n)
     assert stats.bytes_per_rank == 2 * (n - 1) * sum(sent)

@@ -82,13 +82,12 @@ def cases(include_pallas: bool):
   import optax
 
   import dynamiq_jax as dq
-  from dynamiq_jax.codecs.base import is_stateful
 
   data = _data()
   tree = dict(data, emb=jnp.asarray(data["emb"], jnp.bfloat16))
   out = []
   for name, codec in _codecs().items():
-    stateful = is_stateful(codec)
+    stateful = codec.stateful
     for schedule in ("ring", "butterfly", "hierarchical"):
       if schedule == "hierarchical" and stateful:
         continue

@@ -103,8 +103,7 @@ def simulate_rounds(codec, g, *, schedule="ring", seeds=2, rounds=60, mesh_shape
   state.
   """
   import dynamiq_jax as dq
-  from dynamiq_jax.codecs.base import is_stateful
-  stateful = is_stateful(codec)
+  stateful = codec.stateful
   outs, state = [], None
   for r in range(rounds if stateful else seeds):
     out = dq.simulate(g, codec=codec, schedule=schedule, seed=r, codec_state=state,

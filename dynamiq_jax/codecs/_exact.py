@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["bf16_round", "tree_sum", "row_norm", "hypot", "vector_norm"]
+from pallas_kernels.bf16 import round_nearest as bf16_round
+from pallas_kernels.bf16 import stochastic as stochastic_bf16
 
-
-def bf16_round(v):
-  """Round to bfloat16 (nearest-even), returned as float32."""
-  return v.astype(jnp.bfloat16).astype(jnp.float32)
+__all__ = ["bf16_round", "stochastic_bf16", "tree_sum", "row_norm", "hypot", "vector_norm"]
 
 
 def tree_sum(v):

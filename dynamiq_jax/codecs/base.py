@@ -1,153 +1,266 @@
-"""What every codec gives the schedule executor.
+"""The codec contract: what a codec is, as data and pure functions.
 
-A codec is a frozen dataclass (hashable, safe as a static jit argument) with
-two methods:
+A codec never sees an axis, a collective or the schedule executor.
+:func:`dynamiq_jax.allreduce` runs each bucket in two passes and calls the
+codec between them:
 
-* ``granularity`` (optional class attribute, default 1): bucket sizes must be
-  multiples of it, so that the codec's blocks never straddle buckets.
-* ``reports_contribution`` (optional class attribute, default False): True
-  if ``prepare`` returns ``own`` (error feedback needs it).
-* ``wire_bits(d, n)``: the exact number of bits one all-reduce of ``d``
-  coordinates over ``n`` ranks puts into payloads, metadata included. Each
-  rank of a bandwidth-optimal schedule sends ``2 (n - 1) / n`` of it, so
-  ``wire_bits / d`` is the paper's bits per coordinate.
-* ``init_state(d, n)`` (optional): the codec's state for one bucket, carried
-  across steps by the optax transform (e.g. MX's scale multiplier, OmniReduce's
-  local top-k fraction); identical on every rank. Default: no state.
-* ``prepare(x, *, ctx, run, key_words, bucket, implementation, state)``:
-  takes this rank's flat float32 bucket ``x`` (already pre-divided by ``n``
-  when averaging), runs any metadata collective it needs (through ``run``,
-  the schedule executor, or a ``pmax``), and returns :class:`Prepared`: the
-  local data cut into ``n`` chunks, the per-hop operations, a ``finish``
-  function that turns the decoded chunks back into a flat float32 vector of
-  length ``len(x)`` and the next state, and optionally ``own``: this rank's
-  contribution as the codec represented it (for error feedback).
-  ``implementation`` (None, "pallas" or "xla") selects Pallas kernels where
-  the codec has them (:mod:`pallas_kernels.dynamiq`).
+1. **metadata** (optional): ``local = codec.metadata(x, bucket, state)``
+   gives this rank's small arrays and how they combine across ranks
+   (:class:`Metadata`: an elementwise ``"max"``, or a sum carried on the
+   schedule by another codec, e.g. DynamiQ's statistics); ``allreduce``
+   combines them, so every rank holds the same global metadata, bit for bit.
+2. **payload**: ``codec.plan(x, meta, bucket, state, keys)`` cuts the local data
+   into ``n`` chunks and returns the arrays the hops need (:class:`Plan`);
+   the schedule moves payloads and calls the codec's hop functions
+   ``encode``, ``decode``, ``decode_add`` and ``decode_add_encode`` on them;
+   ``codec.finish`` turns the decoded chunks into the flat result (and the
+   codec's next state).
 
-Chunks and payloads are pytrees of arrays; a chunk's arrays are the local
-data of one chunk index, the ``chunks`` pytree carries a leading axis of
-size ``n``.
+Everything a hop needs travels as arguments: the chunk, the payload, the
+plan's ``aux`` arrays and the random :class:`HopKeys` of that hop.
+
+Example: a stochastic-rounding int8 codec in full (the README's "writing a
+codec"; tested in ``tests/test_codec_contract.py``)::
+
+  @dataclasses.dataclass(frozen=True)
+  class Int8(Codec):
+    reports_contribution = False
+
+    def wire_bits(self, d, n):
+      return 8 * padded_length(d, n) + 32          # codes + the max all-reduce
+
+    def metadata(self, x, bucket, state):
+      return Metadata(jnp.max(jnp.abs(x)), combine="max")
+
+    def plan(self, x, meta, bucket, state, keys):
+      step = jnp.where(meta > 0, meta, 1.0) * bucket.n / 127   # partial sums fit
+      chunks = pad_to(x, padded_length(bucket.d, bucket.n)).reshape(bucket.n, -1)
+      return Plan(chunks / step, step)
+
+    def encode(self, chunk, aux, keys):
+      u = uniform(keys.derive(Stream.PRIVATE_ROUND, keys.rank), chunk.shape)
+      return jnp.floor(chunk + u).astype(jnp.int8)
+
+    def decode(self, payload, aux):
+      return payload.astype(jnp.float32)
+
+    def finish(self, decoded, aux, bucket, state):
+      return decoded.reshape(-1)[:bucket.d] * aux, None
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, NamedTuple, Protocol
+import abc
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["AxisContext", "HopOps", "Prepared", "Codec", "Runner", "simple_ops", "cast_ops",
-           "is_stateful"]
+from pallas_kernels import rng
+
+__all__ = [
+    "Bucket", "Keys", "HopKeys", "Metadata", "Plan", "Codec", "padded_length", "pad_to",
+    "round_up",
+]
 
 PyTree = Any
 
 
-@dataclasses.dataclass(frozen=True)
-class AxisContext:
-  """The collective axis as seen from inside ``shard_map``/``pmap``/``vmap``.
+def round_up(a: int, b: int) -> int:
+  """The smallest multiple of ``b`` that is >= ``a`` (``a >= 0``, ``b >= 1``)."""
+  return -(-a // b) * b
+
+
+def padded_length(d: int, n: int) -> int:
+  """``d`` rounded up to a multiple of ``n`` (so that it cuts into n equal chunks)."""
+  return round_up(d, n)
+
+
+def pad_to(x, length: int):
+  """A flat array zero-padded at the end to ``length``."""
+  return jnp.pad(x, (0, length - x.shape[0]))
+
+
+class Bucket(NamedTuple):
+  """Static description of one bucket of one all-reduce.
 
   Attributes:
-    axis_name: the bound axis name.
-    n: its size.
-    invariant_gather: True under ``shard_map(check_vma=True)``: gathers must
-      return values typed as invariant over the axis.
+    index: the bucket's position in the gradient (keys its random streams).
+    d: coordinates in the bucket.
+    n: ranks taking part.
+    implementation: ``None``, ``"pallas"`` or ``"xla"``: which implementation
+      of its hop arithmetic a codec with Pallas kernels uses (the results are
+      bit-identical; see :mod:`pallas_kernels.dynamiq`).
   """
 
-  axis_name: Any
+  index: int
+  d: int
   n: int
-  invariant_gather: bool = False
-
-  def rank(self):
-    return jax.lax.axis_index(self.axis_name)
-
-  def all_gather(self, tree):
-    kw = {"to": "invarying"} if self.invariant_gather else {}
-    return jax.tree.map(lambda a: jax.lax.all_gather(a, self.axis_name, **kw), tree)
-
-  def pmax(self, x):
-    return jax.lax.pmax(x, self.axis_name)
+  implementation: str | None = None
 
 
-class HopOps(NamedTuple):
-  """Per-hop operations of a codec, closed over this call's metadata.
-
-  ``c`` is the chunk index and ``hop`` the step at which the payload is sent
-  (both int32 scalars, possibly traced); they key the random streams.
-  """
-
-  encode: Callable[[PyTree, Any, Any], PyTree]
-  decode: Callable[[PyTree], PyTree]
-  decode_add_encode: Callable[[PyTree, PyTree, Any, Any], PyTree]
-  decode_add: Callable[[PyTree, PyTree], PyTree]
-
-
-class Prepared(NamedTuple):
-  """What ``prepare`` returns.
+class Keys(NamedTuple):
+  """The random key words of one bucket on one rank.
 
   Attributes:
-    chunks: local data, leading axis n.
-    ops: the per-hop operations.
-    finish: ``finish(decoded_chunks) -> (flat float32 [len(x)], new_state)``.
-    own: ``own() -> flat float32 [len(x)]``, this rank's input as the
-      codec represented it in the sum (None if the codec cannot say).
+    k0, k1: uint32 words of the user's key, identical on every rank.
+    bucket: the bucket index.
+    rank: int32 scalar, this rank's index on the axis.
+  """
+
+  k0: Any
+  k1: Any
+  bucket: int
+  rank: Any
+
+  @classmethod
+  def from_key(cls, key, *, bucket: int, rank) -> "Keys":
+    """From a ``jax.random`` key (new-style or raw uint32 data)."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+      key = jax.random.key_data(key)
+    if not jnp.issubdtype(key.dtype, jnp.integer):
+      raise TypeError(f"key must be a jax.random key, got dtype {key.dtype}; pass "
+                      f"jax.random.key(seed)")
+    words = key.reshape(-1).astype(jnp.uint32)
+    k0, k1 = rng.derive_key(*[words[i] for i in range(words.shape[0])])
+    return cls(k0, k1, bucket, jnp.asarray(rank, jnp.int32))
+
+  def derive(self, *words):
+    """``(k0, k1)`` of the stream named by ``words`` (see :class:`pallas_kernels.rng.Stream`)."""
+    return rng.derive_key(self.k0, self.k1, self.bucket, *words)
+
+  def at(self, chunk, hop) -> "HopKeys":
+    """The keys of the encode of ``chunk`` sent at step ``hop``."""
+    return HopKeys(self, jnp.asarray(chunk, jnp.int32), jnp.asarray(hop, jnp.int32))
+
+
+class HopKeys(NamedTuple):
+  """The keys of one encode: the bucket's :class:`Keys` plus chunk and hop."""
+
+  keys: Keys
+  chunk: Any
+  hop: Any
+
+  @property
+  def rank(self):
+    return self.keys.rank
+
+  def derive(self, *words):
+    return self.keys.derive(*words)
+
+
+class Metadata(NamedTuple):
+  """One rank's metadata and how ``allreduce`` combines it across ranks.
+
+  Attributes:
+    local: a pytree of arrays. With ``combine="max"``, any shapes; with a
+      codec, chunks with a leading axis of size n (reduced on the schedule).
+    combine: ``"max"`` (elementwise maximum over ranks: exact in any order)
+      or a :class:`Codec` whose hops carry a sum over the schedule, in the
+      schedule's fixed order (e.g. DynamiQ's statistics, OmniReduce's
+      counts); the combined value is that codec's decoded chunks.
+  """
+
+  local: PyTree
+  combine: Any = "max"
+
+
+class Plan(NamedTuple):
+  """What :meth:`Codec.plan` returns.
+
+  Attributes:
+    chunks: this rank's data cut into n chunks (leading axis n), a pytree.
+    aux: whatever the hop functions and ``finish`` need besides a chunk and a
+      payload (arrays, or static values): the codec's global metadata for
+      this bucket, e.g. DynamiQ's super-group order and reduced means.
   """
 
   chunks: PyTree
-  ops: HopOps
-  finish: Callable[[PyTree], tuple[jax.Array, PyTree]]
-  own: Callable[[], jax.Array] | None = None
+  aux: PyTree = None
 
 
-Runner = Callable[[PyTree, HopOps], PyTree]
-"""``run(chunks, ops) -> decoded chunks``: one schedule execution."""
+class Codec(abc.ABC):
+  """How a partial sum is put on the wire at each hop.
 
+  Subclasses are frozen dataclasses (hashable: valid static jit arguments)
+  holding only configuration. Every method is a pure function of its
+  arguments.
 
-class Codec(Protocol):
-
-  def wire_bits(self, d: int, n: int) -> int:
-    ...
-
-  def prepare(self, x: jax.Array, *, ctx: AxisContext, run: Runner,
-              key_words: tuple[jax.Array, jax.Array], bucket: int,
-              implementation: str | None = None, state: PyTree = None) -> Prepared:
-    ...
-
-
-def is_stateful(codec) -> bool:
-  """Whether ``codec`` carries state from one all-reduce to the next (MX's adaptive
-  scale, OmniReduce's k): it then defines ``init_state`` and it returns a state."""
-  init = getattr(codec, "init_state", None)
-  return init is not None and init(1, 2) is not None
-
-
-def simple_ops(encode, decode) -> HopOps:
-  """HopOps for a codec whose hops are plain decode / add / encode."""
-
-  def dae(payload, chunk, c, hop):
-    return encode(jax.tree.map(lambda p, x: p + x, decode(payload), chunk), c, hop)
-
-  def da(payload, chunk):
-    return jax.tree.map(lambda p, x: p + x, decode(payload), chunk)
-
-  return HopOps(encode=encode, decode=decode, decode_add_encode=dae, decode_add=da)
-
-
-def cast_ops(wire_dtype, value_dtype=None) -> HopOps:
-  """HopOps whose payload is the partial sum cast to ``wire_dtype``.
-
-  Decoding gives ``value_dtype`` (float32 for floating payloads, int32 for
-  integer ones); a hop adds in that dtype and casts back.
+  Class attributes:
+    granularity: bucket sizes must be multiples of it (a codec's blocks never
+      straddle buckets).
+    reports_contribution: :meth:`contribution` is implemented (error feedback
+      needs it).
   """
-  if value_dtype is None:
-    value_dtype = jnp.int32 if jnp.issubdtype(wire_dtype, jnp.integer) else jnp.float32
 
-  def encode(chunk, c, hop):
-    del c, hop
-    return chunk.astype(wire_dtype)
+  granularity: int = 1
+  reports_contribution: bool = False
 
-  def decode(payload):
-    return payload.astype(value_dtype)
+  # -- static description -----------------------------------------------------
 
-  return simple_ops(encode, decode)
+  @abc.abstractmethod
+  def wire_bits(self, d: int, n: int) -> int:
+    """Exact bits one all-reduce of ``d`` coordinates over ``n`` ranks puts on the wire.
+
+    Payloads and metadata, padding included. Each rank of a bandwidth-optimal
+    schedule sends ``2 (n - 1) / n`` of it, so ``wire_bits / d`` is the
+    paper's bits per coordinate.
+    """
+
+  @property
+  def stateful(self) -> bool:
+    """Whether the codec carries state from one all-reduce to the next."""
+    return False
+
+  def init_state(self, d: int, n: int) -> PyTree:
+    """The state of a bucket before its first all-reduce (None: stateless).
+
+    Its structure and shapes do not depend on ``n``; only its values do.
+    """
+    del d, n
+    return None
+
+  # -- pass 1: metadata -----------------------------------------------------------
+
+  def metadata(self, x, bucket: Bucket, state) -> Metadata | None:
+    """This rank's metadata for ``x`` (flat float32 [d]); None if none is needed."""
+    del x, bucket, state
+    return None
+
+  # -- pass 2: payload -------------------------------------------------------------
+
+  @abc.abstractmethod
+  def plan(self, x, meta, bucket: Bucket, state, keys: Keys) -> Plan:
+    """Cuts ``x`` (flat float32 [d]) into n chunks, given the global metadata.
+
+    ``keys`` are the bucket's random keys, for a codec that quantises each
+    rank's data once before the schedule (THC, Global-QSGD).
+    """
+
+  @abc.abstractmethod
+  def encode(self, chunk, aux, keys: HopKeys):
+    """One chunk (a partial sum, float32 or int32) -> its payload."""
+
+  @abc.abstractmethod
+  def decode(self, payload, aux):
+    """A payload -> the partial sum it carries (the chunk's shape)."""
+
+  def decode_add(self, payload, chunk, aux):
+    """``decode(payload) + chunk``."""
+    return jax.tree.map(lambda p, x: p + x, self.decode(payload, aux), chunk)
+
+  def decode_add_encode(self, payload, chunk, aux, keys: HopKeys):
+    """One ring hop: ``encode(decode(payload) + chunk)``; kernels fuse it."""
+    return self.encode(self.decode_add(payload, chunk, aux), aux, keys)
+
+  @abc.abstractmethod
+  def finish(self, decoded, aux, bucket: Bucket, state):
+    """Decoded chunks (leading axis n) -> ``(flat float32 [d], new state)``."""
+
+  def contribution(self, x, aux, bucket: Bucket):
+    """This rank's ``x`` as the codec represented it in the sum (flat float32 [d])."""
+    raise NotImplementedError(
+        f"{type(self).__name__} does not report a rank's own contribution "
+        f"(reports_contribution=False), which error feedback needs; use "
+        f"error_feedback=False with it")

@@ -12,43 +12,68 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from dynamiq_jax.codecs.base import Prepared, cast_ops
+from dynamiq_jax.codecs.base import Codec, Plan, pad_to, padded_length
 
-__all__ = ["Bf16", "F32"]
-
-
-def _padded(d: int, n: int) -> int:
-  return -(-d // n) * n
+__all__ = ["Bf16", "F32", "Cast"]
 
 
-class _CastCodec:
-  """Shared body: the payload is the partial sum cast to ``_dtype``."""
+class Cast(Codec):
+  """Shared body: the payload is the partial sum cast to ``_dtype``.
 
-  reports_contribution = True  # prepare() gives `own`, for error feedback
+  Decoding gives float32 (int32 for integer payloads); a hop adds in that
+  dtype and casts back. Other codecs use it to carry integer or bf16 sums
+  (``Cast.of(dtype)``).
+  """
+
+  reports_contribution = True
 
   _dtype = None
-  _bits = 0
+
+  @staticmethod
+  def of(dtype) -> "Cast":
+    """A cast codec for any payload dtype (e.g. uint8 counts, int16 sums)."""
+    return _AnyCast(jnp.dtype(dtype).name)
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self._dtype)
 
   def wire_bits(self, d: int, n: int) -> int:
-    return self._bits * _padded(d, n)
+    return self.dtype.itemsize * 8 * padded_length(d, n)
 
-  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None, state=None):
-    del run, key_words, bucket, implementation, state
-    d = x.shape[0]
-    chunks = jnp.pad(x, (0, _padded(d, ctx.n) - d)).reshape(ctx.n, -1)
-    dtype = self._dtype
+  def plan(self, x, meta, bucket, state, keys):
+    del meta, state, keys
+    return Plan(pad_to(x, padded_length(bucket.d, bucket.n)).reshape(bucket.n, -1))
 
-    def finish(decoded):
-      return decoded.reshape(-1)[:d], None
+  def encode(self, chunk, aux, keys):
+    del aux, keys
+    return chunk.astype(self.dtype)
 
-    def own():
-      return x.astype(dtype).astype(jnp.float32)
+  def decode(self, payload, aux):
+    del aux
+    return payload.astype(jnp.int32 if jnp.issubdtype(self.dtype, jnp.integer)
+                          else jnp.float32)
 
-    return Prepared(chunks, cast_ops(dtype), finish, own)
+  def finish(self, decoded, aux, bucket, state):
+    del aux, state
+    return decoded.reshape(-1)[:bucket.d], None
+
+  def contribution(self, x, aux, bucket):
+    del aux, bucket
+    return x.astype(self.dtype).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
-class Bf16(_CastCodec):
+class _AnyCast(Cast):
+  dtype_name: str = "float32"
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.dtype_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bf16(Cast):
   """Sends bfloat16 partial sums (16 bits/coordinate): the paper's baseline.
 
   Examples:
@@ -58,12 +83,10 @@ class Bf16(_CastCodec):
   """
 
   _dtype = jnp.bfloat16
-  _bits = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class F32(_CastCodec):
+class F32(Cast):
   """Sends float32 partial sums (32 bits/coordinate): a full-precision ring."""
 
   _dtype = jnp.float32
-  _bits = 32

@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.codecs import allocation
-from dynamiq_jax.codecs._exact import bf16_round as _bf16
-from dynamiq_jax.codecs._exact import hypot as _hypot
-from dynamiq_jax.codecs._exact import row_norm as _sg_norm
-from dynamiq_jax.codecs._exact import tree_sum as _tree_sum
-from dynamiq_jax.codecs.base import HopOps, Prepared
+from dynamiq_jax.codecs._exact import hypot
+from dynamiq_jax.codecs._exact import row_norm
+from dynamiq_jax.codecs._exact import stochastic_bf16
+from dynamiq_jax.codecs._exact import tree_sum
+from dynamiq_jax.codecs.base import Codec, Metadata, Plan, pad_to
 from pallas_kernels import dynamiq as kernels
 from pallas_kernels import dynamiq_format as fmt_lib
 from pallas_kernels import rng
@@ -52,9 +52,6 @@ __all__ = ["DynamiQ", "DynamiQLayout"]
 
 SUPERGROUP = fmt_lib.SUPERGROUP
 _STATS_BITS = 32  # two bf16 values per super-group
-_STREAM_ROUND = 1
-_STREAM_SHIFT = 2
-_STREAM_STATS = 3
 
 DEFAULT_EPS = ((2, 0.23), (4, 0.18), (8, 0.10))
 
@@ -91,7 +88,7 @@ class DynamiQLayout(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DynamiQ:
+class DynamiQ(Codec):
   """DynamiQ's compressed multi-hop all-reduce codec.
 
   Defaults are the paper's full configuration: widths {2, 4, 8} chosen per
@@ -281,22 +278,36 @@ class DynamiQ:
 
   # -- the all-reduce ------------------------------------------------------------
 
-  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None, state=None):
-    del state
-    d = x.shape[0]
-    n = ctx.n
-    lay = self.layout(d, n)
+  def _rows(self, x, bucket):
+    """x -> ([padded super-groups, 256] values, local means, centred residuals)."""
+    lay = self.layout(bucket.d, bucket.n)
     total = lay.padded_supergroups
-    units = total // n
-    xs = jnp.pad(x.astype(jnp.float32), (0, total * SUPERGROUP - d)).reshape(total, SUPERGROUP)
+    xs = pad_to(x.astype(jnp.float32), total * SUPERGROUP).reshape(total, SUPERGROUP)
+    mean = tree_sum(xs) / SUPERGROUP if self.centre else jnp.zeros((total,), jnp.float32)
+    return mean, xs - mean[:, None]
 
+  def metadata(self, x, bucket, state):
+    """Per super-group: the local mean and the norm of the centred residual.
+
+    Summed over ranks on the schedule by :class:`SupergroupStats` (means add,
+    norms combine as ``hypot``): 32 bits per super-group.
+    """
+    del state
+    n = bucket.n
     with jax.named_scope("dynamiq/stats"):
-      mean = _tree_sum(xs) / SUPERGROUP if self.centre else jnp.zeros((total,), jnp.float32)
-      resid = xs - mean[:, None]
-      stats = jnp.stack([mean, _sg_norm(resid)], axis=-1).reshape(n, units, 2)
-      stats = run(stats, _stats_ops(key_words, bucket)).reshape(total, 2)
-      gmean, gnorm = stats[:, 0], stats[:, 1]
+      mean, resid = self._rows(x, bucket)
+      stats = jnp.stack([mean, row_norm(resid)], axis=-1)
+    return Metadata(stats.reshape(n, -1, 2), combine=SupergroupStats())
 
+  def plan(self, x, meta, bucket, state, keys):
+    """Ranks super-groups by the global norm and fills the width classes, widest first."""
+    del state, keys
+    n = bucket.n
+    lay = self.layout(bucket.d, n)
+    total = lay.padded_supergroups
+    stats = meta.reshape(total, 2)
+    gmean, gnorm = stats[:, 0], stats[:, 1]
+    _, resid = self._rows(x, bucket)
     with jax.named_scope("dynamiq/allocate"):
       idx = jnp.arange(total)
       order = jnp.argsort(jnp.where(idx < lay.supergroups, -gnorm, jnp.inf), stable=True)
@@ -305,16 +316,106 @@ class DynamiQ:
       for _, cap in lay.capacities:
         chunks.append(rows[offset:offset + cap].reshape(n, cap // n, SUPERGROUP))
         offset += cap
-      chunks = tuple(chunks)
+    return Plan(tuple(chunks), DynamiQAux(order, gmean, lay, bucket.implementation))
 
-    ops = _dynamiq_ops(self, lay, ctx, key_words, bucket, implementation)
+  def _classes(self, lay):
+    return [(w, self.format(w), cap // lay.n) for w, cap in lay.capacities]
 
-    def finish(decoded):
-      dec = jnp.concatenate([c.reshape(-1, SUPERGROUP) for c in decoded], axis=0)
-      out = dec[jnp.argsort(order)] + gmean[:, None]
-      return out.reshape(-1)[:d], None
+  def _keys(self, keys, width):
+    """(k0, k1, s0, s1): the rounding key of this hop and the shared stratum key."""
+    k0, k1 = keys.derive(width, keys.chunk, keys.hop, rng.Stream.DYNAMIQ_ROUND)
+    s0, s1 = keys.derive(width, keys.chunk, rng.Stream.DYNAMIQ_PERMUTATION)
+    return (k0, k1, s0, s1)
 
-    return Prepared(chunks, ops, finish)
+  def _strata(self, lay):
+    return lay.n if self.correlated else 1
+
+  def _split(self, payload, lay):
+    out, off = [], 0
+    for _, f, s in self._classes(lay):
+      size = s * f.record_bytes
+      out.append(payload[off:off + size].reshape(s, f.record_bytes))
+      off += size
+    return out
+
+  def encode(self, chunk, aux, keys):
+    lay = aux.layout
+    return jnp.concatenate([
+        kernels.compress(x, f, keys=self._keys(keys, w), rank=keys.rank,
+                         strata=self._strata(lay), implementation=aux.implementation).reshape(-1)
+        for (w, f, _), x in zip(self._classes(lay), chunk)])
+
+  def decode(self, payload, aux):
+    return tuple(kernels.decompress(p, f, implementation=aux.implementation)
+                 for (_, f, _), p in zip(self._classes(aux.layout), self._split(payload, aux.layout)))
+
+  def decode_add(self, payload, chunk, aux):
+    lay = aux.layout
+    return tuple(kernels.decompress_accumulate(p, x, f, implementation=aux.implementation)
+                 for (_, f, _), p, x in zip(self._classes(lay), self._split(payload, lay), chunk))
+
+  def decode_add_encode(self, payload, chunk, aux, keys):
+    lay = aux.layout
+    return jnp.concatenate([
+        kernels.decompress_accumulate_recompress(
+            p, x, f, keys=self._keys(keys, w), rank=keys.rank, strata=self._strata(lay),
+            implementation=aux.implementation).reshape(-1)
+        for (w, f, _), p, x in zip(self._classes(lay), self._split(payload, lay), chunk)])
+
+  def finish(self, decoded, aux, bucket, state):
+    del state
+    dec = jnp.concatenate([c.reshape(-1, SUPERGROUP) for c in decoded], axis=0)
+    out = dec[jnp.argsort(aux.order)] + aux.gmean[:, None]
+    return out.reshape(-1)[:bucket.d], None
+
+
+class DynamiQAux(NamedTuple):
+  """One bucket's allocation: super-groups in class order, reduced means, static layout."""
+
+  order: jax.Array
+  gmean: jax.Array
+  layout: "DynamiQLayout"
+  implementation: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SupergroupStats(Codec):
+  """The statistics all-reduce: lane 0 sums means, lane 1 combines norms.
+
+  Means are rounded to bf16 *stochastically* at every hop, so the mean that
+  is added back is an unbiased estimate of the exact sum of local means and
+  the whole all-reduce stays unbiased (round-to-nearest would leave a fixed
+  error of up to 2^-9 of every super-group mean). Norms only rank
+  super-groups; they are combined with an exact-by-construction hypot, so the
+  result is ``sqrt(F)`` with ``F`` the sum of local squared norms.
+  """
+
+  def wire_bits(self, d: int, n: int) -> int:
+    return _STATS_BITS * d
+
+  def plan(self, x, meta, bucket, state, keys):
+    raise NotImplementedError("SupergroupStats only combines metadata")
+
+  def finish(self, decoded, aux, bucket, state):
+    raise NotImplementedError("SupergroupStats only combines metadata")
+
+  def encode(self, chunk, aux, keys):
+    del aux
+    k0, k1 = keys.derive(keys.chunk, keys.hop, rng.Stream.DYNAMIQ_STATS)
+    mean = stochastic_bf16(chunk[..., 0], rng.hash_index(k0, k1, _element_index(chunk[..., 0])))
+    return jnp.stack([mean, chunk[..., 1].astype(jnp.bfloat16)], axis=-1)
+
+  def decode(self, payload, aux):
+    del aux
+    return payload.astype(jnp.float32)
+
+  def decode_add(self, payload, chunk, aux):
+    p = self.decode(payload, aux)
+    return jnp.stack([p[..., 0] + chunk[..., 0], hypot(p[..., 1], chunk[..., 1])], axis=-1)
+
+
+def _element_index(v):
+  return jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -353,89 +454,3 @@ def _layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
 @functools.lru_cache(maxsize=1)
 def _paper_profile():
   return allocation.mixture_profile()
-
-
-def _stochastic_bf16(v, k0, k1):
-  """Rounds float32 to bfloat16 stochastically (unbiased): add 16 random bits
-  below the bf16 mantissa, then truncate. Integer ops only: exact."""
-  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
-  idx = jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)
-  noise = rng.hash_index(k0, k1, idx) >> 16
-  out = jax.lax.bitcast_convert_type((bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
-  return jnp.where(jnp.isfinite(v), out, v).astype(jnp.bfloat16)
-
-
-def _stats_ops(key_words, bucket) -> HopOps:
-  """The statistics all-reduce: lane 0 sums means, lane 1 combines norms.
-
-  Means are rounded to bf16 *stochastically* at every hop, so the mean that
-  is added back is an unbiased estimate of the exact sum of local means and
-  the whole all-reduce stays unbiased (round-to-nearest would leave a fixed
-  error of up to 2^-9 of every super-group mean). Norms only rank
-  super-groups; they are combined with an exact-by-construction hypot.
-  """
-  kw0, kw1 = key_words
-
-  def encode_vals(vals, c, hop):
-    k0, k1 = rng.derive_key(kw0, kw1, bucket, c, hop, _STREAM_STATS)
-    mean = _stochastic_bf16(vals[..., 0], k0, k1)
-    return jnp.stack([mean, vals[..., 1].astype(jnp.bfloat16)], axis=-1)
-
-  def decode(payload):
-    return payload.astype(jnp.float32)
-
-  def decode_add(payload, chunk):
-    p = decode(payload)
-    return jnp.stack([p[..., 0] + chunk[..., 0], _hypot(p[..., 1], chunk[..., 1])], axis=-1)
-
-  def decode_add_encode(payload, chunk, c, hop):
-    return encode_vals(decode_add(payload, chunk), c, hop)
-
-  return HopOps(encode_vals, decode, decode_add_encode, decode_add)
-
-
-def _dynamiq_ops(codec: DynamiQ, lay: DynamiQLayout, ctx, key_words, bucket,
-                 implementation) -> HopOps:
-  n = ctx.n
-  strata = n if codec.correlated else 1
-  rank = ctx.rank()
-  kw0, kw1 = key_words
-  classes = [(w, codec.format(w), cap // n) for w, cap in lay.capacities]
-  sizes = [s * f.record_bytes for _, f, s in classes]
-  impl = dict(implementation=implementation)
-
-  def keys(w, c, hop):
-    k0, k1 = rng.derive_key(kw0, kw1, bucket, w, c, hop, _STREAM_ROUND)
-    s0, s1 = rng.derive_key(kw0, kw1, bucket, w, c, _STREAM_SHIFT)
-    return (k0, k1, s0, s1)
-
-  def split(payload):
-    out, off = [], 0
-    for (_, f, s), size in zip(classes, sizes):
-      out.append(payload[off:off + size].reshape(s, f.record_bytes))
-      off += size
-    return out
-
-  def join(parts):
-    return jnp.concatenate([p.reshape(-1) for p in parts])
-
-  def encode(chunk, c, hop):
-    return join([
-        kernels.compress(x, f, keys=keys(w, c, hop), rank=rank, strata=strata, **impl)
-        for (w, f, _), x in zip(classes, chunk)])
-
-  def decode(payload):
-    return tuple(kernels.decompress(p, f, **impl)
-                 for (_, f, _), p in zip(classes, split(payload)))
-
-  def decode_add_encode(payload, chunk, c, hop):
-    return join([
-        kernels.decompress_accumulate_recompress(
-            p, x, f, keys=keys(w, c, hop), rank=rank, strata=strata, **impl)
-        for (w, f, _), p, x in zip(classes, split(payload), chunk)])
-
-  def decode_add(payload, chunk):
-    return tuple(kernels.decompress_accumulate(p, x, f, **impl)
-                 for (_, f, _), p, x in zip(classes, split(payload), chunk))
-
-  return HopOps(encode, decode, decode_add_encode, decode_add)

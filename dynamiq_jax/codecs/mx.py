@@ -27,13 +27,13 @@ more accurate than their simulator (REFERENCE_VNMSE.md, caveat 4).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynamiq_jax.codecs.base import Prepared, simple_ops
+from dynamiq_jax.codecs.base import Codec, Metadata, Plan, pad_to, round_up
 from dynamiq_jax.codecs.minifloat import ELEMENTS, pack_bits, unpack_bits
 from pallas_kernels.dynamiq_format import ceil_to_bf16
 
@@ -41,7 +41,7 @@ __all__ = ["MX", "mxfp8", "mxfp6", "mxfp4"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MX:
+class MX(Codec):
   """MX block-scaled minifloat codec.
 
   Args:
@@ -63,7 +63,7 @@ class MX:
     8.5
   """
 
-  reports_contribution = True  # prepare() gives `own`, for error feedback
+  reports_contribution = True
 
   element: Literal["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"] = "e4m3"
   scale: Literal["bf16", "e8m0"] = "bf16"
@@ -94,7 +94,7 @@ class MX:
 
   def _blocks(self, d: int, n: int) -> tuple[int, int]:
     m = -(-d // self.block)
-    return m, -(-m // n) * n
+    return m, round_up(m, n)
 
   def wire_bits(self, d: int, n: int) -> int:
     m, padded = self._blocks(d, n)
@@ -130,83 +130,99 @@ class MX:
 
   # -- the all-reduce ---------------------------------------------------------------
 
-  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None, state=None):
-    del run, key_words, bucket, implementation
-    n = ctx.n
-    d = x.shape[0]
-    m, padded = self._blocks(d, n)
-    xb = jnp.pad(x, (0, padded * self.block - d)).reshape(padded, self.block)
-    f = self.fmt
+  @property
+  def stateful(self) -> bool:
+    return self.scale == "bf16"
+
+  def metadata(self, x, bucket, state):
+    del state
     if self.scale == "e8m0":
-      return self._prepare_e8m0(xb, d, n)
-    mu = self.init_state(d, n) if state is None else state
+      return None
+    m, _ = self._blocks(bucket.d, bucket.n)
+    xb = self._padded(x, bucket)
     with jax.named_scope("mx/block_max"):
-      amax = ceil_to_bf16(jnp.max(jnp.abs(xb[:m]), axis=-1))
-      amax = jnp.pad(ctx.pmax(amax), (0, padded - m))
+      return Metadata(ceil_to_bf16(jnp.max(jnp.abs(xb[:m]), axis=-1)), combine="max")
+
+  def _padded(self, x, bucket):
+    _, padded = self._blocks(bucket.d, bucket.n)
+    return pad_to(x, padded * self.block).reshape(padded, self.block)
+
+  def plan(self, x, meta, bucket, state, keys):
+    del keys
+    n = bucket.n
+    xb = self._padded(x, bucket)
+    padded = xb.shape[0]
+    if self.scale == "e8m0":
+      return Plan(xb.reshape(n, padded // n, self.block))
+    mu = self.init_state(bucket.d, n) if state is None else state
+    amax = jnp.pad(meta, (0, padded - meta.shape[0]))
     scale = ceil_to_bf16(amax / mu)  # bf16: block max -> at most mu
     safe = jnp.where(scale > 0, scale, 1.0)[:, None]
     scaled = jnp.where(scale[:, None] > 0, xb / safe, 0.0)
-    chunks = scaled.reshape(n, padded // n, self.block)
+    return Plan(scaled.reshape(n, padded // n, self.block), MXAux(scale, mu))
 
-    def encode(chunk, c, hop):
-      del c, hop
-      return pack_bits(f.quantize(chunk)[1], f.bits)
-
-    def decode(payload):
-      return f.decode(unpack_bits(payload, f.bits))
-
-    def finish(decoded):
-      grid = decoded.reshape(padded, self.block)
-      out = (grid * scale[:, None]).reshape(-1)[:d]  # exact: <=4 x 8 significant bits
-      new_mu = mu
-      if self._is_adaptive():
-        sat = jnp.sum((jnp.abs(grid) >= f.max).reshape(-1)[:d]) / d
-        new_mu = jnp.where(sat > self._overflow(),
-                           jnp.maximum(mu * 0.95, f.max / (2.0 * n)),
-                           jnp.minimum(mu * 2.0**0.02, f.max))
-      return out, new_mu
-
-    def own():
-      return (f.quantize(scaled)[0] * scale[:, None]).reshape(-1)[:d]
-
-    return Prepared(chunks, simple_ops(encode, decode), finish, own)
-
-  def _prepare_e8m0(self, xb, d, n):
+  def encode(self, chunk, aux, keys):
+    del keys
     f = self.fmt
-    padded = xb.shape[0]
-
-    def quantize(v):
-      """OCP MX conversion of blocks v [B, block] -> (codes [B, block], scale byte [B])."""
-      amax = jnp.max(jnp.abs(v), axis=-1)
-      bad = ~jnp.isfinite(amax)
-      _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))
-      shared = jnp.clip(e - 1 - f.emax, -127, 127)
-      shared = jnp.where(amax > 0, shared, -127)
-      p = f.quantize(jnp.ldexp(v, -shared[:, None]))[1]  # exact power-of-two scaling
-      sbyte = jnp.where(bad, 255, shared + 127).astype(jnp.uint8)
-      return p, sbyte
-
-    def dequantize(codes, sbyte):
-      x = jnp.ldexp(f.decode(codes), sbyte.astype(jnp.int32)[..., None] - 127)
-      return jnp.where((sbyte == 255)[..., None], jnp.nan, x)
-
-    def encode(chunk, c, hop):
-      del c, hop
-      codes, sbyte = quantize(chunk)
+    if self.scale == "e8m0":
+      codes, sbyte = self._quantize_e8m0(chunk)
       return jnp.concatenate([pack_bits(codes, f.bits), sbyte[:, None]], axis=-1)
+    return pack_bits(f.quantize(chunk)[1], f.bits)
 
-    def decode(payload):
+  def decode(self, payload, aux):
+    f = self.fmt
+    if self.scale == "e8m0":
       nb = self.block * f.bits // 8
-      return dequantize(unpack_bits(payload[:, :nb], f.bits), payload[:, nb])
+      return self._dequantize_e8m0(unpack_bits(payload[:, :nb], f.bits), payload[:, nb])
+    return f.decode(unpack_bits(payload, f.bits))
 
-    def finish(decoded):
+  def finish(self, decoded, aux, bucket, state):
+    d, n = bucket.d, bucket.n
+    if self.scale == "e8m0":
       return decoded.reshape(-1)[:d], None
+    f = self.fmt
+    scale, mu = aux
+    grid = decoded.reshape(-1, self.block)
+    out = (grid * scale[:, None]).reshape(-1)[:d]  # exact: <=4 x 8 significant bits
+    new_mu = mu
+    if self._is_adaptive():
+      sat = jnp.sum((jnp.abs(grid) >= f.max).reshape(-1)[:d]) / d
+      new_mu = jnp.where(sat > self._overflow(),
+                         jnp.maximum(mu * 0.95, f.max / (2.0 * n)),
+                         jnp.minimum(mu * 2.0**0.02, f.max))
+    return out, new_mu
 
-    def own():
-      return dequantize(*quantize(xb)).reshape(-1)[:d]
+  def contribution(self, x, aux, bucket):
+    xb = self._padded(x, bucket)
+    if self.scale == "e8m0":
+      return self._dequantize_e8m0(*self._quantize_e8m0(xb)).reshape(-1)[:bucket.d]
+    scale, _ = aux
+    safe = jnp.where(scale > 0, scale, 1.0)[:, None]
+    scaled = jnp.where(scale[:, None] > 0, xb / safe, 0.0)
+    return (self.fmt.quantize(scaled)[0] * scale[:, None]).reshape(-1)[:bucket.d]
 
-    chunks = xb.reshape(n, padded // n, self.block)
-    return Prepared(chunks, simple_ops(encode, decode), finish, own)
+  def _quantize_e8m0(self, v):
+    """OCP MX conversion of blocks v [B, block] -> (codes [B, block], scale byte [B])."""
+    f = self.fmt
+    amax = jnp.max(jnp.abs(v), axis=-1)
+    bad = ~jnp.isfinite(amax)
+    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))
+    shared = jnp.clip(e - 1 - f.emax, -127, 127)
+    shared = jnp.where(amax > 0, shared, -127)
+    p = f.quantize(jnp.ldexp(v, -shared[:, None]))[1]  # exact power-of-two scaling
+    sbyte = jnp.where(bad, 255, shared + 127).astype(jnp.uint8)
+    return p, sbyte
+
+  def _dequantize_e8m0(self, codes, sbyte):
+    x = jnp.ldexp(self.fmt.decode(codes), sbyte.astype(jnp.int32)[..., None] - 127)
+    return jnp.where((sbyte == 255)[..., None], jnp.nan, x)
+
+
+class MXAux(NamedTuple):
+  """Per-bucket arrays of the bf16-scale mode: block scales [blocks] and this round's mu."""
+
+  scale: jax.Array
+  mu: jax.Array
 
 
 def mxfp8(**kw) -> MX:

@@ -21,19 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.codecs._exact import row_norm
-from dynamiq_jax.codecs.base import Prepared, cast_ops
+from dynamiq_jax.codecs.base import Metadata, Plan, pad_to, round_up
+from dynamiq_jax.codecs.bf16 import Cast
 
 __all__ = ["OmniReduce"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OmniReduce:
+class OmniReduce(Cast):
   """Block top-k with a union of local selections, values sent uncompressed.
 
   Args:
@@ -48,7 +50,9 @@ class OmniReduce:
     8.031
   """
 
-  reports_contribution = True  # prepare() gives `own`, for error feedback
+  reports_contribution = True
+
+  _dtype = jnp.bfloat16  # the union's blocks travel as bf16 partial sums
 
   density: float = 0.5
   block: int = 256
@@ -68,8 +72,8 @@ class OmniReduce:
 
   def _sizes(self, d: int, n: int):
     m = -(-d // self.block)
-    m_pad = -(-m // n) * n
-    capacity = min(m_pad, -(-math.ceil(self.density * m) // n) * n)
+    m_pad = round_up(m, n)
+    capacity = min(m_pad, round_up(math.ceil(self.density * m), n))
     return m, m_pad, capacity
 
   def wire_bits(self, d: int, n: int) -> int:
@@ -78,43 +82,71 @@ class OmniReduce:
       raise ValueError(f"OmniReduce counts selections in uint8: n={n} must be <= 255")
     return capacity * self.block * 16 + m_pad * 8
 
+  @property
+  def stateful(self) -> bool:
+    return True
+
   def init_state(self, d: int, n: int):
     del d, n
     return jnp.asarray(self.density, jnp.float32)  # local top-k fraction
 
-  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None, state=None):
-    del key_words, bucket, implementation
-    n, d = ctx.n, x.shape[0]
-    m, m_pad, capacity = self._sizes(d, n)
+  def _blocks(self, x, bucket):
+    _, m_pad, _ = self._sizes(bucket.d, bucket.n)
+    return pad_to(x, m_pad * self.block).reshape(m_pad, self.block)
+
+  def metadata(self, x, bucket, state):
+    """This rank's marks of its local top-k blocks, summed over ranks (uint8 counts)."""
+    n, d = bucket.n, bucket.d
+    m, m_pad, _ = self._sizes(d, n)
     frac = self.init_state(d, n) if state is None else state
-    xb = jnp.pad(x, (0, m_pad * self.block - d)).reshape(m_pad, self.block)
+    xb = self._blocks(x, bucket)
     idx = jnp.arange(m_pad)
     with jax.named_scope("omnireduce/select"):
       norms = jnp.where(idx < m, row_norm(xb), -1.0)
       k = jnp.clip(jnp.floor(frac * m), 1, m).astype(jnp.int32)
       rank_local = jnp.argsort(jnp.argsort(-norms, stable=True), stable=True)
       mine = (rank_local < k) & (idx < m)
-      counts = run(mine.astype(jnp.int32).reshape(n, m_pad // n), cast_ops(jnp.uint8)).reshape(-1)
-      union = counts > 0
-      # Slots: union blocks by (more ranks marked it, lower index) first.
-      order = jnp.argsort(jnp.where(union, -counts, 1), stable=True)
-      sent = order[:capacity]
-      sent_ok = union[sent]
-    values = jnp.where(sent_ok[:, None], xb[sent], 0.0)
-    chunks = values.reshape(n, capacity // n, self.block)
+    return Metadata(mine.astype(jnp.int32).reshape(n, m_pad // n), combine=Cast.of(jnp.uint8))
 
-    def finish(decoded):
-      dense = jnp.where(sent_ok[:, None], decoded.reshape(capacity, self.block), 0.0)
-      out = jnp.zeros((m_pad, self.block), jnp.float32).at[sent].set(dense)
-      size = jnp.sum(union).astype(jnp.float32)
-      target = np.float32(max(self.density * m, 1.0))
-      prop = jnp.clip(size / target, 0.6, 1 / 0.6)
-      new = self.momentum * frac + (1 - self.momentum) * frac / prop
-      return out.reshape(-1)[:d], jnp.clip(new, 1.0 / m, 1.0)
+  def plan(self, x, meta, bucket, state, keys):
+    del keys
+    n, d = bucket.n, bucket.d
+    _, _, capacity = self._sizes(d, n)
+    frac = self.init_state(d, n) if state is None else state
+    counts = meta.reshape(-1)
+    union = counts > 0
+    # Slots: union blocks by (more ranks marked it, lower index) first.
+    order = jnp.argsort(jnp.where(union, -counts, 1), stable=True)
+    sent = order[:capacity]
+    sent_ok = union[sent]
+    values = jnp.where(sent_ok[:, None], self._blocks(x, bucket)[sent], 0.0)
+    return Plan(values.reshape(n, capacity // n, self.block),
+                OmniReduceAux(sent, sent_ok, union, frac))
 
-    def own():
-      mask = jnp.zeros((m_pad,), bool).at[sent].set(sent_ok)
-      kept = jnp.where(mask[:, None], xb, 0.0).astype(jnp.bfloat16).astype(jnp.float32)
-      return kept.reshape(-1)[:d]
+  def finish(self, decoded, aux, bucket, state):
+    del state
+    d = bucket.d
+    m, m_pad, capacity = self._sizes(d, bucket.n)
+    dense = jnp.where(aux.sent_ok[:, None], decoded.reshape(capacity, self.block), 0.0)
+    out = jnp.zeros((m_pad, self.block), jnp.float32).at[aux.sent].set(dense)
+    size = jnp.sum(aux.union).astype(jnp.float32)
+    target = np.float32(max(self.density * m, 1.0))
+    prop = jnp.clip(size / target, 0.6, 1 / 0.6)
+    frac = aux.frac
+    new = self.momentum * frac + (1 - self.momentum) * frac / prop
+    return out.reshape(-1)[:d], jnp.clip(new, 1.0 / m, 1.0)
 
-    return Prepared(chunks, cast_ops(jnp.bfloat16), finish, own)
+  def contribution(self, x, aux, bucket):
+    _, m_pad, _ = self._sizes(bucket.d, bucket.n)
+    mask = jnp.zeros((m_pad,), bool).at[aux.sent].set(aux.sent_ok)
+    kept = jnp.where(mask[:, None], self._blocks(x, bucket), 0.0)
+    return kept.astype(jnp.bfloat16).astype(jnp.float32).reshape(-1)[:bucket.d]
+
+
+class OmniReduceAux(NamedTuple):
+  """The blocks sent (their slots and validity), the union mask, and this round's k fraction."""
+
+  sent: jax.Array
+  sent_ok: jax.Array
+  union: jax.Array
+  frac: jax.Array

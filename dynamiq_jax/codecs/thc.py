@@ -24,19 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.codecs._exact import vector_norm
-from dynamiq_jax.codecs.base import Prepared, cast_ops
+from dynamiq_jax.codecs.base import Codec, Metadata, Plan, pad_to, padded_length, round_up
+from dynamiq_jax.codecs.bf16 import Cast
 from pallas_kernels import rng
 
 __all__ = ["THC", "GlobalQSGD", "fwht"]
-
-_STREAM_SIGNS = 11
-_STREAM_ROUND = 12
 
 
 def fwht(x):
@@ -80,13 +79,27 @@ def _normal_two_sided_quantile(p: float) -> float:
   return 0.5 * (lo + hi)
 
 
-def _private_uniforms(key_words, bucket, stream, rank, size):
-  k0, k1 = rng.derive_key(key_words[0], key_words[1], bucket, stream, rank)
+def _private_uniforms(keys, size):
+  """This rank's own uniforms on [0, 1) for ``size`` elements."""
+  k0, k1 = keys.derive(rng.Stream.PRIVATE_ROUND, keys.rank)
   return rng.uniform24(rng.hash_index(k0, k1, jnp.arange(size, dtype=jnp.uint32)))
 
 
+class IntegerSum(Cast):
+  """Shared hop functions of the integer-lattice codecs: the payload is the
+  integer partial sum in the codec's container; nothing is re-quantised."""
+
+  def encode(self, chunk, aux, keys):
+    del keys
+    return chunk.astype(aux.container)
+
+  def decode(self, payload, aux):
+    del aux
+    return payload.astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class THC:
+class THC(IntegerSum):
   """Tensor Homomorphic Compression, uniform variant, as a ring codec.
 
   Args:
@@ -103,7 +116,7 @@ class THC:
     8.000030517578125
   """
 
-  reports_contribution = True  # prepare() gives `own`, for error feedback
+  reports_contribution = True
 
   levels: int = 16
   overflow_frequency: float = 1024.0
@@ -123,9 +136,8 @@ class THC:
 
   def _layout(self, d: int, n: int):
     block = min(self.rht_block, 1 << max(d - 1, 1).bit_length())
-    rotated = -(-d // block) * block
-    padded = -(-rotated // n) * n
-    return block, rotated, padded
+    rotated = round_up(d, block)
+    return block, rotated, padded_length(rotated, n)
 
   def container(self, n: int):
     return _container((self.levels - 1) * n, signed=False)
@@ -134,47 +146,72 @@ class THC:
     _, _, padded = self._layout(d, n)
     return padded * jnp.iinfo(self.container(n)).bits + 32  # + the max-norm all-reduce
 
-  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None, state=None):
-    del run, implementation, state
-    n, d = ctx.n, x.shape[0]
+  def metadata(self, x, bucket, state):
+    del bucket, state
+    with jax.named_scope("thc/scale"):
+      return Metadata(vector_norm(x), combine="max")
+
+  def _signs(self, keys, bucket):
+    block, rotated, _ = self._layout(bucket.d, bucket.n)
+    k0, k1 = keys.derive(rng.Stream.THC_SIGNS)
+    bits = rng.hash_index(k0, k1, jnp.arange(rotated, dtype=jnp.uint32)) >> 31
+    return jnp.where(bits == 1, np.float32(-1), np.float32(1)).reshape(-1, block)
+
+  def plan(self, x, meta, bucket, state, keys):
+    del state
+    n, d = bucket.n, bucket.d
     block, rotated, padded = self._layout(d, n)
-    k0, k1 = rng.derive_key(key_words[0], key_words[1], bucket, _STREAM_SIGNS)
-    signs = jnp.where((rng.hash_index(k0, k1, jnp.arange(rotated, dtype=jnp.uint32)) >> 31) == 1,
-                      np.float32(-1), np.float32(1)).reshape(-1, block)
+    signs = self._signs(keys, bucket)
     inv_sqrt = np.float32(1.0 / np.sqrt(block))
     with jax.named_scope("thc/rotate"):
-      y = (fwht(jnp.pad(x, (0, rotated - d)).reshape(-1, block) * signs) * inv_sqrt).reshape(-1)
-    with jax.named_scope("thc/scale"):
-      max_norm = ctx.pmax(vector_norm(x))
+      y = (fwht(pad_to(x, rotated).reshape(-1, block) * signs) * inv_sqrt).reshape(-1)
+    max_norm = meta
     sigma = max_norm / np.float32(np.sqrt(rotated))
     t = np.float32(self.clamp)
     lo = -t * sigma
     delta = 2 * t * sigma / np.float32(self.levels - 1)
     live = delta > 0
     z = jnp.clip((y - lo) / jnp.where(live, delta, 1.0), 0, self.levels - 1)
-    u = _private_uniforms(key_words, bucket, _STREAM_ROUND, ctx.rank(), rotated)
+    u = _private_uniforms(keys, rotated)
     fl = jnp.floor(z)
     lvl = (fl + (u < z - fl)).astype(jnp.int32)
     lvl = jnp.where(live, lvl, 0)
-    chunks = jnp.pad(lvl, (0, padded - rotated)).reshape(n, padded // n)
+    aux = THCAux(signs, lo, delta, live, max_norm, lvl, self.container(n))
+    return Plan(pad_to(lvl, padded).reshape(n, padded // n), aux)
 
-    def unrotate(v):
-      return (fwht(v.reshape(-1, block)) * inv_sqrt * signs).reshape(-1)[:d]
+  def _unrotate(self, v, aux, d):
+    block = aux.signs.shape[1]
+    inv_sqrt = np.float32(1.0 / np.sqrt(block))
+    return (fwht(v.reshape(-1, block)) * inv_sqrt * aux.signs).reshape(-1)[:d]
 
-    def finish(decoded):
-      total = decoded.reshape(-1)[:rotated]
-      summed = jnp.where(live, total * delta + np.float32(n) * lo, 0.0)
-      out = unrotate(summed)
-      return jnp.where(jnp.isfinite(max_norm), out, jnp.nan), None
+  def finish(self, decoded, aux, bucket, state):
+    del state
+    rotated = aux.signs.size
+    total = decoded.reshape(-1)[:rotated]
+    summed = jnp.where(aux.live, total * aux.delta + np.float32(bucket.n) * aux.lo, 0.0)
+    out = self._unrotate(summed, aux, bucket.d)
+    return jnp.where(jnp.isfinite(aux.max_norm), out, jnp.nan), None
 
-    def own():
-      return unrotate(jnp.where(live, lvl.astype(jnp.float32) * delta + lo, 0.0))
+  def contribution(self, x, aux, bucket):
+    del x
+    own = jnp.where(aux.live, aux.levels.astype(jnp.float32) * aux.delta + aux.lo, 0.0)
+    return self._unrotate(own, aux, bucket.d)
 
-    return Prepared(chunks, cast_ops(self.container(n)), finish, own)
+
+class THCAux(NamedTuple):
+  """THC's per-bucket arrays: rotation signs, lattice origin and step, this rank's levels."""
+
+  signs: jax.Array
+  lo: jax.Array
+  delta: jax.Array
+  live: jax.Array
+  max_norm: jax.Array
+  levels: jax.Array
+  container: Any
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GlobalQSGD:
+class GlobalQSGD(IntegerSum):
   """Global-QSGD with a global L-infinity scale and integer all-reduce.
 
   Args:
@@ -186,7 +223,7 @@ class GlobalQSGD:
     8.000030517578125
   """
 
-  reports_contribution = True  # prepare() gives `own`, for error feedback
+  reports_contribution = True
 
   bits: int = 8
 
@@ -204,28 +241,39 @@ class GlobalQSGD:
 
   def wire_bits(self, d: int, n: int) -> int:
     self.levels(n)
-    return -(-d // n) * n * self.bits + 32  # + the max all-reduce
+    return padded_length(d, n) * self.bits + 32  # + the max all-reduce
 
-  def prepare(self, x, *, ctx, run, key_words, bucket, implementation=None, state=None):
-    del run, implementation, state
-    n, d = ctx.n, x.shape[0]
+  def metadata(self, x, bucket, state):
+    del bucket, state
+    return Metadata(jnp.max(jnp.abs(x)), combine="max")
+
+  def plan(self, x, meta, bucket, state, keys):
+    del state
+    n, d = bucket.n, bucket.d
     k = np.float32(self.levels(n))
-    padded = -(-d // n) * n
-    gmax = ctx.pmax(jnp.max(jnp.abs(x)))
+    gmax = meta
     live = gmax > 0
     step = jnp.where(live, gmax, 1.0) / k
     y = x / step  # in [-K, K]
-    u = _private_uniforms(key_words, bucket, _STREAM_ROUND, ctx.rank(), d)
+    u = _private_uniforms(keys, d)
     fl = jnp.floor(y)
     q = jnp.where(live, fl + (u < y - fl), 0.0).astype(jnp.int32)
-    chunks = jnp.pad(q, (0, padded - d)).reshape(n, padded // n)
-    dtype = jnp.int8 if self.bits == 8 else jnp.int16
+    container = jnp.int8 if self.bits == 8 else jnp.int16
+    return Plan(pad_to(q, padded_length(d, n)).reshape(n, -1),
+                GlobalQSGDAux(step, gmax, q, container))
 
-    def finish(decoded):
-      out = decoded.reshape(-1)[:d] * step
-      return jnp.where(jnp.isfinite(gmax), out, jnp.nan), None
+  def finish(self, decoded, aux, bucket, state):
+    del state
+    out = decoded.reshape(-1)[:bucket.d] * aux.step
+    return jnp.where(jnp.isfinite(aux.gmax), out, jnp.nan), None
 
-    def own():
-      return q.astype(jnp.float32) * step
+  def contribution(self, x, aux, bucket):
+    del x, bucket
+    return aux.q.astype(jnp.float32) * aux.step
 
-    return Prepared(chunks, cast_ops(dtype), finish, own)
+
+class GlobalQSGDAux(NamedTuple):
+  step: jax.Array
+  gmax: jax.Array
+  q: jax.Array
+  container: Any

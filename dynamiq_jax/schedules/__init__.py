@@ -1,13 +1,29 @@
-"""Multi-hop all-reduce schedules: static plans and their executor."""
+"""Multi-hop all-reduce schedules: the collective vocabulary, static plans, the executor.
 
+Nothing here knows a codec: the executor moves payloads and calls four
+functions of arrays (:class:`HopOps`) that ``allreduce`` builds from a codec.
+"""
+
+from dynamiq_jax.schedules.context import AxisContext
+from dynamiq_jax.schedules.context import axis_context
+from dynamiq_jax.schedules.executor import HopOps
+from dynamiq_jax.schedules.executor import all_gather
 from dynamiq_jax.schedules.executor import execute
+from dynamiq_jax.schedules.executor import reduce_scatter
+from dynamiq_jax.schedules.hierarchical import HIERARCHICAL
 from dynamiq_jax.schedules.plan import TreePlan
 from dynamiq_jax.schedules.plan import butterfly_plan
 from dynamiq_jax.schedules.plan import get_plan
 from dynamiq_jax.schedules.plan import ring_plan
 
 __all__ = [
+    "AxisContext",
+    "axis_context",
+    "HopOps",
+    "all_gather",
     "execute",
+    "reduce_scatter",
+    "HIERARCHICAL",
     "TreePlan",
     "butterfly_plan",
     "get_plan",

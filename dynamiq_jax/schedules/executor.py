@@ -21,13 +21,37 @@ compile time grows with log n at most.
 
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from dynamiq_jax.codecs.base import AxisContext, HopOps
+from dynamiq_jax.schedules.context import AxisContext
 from dynamiq_jax.schedules.plan import TreePlan
 
-__all__ = ["execute"]
+__all__ = ["HopOps", "execute", "reduce_scatter", "all_gather"]
+
+PyTree = Any
+
+
+class HopOps(NamedTuple):
+  """What the executor does with payloads: four functions of arrays.
+
+  ``c`` is the chunk index and ``hop`` the step at which the payload is sent
+  (int32 scalars, possibly traced); an encode may key its random draws by
+  them. ``allreduce`` builds these from a codec's pure hop functions.
+
+  Attributes:
+    encode: ``(chunk, c, hop) -> payload``.
+    decode: ``payload -> value`` (a chunk's shape, float32 or int32).
+    decode_add_encode: ``(payload, chunk, c, hop) -> payload``: one fused hop.
+    decode_add: ``(payload, chunk) -> value``.
+  """
+
+  encode: Callable[[PyTree, Any, Any], PyTree]
+  decode: Callable[[PyTree], PyTree]
+  decode_add_encode: Callable[[PyTree, PyTree, Any, Any], PyTree]
+  decode_add: Callable[[PyTree, PyTree], PyTree]
 
 
 def _take(chunks, c):
@@ -46,7 +70,15 @@ def _shift_perm(n: int, shift: int):
 
 
 def execute(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
-  """Runs one all-reduce of ``chunks`` (leading axis n) and returns the decoded chunks."""
+  """Runs one all-reduce of ``chunks`` (leading axis n) and returns the decoded chunks.
+
+  Each rank sends ``2 (n - 1)`` payloads of one chunk each.
+  """
+  return all_gather(plan, ctx, reduce_scatter(plan, ctx, chunks, ops), ops)
+
+
+def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
+  """The reduce phase: returns the encoded full sum of chunk ``rank - plan.root``."""
   n = plan.n
   if ctx.n != n:
     raise ValueError(f"plan is for n={n} but the axis has size {ctx.n}")
@@ -78,7 +110,7 @@ def execute(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
               c_prev = mod(r - (b0 + i * (b1 - b0)))
               acc = _put(acc, c_prev, ops.decode_add(recv, _take(acc, c_prev)))
             payload = ops.encode(_take(acc, c_send), c_send, jnp.asarray(j, jnp.int32))
-          recv = jax.lax.ppermute(payload, ctx.axis_name, _shift_perm(n, shift))
+          recv = ctx.ppermute(payload, _shift_perm(n, shift))
         return acc, recv
 
       if length == 1:
@@ -93,7 +125,15 @@ def execute(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
         c_prev = mod(r - plan.edges[-1][1])
         acc = _put(acc, c_prev, ops.decode_add(recv, _take(acc, c_prev)))
         final = ops.encode(_take(acc, c_root), c_root, jnp.int32(plan.steps))
+  return final
 
+
+def all_gather(plan: TreePlan, ctx: AxisContext, final, ops: HopOps):
+  """The gather phase: every root's payload, forwarded unchanged, decoded everywhere.
+
+  Returns the decoded chunks, leading axis n in chunk order, identical on
+  every rank (each root adopts the decoded version of what it broadcast).
+  """
   with jax.named_scope("gather"):
     gathered = ctx.all_gather(final)  # [rank, ...]; rank s holds chunk s - root
     by_chunk = jax.tree.map(lambda g: jnp.roll(g, -plan.root, axis=0), gathered)
