@@ -266,7 +266,7 @@ def _check(args) -> None:
   from jax.sharding import PartitionSpec as P
 
   import dynamiq_jax as dq
-  from dynamiq_jax.bench.reference import paper_model_gradients
+  from dynamiq_jax.synthetic import paper_model_gradients
 
   n = jax.device_count()
   codec = dq.codec_from_name(args.codec)

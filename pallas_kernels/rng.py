@@ -58,6 +58,7 @@ class Stream(enum.IntEnum):
   ``THC_SIGNS``               (none)                  the shared random signs of THC's Hadamard
                                                       rotation (identical on every rank)
   ``PRIVATE_ROUND``           (after it: rank)        THC's and Global-QSGD's per-rank rounding
+  ``USER``                    (any)                   free for codecs written outside the library
   ==========================  =====================  ==============================================
   """
 
@@ -67,6 +68,7 @@ class Stream(enum.IntEnum):
   THC_SIGNS = 11
   PRIVATE_ROUND = 12
   DYNAMIQ_SCALE = 0x5CA1E5
+  USER = 0x55E5
 
 
 _M1 = 0x7FEB352D

@@ -5,8 +5,9 @@ specified in the project's reference page (``shared/spec/paper_model_data.py``
 in the steering repository): super-group magnitudes M from a two-component
 LogNormal mixture, coordinates N(0, M^2/256); ``"iid"`` workers are
 independent, ``"heavy"`` workers share a signal carrying half the variance.
-:func:`paper_model_gradients` regenerates the same float32 arrays, bit for
-bit, from the same numpy ``Generator`` calls (no download).
+:func:`dynamiq_jax.synthetic.paper_model_gradients` (re-exported here)
+regenerates the same float32 arrays, bit for bit, from the same numpy
+``Generator`` calls (no download).
 
 Reference: :data:`REFERENCE` holds the vNMSE the authors' own simulator
 (``CharlesHan24/DynamiQ`` @ 737b184, ``simulations_llm/new_comm_hooks``)
@@ -21,16 +22,13 @@ all-in (payload ~4.45 + scales 0.5625 + statistics 0.078).
 from __future__ import annotations
 
 import numpy as np
-from ml_dtypes import bfloat16
+
+from dynamiq_jax.synthetic import paper_model_gradients
 
 __all__ = [
     "paper_model_gradients", "REFERENCE", "AUTHORS_ALL_IN_BITS", "AUTHORS_STATS_BITS",
     "AUTHORS_WIRE_BITS", "vnmse",
 ]
-
-SUPER = 256
-_PI1, _MU1, _SIG1 = 0.79, -3.99, 1.22
-_MU2, _SIG2 = -16.41, 4.63
 
 AUTHORS_ALL_IN_BITS = 5.1
 """All-in bits/coordinate of the authors' 5-bit hierarchical runs."""
@@ -44,39 +42,6 @@ AUTHORS_WIRE_BITS = {
 }
 """Wire bits incl. scales of the authors' n = 8 hier+corr runs (data seed 0);
 add :data:`AUTHORS_STATS_BITS` for the all-in figure."""
-
-
-def paper_model_gradients(dataset: str, n: int, d: int = 1 << 20, seed: int = 0,
-                          bf16: bool = True) -> np.ndarray:
-  """Per-worker synthetic gradients, float32 [n, d].
-
-  Args:
-    dataset: ``"iid"`` or ``"heavy"``.
-    n: number of workers.
-    d: coordinates per worker (a multiple of 256; the reference uses 2**20).
-    seed: data seed (the reference has 0 and 1).
-    bf16: round to bfloat16 first, as the reference runs did.
-  """
-  if d % SUPER:
-    raise ValueError(f"{d=} must be a multiple of {SUPER}")
-  rng = np.random.default_rng(seed)
-  m = d // SUPER
-  comp = rng.random(m) < _PI1
-  z1 = rng.standard_normal(m)
-  z2 = rng.standard_normal(m)
-  log_m = np.where(comp, _MU1 + _SIG1 * z1, _MU2 + _SIG2 * z2)
-  sd = np.repeat(np.exp(log_m) / np.sqrt(SUPER), SUPER)
-  if dataset == "iid":
-    g = (sd[None, :] * rng.standard_normal((n, d))).astype(np.float32)
-  elif dataset == "heavy":
-    s = rng.standard_normal(d)
-    e = rng.standard_normal((n, d))
-    g = (sd[None, :] * (np.sqrt(0.5) * s[None, :] + np.sqrt(0.5) * e)).astype(np.float32)
-  else:
-    raise ValueError(f"dataset={dataset!r} must be 'iid' or 'heavy'")
-  if bf16:
-    g = g.astype(bfloat16).astype(np.float32)
-  return g
 
 
 def vnmse(estimate, workers) -> float:
