@@ -1,6 +1,6 @@
 """Building a correct data-parallel train step, and the uncompressed baseline.
 
-The trap this module exists for (DESIGN.md): inside
+The trap this module exists for: inside
 ``jax.shard_map(check_vma=True)``, ``jax.grad`` of *replicated* parameters
 returns gradients that XLA has already summed across the axis at full
 precision. A compressed all-reduce after that only adds work. The fix is to

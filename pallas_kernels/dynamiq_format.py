@@ -1,7 +1,7 @@
 """DynamiQ's wire format and its pure-jnp reference codec.
 
 This module is the single definition of the bytes DynamiQ puts on the wire
-(spec: ALGORITHMS.md §1.5) and of the arithmetic that produces them. The
+(the paper's §3.3, with the authors' record layout) and of the arithmetic that produces them. The
 Pallas kernels reproduce it bit for bit; the reference is also the product
 path on CPU.
 
@@ -146,15 +146,6 @@ class Format:
     """Nonnegative level magnitudes ``lam[0..R]`` as bf16-exact float32."""
     return _level_table(self.bits, self.levels, float(self.eps))
 
-  def expected_error(self) -> float:
-    """Relative MSE of one quantisation of Gaussian super-groups.
-
-    ``E ||Q(x) - x||^2 / ||x||^2`` for x ~ N(0, I_256), computed exactly from
-    the rounding variance ``(t - lo)(hi - t)`` of every coordinate of a fixed
-    sample (group scales taken at the group max). Deterministic; cached.
-    """
-    return _expected_error(self)
-
 
 @functools.lru_cache(maxsize=None)
 def _level_table(bits: int, levels: str, eps: float) -> np.ndarray:
@@ -172,18 +163,6 @@ def _level_table(bits: int, levels: str, eps: float) -> np.ndarray:
         "precision; use a larger eps")
   lam.setflags(write=False)
   return lam
-
-
-@functools.lru_cache(maxsize=None)
-def _expected_error(fmt: Format, supergroups: int = 4096) -> float:
-  x = np.random.default_rng(12345).standard_normal((supergroups, SUPERGROUP))
-  lam = fmt.table().astype(np.float64)
-  a = np.abs(x).reshape(supergroups, fmt.groups, -1)
-  s = a.max(-1, keepdims=True) / lam[-1]
-  t = a / s
-  j = np.clip(np.searchsorted(lam, t, side="right") - 1, 0, lam.size - 2)
-  var = (t - lam[j]) * (lam[j + 1] - t) * s**2
-  return float(var.sum() / (x**2).sum())
 
 
 # ----------------------------------------------------------------------------
@@ -345,11 +324,9 @@ def encode_block(x, fmt: Format, *, lookup, idx, keys, rank, strata: int, store=
     strata: 1 (independent) or n (correlated over n ranks).
     store: identity on values; the XLA reference passes :func:`materialize`
       to store the random draws before the rounding reads them when several
-      codes share a byte (2 and 4 bits). Fused, the per-byte loop over those
-      codes holds the whole hash, is not unrolled and so not vectorised:
-      measured on XLA:CPU, 4-bit correlated encoding ran at 64 M
-      coordinates/s fused and 227 M/s with the draws stored (8-bit, one code
-      per byte, is faster fused: 223 vs 100 M/s). Kernels keep them in
+      codes share a byte (2 and 4 bits): fused, the per-byte loop over those
+      codes holds the whole hash, is not unrolled and so not vectorised on
+      XLA:CPU (8-bit, one code per byte, is faster fused). Kernels keep them in
       registers (None).
 
   Returns:
@@ -371,8 +348,7 @@ def encode_block(x, fmt: Format, *, lookup, idx, keys, rank, strata: int, store=
   # negative value rounds away from zero iff q - u < p q. Each quantisation
   # is unbiased either way; with stratified draws, only the signed rule keeps
   # the hops' errors negatively correlated when a coordinate's partial sums
-  # change sign along the path (ring vNMSE: 0.61x of independent rounding
-  # instead of 0.79x on the spec's iid data, as in the authors' simulator).
+  # change sign along the path (the authors' simulator rounds signed values too).
   u = jnp.where(x < 0, np.float32(q) - u, u)
   if store is not None and fmt.bits < 8:
     u = store(u)

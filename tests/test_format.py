@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ml_dtypes import bfloat16
 
+from dynamiq_jax.codecs import allocation
 from pallas_kernels import dynamiq_format as F
 from pallas_kernels import rng
 
@@ -108,7 +109,7 @@ class TestLevels:
     np.testing.assert_allclose(fmt.table(), want, rtol=2**-8)
 
   def test_expected_error_falls_with_width(self):
-    errs = [F.Format(bits=b).expected_error() for b in (2, 4, 8)]
+    errs = [allocation.expected_error(F.Format(bits=b)) for b in (2, 4, 8)]
     assert errs[0] > 10 * errs[1] > 100 * errs[2]
 
 

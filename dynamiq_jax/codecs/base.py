@@ -32,19 +32,15 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dynamiq_jax._sizes import ceil_div, round_up
 from pallas_kernels import rng
 
 __all__ = [
     "Bucket", "Keys", "HopKeys", "Metadata", "Plan", "Codec", "padded_length", "pad_to",
-    "round_up",
+    "round_up", "ceil_div",
 ]
 
 PyTree = Any
-
-
-def round_up(a: int, b: int) -> int:
-  """The smallest multiple of ``b`` that is >= ``a`` (``a >= 0``, ``b >= 1``)."""
-  return -(-a // b) * b
 
 
 def padded_length(d: int, n: int) -> int:

@@ -1,7 +1,7 @@
 """DynamiQ (Han, Vargaftik, Mitzenmacher, Ben Basat; SIGCOMM 2026).
 
 One all-reduce of a flat bucket ``x`` (this rank's gradient, pre-divided by
-n when averaging), spec §1.2:
+n when averaging), as in the paper's §3:
 
 1. Per super-group of 256 coordinates: the local mean and the L2 norm of
    the centred residual. Both go through one small all-reduce on the same
@@ -43,7 +43,7 @@ from dynamiq_jax.codecs._exact import hypot
 from dynamiq_jax.codecs._exact import row_norm
 from dynamiq_jax.codecs._exact import stochastic_bf16
 from dynamiq_jax.codecs._exact import tree_sum
-from dynamiq_jax.codecs.base import Codec, Metadata, Plan, pad_to
+from dynamiq_jax.codecs.base import Codec, Metadata, Plan, ceil_div, pad_to
 from pallas_kernels import dynamiq as kernels
 from pallas_kernels import dynamiq_format as fmt_lib
 from pallas_kernels import rng
@@ -114,9 +114,8 @@ class DynamiQ(Codec):
       way, and with independent rounding so is the whole all-reduce. With
       correlated rounding the draws of successive hops of a coordinate are
       stratified while each hop's input depends on the earlier roundings, so
-      the all-reduce carries a small bias: measured on the synthetic
-      gradients, bias^2 is 0.7% of the MSE (none along the gradient
-      direction) while the MSE is 29-39% lower. Use ``correlated=False``
+      the all-reduce carries a small bias, far below the variance it
+      removes (the README's *How it works* has the figures). Use ``correlated=False``
       where exact unbiasedness matters more than variance.
     centre: subtract each super-group's mean before quantising and add the
       all-reduced means back (the paper's step 2). ``False`` quantises the
@@ -213,7 +212,7 @@ class DynamiQ(Codec):
 
   def width_errors(self) -> dict[int, float]:
     """``{width: relative MSE of one quantisation}`` for this configuration."""
-    return {w: self.format(w).expected_error() for w in self.widths}
+    return {w: allocation.expected_error(self.format(w)) for w in self.widths}
 
   def _payload_bits(self) -> float:
     """Average code bits per coordinate left once statistics and scales are paid."""
@@ -257,7 +256,7 @@ class DynamiQ(Codec):
     lead = {x.shape[0] if x.ndim else 1 for x in leaves}
     n = lead.pop() if len(lead) == 1 and all(x.ndim > 1 for x in leaves) else 1
     flat = np.concatenate([x.reshape(n, -1) for x in leaves], axis=1)
-    m = -(-flat.shape[1] // SUPERGROUP)
+    m = ceil_div(flat.shape[1], SUPERGROUP)
     flat = np.pad(flat, ((0, 0), (0, m * SUPERGROUP - flat.shape[1]))).reshape(n, m, -1)
     centred = flat - flat.mean(-1, keepdims=True)
     norms = np.sqrt(np.sum(centred**2, axis=(0, 2)))
@@ -422,8 +421,8 @@ def _element_index(v):
 def _layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
   if d < 1 or n < 1:
     raise ValueError(f"need d >= 1 and n >= 1, got {d=}, {n=}")
-  m = -(-d // SUPERGROUP)
-  units = -(-m // n)
+  m = ceil_div(d, SUPERGROUP)
+  units = ceil_div(m, n)
   stats_bits = _STATS_BITS * units * n
   rec_bits = {w: codec.format(w).record_bytes * 8 for w in codec.widths}
   cost = {w: n * rec_bits[w] for w in codec.widths}

@@ -3,7 +3,7 @@
 Blocks of ``block`` (32) consecutive coordinates share one scale; elements
 are FP8 (E4M3, E5M2), FP6 (E3M2, E2M3) or FP4 (E2M1), converted with
 round-to-nearest-even and saturation (:mod:`dynamiq_jax.codecs.minifloat`).
-Two scale modes (spec §4):
+Two scale modes:
 
 * ``scale="e8m0"`` — OCP MX v1.0 exact: per block and *per hop*, the scale is
   ``2^(floor(log2 amax) - emax_elem)`` of the current partial sum, sent as
@@ -21,7 +21,7 @@ Two scale modes (spec §4):
 
 The authors' own FP6/FP4 casts truncate subnormals and round normals with
 +0.43 / +0.4 offsets (biased low); ours are exact RNE casts, so ours can be
-more accurate than their simulator (REFERENCE_VNMSE.md, caveat 4).
+more accurate than their simulator (the README's *Results* compares them).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynamiq_jax.codecs.base import Codec, Metadata, Plan, pad_to, round_up
+from dynamiq_jax.codecs.base import Codec, Metadata, Plan, ceil_div, pad_to, round_up
 from dynamiq_jax.codecs.minifloat import ELEMENTS, pack_bits, unpack_bits
 from pallas_kernels.dynamiq_format import ceil_to_bf16
 
@@ -93,7 +93,7 @@ class MX(Codec):
   # -- sizes ------------------------------------------------------------------
 
   def _blocks(self, d: int, n: int) -> tuple[int, int]:
-    m = -(-d // self.block)
+    m = ceil_div(d, self.block)
     return m, round_up(m, n)
 
   def wire_bits(self, d: int, n: int) -> int:

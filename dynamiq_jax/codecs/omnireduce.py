@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.codecs._exact import row_norm
-from dynamiq_jax.codecs.base import Metadata, Plan, pad_to, round_up
+from dynamiq_jax.codecs.base import Metadata, Plan, ceil_div, pad_to, round_up
 from dynamiq_jax.codecs.bf16 import Cast
 
 __all__ = ["OmniReduce"]
@@ -71,7 +71,7 @@ class OmniReduce(Cast):
     return self.block
 
   def _sizes(self, d: int, n: int):
-    m = -(-d // self.block)
+    m = ceil_div(d, self.block)
     m_pad = round_up(m, n)
     capacity = min(m_pad, round_up(math.ceil(self.density * m), n))
     return m, m_pad, capacity

@@ -13,7 +13,7 @@ so that partial sums are exact integer sums that only widen along the ring
   DynamiQ paper describes 4-bit THC (16 levels); the authors' launcher used
   120 levels. Rounding draws are independent per rank (the authors' port
   used one identical stream on every rank, which correlates the ranks'
-  errors: REFERENCE_VNMSE.md caveat 5).
+  errors).
 * :class:`GlobalQSGD` (Xin et al., 2025): global L-infinity scale (an
   all-reduce MAX), unbiased rounding of ``x K / max`` to integers with ``K =
   floor((2^(bits-1) - 1) / n)`` so that the sum of n ranks never overflows

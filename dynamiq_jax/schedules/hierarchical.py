@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from dynamiq_jax._sizes import ceil_div
+
 from dynamiq_jax.schedules.context import AxisContext
 from dynamiq_jax.schedules.executor import HopOps, all_gather, reduce_scatter
 from dynamiq_jax.schedules.plan import ring_plan
@@ -54,7 +56,7 @@ def _exact_f32_ops() -> HopOps:
 def split_shares(flat, size: int, unit: int):
   """flat float32 [total] -> [size, m]: share r holds blocks r, r + size, ... of ``unit``."""
   total = flat.shape[0]
-  blocks = -(-total // (unit * size))
+  blocks = ceil_div(total, unit * size)
   m = blocks * unit
   chunks = jnp.pad(flat, (0, m * size - total)).reshape(blocks, size, unit)
   return chunks.transpose(1, 0, 2).reshape(size, m)

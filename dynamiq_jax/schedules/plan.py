@@ -1,6 +1,6 @@
 """Static hop plans for bandwidth-optimal multi-hop all-reduce.
 
-Both of the paper's schedules (spec §1.8) are one shape: the data is cut into
+Both of the paper's schedules (its §4 and Fig. 13) are one shape: the data is cut into
 ``n`` chunks; chunk 0 is reduced along an in-tree over the ranks whose edges
 ``(child -> parent)`` run one per time step, and chunk ``c`` uses the same
 tree with every rank id shifted by ``+c`` (mod n). At step ``j`` with edge
@@ -161,7 +161,7 @@ def butterfly_plan(n: int) -> TreePlan:
   """The paper's "butterfly": a binary reduction tree by repeated pairing.
 
   Level 0 pairs (0->1), (2->3), ...; level 1 (1->3), (5->7), ...; the root is
-  n - 1 and every chunk's aggregation depth is log2 n (spec §1.8).
+  n - 1 and every chunk's aggregation depth is log2 n (the paper's Fig. 13).
   """
   if n < 1 or n & (n - 1):
     raise ValueError(
