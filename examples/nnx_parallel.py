@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dynamiq_jax as dq
-from examples import common
+from . import common
 
 
 def calibrate(config, model: nnx.Module, loss_fn: Callable, batch, n: int):

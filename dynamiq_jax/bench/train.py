@@ -4,8 +4,8 @@
     python -m dynamiq_jax.bench.train --examples digits --seeds 0,1,2
     python -m dynamiq_jax.bench.train --tiny           # smoke test (CI)
 
-Run it from the repository root: it trains the programs in ``examples/``
-(``nnx_digits``, ``nnx_char_lm``, ``linen_pmap``) through their
+It trains the programs in ``examples/`` (shipped in the wheel as
+``dynamiq_jax.examples``: ``nnx_digits``, ``nnx_char_lm``, ``linen_pmap``) through their
 ``train_and_evaluate`` on 8 simulated CPU devices (every local GPU when there
 are several), once per codec and seed, with everything else equal.
 
@@ -67,12 +67,12 @@ CODECS = (
 
 # name -> (module, quality metric, higher is better, tiny-size overrides)
 EXAMPLES = {
-    "digits": ("examples.nnx_digits", "test_accuracy", True,
+    "digits": ("dynamiq_jax.examples.nnx_digits", "test_accuracy", True,
                dict(steps=6, eval_every=3, batch_size=64)),
-    "char_lm": ("examples.nnx_char_lm", "eval_loss", False,
+    "char_lm": ("dynamiq_jax.examples.nnx_char_lm", "eval_loss", False,
                 dict(steps=4, eval_every=2, dim=32, heads=2, layers=1, context=16,
                      batch_size=16, corpus_bytes=200_000, eval_windows=16, warmup_steps=1)),
-    "linen_pmap": ("examples.linen_pmap", "test_accuracy", True,
+    "linen_pmap": ("dynamiq_jax.examples.linen_pmap", "test_accuracy", True,
                    dict(steps=6, eval_every=3, batch_size=64)),
 }
 
@@ -147,12 +147,7 @@ def _fmt(x, spec):
 
 def main(argv=None):
   args = _parse(argv)
-  try:
-    from examples import common as ex_common
-  except ImportError:
-    raise SystemExit("python -m dynamiq_jax.bench.train trains the programs in examples/: run it "
-                     "from the repository root (cd dynamiq_jax's checkout), where examples/ is "
-                     "importable") from None
+  from dynamiq_jax.examples import common as ex_common  # examples/, shipped in the wheel
 
   devices = ex_common.select_devices(None)  # before anything else starts JAX
   from dynamiq_jax.bench import common

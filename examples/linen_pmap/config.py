@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from examples.nnx_digits import config as digits_config
+from ..nnx_digits import config as digits_config
 
 
 @dataclasses.dataclass(frozen=True)

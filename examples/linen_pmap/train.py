@@ -27,9 +27,9 @@ from flax import linen as nn
 from flax import serialization
 from flax.training import train_state
 
-from examples import common
-from examples import datasets
-from examples.linen_pmap.config import Config
+from .. import common
+from .. import datasets
+from .config import Config
 
 AXIS = "batch"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from examples.common import TrainConfig
-from examples.common import flag
+from ..common import TrainConfig
+from ..common import flag
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,9 +5,9 @@
 Run it from the repository root; ``--help`` lists every flag.
 """
 
-from examples import common
-from examples.nnx_char_lm import config
-from examples.nnx_char_lm import train
+from .. import common
+from . import config
+from . import train
 
 
 def main(argv=None) -> dict:

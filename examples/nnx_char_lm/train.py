@@ -23,11 +23,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from examples import common
-from examples import datasets
-from examples.nnx_char_lm.config import Config
-from examples.nnx_parallel import DataParallel
-from examples.nnx_parallel import calibrate
+from .. import common
+from .. import datasets
+from .config import Config
+from ..nnx_parallel import DataParallel
+from ..nnx_parallel import calibrate
 
 VOCAB = 256  # bytes
 

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from examples import common
-from examples import datasets
-from examples.nnx_digits.config import Config
-from examples.nnx_parallel import DataParallel
-from examples.nnx_parallel import calibrate
+from .. import common
+from .. import datasets
+from .config import Config
+from ..nnx_parallel import DataParallel
+from ..nnx_parallel import calibrate
 
 
 class CNN(nnx.Module):
