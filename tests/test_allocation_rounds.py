@@ -1,0 +1,90 @@
+"""Per-round class capacities from the global statistics (allocation.capacities_from_stats)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dynamiq_jax.codecs import DynamiQ, allocation
+
+
+def _exact_error(norms, counts, widths, errors, n):
+  """sum_w c_w * share of sum F at width w, float64, super-groups ranked by F."""
+  f = np.sort(np.asarray(norms, np.float64) ** 2)[::-1]
+  tot = f.sum()
+  out, start = 0.0, 0
+  for w, k in sorted(zip(widths, counts), reverse=True):
+    out += errors[w] * f[start:start + k * n].sum() / tot
+    start += k * n
+  return out
+
+
+def _norms(kind, m, rng):
+  if kind == "flat":
+    return np.abs(1.0 + 0.05 * rng.standard_normal(m))
+  if kind == "paper":
+    comp = rng.random(m) < 0.79
+    return np.exp(np.where(comp, -3.99 + 1.22 * rng.standard_normal(m),
+                           -16.41 + 4.63 * rng.standard_normal(m)))
+  if kind == "zeros":  # embedding-like: many exact zeros
+    v = np.exp(rng.standard_normal(m))
+    v[rng.random(m) < 0.6] = 0.0
+    return v
+  return np.exp(3.0 * rng.standard_normal(m))  # "wide"
+
+
+@pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "wide"])
+@pytest.mark.parametrize("n,units", [(8, 4), (8, 128), (64, 3), (2, 700)])
+def test_matches_exact_optimum_and_best_capacities(kind, n, units):
+  rng = np.random.default_rng(units * 7 + n)
+  codec = DynamiQ(bits=5)
+  errors = codec.width_errors()
+  widths = sorted(errors)
+  m = units * n
+  d = m * 256
+  rec = {w: codec.format(w).record_bytes * 8 for w in widths}
+  cost = {w: n * rec[w] for w in widths}
+  budget = 5.0 * d - 32 * m
+  norms = np.asarray(jnp.asarray(_norms(kind, m, rng), jnp.float32).astype(jnp.bfloat16)
+                     .astype(jnp.float32))
+  got = np.asarray(allocation.capacities_from_stats(
+      jnp.asarray(norms), jnp.ones(m, bool), errors, units, cost, budget, n))
+  assert got.sum() == units
+  assert sum(int(k) * cost[w] for w, k in zip(widths, got)) <= budget
+  menu = allocation.split_menu(widths, units, cost, budget)
+  errs = [_exact_error(norms, row, widths, errors, n) for row in menu]
+  mine = _exact_error(norms, got, widths, errors, n)
+  assert mine <= min(errs) * (1 + 1e-4) + 1e-12
+  prof = allocation.profile_from_norms(np.where(norms > 0, norms, 1e-30), points=min(m, 4096))
+  ref = allocation.best_capacities(prof, errors, units, cost, budget)
+  ref_err = _exact_error(norms, [ref[w] for w in widths], widths, errors, n)
+  assert mine <= ref_err * (1 + 1e-4) + 1e-12
+
+
+def test_same_under_vmap_and_jit():
+  rng = np.random.default_rng(0)
+  n, units = 8, 64
+  codec = DynamiQ(bits=5)
+  errors = codec.width_errors()
+  cost = {w: n * codec.format(w).record_bytes * 8 for w in errors}
+  m = n * units
+  g = jnp.asarray(_norms("paper", m, rng), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+  f = lambda x: allocation.capacities_from_stats(x, jnp.ones(m, bool), errors, units, cost,
+                                                 5.0 * m * 256 - 32 * m, n)
+  a = np.asarray(f(g))
+  b = np.asarray(jax.jit(f)(g))
+  c = np.asarray(jax.vmap(f)(jnp.stack([g] * 3)))
+  assert (a == b).all() and (c == a).all()
+
+
+def test_padding_and_zero_and_inf():
+  n, units = 4, 8
+  codec = DynamiQ(bits=5)
+  errors = codec.width_errors()
+  cost = {w: n * codec.format(w).record_bytes * 8 for w in errors}
+  budget = 5.0 * n * units * 256 - 32 * n * units
+  for g in [np.zeros(n * units), np.full(n * units, np.inf), np.r_[np.ones(5), np.zeros(27)]]:
+    got = np.asarray(allocation.capacities_from_stats(
+        jnp.asarray(g, jnp.float32), jnp.arange(n * units) < 30, errors, units, cost, budget, n))
+    assert got.sum() == units
+    assert sum(int(k) * cost[w] for w, k in zip(sorted(errors), got)) <= budget
