@@ -1,0 +1,262 @@
+"""PROTOTYPE: a unit-packed DynamiQ chunk whose per-super-group widths are data.
+
+One ring chunk of ``S`` super-groups travels as one static payload::
+
+  [S scale records: 16 uint8 k_g + 2-byte bf16 unit U]   (18 S bytes)
+  [U_units code units of 64 bytes]                       (64 U_units bytes)
+
+A w-bit code (w in {2, 4, 8}) is stored as ``w / 2`` two-bit *planes*: plane
+``p`` of a super-group holds bits ``2p, 2p+1`` of its 256 codes, four codes
+per byte, LSB-first (64 bytes: one unit). Super-groups are ordered widest
+first, so super-group ``s`` owns units ``[off_s, off_s + w_s / 2)`` with
+``off`` the exclusive prefix sum of ``w / 2``; unused units at the end are
+zero. Bytes per super-group are those of the per-class record (``32 w +
+18``), so a split that fits the per-class budget fits here; the number of
+units is static (the budget), the widths are per round.
+
+Arithmetic: the same as :mod:`pallas_kernels.dynamiq_format` — its
+hierarchical scales (:func:`~pallas_kernels.dynamiq_format._scales_hier`;
+with MEE levels the top level is 1 for every width, so scales do not depend
+on the width), its RNG draws (:func:`~pallas_kernels.dynamiq_format._uniforms`)
+and its division-free rounding (:func:`_round_levels_var` repeats
+``_round_levels`` line for line with the width's constants as per-super-group
+arrays: a concatenated level table ``[lam_2 | lam_4 | lam_8]`` indexed at a
+per-super-group base). So with the same draws a super-group gets exactly
+the code the per-class format gives it (tested), and one code path serves
+every width (no per-class launches, no static capacities).
+
+Only hierarchical MEE scales with ``scale_rounding="up"`` or
+``"stochastic"`` are supported (the codec's defaults).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import dynamiq_format as F
+
+__all__ = ["WIDTHS", "UNIT_BYTES", "SCALE_BYTES", "payload_bytes", "position_widths",
+           "encode_units", "decode_units", "decompress_accumulate_recompress_units",
+           "units_for_budget"]
+
+WIDTHS = (2, 4, 8)
+UNIT_BYTES = 64  # one 2-bit plane of 256 codes
+SCALE_BYTES = F.HIER_GROUP + 2  # 16 k_g + bf16 unit
+_PLANES = 4  # planes of the widest width
+
+
+def payload_bytes(supergroups: int, units: int) -> int:
+  return supergroups * SCALE_BYTES + units * UNIT_BYTES
+
+
+def units_for_budget(supergroups: int, budget_bytes: int) -> int:
+  """Code units of a chunk of ``supergroups`` within ``budget_bytes`` (static)."""
+  return (budget_bytes - supergroups * SCALE_BYTES) // UNIT_BYTES
+
+
+class _Tables:
+  """Concatenated level tables and per-width rounding constants (static)."""
+
+  def __init__(self, eps: dict[int, float]):
+    tabs, base, r, c1, c2 = [], [], [], [], []
+    off = 0
+    for w in WIDTHS:
+      fmt = F.Format(bits=w, eps=eps.get(w, 0.23))
+      t = fmt.table()
+      tabs.append(t)
+      base.append(off)
+      off += t.size
+      r.append(fmt.top)
+      if fmt.top == 1:
+        c1.append(0.0)
+        c2.append(0.0)
+      else:
+        qq = 1.0 + 2.0 * float(fmt.eps) ** 2
+        c1.append(np.float32(qq**fmt.top - 1.0))
+        c2.append(np.float32(1.0 / np.log(qq)))
+    self.table = np.concatenate(tabs).astype(np.float32)
+    self.base = np.array(base, np.int32)
+    self.r = np.array(r, np.int32)
+    self.c1 = np.array(c1, np.float32)
+    self.c2 = np.array(c2, np.float32)
+
+
+def _tables(eps):
+  return _Tables(dict(eps))
+
+
+def position_widths(counts_per_chunk, supergroups: int):
+  """Widths of the ``supergroups`` positions of a chunk, widest first.
+
+  Args:
+    counts_per_chunk: int32 ``[3]``: super-groups per chunk at 2, 4, 8 bits
+      (e.g. :func:`dynamiq_jax.codecs.allocation.capacities_from_stats`,
+      whose units are one super-group per chunk); sums to ``supergroups``.
+  """
+  j = jnp.arange(supergroups, dtype=jnp.int32)
+  k2, k4, k8 = counts_per_chunk[0], counts_per_chunk[1], counts_per_chunk[2]
+  del k2
+  return jnp.where(j < k8, 8, jnp.where(j < k8 + k4, 4, 2)).astype(jnp.int32)
+
+
+def _wsel(widths, values):
+  """Per-super-group constant: values[index of width]."""
+  i = jnp.where(widths == 8, 2, jnp.where(widths == 4, 1, 0))
+  return jnp.take(jnp.asarray(values), i)
+
+
+def _round_levels_var(a, s, lookup, base, r, c1, c2, u_scaled, q: int):
+  """:func:`pallas_kernels.dynamiq_format._round_levels` with the width's
+  constants as arrays broadcast against ``a`` (``base`` indexes the
+  concatenated table; ``c1 = 0`` marks the ternary 2-bit width)."""
+  safe = jnp.where(s > 0, s, 1.0)
+  t = a / safe  # a guess only
+  approx = jnp.where(c1 == 0, t, jnp.log1p(t * c1) * c2)
+  j = jnp.clip(jnp.floor(approx), 0, r - 1).astype(jnp.int32)
+  lk = lambda i: lookup(base + i)
+  j = jnp.maximum(j - (a < lk(j) * s).astype(jnp.int32), 0)
+  j = jnp.minimum(j + (a >= lk(j + 1) * s).astype(jnp.int32), r - 1)
+  lo = lk(j) * s  # exact
+  hi = lk(j + 1) * s  # exact
+  up = u_scaled * (hi - lo) < (a - lo) * np.float32(q)
+  return j + up.astype(jnp.int32)
+
+
+def encode_block_var(x, widths, tabs: _Tables, *, lookup, idx, keys, rank, strata: int,
+                     scale_rounding="up", store=None):
+  """Quantises a block of super-groups, each at its own width.
+
+  Args:
+    x: float32 [S, G, 16] values (G = 16 hierarchical groups).
+    widths: int32 [S].
+    idx: uint32 [S, G, 16] RNG counters.
+
+  Returns:
+    ``(codes uint32 [S, G, 16] in [0, 2^w - 2], k uint8 [S, G], unit f32 [S])``.
+  """
+  a = jnp.abs(x)
+  fmt8 = F.Format(bits=8, scale_rounding=scale_rounding)  # top = 1: same scales for all widths
+  xs = x[..., None]  # [S, G, 16, 1]: the format's [S, G, CB, P] view with P = 1
+  a4 = a[..., None]
+  group_idx = jnp.min(jnp.min(idx[..., None], axis=-1), axis=-1) // np.uint32(F.HIER_GROUP)
+  k, unit, s = F._scales_hier(a4, fmt8, keys, group_idx)
+  q = F.rng.strata_count(strata)
+  u = F._uniforms(idx, keys, rank, strata)
+  u = jnp.where(x < 0, np.float32(q) - u, u)
+  if store is not None:
+    u = store(u)
+  per = lambda v: _wsel(widths, v)[:, None, None]
+  r = per(tabs.r)
+  lvl = _round_levels_var(a, s[..., None], lookup, per(tabs.base), r, per(tabs.c1),
+                          per(tabs.c2), u, q)
+  codes = jnp.where(xs[..., 0] < 0, r - lvl, r + lvl).astype(jnp.uint32)
+  return codes, k.astype(jnp.uint8), unit
+
+
+def decode_block_var(codes, scale, widths, tabs: _Tables, *, lookup):
+  """codes uint32 [S, G, 16], decoded group scale f32 [S, G] -> float32 [S, G, 16]."""
+  per = lambda v: _wsel(widths, v)[:, None, None]
+  lvl = codes.astype(jnp.int32) - per(tabs.r)
+  val = lookup(per(tabs.base) + jnp.abs(lvl)) * scale[..., None]  # exact product
+  return jnp.where(lvl < 0, -val, val)
+
+
+# ----------------------------------------------------------------------------
+# Planes and unit placement (reference byte movement).
+
+
+def _planes(codes):
+  """codes uint32 [S, 256] -> plane bytes uint8 [S, 4, 64] (plane p = bits 2p..2p+1)."""
+  s = codes.shape[0]
+  c = codes.reshape(s, 1, 64, 4)
+  shift_p = (2 * jnp.arange(_PLANES, dtype=jnp.uint32))[None, :, None, None]
+  bits = (c >> shift_p) & np.uint32(3)  # [S, 4, 64, 4]
+  pos = (2 * jnp.arange(4, dtype=jnp.uint32))[None, None, None, :]
+  return jnp.sum(bits << pos, axis=-1).astype(jnp.uint8)
+
+
+def _unplanes(planes):
+  """plane bytes uint8 [S, 4, 64] -> codes uint32 [S, 256]."""
+  s = planes.shape[0]
+  b = planes.astype(jnp.uint32)[..., None]  # [S, 4, 64, 1]
+  pos = (2 * jnp.arange(4, dtype=jnp.uint32))[None, None, None, :]
+  two = (b >> pos) & np.uint32(3)  # [S, 4, 64, 4]
+  shift_p = (2 * jnp.arange(_PLANES, dtype=jnp.uint32))[None, :, None, None]
+  return jnp.sum(two << shift_p, axis=1).reshape(s, 256)
+
+
+def _offsets(widths):
+  n_planes = widths // 2
+  ends = jnp.cumsum(n_planes)  # int32, exact
+  return ends - n_planes, ends, n_planes
+
+
+def _place(planes, widths, units: int):
+  """[S, 4, 64] planes -> [units, 64]: unit u = plane p of its owner s (gather)."""
+  start, ends, _ = _offsets(widths)
+  u = jnp.arange(units, dtype=jnp.int32)
+  owner = jnp.searchsorted(ends, u, side="right").astype(jnp.int32)
+  live = owner < widths.shape[0]
+  owner = jnp.minimum(owner, widths.shape[0] - 1)
+  p = jnp.clip(u - jnp.take(start, owner), 0, _PLANES - 1)
+  flat = planes.reshape(-1, UNIT_BYTES)
+  out = jnp.take(flat, owner * _PLANES + p, axis=0)
+  return jnp.where(live[:, None], out, jnp.uint8(0))
+
+
+def _fetch(unit_bytes, widths):
+  """[units, 64] -> planes [S, 4, 64] (planes beyond w / 2 are zero)."""
+  start, _, n_planes = _offsets(widths)
+  p = jnp.arange(_PLANES, dtype=jnp.int32)[None, :]
+  live = p < n_planes[:, None]
+  i = jnp.clip(start[:, None] + p, 0, unit_bytes.shape[0] - 1)
+  out = jnp.take(unit_bytes, i, axis=0)
+  return jnp.where(live[..., None], out, jnp.uint8(0))
+
+
+def _lookup(tabs):
+  t = jnp.asarray(tabs.table)
+  return lambda j: jnp.take(t, j)
+
+
+def encode_units(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
+                 scale_rounding="up"):
+  """Compresses a chunk ``x`` float [S, 256] with per-super-group ``widths``.
+
+  Returns:
+    uint8 ``[payload_bytes(S, units)]``.
+  """
+  tabs = _tables(eps)
+  s_count = x.shape[0]
+  xb = F.materialize(x.astype(jnp.float32).reshape(s_count, F.HIER_GROUP, -1))
+  idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
+  keys = tuple(jnp.asarray(k, jnp.uint32) for k in keys)
+  codes, k, unit = encode_block_var(xb, widths, tabs, lookup=_lookup(tabs), idx=idx, keys=keys,
+                                    rank=jnp.asarray(rank, jnp.int32), strata=strata,
+                                    scale_rounding=scale_rounding, store=F.materialize)
+  scales = jnp.concatenate([k, F._bf16_bytes(unit)], axis=-1)  # [S, 18]
+  body = _place(_planes(codes.reshape(s_count, 256)), widths, units)
+  return jnp.concatenate([scales.reshape(-1), body.reshape(-1)])
+
+
+def decode_units(payload, widths, units: int, *, eps):
+  """Inverse of :func:`encode_units` (values): float32 [S, 256]."""
+  tabs = _tables(eps)
+  s_count = widths.shape[0]
+  scales = payload[:s_count * SCALE_BYTES].reshape(s_count, SCALE_BYTES)
+  body = payload[s_count * SCALE_BYTES:].reshape(units, UNIT_BYTES)
+  unit = F._bf16_from_bytes(scales[:, F.HIER_GROUP:])
+  scale = F.hier_scale(scales[:, :F.HIER_GROUP], unit)
+  codes = _unplanes(_fetch(body, widths)).reshape(s_count, F.HIER_GROUP, -1)
+  val = decode_block_var(codes, scale, widths, tabs, lookup=_lookup(tabs))
+  return val.reshape(s_count, 256)
+
+
+def decompress_accumulate_recompress_units(payload, x, widths, units: int, *, eps, keys,
+                                           rank=0, strata: int = 1, scale_rounding="up"):
+  """One ring hop: ``encode_units(decode_units(payload) + x)``."""
+  acc = decode_units(payload, widths, units, eps=eps) + x.astype(jnp.float32)
+  return encode_units(acc, widths, units, eps=eps, keys=keys, rank=rank, strata=strata,
+                      scale_rounding=scale_rounding)
