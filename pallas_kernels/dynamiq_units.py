@@ -58,25 +58,47 @@ def units_for_budget(supergroups: int, budget_bytes: int) -> int:
   return (budget_bytes - supergroups * SCALE_BYTES) // UNIT_BYTES
 
 
-class _Tables:
-  """Concatenated level tables and per-width rounding constants (static)."""
+def eps_for(width: int, eps: dict[int, float]) -> float:
+  """MEE eps of a width: given, or interpolated linearly between given widths
+  (0.23 below the smallest given width)."""
+  if width in eps:
+    return float(eps[width])
+  ws = sorted(eps)
+  lo = max([w for w in ws if w < width], default=None)
+  hi = min([w for w in ws if w > width], default=None)
+  if lo is None or hi is None:
+    return float(eps[lo if hi is None else hi]) if (lo or hi) else 0.23
+  return float(eps[lo] + (eps[hi] - eps[lo]) * (width - lo) / (hi - lo))
 
-  def __init__(self, eps: dict[int, float]):
+
+class _Tables:
+  """Concatenated level tables and per-width rounding constants (static).
+
+  ``widths`` may be any subset of 2..8 (odd widths: MEE levels with eps
+  interpolated, :func:`eps_for`; only {2, 4, 8} have a byte layout here, the
+  others serve accuracy studies through :func:`encode_block_var` /
+  :func:`decode_block_var`)."""
+
+  def __init__(self, eps: dict[int, float], widths=WIDTHS):
     tabs, base, r, c1, c2 = [], [], [], [], []
     off = 0
-    for w in WIDTHS:
-      fmt = F.Format(bits=w, eps=eps.get(w, 0.23))
-      t = fmt.table()
+    self.widths = tuple(sorted(widths))
+    self.index = np.zeros(9, np.int32)
+    for i, w in enumerate(self.widths):
+      self.index[w] = i
+      e = eps_for(w, eps)
+      rr = 2 ** (w - 1) - 1
+      t = F._level_table(w, "mee", e)
       tabs.append(t)
       base.append(off)
       off += t.size
-      r.append(fmt.top)
-      if fmt.top == 1:  # ternary: j = 0 whatever the guess (clipped to r - 1 = 0)
+      r.append(rr)
+      if rr == 1:  # ternary: j = 0 whatever the guess (clipped to r - 1 = 0)
         c1.append(1.0)
         c2.append(1.0)
       else:
-        qq = 1.0 + 2.0 * float(fmt.eps) ** 2
-        c1.append(np.float32(qq**fmt.top - 1.0))
+        qq = 1.0 + 2.0 * e**2
+        c1.append(np.float32(qq**rr - 1.0))
         c2.append(np.float32(1.0 / np.log(qq)))
     self.table = np.concatenate(tabs).astype(np.float32)
     self.base = np.array(base, np.int32)
@@ -85,8 +107,8 @@ class _Tables:
     self.c2 = np.array(c2, np.float32)
 
 
-def _tables(eps):
-  return _Tables(dict(eps))
+def _tables(eps, widths=WIDTHS):
+  return _Tables(dict(eps), widths)
 
 
 def position_widths(counts_per_chunk, supergroups: int):
@@ -103,10 +125,9 @@ def position_widths(counts_per_chunk, supergroups: int):
   return jnp.where(j < k8, 8, jnp.where(j < k8 + k4, 4, 2)).astype(jnp.int32)
 
 
-def _wsel(widths, values):
+def _wsel(widths, values, tabs):
   """Per-super-group constant: values[index of width]."""
-  i = jnp.where(widths == 8, 2, jnp.where(widths == 4, 1, 0))
-  return jnp.take(jnp.asarray(values), i)
+  return jnp.take(jnp.asarray(values), jnp.take(jnp.asarray(tabs.index), widths))
 
 
 def _round_levels_var(a, s, lookup, base, r, c1, c2, u_scaled, q: int):
@@ -151,7 +172,7 @@ def encode_block_var(x, widths, tabs: _Tables, *, lookup, idx, keys, rank, strat
   u = jnp.where(x < 0, np.float32(q) - u, u)
   if store is not None:
     u = store(u)
-  per = lambda v: _wsel(widths, v)[:, None, None]
+  per = lambda v: _wsel(widths, v, tabs)[:, None, None]
   r = per(tabs.r)
   lvl = _round_levels_var(a, s[..., None], lookup, per(tabs.base), r, per(tabs.c1),
                           per(tabs.c2), u, q)
@@ -161,7 +182,7 @@ def encode_block_var(x, widths, tabs: _Tables, *, lookup, idx, keys, rank, strat
 
 def decode_block_var(codes, scale, widths, tabs: _Tables, *, lookup):
   """codes uint32 [S, G, 16], decoded group scale f32 [S, G] -> float32 [S, G, 16]."""
-  per = lambda v: _wsel(widths, v)[:, None, None]
+  per = lambda v: _wsel(widths, v, tabs)[:, None, None]
   lvl = codes.astype(jnp.int32) - per(tabs.r)
   val = lookup(per(tabs.base) + jnp.abs(lvl)) * scale[..., None]  # exact product
   return jnp.where(lvl < 0, -val, val)
