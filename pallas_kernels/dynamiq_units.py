@@ -40,22 +40,22 @@ import numpy as np
 from pallas_kernels import dynamiq_format as F
 
 __all__ = ["WIDTHS", "UNIT_BYTES", "SCALE_BYTES", "payload_bytes", "position_widths",
+           "position_widths_general", "unit_bytes", "eps_for",
            "encode_units", "decode_units", "decompress_accumulate_recompress_units",
            "units_for_budget"]
 
 WIDTHS = (2, 4, 8)
 UNIT_BYTES = 64  # one 2-bit plane of 256 codes
 SCALE_BYTES = F.HIER_GROUP + 2  # 16 k_g + bf16 unit
-_PLANES = 4  # planes of the widest width
 
 
-def payload_bytes(supergroups: int, units: int) -> int:
-  return supergroups * SCALE_BYTES + units * UNIT_BYTES
+def payload_bytes(supergroups: int, units: int, plane_bits: int = 2) -> int:
+  return supergroups * SCALE_BYTES + units * 32 * plane_bits
 
 
-def units_for_budget(supergroups: int, budget_bytes: int) -> int:
+def units_for_budget(supergroups: int, budget_bytes: int, plane_bits: int = 2) -> int:
   """Code units of a chunk of ``supergroups`` within ``budget_bytes`` (static)."""
-  return (budget_bytes - supergroups * SCALE_BYTES) // UNIT_BYTES
+  return (budget_bytes - supergroups * SCALE_BYTES) // (32 * plane_bits)
 
 
 def eps_for(width: int, eps: dict[int, float]) -> float:
@@ -119,10 +119,19 @@ def position_widths(counts_per_chunk, supergroups: int):
       (e.g. :func:`dynamiq_jax.codecs.allocation.capacities_from_stats`,
       whose units are one super-group per chunk); sums to ``supergroups``.
   """
+  return position_widths_general(counts_per_chunk, WIDTHS, supergroups)
+
+
+def position_widths_general(counts, width_set, supergroups: int):
+  """As :func:`position_widths` for any ``width_set`` (counts in ascending width order)."""
   j = jnp.arange(supergroups, dtype=jnp.int32)
-  k2, k4, k8 = counts_per_chunk[0], counts_per_chunk[1], counts_per_chunk[2]
-  del k2
-  return jnp.where(j < k8, 8, jnp.where(j < k8 + k4, 4, 2)).astype(jnp.int32)
+  ws = sorted(width_set, reverse=True)
+  out = jnp.full((supergroups,), ws[-1], jnp.int32)
+  end = jnp.int32(0)
+  for i, w in zip(range(len(ws) - 1, -1, -1), ws):  # widest first
+    start, end = end, end + counts[i]
+    out = jnp.where((j >= start) & (j < end), w, out)
+  return out
 
 
 def _wsel(widths, values, tabs):
@@ -192,34 +201,55 @@ def decode_block_var(codes, scale, widths, tabs: _Tables, *, lookup):
 # Planes and unit placement (reference byte movement).
 
 
-def _planes(codes):
-  """codes uint32 [S, 256] -> plane bytes uint8 [S, 4, 64] (plane p = bits 2p..2p+1).
+def _geom(plane_bits: int):
+  """(planes of an 8-bit code, codes per byte, bytes per plane = one unit)."""
+  if plane_bits not in (1, 2):
+    raise ValueError(f"plane_bits={plane_bits!r} must be 1 or 2")
+  per = 8 // plane_bits
+  return 8 // plane_bits, per, 256 // per
 
-  Explicit shifts and ors over the four codes of a byte (a reduce over an
-  axis of 4 was slower on XLA:CPU)."""
+
+def unit_bytes(plane_bits: int = 2) -> int:
+  return _geom(plane_bits)[2]
+
+
+def _planes(codes, plane_bits: int = 2):
+  """codes uint32 [S, 256] -> plane bytes uint8 [S, P, 256 / per]: plane p
+  holds bits ``[p b, (p + 1) b)`` of every code, ``per = 8 / b`` codes per
+  byte, LSB-first. Explicit shifts and ors (a reduce over a small axis was
+  slower on XLA:CPU)."""
+  planes, per, nb = _geom(plane_bits)
   s = codes.shape[0]
-  c = codes.reshape(s, 64, 4)
+  c = codes.reshape(s, nb, per)
+  mask = np.uint32((1 << plane_bits) - 1)
   out = []
-  for p in range(_PLANES):
-    b = (c >> np.uint32(2 * p)) & np.uint32(3)
-    out.append(b[..., 0] | (b[..., 1] << 2) | (b[..., 2] << 4) | (b[..., 3] << 6))
+  for p in range(planes):
+    b = (c >> np.uint32(plane_bits * p)) & mask
+    byte = b[..., 0]
+    for i in range(1, per):
+      byte = byte | (b[..., i] << np.uint32(plane_bits * i))
+    out.append(byte)
   return jnp.stack(out, axis=1).astype(jnp.uint8)
 
 
-def _unplanes(planes):
-  """plane bytes uint8 [S, 4, 64] -> codes uint32 [S, 256]."""
-  s = planes.shape[0]
-  b = planes.astype(jnp.uint32)
-  code = [jnp.zeros((s, 64), jnp.uint32) for _ in range(4)]
-  for p in range(_PLANES):
-    for i in range(4):
-      code[i] = code[i] | (((b[:, p] >> np.uint32(2 * i)) & np.uint32(3)) << np.uint32(2 * p))
+def _unplanes(planes_, plane_bits: int = 2):
+  """Inverse of :func:`_planes`: uint8 [S, P, nb] -> codes uint32 [S, 256]."""
+  planes, per, nb = _geom(plane_bits)
+  s = planes_.shape[0]
+  b = planes_.astype(jnp.uint32)
+  mask = np.uint32((1 << plane_bits) - 1)
+  code = [jnp.zeros((s, nb), jnp.uint32) for _ in range(per)]
+  for p in range(planes):
+    for i in range(per):
+      code[i] = code[i] | (((b[:, p] >> np.uint32(plane_bits * i)) & mask)
+                           << np.uint32(plane_bits * p))
   return jnp.stack(code, axis=-1).reshape(s, 256)
 
 
-def _plane_offsets(widths):
+def _plane_offsets(widths, plane_bits: int = 2):
   """Per plane p: (first unit, number of super-groups having plane p)."""
-  counts = [jnp.sum((widths // 2 > p).astype(jnp.int32)) for p in range(_PLANES)]
+  planes = _geom(plane_bits)[0]
+  counts = [jnp.sum((widths // plane_bits > p).astype(jnp.int32)) for p in range(planes)]
   offs, o = [], jnp.int32(0)
   for c in counts:
     offs.append(o)
@@ -227,32 +257,33 @@ def _plane_offsets(widths):
   return offs, counts
 
 
-def _place(planes, widths, units: int):
-  """[S, 4, 64] planes -> [units, 64], plane-major.
+def _place(planes_, widths, units: int, plane_bits: int = 2):
+  """[S, P, nb] planes -> [units, nb], plane-major.
 
   Plane p of the super-groups that have it (a prefix, widths being sorted
   widest first) occupies units ``[off_p, off_p + count_p)``. Each whole
   plane is written at its offset in turn, so the rows past ``count_p``
   (zero: a narrower code's high planes are zero) are overwritten by the
   next plane or left as the zero tail. No gather."""
-  s = planes.shape[0]
-  offs, _ = _plane_offsets(widths)
-  buf = jnp.zeros((_PLANES * s + max(units - s, 0), UNIT_BYTES), jnp.uint8)
-  for p in range(_PLANES):
-    buf = jax.lax.dynamic_update_slice(buf, planes[:, p], (offs[p], jnp.int32(0)))
+  planes, _, nb = _geom(plane_bits)
+  s = planes_.shape[0]
+  offs, _ = _plane_offsets(widths, plane_bits)
+  buf = jnp.zeros((planes * s + max(units - s, 0), nb), jnp.uint8)
+  for p in range(planes):
+    buf = jax.lax.dynamic_update_slice(buf, planes_[:, p], (offs[p], jnp.int32(0)))
   return buf[:units]
 
 
-def _fetch(unit_bytes, widths):
-  """[units, 64] -> planes [S, 4, 64] (planes a super-group lacks are zero)."""
+def _fetch(unit_bytes_, widths, plane_bits: int = 2):
+  """[units, nb] -> planes [S, P, nb] (planes a super-group lacks are zero)."""
+  planes, _, nb = _geom(plane_bits)
   s = widths.shape[0]
-  offs, counts = _plane_offsets(widths)
-  units = unit_bytes.shape[0]
-  pad = jnp.concatenate([unit_bytes, jnp.zeros((max(_PLANES * s - units, 0) + s, UNIT_BYTES),
-                                               jnp.uint8)])
+  offs, counts = _plane_offsets(widths, plane_bits)
+  units = unit_bytes_.shape[0]
+  pad = jnp.concatenate([unit_bytes_, jnp.zeros((max(planes * s - units, 0) + s, nb), jnp.uint8)])
   row = jnp.arange(s, dtype=jnp.int32)[:, None]
-  out = [jnp.where(row < counts[p], jax.lax.dynamic_slice(pad, (offs[p], jnp.int32(0)), (s, UNIT_BYTES)),
-                   jnp.uint8(0)) for p in range(_PLANES)]
+  out = [jnp.where(row < counts[p], jax.lax.dynamic_slice(pad, (offs[p], jnp.int32(0)), (s, nb)),
+                   jnp.uint8(0)) for p in range(planes)]
   return jnp.stack(out, axis=1)
 
 
@@ -262,13 +293,17 @@ def _lookup(tabs):
 
 
 def encode_units(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
-                 scale_rounding="up"):
+                 scale_rounding="up", plane_bits: int = 2, width_set=WIDTHS):
   """Compresses a chunk ``x`` float [S, 256] with per-super-group ``widths``.
 
+  ``plane_bits=1`` stores 1-bit planes (units of 32 bytes), which allows any
+  width in ``width_set`` (a subset of 2..8); with 2 (default) widths must be
+  even.
+
   Returns:
-    uint8 ``[payload_bytes(S, units)]``.
+    uint8 ``[payload_bytes(S, units, plane_bits)]``.
   """
-  tabs = _tables(eps)
+  tabs = _tables(eps, width_set)
   s_count = x.shape[0]
   xb = F.materialize(x.astype(jnp.float32).reshape(s_count, F.HIER_GROUP, -1))
   idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
@@ -279,26 +314,29 @@ def encode_units(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
   # Not stored (F.materialize) before the planes are cut: measured slower
   # stored (31 ms vs 8.4 ms for codes + planes of 2^20 coordinates, XLA:CPU).
   scales = jnp.concatenate([k, F._bf16_bytes(unit)], axis=-1)  # [S, 18]
-  body = _place(_planes(codes.reshape(s_count, 256)), widths, units)
+  body = _place(_planes(codes.reshape(s_count, 256), plane_bits), widths, units, plane_bits)
   return jnp.concatenate([scales.reshape(-1), body.reshape(-1)])
 
 
-def decode_units(payload, widths, units: int, *, eps):
+def decode_units(payload, widths, units: int, *, eps, plane_bits: int = 2, width_set=WIDTHS):
   """Inverse of :func:`encode_units` (values): float32 [S, 256]."""
-  tabs = _tables(eps)
+  tabs = _tables(eps, width_set)
   s_count = widths.shape[0]
   scales = payload[:s_count * SCALE_BYTES].reshape(s_count, SCALE_BYTES)
-  body = payload[s_count * SCALE_BYTES:].reshape(units, UNIT_BYTES)
+  body = payload[s_count * SCALE_BYTES:].reshape(units, unit_bytes(plane_bits))
   unit = F._bf16_from_bytes(scales[:, F.HIER_GROUP:])
   scale = F.hier_scale(scales[:, :F.HIER_GROUP], unit)
-  codes = _unplanes(_fetch(body, widths)).reshape(s_count, F.HIER_GROUP, -1)
+  codes = _unplanes(_fetch(body, widths, plane_bits), plane_bits).reshape(
+      s_count, F.HIER_GROUP, -1)
   val = decode_block_var(codes, scale, widths, tabs, lookup=_lookup(tabs))
   return val.reshape(s_count, 256)
 
 
 def decompress_accumulate_recompress_units(payload, x, widths, units: int, *, eps, keys,
-                                           rank=0, strata: int = 1, scale_rounding="up"):
+                                           rank=0, strata: int = 1, scale_rounding="up",
+                                           plane_bits: int = 2, width_set=WIDTHS):
   """One ring hop: ``encode_units(decode_units(payload) + x)``."""
-  acc = decode_units(payload, widths, units, eps=eps) + x.astype(jnp.float32)
+  geo = dict(plane_bits=plane_bits, width_set=width_set)
+  acc = decode_units(payload, widths, units, eps=eps, **geo) + x.astype(jnp.float32)
   return encode_units(acc, widths, units, eps=eps, keys=keys, rank=rank, strata=strata,
-                      scale_rounding=scale_rounding)
+                      scale_rounding=scale_rounding, **geo)

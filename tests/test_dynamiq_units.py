@@ -51,3 +51,36 @@ def test_hop_matches_per_class_hop():
   qr = F.decompress_accumulate_recompress_reference(pr, jnp.asarray(y), fmt, keys=KEYS)
   np.testing.assert_array_equal(np.asarray(U.decode_units(q, widths, units, eps=EPS)),
                                 np.asarray(F.decompress_reference(qr, fmt)))
+
+
+@pytest.mark.parametrize("plane_bits,width_set", [(1, (2, 3, 4, 5, 6, 8)), (1, (2, 4, 8)),
+                                                  (2, (2, 4, 8))])
+def test_planes_roundtrip_any_widths(plane_bits, width_set):
+  rng = np.random.default_rng(2)
+  s = 14
+  x = rng.standard_normal((s, 256)).astype(np.float32)
+  ws = sorted(width_set)
+  counts = np.zeros(len(ws), np.int64)
+  counts[:] = s // len(ws)
+  counts[0] += s - counts.sum()
+  widths = U.position_widths_general(jnp.asarray(counts, jnp.int32), ws, s)
+  w = np.asarray(widths)
+  assert (np.diff(w) <= 0).all()
+  used = int(sum(w // plane_bits))
+  units = used + 3
+  geo = dict(plane_bits=plane_bits, width_set=tuple(ws))
+  p = U.encode_units(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS, rank=1, strata=4, **geo)
+  assert p.shape == (U.payload_bytes(s, units, plane_bits),)
+  assert U.payload_bytes(s, used, plane_bits) == sum(32 * b + 18 for b in w)
+  assert not np.asarray(p[U.payload_bytes(s, used, plane_bits):]).any()
+  got = np.asarray(U.decode_units(p, widths, units, eps=EPS, **geo))
+  # the same values as the block arithmetic without any byte movement
+  tabs = U._tables(EPS, tuple(ws))
+  xb = jnp.asarray(x).reshape(s, 16, 16)
+  idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
+  codes, k, unit = U.encode_block_var(xb, widths, tabs, lookup=U._lookup(tabs), idx=idx,
+                                      keys=tuple(jnp.uint32(v) for v in KEYS),
+                                      rank=jnp.int32(1), strata=4)
+  ref = U.decode_block_var(codes, k.astype(jnp.float32) * unit[:, None], widths, tabs,
+                           lookup=U._lookup(tabs))
+  np.testing.assert_array_equal(got, np.asarray(ref).reshape(s, 256))
