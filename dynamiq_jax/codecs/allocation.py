@@ -66,6 +66,8 @@ __all__ = [
     "round_capacities",
     "split_menu",
     "capacities_from_stats",
+    "capacities_threshold",
+    "hull_widths",
 ]
 
 PROFILE_POINTS = 256
@@ -485,3 +487,87 @@ def capacities_from_stats(gnorm, valid, errors: Mapping[int, float], units: int,
     cost = cost + term(coef(c[1] - c[2]), k_hi)
   best = jnp.argmin(cost)  # first minimum: fewest widest units (menu is in k_hi order)
   return jnp.asarray(menu, jnp.int32)[best]
+
+
+def hull_widths(errors: Mapping[int, float], cost_per_unit: Mapping[int, int]) -> list[int]:
+  """Widths on the lower convex hull of (cost, error): the only ones the
+  equal-marginal-gain rule ever picks (static)."""
+  w = sorted(errors)
+  hull = []
+  for x in w:
+    while len(hull) >= 2:
+      a, b = hull[-2], hull[-1]
+      # slope a->b must be steeper (more error saved per bit) than b->x
+      s_ab = (errors[a] - errors[b]) / (cost_per_unit[b] - cost_per_unit[a])
+      s_bx = (errors[b] - errors[x]) / (cost_per_unit[x] - cost_per_unit[b])
+      if s_bx >= s_ab:
+        hull.pop()
+      else:
+        break
+    hull.append(x)
+  return hull
+
+
+def capacities_threshold(gnorm, valid, errors: Mapping[int, float], units: int,
+                         cost_per_unit: Mapping[int, int], budget: float, n: int):
+  """Units per width by the paper's threshold rule, for any number of widths (traced).
+
+  The rule (equal marginal gain per bit, with each width's measured error
+  ``c_w``): for a multiplier ``lam``, a unit of statistic F (the sum of its
+  n super-groups' F) gets the widest width b with ``F >= lam * t_ab`` for
+  every hull boundary ``a | b`` below it, ``t_ab = (cost_b - cost_a) / (c_a
+  - c_b)``; ``lam`` is the smallest that fits the budget. Exact and
+  deterministic: F as in :func:`capacities_from_stats`; ``lam`` is found by
+  bisection on its float32 bit pattern (31 steps), each step comparing
+  ``F >= lam * t`` (one rounded product, no sum) and costing the result in
+  integers. Unlike :func:`capacities_from_stats` it may leave a little of
+  the budget unspent (less than the cost of the next upgrade at the
+  optimum's multiplier).
+
+  Returns:
+    int32 ``[len(errors)]``: units per width, ascending widths (0 off the hull).
+  """
+  import jax.numpy as jnp
+  w = sorted(errors)
+  lo_w = w[0]
+  if units * cost_per_unit[lo_w] > budget:
+    raise ValueError(f"even all {units} units at {lo_w} bits cost "
+                     f"{units * cost_per_unit[lo_w]} > {budget}")
+  hull = hull_widths(errors, cost_per_unit)
+  if len(hull) == 1:
+    return jnp.asarray([units if x == hull[0] else 0 for x in w], jnp.int32)
+  g = jnp.where(valid, jnp.asarray(gnorm, jnp.float32), 0.0)
+  g = jnp.where(jnp.isfinite(g), g, jnp.finfo(jnp.float32).max)
+  top = jnp.max(g)
+  _, e = jnp.frexp(jnp.where(top > 0, top, 1.0))
+  r = jnp.ldexp(g, -e).astype(jnp.bfloat16).astype(jnp.float32)
+  f = jnp.sort(r * r)[::-1].reshape(units, n)
+  unit_f = f[:, 0]
+  for i in range(1, n):
+    unit_f = unit_f + f[:, i]
+  t = [np.float32((cost_per_unit[b] - cost_per_unit[a]) / (errors[a] - errors[b]))
+       for a, b in zip(hull[:-1], hull[1:])]
+  step = [int(cost_per_unit[b] - cost_per_unit[a]) for a, b in zip(hull[:-1], hull[1:])]
+  base = int(units * cost_per_unit[hull[0]])
+  limit = int(math.floor(budget)) - base
+  if limit >= sum(step) * units:  # everything at the widest hull width fits
+    return jnp.asarray([units if x == hull[-1] else 0 for x in w], jnp.int32)
+
+  def at_least(lam):  # units at or above each hull boundary (nested: t increases)
+    return [jnp.sum((unit_f >= lam * tb).astype(jnp.int32)) for tb in t]
+
+  def cost(lam):
+    return sum(c * s for c, s in zip(at_least(lam), step))  # int32: fits for buckets < 2^31 bits
+
+  lo = jnp.uint32(0)  # lam = 0: all widest, over budget (checked above)
+  hi = jnp.uint32(0x7F800000)  # lam = inf: all narrowest, fits
+  import jax
+  for _ in range(31):
+    mid = lo + (hi - lo) // 2
+    ok = cost(jax.lax.bitcast_convert_type(mid, jnp.float32)) <= limit
+    lo, hi = jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+  c = at_least(jax.lax.bitcast_convert_type(hi, jnp.float32))
+  counts = {hull[0]: units - c[0]}
+  for i, x in enumerate(hull[1:]):
+    counts[x] = c[i] - (c[i + 1] if i + 1 < len(c) else 0)
+  return jnp.stack([jnp.asarray(counts.get(x, 0), jnp.int32) for x in w])
