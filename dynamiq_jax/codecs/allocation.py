@@ -520,9 +520,8 @@ def capacities_threshold(gnorm, valid, errors: Mapping[int, float], units: int,
   deterministic: F as in :func:`capacities_from_stats`; ``lam`` is found by
   bisection on its float32 bit pattern (31 steps), each step comparing
   ``F >= lam * t`` (one rounded product, no sum) and costing the result in
-  integers. Unlike :func:`capacities_from_stats` it may leave a little of
-  the budget unspent (less than the cost of the next upgrade at the
-  optimum's multiplier).
+  integers; units that tie at the switching multiplier then take the next
+  width while the budget allows.
 
   Returns:
     int32 ``[len(errors)]``: units per width, ascending widths (0 off the hull).
@@ -567,6 +566,18 @@ def capacities_threshold(gnorm, valid, errors: Mapping[int, float], units: int,
     ok = cost(jax.lax.bitcast_convert_type(mid, jnp.float32)) <= limit
     lo, hi = jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
   c = at_least(jax.lax.bitcast_convert_type(hi, jnp.float32))
+  # Spend what is left on the units that tie at the switching multiplier:
+  # those that take the next width at ``lo`` but not at ``hi`` (a prefix
+  # extension of each boundary's count), boundary by boundary in order of
+  # gain per bit (lowest t first), as many as fit. Integer arithmetic.
+  c_lo = at_least(jax.lax.bitcast_convert_type(lo, jnp.float32))
+  left = jnp.int32(limit) - sum(ci * st for ci, st in zip(c, step))
+  for i in np.argsort(np.asarray(t, np.float64), kind="stable"):
+    room = c[i - 1] - c[i] if i > 0 else units - c[i]  # stay nested
+    extra = jnp.minimum(jnp.minimum(c_lo[i] - c[i], room), left // step[i])
+    extra = jnp.maximum(extra, 0)
+    c[i] = c[i] + extra
+    left = left - extra * step[i]
   counts = {hull[0]: units - c[0]}
   for i, x in enumerate(hull[1:]):
     counts[x] = c[i] - (c[i + 1] if i + 1 < len(c) else 0)
