@@ -48,6 +48,7 @@ import math
 from typing import Mapping, Sequence
 
 import numpy as np
+from ml_dtypes import bfloat16
 
 __all__ = [
     "PAPER_MIXTURE",
@@ -63,6 +64,10 @@ __all__ = [
     "check_profile",
     "best_capacities",
     "round_capacities",
+    "split_menu",
+    "capacities_from_stats",
+    "capacities_threshold",
+    "hull_widths",
 ]
 
 PROFILE_POINTS = 256
@@ -373,3 +378,233 @@ def round_capacities(fractions: Mapping[int, float], units: int,
     if best is None:
       return got
     got = best[1]
+
+
+# ----------------------------------------------------------------------------
+# Per-round allocation from the global statistics (jnp, traced).
+
+
+def split_menu(widths: Sequence[int], units: int, cost_per_unit: Mapping[int, int],
+               budget: float) -> np.ndarray:
+  """Every whole-unit split worth considering under the budget (static).
+
+  For each count of the widest class, the middle class takes as many units
+  as the budget allows (each one more lowers the expected error), the
+  narrowest the rest: the same candidates as :func:`best_capacities`.
+
+  Args:
+    widths: at most 3 widths.
+    units: units to place (a unit is n super-groups, one per chunk).
+    cost_per_unit: ``{width: bits}`` of one unit.
+    budget: total bits allowed for all units.
+
+  Returns:
+    int64 ``[K, len(widths)]``: units per width (ascending widths), every
+    row summing to ``units`` and within ``budget``.
+
+  Raises:
+    ValueError: if even every unit at the narrowest width exceeds the budget.
+  """
+  w = sorted(int(x) for x in widths)
+  if len(w) > 3:
+    raise ValueError(f"at most 3 widths, got {w}")
+  lo = w[0]
+  if units * cost_per_unit[lo] > budget:
+    raise ValueError(f"even all {units} units at {lo} bits cost "
+                     f"{units * cost_per_unit[lo]} > {budget}")
+  if len(w) == 1:
+    return np.array([[units]], np.int64)
+  hi, mid = w[-1], w[1]
+  k_hi = np.arange(units + 1) if len(w) == 3 else np.zeros(1, np.int64)
+  rest = units - k_hi
+  spare = budget - k_hi * cost_per_unit[hi] - rest * cost_per_unit[lo]
+  k_mid = np.minimum(rest, np.floor(spare / (cost_per_unit[mid] - cost_per_unit[lo])))
+  ok = k_mid >= 0
+  k_hi, k_mid = k_hi[ok], k_mid[ok].astype(np.int64)
+  cols = [units - k_hi - k_mid, k_mid] + ([k_hi] if len(w) == 3 else [])
+  return np.stack(cols, axis=1).astype(np.int64)
+
+
+def _prefix_sum(v):
+  """Inclusive prefix sum over the last axis by a fixed Hillis-Steele schedule
+  (additions only, so no multiply-add contraction; the same on every rank
+  and under vmap)."""
+  import jax.numpy as jnp
+  n = v.shape[-1]
+  shift = 1
+  while shift < n:
+    pad = jnp.zeros(v.shape[:-1] + (shift,), v.dtype)
+    v = v + jnp.concatenate([pad, v[..., :n - shift]], axis=-1)
+    shift *= 2
+  return v
+
+
+def _bf16_split(v):
+  """float32 v = hi + mid + lo exactly, each bf16-exact (float32)."""
+  import jax.numpy as jnp
+  b = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+  hi = b(v)
+  mid = b(v - hi)  # v - hi is exact
+  return hi, mid, b((v - hi) - mid)
+
+
+def capacities_from_stats(gnorm, valid, errors: Mapping[int, float], units: int,
+                          cost_per_unit: Mapping[int, int], budget: float, n: int):
+  """This round's units per width from the global super-group norms (traced).
+
+  The whole-unit split of least expected error ``sum_w c_w * (share of sum F
+  sent at width w)`` within the budget — :func:`best_capacities`, applied to
+  this round's statistics instead of an offline profile. Super-groups are
+  ranked by F = gnorm^2, widest class first; a unit is ``n`` super-groups.
+
+  Deterministic: every rank holds the same ``gnorm`` bit for bit and gets the
+  same counts. F is scaled by a power of two (exact) and squared from
+  bf16-exact norms (exact), prefix-summed with additions in a fixed order;
+  the error of each candidate is a fixed-order sum of exact products
+  (bf16-exact coefficients times bf16 halves of the prefix sums), so no
+  compiler contraction or reassociation can change the chosen split;
+  ``argmin`` picks the first minimum (the fewest widest units).
+
+  Args:
+    gnorm: float32 ``[m]`` global super-group norms (bf16-exact, >= 0), ``m =
+      units * n``.
+    valid: bool ``[m]``: real super-groups (padding is ranked last, F = 0).
+    errors: ``{width: c_w}``, decreasing in width; at most 3 widths.
+    units: ``m // n`` (static).
+    cost_per_unit: ``{width: bits}`` of one unit (static).
+    budget: payload bits allowed (static).
+    n: super-groups per unit (static).
+
+  Returns:
+    int32 ``[len(errors)]``: units per width, ascending widths.
+  """
+  import jax
+  import jax.numpy as jnp
+  w = sorted(errors)
+  menu = split_menu(w, units, cost_per_unit, budget)
+  if menu.shape[0] == 1:
+    return jnp.asarray(menu[0], jnp.int32)
+  g = jnp.where(valid, jnp.asarray(gnorm, jnp.float32), 0.0)
+  g = jnp.where(jnp.isfinite(g), g, jnp.finfo(jnp.float32).max)  # inf/nan: widest
+  top = jnp.max(g)
+  _, e = jnp.frexp(jnp.where(top > 0, top, 1.0))
+  r = jnp.ldexp(g, -e).astype(jnp.bfloat16).astype(jnp.float32)  # in [0, 1), bf16-exact
+  f = jnp.sort(r * r)[::-1]  # exact squares, largest first
+  per_unit = f.reshape(units, n)[::-1, ::-1]  # smallest first
+  unit_f = per_unit[:, 0]
+  for i in range(1, n):  # fixed order within a unit
+    unit_f = unit_f + per_unit[:, i]
+  # tail[k]: sum F of the units ranked k.. (summed from the smallest, so the
+  # small tails that decide the split are accurate to an ulp).
+  tail = jnp.concatenate([_prefix_sum(unit_f)[::-1], jnp.zeros((1,), jnp.float32)])
+  # err(split) = c_hi T + (c_mid - c_hi) tail[k_hi] + (c_lo - c_mid) tail[k_hi + k_mid]
+  c = [float(errors[x]) for x in w]
+
+  def coef(v):  # bf16-exact, so that coef * bf16 is an exact product
+    return np.float32(np.float32(max(v, 0.0)).astype(bfloat16))
+
+  def term(cf, k):
+    h, m, l = _bf16_split(tail[k])
+    return (cf * h + cf * m) + cf * l
+
+  k_hi = menu[:, 2] if len(w) == 3 else np.zeros(menu.shape[0], np.int64)
+  cost = term(coef(c[0] - c[1]), k_hi + menu[:, 1])
+  if len(w) == 3:
+    cost = cost + term(coef(c[1] - c[2]), k_hi)
+  best = jnp.argmin(cost)  # first minimum: fewest widest units (menu is in k_hi order)
+  return jnp.asarray(menu, jnp.int32)[best]
+
+
+def hull_widths(errors: Mapping[int, float], cost_per_unit: Mapping[int, int]) -> list[int]:
+  """Widths on the lower convex hull of (cost, error): the only ones the
+  equal-marginal-gain rule ever picks (static)."""
+  w = sorted(errors)
+  hull = []
+  for x in w:
+    while len(hull) >= 2:
+      a, b = hull[-2], hull[-1]
+      # slope a->b must be steeper (more error saved per bit) than b->x
+      s_ab = (errors[a] - errors[b]) / (cost_per_unit[b] - cost_per_unit[a])
+      s_bx = (errors[b] - errors[x]) / (cost_per_unit[x] - cost_per_unit[b])
+      if s_bx >= s_ab:
+        hull.pop()
+      else:
+        break
+    hull.append(x)
+  return hull
+
+
+def capacities_threshold(gnorm, valid, errors: Mapping[int, float], units: int,
+                         cost_per_unit: Mapping[int, int], budget: float, n: int):
+  """Units per width by the paper's threshold rule, for any number of widths (traced).
+
+  The rule (equal marginal gain per bit, with each width's measured error
+  ``c_w``): for a multiplier ``lam``, a unit of statistic F (the sum of its
+  n super-groups' F) gets the widest width b with ``F >= lam * t_ab`` for
+  every hull boundary ``a | b`` below it, ``t_ab = (cost_b - cost_a) / (c_a
+  - c_b)``; ``lam`` is the smallest that fits the budget. Exact and
+  deterministic: F as in :func:`capacities_from_stats`; ``lam`` is found by
+  bisection on its float32 bit pattern (31 steps), each step comparing
+  ``F >= lam * t`` (one rounded product, no sum) and costing the result in
+  integers; units that tie at the switching multiplier then take the next
+  width while the budget allows.
+
+  Returns:
+    int32 ``[len(errors)]``: units per width, ascending widths (0 off the hull).
+  """
+  import jax.numpy as jnp
+  w = sorted(errors)
+  lo_w = w[0]
+  if units * cost_per_unit[lo_w] > budget:
+    raise ValueError(f"even all {units} units at {lo_w} bits cost "
+                     f"{units * cost_per_unit[lo_w]} > {budget}")
+  hull = hull_widths(errors, cost_per_unit)
+  if len(hull) == 1:
+    return jnp.asarray([units if x == hull[0] else 0 for x in w], jnp.int32)
+  g = jnp.where(valid, jnp.asarray(gnorm, jnp.float32), 0.0)
+  g = jnp.where(jnp.isfinite(g), g, jnp.finfo(jnp.float32).max)
+  top = jnp.max(g)
+  _, e = jnp.frexp(jnp.where(top > 0, top, 1.0))
+  r = jnp.ldexp(g, -e).astype(jnp.bfloat16).astype(jnp.float32)
+  f = jnp.sort(r * r)[::-1].reshape(units, n)
+  unit_f = f[:, 0]
+  for i in range(1, n):
+    unit_f = unit_f + f[:, i]
+  t = [np.float32((cost_per_unit[b] - cost_per_unit[a]) / (errors[a] - errors[b]))
+       for a, b in zip(hull[:-1], hull[1:])]
+  step = [int(cost_per_unit[b] - cost_per_unit[a]) for a, b in zip(hull[:-1], hull[1:])]
+  base = int(units * cost_per_unit[hull[0]])
+  limit = int(math.floor(budget)) - base
+  if limit >= sum(step) * units:  # everything at the widest hull width fits
+    return jnp.asarray([units if x == hull[-1] else 0 for x in w], jnp.int32)
+
+  def at_least(lam):  # units at or above each hull boundary (nested: t increases)
+    return [jnp.sum((unit_f >= lam * tb).astype(jnp.int32)) for tb in t]
+
+  def cost(lam):
+    return sum(c * s for c, s in zip(at_least(lam), step))  # int32: fits for buckets < 2^31 bits
+
+  lo = jnp.uint32(0)  # lam = 0: all widest, over budget (checked above)
+  hi = jnp.uint32(0x7F800000)  # lam = inf: all narrowest, fits
+  import jax
+  for _ in range(31):
+    mid = lo + (hi - lo) // 2
+    ok = cost(jax.lax.bitcast_convert_type(mid, jnp.float32)) <= limit
+    lo, hi = jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+  c = at_least(jax.lax.bitcast_convert_type(hi, jnp.float32))
+  # Spend what is left on the units that tie at the switching multiplier:
+  # those that take the next width at ``lo`` but not at ``hi`` (a prefix
+  # extension of each boundary's count), boundary by boundary in order of
+  # gain per bit (lowest t first), as many as fit. Integer arithmetic.
+  c_lo = at_least(jax.lax.bitcast_convert_type(lo, jnp.float32))
+  left = jnp.int32(limit) - sum(ci * st for ci, st in zip(c, step))
+  for i in np.argsort(np.asarray(t, np.float64), kind="stable"):
+    room = c[i - 1] - c[i] if i > 0 else units - c[i]  # stay nested
+    extra = jnp.minimum(jnp.minimum(c_lo[i] - c[i], room), left // step[i])
+    extra = jnp.maximum(extra, 0)
+    c[i] = c[i] + extra
+    left = left - extra * step[i]
+  counts = {hull[0]: units - c[0]}
+  for i, x in enumerate(hull[1:]):
+    counts[x] = c[i] - (c[i + 1] if i + 1 < len(c) else 0)
+  return jnp.stack([jnp.asarray(counts.get(x, 0), jnp.int32) for x in w])

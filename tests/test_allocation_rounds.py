@@ -1,0 +1,132 @@
+"""Per-round class capacities from the global statistics (allocation.capacities_from_stats)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dynamiq_jax.codecs import DynamiQ, allocation
+
+
+def _exact_error(norms, counts, widths, errors, n):
+  """sum_w c_w * share of sum F at width w, float64, super-groups ranked by F."""
+  f = np.sort(np.asarray(norms, np.float64) ** 2)[::-1]
+  tot = f.sum()
+  out, start = 0.0, 0
+  for w, k in sorted(zip(widths, counts), reverse=True):
+    out += errors[w] * f[start:start + k * n].sum() / tot
+    start += k * n
+  return out
+
+
+def _norms(kind, m, rng):
+  if kind == "flat":
+    return np.abs(1.0 + 0.05 * rng.standard_normal(m))
+  if kind == "paper":
+    comp = rng.random(m) < 0.79
+    return np.exp(np.where(comp, -3.99 + 1.22 * rng.standard_normal(m),
+                           -16.41 + 4.63 * rng.standard_normal(m)))
+  if kind == "zeros":  # embedding-like: many exact zeros
+    v = np.exp(rng.standard_normal(m))
+    v[rng.random(m) < 0.6] = 0.0
+    return v
+  return np.exp(3.0 * rng.standard_normal(m))  # "wide"
+
+
+@pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "wide"])
+@pytest.mark.parametrize("n,units", [(8, 4), (8, 128), (64, 3), (2, 700)])
+def test_matches_exact_optimum_and_best_capacities(kind, n, units):
+  rng = np.random.default_rng(units * 7 + n)
+  codec = DynamiQ(bits=5)
+  errors = codec.width_errors()
+  widths = sorted(errors)
+  m = units * n
+  d = m * 256
+  rec = {w: codec.format(w).record_bytes * 8 for w in widths}
+  cost = {w: n * rec[w] for w in widths}
+  budget = 5.0 * d - 32 * m
+  norms = np.asarray(jnp.asarray(_norms(kind, m, rng), jnp.float32).astype(jnp.bfloat16)
+                     .astype(jnp.float32))
+  got = np.asarray(allocation.capacities_from_stats(
+      jnp.asarray(norms), jnp.ones(m, bool), errors, units, cost, budget, n))
+  assert got.sum() == units
+  assert sum(int(k) * cost[w] for w, k in zip(widths, got)) <= budget
+  menu = allocation.split_menu(widths, units, cost, budget)
+  errs = [_exact_error(norms, row, widths, errors, n) for row in menu]
+  mine = _exact_error(norms, got, widths, errors, n)
+  assert mine <= min(errs) * (1 + 1e-4) + 1e-12
+  prof = allocation.profile_from_norms(np.where(norms > 0, norms, 1e-30), points=min(m, 4096))
+  ref = allocation.best_capacities(prof, errors, units, cost, budget)
+  ref_err = _exact_error(norms, [ref[w] for w in widths], widths, errors, n)
+  assert mine <= ref_err * (1 + 1e-4) + 1e-12
+
+
+def test_same_under_vmap_and_jit():
+  rng = np.random.default_rng(0)
+  n, units = 8, 64
+  codec = DynamiQ(bits=5)
+  errors = codec.width_errors()
+  cost = {w: n * codec.format(w).record_bytes * 8 for w in errors}
+  m = n * units
+  g = jnp.asarray(_norms("paper", m, rng), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+  f = lambda x: allocation.capacities_from_stats(x, jnp.ones(m, bool), errors, units, cost,
+                                                 5.0 * m * 256 - 32 * m, n)
+  a = np.asarray(f(g))
+  b = np.asarray(jax.jit(f)(g))
+  c = np.asarray(jax.vmap(f)(jnp.stack([g] * 3)))
+  assert (a == b).all() and (c == a).all()
+
+
+def test_padding_and_zero_and_inf():
+  n, units = 4, 8
+  codec = DynamiQ(bits=5)
+  errors = codec.width_errors()
+  cost = {w: n * codec.format(w).record_bytes * 8 for w in errors}
+  budget = 5.0 * n * units * 256 - 32 * n * units
+  for g in [np.zeros(n * units), np.full(n * units, np.inf), np.r_[np.ones(5), np.zeros(27)]]:
+    got = np.asarray(allocation.capacities_from_stats(
+        jnp.asarray(g, jnp.float32), jnp.arange(n * units) < 30, errors, units, cost, budget, n))
+    assert got.sum() == units
+    assert sum(int(k) * cost[w] for w, k in zip(sorted(errors), got)) <= budget
+
+
+def _fine_errors(widths):
+  from pallas_kernels import dynamiq_units as U
+  from pallas_kernels import dynamiq_format as F
+  out = {}
+  x = np.random.default_rng(12345).standard_normal((1024, 256))
+  for w in widths:
+    lam = F._level_table(w, "mee", U.eps_for(w, {2: 0.23, 4: 0.18, 8: 0.10})).astype(np.float64)
+    a = np.abs(x).reshape(1024, 16, -1)
+    s = a.max(-1, keepdims=True) / lam[-1]
+    t = a / s
+    j = np.clip(np.searchsorted(lam, t, side="right") - 1, 0, lam.size - 2)
+    out[w] = float(((t - lam[j]) * (lam[j + 1] - t) * s**2).sum() / (x**2).sum())
+  return out
+
+
+@pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "wide"])
+@pytest.mark.parametrize("widths", [(2, 4, 8), (2, 3, 4, 5, 6, 8)])
+def test_threshold_rule_near_optimal(kind, widths):
+  rng = np.random.default_rng(3)
+  n, units = 8, 200
+  m = n * units
+  errors = _fine_errors(widths)
+  cost = {w: n * (256 * w + 144) for w in widths}
+  budget = 5.0 * m * 256 - 32 * m
+  norms = np.asarray(jnp.asarray(_norms(kind, m, rng), jnp.float32).astype(jnp.bfloat16)
+                     .astype(jnp.float32))
+  f = lambda g: allocation.capacities_threshold(g, jnp.ones(m, bool), errors, units, cost,
+                                                budget, n)
+  got = np.asarray(f(jnp.asarray(norms)))
+  assert (np.asarray(jax.jit(f)(jnp.asarray(norms))) == got).all()
+  assert got.sum() == units
+  spent = sum(int(k) * cost[w] for w, k in zip(widths, got))
+  assert spent <= budget
+  mine = _exact_error(norms, got, widths, errors, n)
+  if len(widths) == 3:  # against the exact whole-unit optimum
+    menu = allocation.split_menu(widths, units, cost, budget)
+    best = min(_exact_error(norms, row, widths, errors, n) for row in menu)
+    assert mine <= best * 1.02 + 1e-12
+  # the multiplier and the tie fill leave less than one upgrade step unspent
+  assert budget - spent < max(cost.values()) - min(cost.values())

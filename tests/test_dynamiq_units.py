@@ -1,0 +1,86 @@
+"""Prototype unit-packed chunk layout (pallas_kernels.dynamiq_units)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dynamiq_format as F
+from pallas_kernels import dynamiq_units as U
+
+EPS = {2: 0.23, 4: 0.18, 8: 0.10}
+KEYS = tuple(np.uint32(v) for v in (11, 22, 33, 44))
+
+
+@pytest.mark.parametrize("rounding", ["up", "stochastic"])
+@pytest.mark.parametrize("strata", [1, 8])
+def test_same_values_as_per_class_format(rounding, strata):
+  rng = np.random.default_rng(0)
+  s = 12
+  x = (rng.standard_normal((s, 256)) * np.exp(2 * rng.standard_normal((s, 1)))).astype(np.float32)
+  x[3] = 0.0
+  counts = jnp.array([4, 5, 3], jnp.int32)  # 2, 4, 8 bits
+  widths = U.position_widths(counts, s)
+  units = U.units_for_budget(s, s * U.SCALE_BYTES + 64 * (4 + 10 + 12) + 100)
+  p = U.encode_units(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS, rank=3, strata=strata,
+                     scale_rounding=rounding)
+  assert p.shape == (U.payload_bytes(s, units),) and p.dtype == jnp.uint8
+  got = np.asarray(U.decode_units(p, widths, units, eps=EPS))
+  w = np.asarray(widths)
+  for b in (2, 4, 8):
+    fmt = F.Format(bits=b, eps=EPS[b], scale_rounding=rounding)
+    ref = np.asarray(F.decompress_reference(
+        F.compress_reference(jnp.asarray(x), fmt, keys=KEYS, rank=3, strata=strata), fmt))
+    np.testing.assert_array_equal(got[w == b], ref[w == b])
+  # the unused units are zero, the payload fits the per-class record bytes
+  assert not np.asarray(p[s * U.SCALE_BYTES + 64 * 26:]).any()
+  assert U.payload_bytes(s, 26) == sum((32 * b + 18) for b in w)
+
+
+def test_hop_matches_per_class_hop():
+  rng = np.random.default_rng(1)
+  s = 8
+  x = rng.standard_normal((s, 256)).astype(np.float32)
+  y = rng.standard_normal((s, 256)).astype(np.float32)
+  widths = jnp.full((s,), 4, jnp.int32)
+  units = 2 * s
+  p = U.encode_units(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS)
+  q = U.decompress_accumulate_recompress_units(p, jnp.asarray(y), widths, units, eps=EPS,
+                                               keys=KEYS)
+  fmt = F.Format(bits=4, eps=EPS[4])
+  pr = F.compress_reference(jnp.asarray(x), fmt, keys=KEYS)
+  qr = F.decompress_accumulate_recompress_reference(pr, jnp.asarray(y), fmt, keys=KEYS)
+  np.testing.assert_array_equal(np.asarray(U.decode_units(q, widths, units, eps=EPS)),
+                                np.asarray(F.decompress_reference(qr, fmt)))
+
+
+@pytest.mark.parametrize("plane_bits,width_set", [(1, (2, 3, 4, 5, 6, 8)), (1, (2, 4, 8)),
+                                                  (2, (2, 4, 8))])
+def test_planes_roundtrip_any_widths(plane_bits, width_set):
+  rng = np.random.default_rng(2)
+  s = 14
+  x = rng.standard_normal((s, 256)).astype(np.float32)
+  ws = sorted(width_set)
+  counts = np.zeros(len(ws), np.int64)
+  counts[:] = s // len(ws)
+  counts[0] += s - counts.sum()
+  widths = U.position_widths_general(jnp.asarray(counts, jnp.int32), ws, s)
+  w = np.asarray(widths)
+  assert (np.diff(w) <= 0).all()
+  used = int(sum(w // plane_bits))
+  units = used + 3
+  geo = dict(plane_bits=plane_bits, width_set=tuple(ws))
+  p = U.encode_units(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS, rank=1, strata=4, **geo)
+  assert p.shape == (U.payload_bytes(s, units, plane_bits),)
+  assert U.payload_bytes(s, used, plane_bits) == sum(32 * b + 18 for b in w)
+  assert not np.asarray(p[U.payload_bytes(s, used, plane_bits):]).any()
+  got = np.asarray(U.decode_units(p, widths, units, eps=EPS, **geo))
+  # the same values as the block arithmetic without any byte movement
+  tabs = U._tables(EPS, tuple(ws))
+  xb = jnp.asarray(x).reshape(s, 16, 16)
+  idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
+  codes, k, unit = U.encode_block_var(xb, widths, tabs, lookup=U._lookup(tabs), idx=idx,
+                                      keys=tuple(jnp.uint32(v) for v in KEYS),
+                                      rank=jnp.int32(1), strata=4)
+  ref = U.decode_block_var(codes, k.astype(jnp.float32) * unit[:, None], widths, tabs,
+                           lookup=U._lookup(tabs))
+  np.testing.assert_array_equal(got, np.asarray(ref).reshape(s, 256))
