@@ -145,6 +145,8 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE) -
   total = _total(tree)
   if total == 0:
     return AllReduceStats(0.0, 0.0, 0)
+  if n == 1:  # nothing crosses a wire: the all-reduce is the identity
+    return AllReduceStats(0.0, 0.0, total)
   bits = sum(codec.wire_bits(e - s, n) for s, e in _bucket_bounds(total, bucket_size, codec))
   return AllReduceStats(bits / total, bits / 8 * 2 * (n - 1) / n, total)
 
@@ -255,6 +257,10 @@ def _reduce_flat(flat, *, ctx: AxisContext, codec, schedule, key, bucket_size, i
   states = codec_state if codec_state is not None else (None,) * len(bounds)
   if len(states) != len(bounds):
     raise ValueError(f"codec_state holds {len(states)} buckets, the tree needs {len(bounds)}")
+  if ctx.n == 1:  # one rank: the mean is the input, bit for bit, whatever the codec
+    get_plan(schedule, 1)  # still validates the schedule's name
+    return flat, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(total),
+                                codec_state=tuple(states) if codec.stateful else None), flat
   plan = get_plan(schedule, ctx.n)
   outs, new_states, owns = [], [], []
   for b, (s, e) in enumerate(bounds):
@@ -302,9 +308,38 @@ def _combine(meta, ctx: AxisContext, plan: TreePlan, keys: Keys):
   raise ValueError(f"Metadata.combine={meta.combine!r} must be 'max' or a Codec")
 
 
+SAFE_EXPONENT = 64
+"""Buckets whose largest magnitude reaches 2^64 are scaled down by a power of two
+(exactly) before the codec sees them, so that no codec's partial sums, centred
+residuals or rounding products can overflow float32 on finite inputs."""
+
+
+def _guard(x, ctx: AxisContext):
+  """Every rank's agreement on one bucket: (any rank non-finite, power-of-two scale).
+
+  One small all-reduce (max) of two finite numbers per bucket, so it behaves
+  the same on every backend (no reliance on how a backend's max treats NaN).
+  """
+  finite = jnp.isfinite(x)
+  amax = jnp.max(jnp.where(finite, jnp.abs(x), 0.0))
+  bad = jnp.any(~finite).astype(jnp.float32)
+  amax, bad = ctx.pmax((amax, bad))
+  _, e = jnp.frexp(amax)  # amax < 2^e
+  scale = jnp.ldexp(jnp.float32(1), jnp.minimum(SAFE_EXPONENT - e, 0))  # 1 unless huge
+  return bad > 0, finite, scale
+
+
 def _reduce_bucket(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
                    ctx: AxisContext, return_own: bool):
-  """One bucket: metadata pass, payload pass, finish -> (out, new state, own)."""
+  """One bucket: guard, metadata pass, payload pass, finish -> (out, new state, own).
+
+  A value that is NaN or infinite on any rank makes the whole bucket NaN on
+  every rank (the codec itself sees zeros there, so its state stays finite);
+  finite inputs reach the codec scaled below :data:`SAFE_EXPONENT` exactly.
+  """
+  with jax.named_scope("guard"):
+    nonfinite, finite, scale = _guard(x, ctx)
+    x = jnp.where(finite, x, 0.0) * scale  # exact: a power of two, 1 for usual gradients
   meta = codec.metadata(x, bucket, state)
   if meta is not None:
     with jax.named_scope("metadata"):
@@ -312,7 +347,8 @@ def _reduce_bucket(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: Tre
   p = codec.plan(x, meta, bucket, state, keys)
   decoded = execute(plan, ctx, p.chunks, _hop_ops(codec, p.aux, keys))
   out, new_state = codec.finish(decoded, p.aux, bucket, state)
-  own = codec.contribution(x, p.aux, bucket) if return_own else None
+  out = jnp.where(nonfinite, jnp.float32(jnp.nan), out / scale)
+  own = codec.contribution(x, p.aux, bucket) / scale if return_own else None
   return out, new_state, own
 
 
