@@ -30,19 +30,39 @@ computed offsets: code bytes ``[BLOCK, G, CB]``, one scale byte per group, two
 unit bytes. The level table (``2**(b-1)`` floats) is a small input gathered
 by level index.
 
-GPU backend: Triton-lowered ``pallas_call``. Mosaic GPU, the other Pallas
-GPU backend, cannot lower this kernel on jax 0.10.2: gathering from the
-level table raises ``NotImplementedError: int_indexer_shape non-empty``
-(checked on a CPU machine by lowering for the ``cuda`` platform;
-``tests/test_kernels.py::test_lowers_for_gpu``), and the format needs those
-table lookups. A timing comparison of the two backends therefore waits for
-Mosaic GPU gathers; ``python -m dynamiq_jax.bench.kernels`` measures the
-Triton kernels against the unfused XLA reference and the device's copy
-bandwidth (``docs/results/kernels_<device>.json``).
+GPU backend: Triton-lowered ``pallas_call`` (``triton.CompilerParams``), the
+default, because it is the only Pallas GPU backend that lowers these kernels.
+Mosaic GPU (what a ``pallas_call`` without compiler params lowers to for
+``cuda``; jax 0.10.2 deprecates that route in favour of ``plgpu.kernel``)
+fails on jax 0.10.2, checked on a CPU machine by lowering for the ``cuda``
+platform: first, ``NotImplementedError: Only copies transferring a number of
+bytes divisible by the warpgroup size are supported. Got bytes=32 but
+warpgroup size is 128`` (the 8-word key block, the level table); for
+``decompress`` with the table padded to 128 bytes, ``Failed to infer the
+output layout of the iota`` (the record offsets). Behind those lies the real
+obstacle: records are ``32 b + 18`` bytes, so each program gathers and
+scatters bytes of global memory at computed offsets with masks
+(``triton.load`` / ``triton.store``), for which we found no Mosaic GPU
+counterpart on jax 0.10.2 (its Pallas lowering moves global memory in block
+copies); the level-table lookups (``lam_ref[j]``, recorded earlier as
+``int_indexer_shape non-empty``) are gathers too (a select tree over the
+constant levels would avoid those). Mosaic GPU therefore needs a new record
+layout (e.g. codes, scales and units in separate 128-byte-aligned planes), not
+a port. jax >= 0.11 deprecates the Triton backend and warns at every Triton
+lowering; that DeprecationWarning, and only it, is filtered where a kernel is
+traced for a GPU (:func:`_quiet_triton_deprecation`). ``python -m
+dynamiq_jax.bench.kernels`` measures the Triton kernels against the unfused
+XLA reference and the device's copy bandwidth
+(``docs/results/kernels_<device>.json``).
 
-Dispatch: ``implementation=None`` runs the kernels on GPU and the reference
-elsewhere; ``"pallas"`` forces the kernels (``interpret=True`` off GPU, which
-is how CPU tests run them); ``"xla"`` forces the reference. A kernel raises
+Dispatch is by the platform being *lowered for*, not the host's backend
+(``jax.lax.platform_dependent``): ``implementation=None`` puts the kernels
+into every lowering for ``cuda`` / ``rocm`` (a deviceless or AOT compile for
+GPUs from a CPU host included) and the XLA reference into every other
+(on CPU without interpret mode; the reference's XLA:CPU workaround,
+:func:`~pallas_kernels.dynamiq_format.materialize`, is itself CPU-only).
+``"pallas"`` forces the kernels (``interpret=True`` off GPU, which is how CPU
+tests run them); ``"xla"`` forces the reference. A kernel raises
 ``NotImplementedError`` for input it does not support and dispatch falls
 back to the reference, logging the reason once.
 """
@@ -51,6 +71,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from typing import Literal
 
 import jax
@@ -381,14 +402,30 @@ def decompress_accumulate_recompress_pallas(payload, x, fmt: F.Format, *, keys, 
 # Dispatch.
 
 
-def _choose(implementation: Implementation):
-  """-> (use_kernels, interpret)."""
+GPU_PLATFORMS = ("cuda", "rocm")
+"""Lowering platforms that get the kernels under ``implementation=None``."""
+
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+"""Start of the DeprecationWarning that jax >= 0.11 raises at each Triton lowering."""
+
+
+def _check_implementation(implementation: Implementation):
   if implementation not in (None, "pallas", "xla"):
     raise ValueError(f"implementation={implementation!r} must be None, 'pallas' or 'xla'")
-  on_gpu = jax.default_backend() == "gpu"
-  if implementation == "xla" or (implementation is None and not on_gpu):
-    return False, False
-  return True, not on_gpu
+
+
+def _quiet_triton_deprecation():
+  """Ignores jax's Triton-deprecation DeprecationWarning, and only it.
+
+  jax >= 0.11 warns at every lowering of a Triton ``pallas_call`` that the
+  backend "will be removed". The kernels are Triton on purpose (Mosaic GPU
+  cannot lower them yet, see the module docstring), and the warning is
+  raised when the caller's jit compiles, outside any frame of this module,
+  so it is filtered here, where a kernel is traced for a GPU: by its exact
+  start and category, never other warnings. Installed again on each use
+  because ``warnings.catch_warnings`` (pytest, user code) restores filters.
+  """
+  warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
 def _fallback(op: str, err: NotImplementedError):
@@ -399,15 +436,55 @@ def _fallback(op: str, err: NotImplementedError):
                  op, err)
 
 
-def _dispatch(name, kernel, reference, implementation, interpret, *args, **kwargs):
-  use, auto_interpret = _choose(implementation)
-  if use:
-    try:
-      return kernel(*args, **kwargs,
-                    interpret=auto_interpret if interpret is None else interpret)
-    except NotImplementedError as err:
-      _fallback(name, err)
-  return reference(*args, **kwargs)
+def _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs):
+  try:
+    return kernel(*args, **kwargs, interpret=interpret)
+  except NotImplementedError as err:
+    _fallback(op, err)
+    return reference(*args, **kwargs)
+
+
+def _gpu_path(op, kernel, reference, interpret, args, kwargs):
+  """The program for a GPU lowering under ``implementation=None``."""
+  _quiet_triton_deprecation()
+  return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
+
+
+def _dispatch(op, kernel, reference, implementation, interpret, *args, **kwargs):
+  """Runs ``op`` by the platform being lowered for, not the host's backend.
+
+  ``implementation=None``: the kernel in a lowering for a GPU
+  (:data:`GPU_PLATFORMS`), the XLA reference for every other platform.
+  ``"pallas"``: the kernel everywhere, interpreted off GPU. ``"xla"``: the
+  reference. ``interpret``, when given, overrides the interpret mode of the
+  kernel wherever the kernel runs. Both branches are traced;
+  ``jax.lax.platform_dependent`` keeps only the one for the lowering
+  platform (a deviceless compile for GPUs from a CPU host included), and
+  an eager call runs only the branch of the default device.
+  """
+  _check_implementation(implementation)
+  if implementation == "xla":
+    return reference(*args, **kwargs)
+  if implementation == "pallas":
+    if interpret is not None:
+      return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
+
+    def on_gpu():
+      _quiet_triton_deprecation()
+      return _kernel_or_fallback(op, kernel, reference, False, args, kwargs)
+
+    def off_gpu():
+      return _kernel_or_fallback(op, kernel, reference, True, args, kwargs)
+
+    return jax.lax.platform_dependent(**{p: on_gpu for p in GPU_PLATFORMS}, default=off_gpu)
+
+  def gpu():
+    return _gpu_path(op, kernel, reference, bool(interpret), args, kwargs)
+
+  def other():
+    return reference(*args, **kwargs)
+
+  return jax.lax.platform_dependent(**{p: gpu for p in GPU_PLATFORMS}, default=other)
 
 
 def compress(x, fmt: F.Format, *, keys, rank=0, strata: int = 1,

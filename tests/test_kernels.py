@@ -132,13 +132,34 @@ def test_ring_with_kernels_equals_xla_on_8_devices(mesh):
 
 class TestDispatch:
 
-  def test_default_is_the_reference_off_gpu(self):
+  def test_default_is_chosen_by_the_lowering_platform(self):
+    """Kernels in a lowering for cuda, the reference for cpu, whatever the host's backend."""
     fmt = F.Format(bits=4)
-    jaxpr = jax.make_jaxpr(lambda x: K.compress(x, fmt, keys=_keys(0)))(_x(0))
-    assert "pallas_call" not in str(jaxpr)
-    jaxpr = jax.make_jaxpr(lambda x: K.compress(x, fmt, keys=_keys(0),
-                                                implementation="pallas"))(_x(0))
-    assert "pallas_call" in str(jaxpr)
+
+    def lowered(implementation, platform):
+      f = lambda p, x: K.decompress_accumulate_recompress(p, x, fmt, keys=_keys(0),
+                                                          implementation=implementation)
+      p = jax.ShapeDtypeStruct((S, fmt.record_bytes), jnp.uint8)
+      x = jax.ShapeDtypeStruct((S, 256), jnp.float32)
+      return jax.jit(f).trace(p, x).lower(lowering_platforms=(platform,)).as_text()
+
+    triton = "__gpu$xla.gpu.triton"
+    assert lowered(None, "cuda").count(triton) == 1
+    assert "stablehlo.while" not in lowered(None, "cuda")  # no XLA:CPU workaround on GPU
+    assert triton not in lowered(None, "cpu")
+    assert "stablehlo.while" in lowered(None, "cpu")  # the reference's materialize
+    assert triton not in lowered("xla", "cuda")
+    assert "stablehlo.while" not in lowered("xla", "cuda")
+    assert lowered("pallas", "cuda").count(triton) == 1
+    assert triton not in lowered("pallas", "cpu")  # interpreted
+
+  def test_default_runs_the_reference_on_cpu(self):
+    fmt = F.Format(bits=4)
+    x = _x(0)
+    ref = F.compress_reference(x, fmt, keys=_keys(0))
+    _same(K.compress(x, fmt, keys=_keys(0)), ref)
+    _same(jax.jit(lambda x: K.compress(x, fmt, keys=_keys(0)))(x), ref)
+    _same(jax.jit(lambda x: K.compress(x, fmt, keys=_keys(0), implementation="pallas"))(x), ref)
 
   def test_bad_implementation(self):
     with pytest.raises(ValueError, match="implementation='cuda'"):
