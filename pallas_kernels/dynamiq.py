@@ -250,7 +250,23 @@ def _whole(n):
   return pl.BlockSpec((n,), lambda i: (0,))
 
 
+def _typed_like(out_shape, args):
+  """``out_shape`` varying over every mesh axis that one of ``args`` varies over.
+
+  Inside ``jax.shard_map(check_vma=True)`` (``dq.data_parallel_step``) a
+  ``pallas_call`` must be told how its output varies across the mesh.
+  """
+  avals = [jax.typeof(a) for a in args]
+  mat = getattr(avals[0], "manual_axis_type", None)
+  if mat is None:  # no per-axis types to declare
+    return out_shape
+  varying = frozenset().union(*(a.manual_axis_type.varying for a in avals))
+  return jax.ShapeDtypeStruct(out_shape.shape, out_shape.dtype,
+                              manual_axis_type=mat.update(varying=varying))
+
+
 def _call(kernel, fmt, s_count, in_specs, out_shape, out_spec, interpret, name, *args):
+  out_shape = _typed_like(out_shape, args)
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=(pl.cdiv(s_count, BLOCK),), in_specs=in_specs,
       out_specs=out_spec, compiler_params=_compiler_params(interpret), interpret=interpret,

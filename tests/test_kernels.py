@@ -130,6 +130,24 @@ def test_ring_with_kernels_equals_xla_on_8_devices(mesh):
   _same(ker, ref)
 
 
+def test_kernels_lower_inside_shard_map_with_check_vma(mesh):
+  """As ``dq.data_parallel_step`` runs them (``check_vma=True``), lowered for cuda:
+  each pallas_call must declare how its output varies over the mesh, or tracing
+  fails. (Interpret mode cannot run there on jax 0.10.2: its interpreter indexes
+  a varying ref with an invarying index and check_vma rejects that.)"""
+  g = jax.ShapeDtypeStruct((8, 1 << 12), jnp.float32,
+                           sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
+
+  def body(x):
+    return dq.allreduce(x[0], axis_name="data", codec=DynamiQ(bits=5), key=jax.random.key(4),
+                        implementation="pallas")[0][None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data"),
+                            check_vma=True))
+  text = f.trace(g).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
+
+
 class TestDispatch:
 
   def test_default_is_chosen_by_the_lowering_platform(self):
