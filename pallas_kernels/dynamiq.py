@@ -64,7 +64,12 @@ GPUs from a CPU host included) and the XLA reference into every other
 ``"pallas"`` forces the kernels (``interpret=True`` off GPU, which is how CPU
 tests run them); ``"xla"`` forces the reference. A kernel raises
 ``NotImplementedError`` for input it does not support and dispatch falls
-back to the reference, logging the reason once.
+back to the reference, logging the reason once. On a process with a GPU,
+``implementation=None`` first compiles each kernel alone (once per kernel,
+format and operand types); if that fails (a new jax, a new GPU) it warns
+once (:class:`KernelFallbackWarning`, naming the kernel, the error and both
+ways to force a path) and the program uses the reference: the same bits,
+slower.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ __all__ = [
     "decompress_pallas",
     "decompress_accumulate_pallas",
     "decompress_accumulate_recompress_pallas",
+    "KernelFallbackWarning",
 ]
 
 Implementation = Literal["pallas", "xla"] | None
@@ -425,6 +431,13 @@ TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 """Start of the DeprecationWarning that jax >= 0.11 raises at each Triton lowering."""
 
 
+class KernelFallbackWarning(RuntimeWarning):
+  """A kernel did not compile on this GPU; the XLA reference runs instead."""
+
+
+_probed: dict = {}  # (op, fmt, strata, operand types) -> error text, or None if it compiled
+
+
 def _check_implementation(implementation: Implementation):
   if implementation not in (None, "pallas", "xla"):
     raise ValueError(f"implementation={implementation!r} must be None, 'pallas' or 'xla'")
@@ -452,6 +465,82 @@ def _fallback(op: str, err: NotImplementedError):
                  op, err)
 
 
+def _local_gpus():
+  """This process's GPU devices ([] when it has none, e.g. a compile-only host)."""
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
+def _split(args, kwargs):
+  """(operands, rebuild): the arrays among a call's arguments, and ``rebuild(operands)``.
+
+  Everything else (the format, ``strata``, Python scalars) stays as given.
+  """
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  where = [i for i, v in enumerate(leaves) if isinstance(v, (jax.Array, np.ndarray, np.generic))]
+
+  def rebuild(operands):
+    full = list(leaves)
+    for i, v in zip(where, operands):
+      full[i] = v
+    return jax.tree.unflatten(tree, full)
+
+  return [leaves[i] for i in where], rebuild
+
+
+def _compile_alone(kernel, device, args, kwargs):
+  """Compiles ``kernel(*args, **kwargs)`` by itself for ``device``; raises what XLA raises."""
+  operands, rebuild = _split(args, kwargs)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  structs = [jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v), sharding=sharding)
+             for v in operands]
+
+  def alone(*operands):
+    a, kw = rebuild(operands)
+    return kernel(*a, **kw, interpret=False)
+
+  with warnings.catch_warnings():
+    _quiet_triton_deprecation()
+    jax.jit(alone).lower(*structs).compile()
+
+
+def _kernel_compiles(op, kernel, args, kwargs) -> bool:
+  """Whether ``op``'s kernel compiles for this process's GPU (True when it has none).
+
+  Checked once per (op, format, strata, operand shapes and dtypes) by
+  compiling the kernel alone; on failure one :class:`KernelFallbackWarning`
+  names the kernel, the error and how to force either path. Without a local
+  GPU (a deviceless or AOT compile from a CPU host) there is nothing to
+  compile against, and the kernels stay in the program.
+  """
+  gpus = _local_gpus()
+  if not gpus:
+    return True
+  operands, _ = _split(args, kwargs)
+  types = tuple(f"{jnp.result_type(v)}{list(np.shape(v))}" for v in operands)
+  fmts = tuple(v for v in args if isinstance(v, F.Format))
+  key = (op, fmts, kwargs.get("strata"), types, gpus[0].device_kind)
+  if key not in _probed:
+    try:
+      _compile_alone(kernel, gpus[0], args, kwargs)
+      _probed[key] = None
+    except NotImplementedError:
+      _probed[key] = None  # unsupported input: _kernel_or_fallback says so and falls back
+    except Exception as err:  # noqa: BLE001 - whatever the compiler raised, do not use it
+      _probed[key] = f"{type(err).__name__}: {err}"
+      warnings.warn(
+          f"dynamiq_jax: the Pallas kernel {op!r} failed to compile on "
+          f"{gpus[0].device_kind} (jax {jax.__version__}; {fmts[0] if fmts else ''}, "
+          f"operands {', '.join(types)}): {_probed[key]}\n"
+          "Using the XLA reference instead: the same results, only slower. "
+          "implementation='xla' chooses the reference without this check; "
+          "implementation='pallas' uses the kernel regardless (and raises its error).",
+          KernelFallbackWarning, stacklevel=2)
+  return _probed[key] is None
+
+
 def _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs):
   try:
     return kernel(*args, **kwargs, interpret=interpret)
@@ -463,14 +552,17 @@ def _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs):
 def _gpu_path(op, kernel, reference, interpret, args, kwargs):
   """The program for a GPU lowering under ``implementation=None``."""
   _quiet_triton_deprecation()
-  return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
+  if interpret or _kernel_compiles(op, kernel, args, kwargs):
+    return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
+  return reference(*args, **kwargs)
 
 
 def _dispatch(op, kernel, reference, implementation, interpret, *args, **kwargs):
   """Runs ``op`` by the platform being lowered for, not the host's backend.
 
   ``implementation=None``: the kernel in a lowering for a GPU
-  (:data:`GPU_PLATFORMS`), the XLA reference for every other platform.
+  (:data:`GPU_PLATFORMS`; unless it fails to compile on this process's GPU,
+  see :func:`_kernel_compiles`), the XLA reference for every other platform.
   ``"pallas"``: the kernel everywhere, interpreted off GPU. ``"xla"``: the
   reference. ``interpret``, when given, overrides the interpret mode of the
   kernel wherever the kernel runs. Both branches are traced;

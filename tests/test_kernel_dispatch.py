@@ -1,4 +1,4 @@
-"""Kernel dispatch: jax's Triton warning, and why the kernels are not Mosaic GPU."""
+"""Kernel dispatch: the fallback when a kernel does not compile, and jax's Triton warning."""
 
 import warnings
 
@@ -30,8 +30,72 @@ def _cuda_text(f, *args):
   return jax.jit(lambda *a: f(*a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.fixture
+def fresh():
+  K._probed.clear()
+  yield
+  K._probed.clear()
+
+
+@pytest.fixture
+def cpu_as_local_gpu(monkeypatch, fresh):
+  """The probe's "local GPU" is a CPU device: compiling a kernel for it fails for real
+  (Pallas compiles only in interpret mode on CPU)."""
+  monkeypatch.setattr(K, "_local_gpus", lambda: jax.devices("cpu")[:1])
+
+
 def _compress(x):
   return K.compress(x, FMT, keys=_keys(0), rank=3, strata=8)
+
+
+class TestCompileFallback:
+
+  def test_a_kernel_that_fails_to_compile_falls_back_with_one_warning(self, cpu_as_local_gpu):
+    x = _x(0)
+    with pytest.warns(K.KernelFallbackWarning) as record:
+      text = _cuda_text(_compress, x)
+      _cuda_text(_compress, x)  # same kernel and operands: no second warning
+    assert TRITON not in text  # the GPU program runs the reference
+    assert "stablehlo.while" not in text  # without XLA:CPU's workaround
+    assert len(record) == 1
+    msg = str(record[0].message)
+    for part in ("'compress'", "Only interpret mode is supported on CPU backend",
+                 "implementation='xla'", "implementation='pallas'", "float32[11, 256]"):
+      assert part in msg, (part, msg)
+
+  def test_the_fallback_is_the_reference_bit_for_bit(self, cpu_as_local_gpu):
+    x, p = _x(1), K.compress(_x(2), FMT, keys=_keys(2), implementation="xla")
+    kw = dict(keys=_keys(1), rank=3, strata=8)
+    with pytest.warns(K.KernelFallbackWarning, match="decompress_accumulate_recompress"):
+      out = K._gpu_path("decompress_accumulate_recompress",
+                        K.decompress_accumulate_recompress_pallas,
+                        F.decompress_accumulate_recompress_reference, False, (p, x, FMT), kw)
+    ref = F.decompress_accumulate_recompress_reference(p, x, FMT, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+  def test_a_kernel_that_compiles_stays(self, monkeypatch, fresh):
+    compiled = []
+    monkeypatch.setattr(K, "_local_gpus", lambda: jax.devices("cpu")[:1])
+    monkeypatch.setattr(K, "_compile_alone", lambda kernel, device, args, kw: compiled.append(1))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", K.KernelFallbackWarning)
+      text = _cuda_text(_compress, _x(0))
+      _cuda_text(_compress, _x(0))
+    assert text.count(TRITON) == 1
+    assert compiled == [1]  # probed once per kernel and operand types
+
+  def test_no_local_gpu_keeps_the_kernels_without_probing(self, monkeypatch, fresh):
+    monkeypatch.setattr(K, "_compile_alone", lambda *a: pytest.fail("probed without a GPU"))
+    assert _cuda_text(_compress, _x(0)).count(TRITON) == 1
+
+  def test_forced_paths_skip_the_probe(self, cpu_as_local_gpu):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", K.KernelFallbackWarning)
+      forced = _cuda_text(lambda x: K.compress(x, FMT, keys=_keys(0), implementation="pallas"),
+                          _x(0))
+      ref = _cuda_text(lambda x: K.compress(x, FMT, keys=_keys(0), implementation="xla"), _x(0))
+    assert forced.count(TRITON) == 1
+    assert TRITON not in ref
 
 
 def test_jax_triton_deprecation_is_ignored_and_only_it():
