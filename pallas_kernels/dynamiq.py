@@ -575,6 +575,8 @@ def _dispatch(op, kernel, reference, implementation, interpret, *args, **kwargs)
     return reference(*args, **kwargs)
   if implementation == "pallas":
     if interpret is not None:
+      if not interpret:
+        _quiet_triton_deprecation()
       return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
 
     def on_gpu():
