@@ -30,27 +30,53 @@ computed offsets: code bytes ``[BLOCK, G, CB]``, one scale byte per group, two
 unit bytes. The level table (``2**(b-1)`` floats) is a small input gathered
 by level index.
 
-GPU backend: Triton-lowered ``pallas_call``. Mosaic GPU, the other Pallas
-GPU backend, cannot lower this kernel on jax 0.10.2: gathering from the
-level table raises ``NotImplementedError: int_indexer_shape non-empty``
-(checked on a CPU machine by lowering for the ``cuda`` platform;
-``tests/test_kernels.py::test_lowers_for_gpu``), and the format needs those
-table lookups. A timing comparison of the two backends therefore waits for
-Mosaic GPU gathers; ``python -m dynamiq_jax.bench.kernels`` measures the
-Triton kernels against the unfused XLA reference and the device's copy
-bandwidth (``docs/results/kernels_<device>.json``).
+GPU backend: Triton-lowered ``pallas_call`` (``triton.CompilerParams``), the
+default, because it is the only Pallas GPU backend that lowers these kernels.
+Mosaic GPU (what a ``pallas_call`` without compiler params lowers to for
+``cuda``; jax 0.10.2 deprecates that route in favour of ``plgpu.kernel``)
+fails on jax 0.10.2, checked on a CPU machine by lowering for the ``cuda``
+platform: first, ``NotImplementedError: Only copies transferring a number of
+bytes divisible by the warpgroup size are supported. Got bytes=32 but
+warpgroup size is 128`` (the 8-word key block, the level table); for
+``decompress`` with the table padded to 128 bytes, ``Failed to infer the
+output layout of the iota`` (the record offsets). Behind those lies the real
+obstacle: records are ``32 b + 18`` bytes, so each program gathers and
+scatters bytes of global memory at computed offsets with masks
+(``triton.load`` / ``triton.store``), for which we found no Mosaic GPU
+counterpart on jax 0.10.2 (its Pallas lowering moves global memory in block
+copies); the level-table lookups (``lam_ref[j]``, recorded earlier as
+``int_indexer_shape non-empty``) are gathers too (a select tree over the
+constant levels would avoid those). Mosaic GPU therefore needs a new record
+layout (e.g. codes, scales and units in separate 128-byte-aligned planes), not
+a port. jax >= 0.11 deprecates the Triton backend and warns at every Triton
+lowering; that DeprecationWarning, and only it, is filtered where a kernel is
+traced for a GPU (:func:`_quiet_triton_deprecation`). ``python -m
+dynamiq_jax.bench.kernels`` measures the Triton kernels against the unfused
+XLA reference and the device's copy bandwidth
+(``docs/results/kernels_<device>.json``).
 
-Dispatch: ``implementation=None`` runs the kernels on GPU and the reference
-elsewhere; ``"pallas"`` forces the kernels (``interpret=True`` off GPU, which
-is how CPU tests run them); ``"xla"`` forces the reference. A kernel raises
+Dispatch is by the platform being *lowered for*, not the host's backend
+(``jax.lax.platform_dependent``): ``implementation=None`` puts the kernels
+into every lowering for ``cuda`` / ``rocm`` (a deviceless or AOT compile for
+GPUs from a CPU host included) and the XLA reference into every other
+(on CPU without interpret mode; the reference's XLA:CPU workaround,
+:func:`~pallas_kernels.dynamiq_format.materialize`, is itself CPU-only).
+``"pallas"`` forces the kernels (``interpret=True`` off GPU, which is how CPU
+tests run them); ``"xla"`` forces the reference. A kernel raises
 ``NotImplementedError`` for input it does not support and dispatch falls
-back to the reference, logging the reason once.
+back to the reference, logging the reason once. On a process with a GPU,
+``implementation=None`` first compiles each kernel alone (once per kernel,
+format and operand types); if that fails (a new jax, a new GPU) it warns
+once (:class:`KernelFallbackWarning`, naming the kernel, the error and both
+ways to force a path) and the program uses the reference: the same bits,
+slower.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from typing import Literal
 
 import jax
@@ -72,6 +98,7 @@ __all__ = [
     "decompress_pallas",
     "decompress_accumulate_pallas",
     "decompress_accumulate_recompress_pallas",
+    "KernelFallbackWarning",
 ]
 
 Implementation = Literal["pallas", "xla"] | None
@@ -225,7 +252,23 @@ def _whole(n):
   return pl.BlockSpec((n,), lambda i: (0,))
 
 
+def _typed_like(out_shape, args):
+  """``out_shape`` varying over every mesh axis that one of ``args`` varies over.
+
+  Inside ``jax.shard_map(check_vma=True)`` (``dq.data_parallel_step``) a
+  ``pallas_call`` must be told how its output varies across the mesh.
+  """
+  avals = [jax.typeof(a) for a in args]
+  mat = getattr(avals[0], "manual_axis_type", None)
+  if mat is None:  # no per-axis types to declare
+    return out_shape
+  varying = frozenset().union(*(a.manual_axis_type.varying for a in avals))
+  return jax.ShapeDtypeStruct(out_shape.shape, out_shape.dtype,
+                              manual_axis_type=mat.update(varying=varying))
+
+
 def _call(kernel, fmt, s_count, in_specs, out_shape, out_spec, interpret, name, *args):
+  out_shape = _typed_like(out_shape, args)
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=(pl.cdiv(s_count, BLOCK),), in_specs=in_specs,
       out_specs=out_spec, compiler_params=_compiler_params(interpret), interpret=interpret,
@@ -377,14 +420,37 @@ def decompress_accumulate_recompress_pallas(payload, x, fmt: F.Format, *, keys, 
 # Dispatch.
 
 
-def _choose(implementation: Implementation):
-  """-> (use_kernels, interpret)."""
+GPU_PLATFORMS = ("cuda", "rocm")
+"""Lowering platforms that get the kernels under ``implementation=None``."""
+
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+"""Start of the DeprecationWarning that jax >= 0.11 raises at each Triton lowering."""
+
+
+class KernelFallbackWarning(RuntimeWarning):
+  """A kernel did not compile on this GPU; the XLA reference runs instead."""
+
+
+_probed: dict = {}  # (op, fmt, strata, operand types) -> error text, or None if it compiled
+
+
+def _check_implementation(implementation: Implementation):
   if implementation not in (None, "pallas", "xla"):
     raise ValueError(f"implementation={implementation!r} must be None, 'pallas' or 'xla'")
-  on_gpu = jax.default_backend() == "gpu"
-  if implementation == "xla" or (implementation is None and not on_gpu):
-    return False, False
-  return True, not on_gpu
+
+
+def _quiet_triton_deprecation():
+  """Ignores jax's Triton-deprecation DeprecationWarning, and only it.
+
+  jax >= 0.11 warns at every lowering of a Triton ``pallas_call`` that the
+  backend "will be removed". The kernels are Triton on purpose (Mosaic GPU
+  cannot lower them yet, see the module docstring), and the warning is
+  raised when the caller's jit compiles, outside any frame of this module,
+  so it is filtered here, where a kernel is traced for a GPU: by its exact
+  start and category, never other warnings. Installed again on each use
+  because ``warnings.catch_warnings`` (pytest, user code) restores filters.
+  """
+  warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
 def _fallback(op: str, err: NotImplementedError):
@@ -395,15 +461,136 @@ def _fallback(op: str, err: NotImplementedError):
                  op, err)
 
 
-def _dispatch(name, kernel, reference, implementation, interpret, *args, **kwargs):
-  use, auto_interpret = _choose(implementation)
-  if use:
+def _local_gpus():
+  """This process's GPU devices ([] when it has none, e.g. a compile-only host)."""
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
+def _split(args, kwargs):
+  """(operands, rebuild): the arrays among a call's arguments, and ``rebuild(operands)``.
+
+  Everything else (the format, ``strata``, Python scalars) stays as given.
+  """
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  where = [i for i, v in enumerate(leaves) if isinstance(v, (jax.Array, np.ndarray, np.generic))]
+
+  def rebuild(operands):
+    full = list(leaves)
+    for i, v in zip(where, operands):
+      full[i] = v
+    return jax.tree.unflatten(tree, full)
+
+  return [leaves[i] for i in where], rebuild
+
+
+def _compile_alone(kernel, device, args, kwargs):
+  """Compiles ``kernel(*args, **kwargs)`` by itself for ``device``; raises what XLA raises."""
+  operands, rebuild = _split(args, kwargs)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  structs = [jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v), sharding=sharding)
+             for v in operands]
+
+  def alone(*operands):
+    a, kw = rebuild(operands)
+    return kernel(*a, **kw, interpret=False)
+
+  with warnings.catch_warnings():
+    _quiet_triton_deprecation()
+    jax.jit(alone).lower(*structs).compile()
+
+
+def _kernel_compiles(op, kernel, args, kwargs) -> bool:
+  """Whether ``op``'s kernel compiles for this process's GPU (True when it has none).
+
+  Checked once per (op, format, strata, operand shapes and dtypes) by
+  compiling the kernel alone; on failure one :class:`KernelFallbackWarning`
+  names the kernel, the error and how to force either path. Without a local
+  GPU (a deviceless or AOT compile from a CPU host) there is nothing to
+  compile against, and the kernels stay in the program.
+  """
+  gpus = _local_gpus()
+  if not gpus:
+    return True
+  operands, _ = _split(args, kwargs)
+  types = tuple(f"{jnp.result_type(v)}{list(np.shape(v))}" for v in operands)
+  fmts = tuple(v for v in args if isinstance(v, F.Format))
+  key = (op, fmts, kwargs.get("strata"), types, gpus[0].device_kind)
+  if key not in _probed:
     try:
-      return kernel(*args, **kwargs,
-                    interpret=auto_interpret if interpret is None else interpret)
-    except NotImplementedError as err:
-      _fallback(name, err)
+      _compile_alone(kernel, gpus[0], args, kwargs)
+      _probed[key] = None
+    except NotImplementedError:
+      _probed[key] = None  # unsupported input: _kernel_or_fallback says so and falls back
+    except Exception as err:  # noqa: BLE001 - whatever the compiler raised, do not use it
+      _probed[key] = f"{type(err).__name__}: {err}"
+      warnings.warn(
+          f"dynamiq_jax: the Pallas kernel {op!r} failed to compile on "
+          f"{gpus[0].device_kind} (jax {jax.__version__}; {fmts[0] if fmts else ''}, "
+          f"operands {', '.join(types)}): {_probed[key]}\n"
+          "Using the XLA reference instead: the same results, only slower. "
+          "implementation='xla' chooses the reference without this check; "
+          "implementation='pallas' uses the kernel regardless (and raises its error).",
+          KernelFallbackWarning, stacklevel=2)
+  return _probed[key] is None
+
+
+def _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs):
+  try:
+    return kernel(*args, **kwargs, interpret=interpret)
+  except NotImplementedError as err:
+    _fallback(op, err)
+    return reference(*args, **kwargs)
+
+
+def _gpu_path(op, kernel, reference, interpret, args, kwargs):
+  """The program for a GPU lowering under ``implementation=None``."""
+  _quiet_triton_deprecation()
+  if interpret or _kernel_compiles(op, kernel, args, kwargs):
+    return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
   return reference(*args, **kwargs)
+
+
+def _dispatch(op, kernel, reference, implementation, interpret, *args, **kwargs):
+  """Runs ``op`` by the platform being lowered for, not the host's backend.
+
+  ``implementation=None``: the kernel in a lowering for a GPU
+  (:data:`GPU_PLATFORMS`; unless it fails to compile on this process's GPU,
+  see :func:`_kernel_compiles`), the XLA reference for every other platform.
+  ``"pallas"``: the kernel everywhere, interpreted off GPU. ``"xla"``: the
+  reference. ``interpret``, when given, overrides the interpret mode of the
+  kernel wherever the kernel runs. Both branches are traced;
+  ``jax.lax.platform_dependent`` keeps only the one for the lowering
+  platform (a deviceless compile for GPUs from a CPU host included), and
+  an eager call runs only the branch of the default device.
+  """
+  _check_implementation(implementation)
+  if implementation == "xla":
+    return reference(*args, **kwargs)
+  if implementation == "pallas":
+    if interpret is not None:
+      if not interpret:
+        _quiet_triton_deprecation()
+      return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
+
+    def on_gpu():
+      _quiet_triton_deprecation()
+      return _kernel_or_fallback(op, kernel, reference, False, args, kwargs)
+
+    def off_gpu():
+      return _kernel_or_fallback(op, kernel, reference, True, args, kwargs)
+
+    return jax.lax.platform_dependent(**{p: on_gpu for p in GPU_PLATFORMS}, default=off_gpu)
+
+  def gpu():
+    return _gpu_path(op, kernel, reference, bool(interpret), args, kwargs)
+
+  def other():
+    return reference(*args, **kwargs)
+
+  return jax.lax.platform_dependent(**{p: gpu for p in GPU_PLATFORMS}, default=other)
 
 
 def compress(x, fmt: F.Format, *, keys, rank=0, strata: int = 1,

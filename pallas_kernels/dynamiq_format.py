@@ -480,14 +480,23 @@ def materialize(value):
   Identity on values, so bit-exactness is unaffected whatever a compiler
   does with it. Only the XLA reference uses it; on GPU the Pallas kernels
   run by default and keep such values in registers.
+
+  The loop is XLA:CPU's workaround only: it is chosen by the platform being
+  lowered for (``jax.lax.platform_dependent``), and a lowering for any
+  other platform (the reference forced on GPU with ``implementation="xla"``,
+  or a kernel's fallback) gets ``value`` itself.
   """
   if value.size == 0:
     return value
-  first = jnp.ravel(value)[0].astype(jnp.float32)
-  start = jnp.minimum(jax.lax.bitcast_convert_type(first, jnp.uint32), jnp.uint32(0))
-  _, out = jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, value),
-                              (start, jnp.zeros_like(value)))
-  return out
+
+  def stored(value):
+    first = jnp.ravel(value)[0].astype(jnp.float32)
+    start = jnp.minimum(jax.lax.bitcast_convert_type(first, jnp.uint32), jnp.uint32(0))
+    _, out = jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, value),
+                                (start, jnp.zeros_like(value)))
+    return out
+
+  return jax.lax.platform_dependent(value, cpu=stored, default=lambda value: value)
 
 
 def decompress_accumulate_recompress_reference(payload, x, fmt: Format, *, keys,

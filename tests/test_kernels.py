@@ -130,15 +130,54 @@ def test_ring_with_kernels_equals_xla_on_8_devices(mesh):
   _same(ker, ref)
 
 
+def test_kernels_lower_inside_shard_map_with_check_vma(mesh):
+  """As ``dq.data_parallel_step`` runs them (``check_vma=True``), lowered for cuda:
+  each pallas_call must declare how its output varies over the mesh, or tracing
+  fails. (Interpret mode cannot run there on jax 0.10.2: its interpreter indexes
+  a varying ref with an invarying index and check_vma rejects that.)"""
+  g = jax.ShapeDtypeStruct((8, 1 << 12), jnp.float32,
+                           sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
+
+  def body(x):
+    return dq.allreduce(x[0], axis_name="data", codec=DynamiQ(bits=5), key=jax.random.key(4),
+                        implementation="pallas")[0][None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data"),
+                            check_vma=True))
+  text = f.trace(g).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
+
+
 class TestDispatch:
 
-  def test_default_is_the_reference_off_gpu(self):
+  def test_default_is_chosen_by_the_lowering_platform(self):
+    """Kernels in a lowering for cuda, the reference for cpu, whatever the host's backend."""
     fmt = F.Format(bits=4)
-    jaxpr = jax.make_jaxpr(lambda x: K.compress(x, fmt, keys=_keys(0)))(_x(0))
-    assert "pallas_call" not in str(jaxpr)
-    jaxpr = jax.make_jaxpr(lambda x: K.compress(x, fmt, keys=_keys(0),
-                                                implementation="pallas"))(_x(0))
-    assert "pallas_call" in str(jaxpr)
+
+    def lowered(implementation, platform):
+      f = lambda p, x: K.decompress_accumulate_recompress(p, x, fmt, keys=_keys(0),
+                                                          implementation=implementation)
+      p = jax.ShapeDtypeStruct((S, fmt.record_bytes), jnp.uint8)
+      x = jax.ShapeDtypeStruct((S, 256), jnp.float32)
+      return jax.jit(f).trace(p, x).lower(lowering_platforms=(platform,)).as_text()
+
+    triton = "__gpu$xla.gpu.triton"
+    assert lowered(None, "cuda").count(triton) == 1
+    assert "stablehlo.while" not in lowered(None, "cuda")  # no XLA:CPU workaround on GPU
+    assert triton not in lowered(None, "cpu")
+    assert "stablehlo.while" in lowered(None, "cpu")  # the reference's materialize
+    assert triton not in lowered("xla", "cuda")
+    assert "stablehlo.while" not in lowered("xla", "cuda")
+    assert lowered("pallas", "cuda").count(triton) == 1
+    assert triton not in lowered("pallas", "cpu")  # interpreted
+
+  def test_default_runs_the_reference_on_cpu(self):
+    fmt = F.Format(bits=4)
+    x = _x(0)
+    ref = F.compress_reference(x, fmt, keys=_keys(0))
+    _same(K.compress(x, fmt, keys=_keys(0)), ref)
+    _same(jax.jit(lambda x: K.compress(x, fmt, keys=_keys(0)))(x), ref)
+    _same(jax.jit(lambda x: K.compress(x, fmt, keys=_keys(0), implementation="pallas"))(x), ref)
 
   def test_bad_implementation(self):
     with pytest.raises(ValueError, match="implementation='cuda'"):
