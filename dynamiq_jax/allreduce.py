@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.codecs.base import Bucket, Codec, Keys
+from dynamiq_jax.codecs.bf16 import Bf16
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context, axis_names, varying_axes
 from dynamiq_jax.schedules.executor import HopOps, execute
@@ -60,6 +61,10 @@ class AllReduceStats(NamedTuple):
     own: with ``return_own=True``, this rank's input as the codec represented
       it in the result (float32 tree, input units): ``input - own`` is the
       residual error feedback carries over.
+    uncompressed: coordinates sent as bf16 partial sums because their bucket
+      is too small for the codec to compress within its budget
+      (:meth:`~dynamiq_jax.codecs.Codec.compresses`); they are counted in
+      ``bits_per_coord``.
   """
 
   bits_per_coord: Any
@@ -67,6 +72,7 @@ class AllReduceStats(NamedTuple):
   coords: Any
   codec_state: Any = None
   own: Any = None
+  uncompressed: Any = 0
 
 
 def _check_leaves(tree):
@@ -147,8 +153,17 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE) -
     return AllReduceStats(0.0, 0.0, 0)
   if n == 1:  # nothing crosses a wire: the all-reduce is the identity
     return AllReduceStats(0.0, 0.0, total)
-  bits = sum(codec.wire_bits(e - s, n) for s, e in _bucket_bounds(total, bucket_size, codec))
-  return AllReduceStats(bits / total, bits / 8 * 2 * (n - 1) / n, total)
+  bits = plain = 0
+  for s, e in _bucket_bounds(total, bucket_size, codec):
+    used = _bucket_codec(codec, e - s, n)
+    bits += used.wire_bits(e - s, n)
+    plain += (e - s) if used is not codec else 0
+  return AllReduceStats(bits / total, bits / 8 * 2 * (n - 1) / n, total, uncompressed=plain)
+
+
+def _bucket_codec(codec, d: int, n: int):
+  """``codec``, or bf16 partial sums for a bucket too small for it to compress."""
+  return codec if codec.compresses(d, n) else Bf16()
 
 
 def _total(tree) -> int:
@@ -267,8 +282,10 @@ def _reduce_flat(flat, *, ctx: AxisContext, codec, schedule, key, bucket_size, i
     with jax.named_scope(f"allreduce/bucket{b}"):
       bucket = Bucket(b, e - s, ctx.n, implementation)
       keys = Keys.from_key(key, bucket=b, rank=ctx.rank())
-      out, new_state, own = _reduce_bucket(flat[s:e], codec, bucket, states[b], keys, plan, ctx,
+      used = _bucket_codec(codec, e - s, ctx.n)
+      out, new_state, own = _reduce_bucket(flat[s:e], used, bucket, states[b], keys, plan, ctx,
                                            return_own)
+      new_state = states[b] if used is not codec else new_state
     outs.append(out)
     new_states.append(new_state)
     owns.append(own)
@@ -276,7 +293,8 @@ def _reduce_flat(flat, *, ctx: AxisContext, codec, schedule, key, bucket_size, i
   own = (jnp.concatenate(owns) if len(owns) > 1 else owns[0]) if return_own else None
   stats = AllReduceStats(
       jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank), jnp.int32(total),
-      codec_state=tuple(new_states) if codec.stateful else None)
+      codec_state=tuple(new_states) if codec.stateful else None,
+      uncompressed=jnp.int32(report.uncompressed))
   return out, stats, own
 
 

@@ -79,9 +79,9 @@ class ExampleConfig:
   checkpoint_every: int = flag(0, "checkpoint every this many steps and at the end "
                                "(0: no checkpoints)")
   progress: bool = flag(True, "show a progress bar")
-  calibrate: bool = flag(True, "fit the codec's per-class capacities to this run's first-batch "
-                         "gradients before training (DynamiQ; codecs without calibrate() "
-                         "ignore it)")
+  calibrate: bool = flag(False, "DynamiQ only, for comparisons: static class capacities "
+                         "(allocation='static') fitted to this run's first-batch gradients, "
+                         "instead of the default per-round allocation; other codecs ignore it")
   # Set by calibrate(), not a flag: the fitted ``profile=`` option of the codec.
   calibrated_profile: tuple | None = dataclasses.field(default=None,
                                                        metadata={"flag": False})
@@ -328,6 +328,8 @@ def reducer_options(config: ExampleConfig) -> dict:
   """
   options = {}
   if config.calibrated_profile is not None:
+    options["allocation"] = "static"
+    options["widths"] = STATIC_WIDTHS
     options["profile"] = tuple(float(v) for v in config.calibrated_profile)
   if config.bits is None:
     return options
@@ -342,13 +344,17 @@ def reducer_options(config: ExampleConfig) -> dict:
   return {"bits": config.bits, **options}
 
 
-def calibrate(config: ExampleConfig, grad_fn: Callable[[Any], Any], batch, n: int):
-  """``config`` with the codec's capacities fitted to the first batch's per-rank gradients.
+STATIC_WIDTHS = (2, 4, 8)
 
-  DynamiQ's bit allocation gives each width class a fixed share of the
-  super-groups (static shapes: one compilation). Its default shares come
-  from the paper's model of gradient statistics; ``DynamiQ.calibrate``
-  records the real ones (a profile of super-group norms) instead. This runs before training, on the initial
+
+def calibrate(config: ExampleConfig, grad_fn: Callable[[Any], Any], batch, n: int):
+  """``config`` with static DynamiQ capacities fitted to the first batch's per-rank gradients.
+
+  For comparisons only: the default DynamiQ chooses its widths from every
+  round's statistics and needs no calibration. With ``allocation='static'``
+  each width class gets a fixed share of the super-groups, and
+  ``DynamiQ.calibrate`` records the shares of these gradients (a profile of
+  super-group norms). This runs before training, on the initial
   parameters and the run's first batch split as the ranks will split it, so
   a run restored from a checkpoint gets the same capacities again.
 
@@ -371,8 +377,9 @@ def calibrate(config: ExampleConfig, grad_fn: Callable[[Any], Any], batch, n: in
     codec = dq.codec_from_name(config.codec, **reducer_options(config))
   except ValueError:
     return config  # the psum-* reducers have no codec
-  if not hasattr(codec, "calibrate"):
+  if not isinstance(codec, dq.codecs.DynamiQ):
     return config
+  codec = dataclasses.replace(codec, allocation="static", widths=STATIC_WIDTHS)
   host = jax.device_get(batch)
   size = len(jax.tree.leaves(host)[0])
   if size % n:

@@ -243,17 +243,18 @@ def _planes(codes, plane_bits: int = 2):
 
 
 def _unplanes(planes_, plane_bits: int = 2):
-  """Inverse of :func:`_planes`: uint8 [S, P, nb] -> codes uint32 [S, 256]."""
+  """Inverse of :func:`_planes`: uint8 [S, P, nb] -> codes uint32 [S, 256].
+
+  Broadcast shifts over (plane, code-in-byte) and one sum over the planes,
+  whose bit fields are disjoint: a handful of array ops whatever the plane
+  count (a loop of P x per ops made the 1-bit layout slow to compile)."""
   planes, per, nb = _geom(plane_bits)
   s = planes_.shape[0]
-  b = planes_.astype(jnp.uint32)
-  mask = np.uint32((1 << plane_bits) - 1)
-  code = [jnp.zeros((s, nb), jnp.uint32) for _ in range(per)]
-  for p in range(planes):
-    for i in range(per):
-      code[i] = code[i] | (((b[:, p] >> np.uint32(plane_bits * i)) & mask)
-                           << np.uint32(plane_bits * p))
-  return jnp.stack(code, axis=-1).reshape(s, 256)
+  b = planes_.astype(jnp.uint32)[:, :, :, None]  # [S, P, nb, 1]
+  lane = jax.lax.broadcasted_iota(jnp.uint32, (1, 1, 1, per), 3) * np.uint32(plane_bits)
+  plane = jax.lax.broadcasted_iota(jnp.uint32, (1, planes, 1, 1), 1) * np.uint32(plane_bits)
+  fields = ((b >> lane) & np.uint32((1 << plane_bits) - 1)) << plane  # [S, P, nb, per]
+  return jnp.sum(fields, axis=1).reshape(s, 256)
 
 
 def _plane_offsets(widths, plane_bits: int = 2):

@@ -96,7 +96,8 @@ class TestDynamiQParity:
       assert a.shape == np.shape(b) and a.dtype == jnp.asarray(b).dtype
 
   @pytest.mark.parametrize("codec", [DynamiQ(bits=4, correlated=False),
-                                     DynamiQ(bits=6, levels="uniform", hierarchical=False),
+                                     DynamiQ(bits=6, levels="uniform", hierarchical=False,
+                                             allocation="static"),
                                      DynamiQ(centre=False)])
   def test_other_configurations_match_too(self, mesh, codec):
     g = np.random.default_rng(5).standard_normal((N, 70_000)).astype(np.float32)
@@ -169,15 +170,21 @@ class TestErrors:
 
   def test_bad_codec_arguments(self):
     with pytest.raises(ValueError, match="widths"):
-      DynamiQ(widths=(3, 4))
+      DynamiQ(widths=(3, 4), allocation="static")
+    with pytest.raises(ValueError, match="widths"):
+      DynamiQ(widths=(1, 4))
+    with pytest.raises(ValueError, match="allocation='static' for those"):
+      DynamiQ(levels="uniform")
+    with pytest.raises(ValueError, match="needs no calibration"):
+      DynamiQ().calibrate(np.ones((2, 256), np.float32))
     with pytest.raises(ValueError, match="bits=-1"):
       DynamiQ(bits=-1)
     with pytest.raises(ValueError, match="sum to"):
-      DynamiQ(fractions={2: 0.5, 4: 0.2, 8: 0.2})
+      DynamiQ(fractions={2: 0.5, 4: 0.2, 8: 0.2}, allocation="static")
     with pytest.raises(ValueError, match="either profile= or fractions="):
-      DynamiQ(profile=(0.0, 1.0), fractions={4: 1.0})
+      DynamiQ(profile=(0.0, 1.0), fractions={4: 1.0}, allocation="static")
     with pytest.raises(ValueError, match="non-decreasing log2 F quantiles"):
-      DynamiQ(profile=(3.0, 1.0))
+      DynamiQ(profile=(3.0, 1.0), allocation="static")
     with pytest.raises(ValueError, match="schedule='tree'"):
       dq.simulate(np.ones((N, 4), np.float32), codec=F32(), schedule="tree")
 

@@ -106,17 +106,19 @@ def test_calibrate_fits_the_codec_to_the_per_rank_gradients():
   rng = np.random.default_rng(0)
   x = rng.standard_normal((16, 4096)).astype(np.float32) * np.exp(rng.normal(size=4096) * 2)
   grad_fn = lambda shard: {"g": shard.mean(0), "h": shard[:, :100].max(0)}
-  config = digits_config.get_config(codec="dynamiq", bits=4)
+  config = digits_config.get_config(codec="dynamiq", bits=4, calibrate=True)
   fitted = common.calibrate(config, grad_fn, x, 4)
   # the same as calibrating the codec by hand on the four ranks' gradients
   by_hand = [np.concatenate([g.ravel() for g in grad_fn(x[4 * r:4 * r + 4]).values()])
              for r in range(4)]
-  assert fitted.calibrated_profile == dq.codecs.DynamiQ(bits=4).calibrate(
-      np.stack(by_hand)).profile
-  assert common.reducer_options(fitted) == {"bits": 4, "profile": fitted.calibrated_profile}
+  static = dq.codecs.DynamiQ(bits=4, allocation="static")
+  assert fitted.calibrated_profile == static.calibrate(np.stack(by_hand)).profile
+  assert common.reducer_options(fitted) == {
+      "bits": 4, "allocation": "static", "widths": (2, 4, 8),
+      "profile": fitted.calibrated_profile}
   # these gradients are not the paper's model: the fitted codec shares the bits differently
   codec = dq.codec_from_name(fitted.codec, **common.reducer_options(fitted))
-  assert codec.default_fractions() != dq.codecs.DynamiQ(bits=4).default_fractions()
+  assert codec.default_fractions() != static.default_fractions()
   assert common.calibrate(fitted, grad_fn, x, 4) is fitted  # already calibrated
   for unchanged in (dataclasses.replace(config, calibrate=False),
                     digits_config.get_config(codec="psum-bf16"),
@@ -124,7 +126,8 @@ def test_calibrate_fits_the_codec_to_the_per_rank_gradients():
     assert common.calibrate(unchanged, grad_fn, x, 4) is unchanged
   with pytest.raises(ValueError, match="not a multiple of the 3 ranks"):
     common.calibrate(config, grad_fn, x, 3)
-  # a flag turns it off; the fitted shares are not a flag
+  # off by default (per-round allocation needs none); the fitted shares are not a flag
+  assert digits_config.get_config(codec="dynamiq").calibrate is False
   assert common.parse_flags(config, ["--no-calibrate"]).calibrate is False
   with pytest.raises(SystemExit):
     common.parse_flags(config, ["--calibrated_profile", "1"])
@@ -187,10 +190,9 @@ def test_nnx_digits_main(tmp_path):
   assert metrics["devices"]["count"] == 4
   options = metrics["reducer"]["options"]
   assert options["bits"] == 4.0
-  # calibrated on the first batch (the default): one capacity share per width class
-  profile = options["profile"]
-  assert len(profile) == dq.codecs.allocation.PROFILE_POINTS and profile == sorted(profile)
-  assert "profile=<256 log2 F quantiles" in metrics["reducer"]["codec"]
+  # per-round allocation (the default): nothing fitted beforehand
+  assert "profile" not in options
+  assert "allocation='per_round'" in metrics["reducer"]["codec"]
   assert metrics["reducer"]["schedule"] == "butterfly"
   assert metrics["reducer"]["codec"].startswith("DynamiQ(bits=4.0")
   assert 3.5 < metrics["wire"]["bits_per_coord"] <= 4.0

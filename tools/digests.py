@@ -44,13 +44,22 @@ def _data(seed=0):
 def _codecs():
   from dynamiq_jax import codecs as C
   return {
-      "dynamiq5": C.DynamiQ(bits=5),
-      "dynamiq4": C.DynamiQ(bits=4),
-      "dynamiq6_indep_stoch": C.DynamiQ(bits=6, correlated=False, scale_rounding="stochastic"),
-      "dynamiq5_uniform_flat": C.DynamiQ(bits=5.5, levels="uniform", hierarchical=False),
-      "dynamiq5_fixedwidth": C.DynamiQ(bits=5, variable_width=False),
+      # static class capacities (the codec's default until per-round allocation)
+      "dynamiq5": C.DynamiQ(bits=5, allocation="static"),
+      "dynamiq4": C.DynamiQ(bits=4, allocation="static"),
+      "dynamiq6_indep_stoch": C.DynamiQ(bits=6, correlated=False, scale_rounding="stochastic",
+                                        allocation="static"),
+      "dynamiq5_uniform_flat": C.DynamiQ(bits=5.5, levels="uniform", hierarchical=False,
+                                         allocation="static"),
+      "dynamiq5_fixedwidth": C.DynamiQ(bits=5, variable_width=False, allocation="static"),
       "dynamiq5_fractions_nocentre": C.DynamiQ(bits=5, fractions={8: 0.2, 4: 0.5, 2: 0.3},
-                                              centre=False),
+                                              centre=False, allocation="static"),
+      # per-round allocation (the default)
+      "dynamiq5_per_round": C.DynamiQ(bits=5),
+      "dynamiq4_per_round": C.DynamiQ(bits=4),
+      "dynamiq6_per_round_indep_stoch": C.DynamiQ(bits=6, correlated=False,
+                                                  scale_rounding="stochastic"),
+      "dynamiq5_per_round_248": C.DynamiQ(bits=5, widths=(2, 4, 8)),
       "bf16": C.Bf16(),
       "f32": C.F32(),
       "mxfp8": C.MX(element="e4m3"),
@@ -137,7 +146,8 @@ def compute(include_pallas: bool, only=None):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("mode", choices=["record", "compare"], help="write the digests, or check them")
+  p.add_argument("mode", choices=["record", "add", "compare"],
+                 help="write every digest, add the cases the file lacks, or check them")
   p.add_argument("path", help="JSON file of digests")
   p.add_argument("--all", action="store_true", help="include the Pallas interpret-mode cases")
   args = p.parse_args(argv)
@@ -146,14 +156,23 @@ def main(argv=None):
 
   import jax
   jax.config.update("jax_num_cpu_devices", N)
-  if args.mode == "record":
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    got = compute(include_pallas=True)
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+  if args.mode in ("record", "add"):
+    old = {"digests": {}, "added": {}}
+    if args.mode == "add":
+      with open(args.path) as f:
+        old = json.load(f)
+    names = {name for name, _ in cases(include_pallas=True)} - set(old["digests"])
+    got = compute(include_pallas=True, only=names if args.mode == "add" else None)
+    if args.mode == "record":
+      record = {"commit": commit, "jax": jax.__version__, "digests": got, "added": {}}
+    else:
+      record = dict(old, digests=dict(old["digests"], **got),
+                    added=dict(old.get("added", {}), **{k: commit for k in got}))
     with open(args.path, "w") as f:
-      json.dump({"commit": commit, "jax": jax.__version__, "digests": got}, f, indent=1,
-                sort_keys=True)
-    print(f"recorded {len(got)} digests at {commit} into {args.path}")
+      json.dump(record, f, indent=1, sort_keys=True)
+    print(f"{args.mode}: {len(got)} digests at {commit} into {args.path}")
     return 0
   with open(args.path) as f:
     want = json.load(f)

@@ -54,6 +54,7 @@ __all__ = [
     "PAPER_MIXTURE",
     "PROFILE_POINTS",
     "expected_error",
+    "level_error",
     "paper_errors",
     "thresholds",
     "fractions_for_budget",
@@ -91,11 +92,26 @@ def expected_error(fmt) -> float:
   return _expected_error(fmt)
 
 
+def level_error(width: int, eps: float) -> float:
+  """:func:`expected_error` of a hierarchical MEE format of any width 2..8."""
+  return _level_error(int(width), float(eps))
+
+
+@functools.lru_cache(maxsize=None)
+def _level_error(width: int, eps: float) -> float:
+  from pallas_kernels import dynamiq_format as fmt_lib
+  lam = fmt_lib._level_table(width, "mee", eps).astype(np.float64)
+  return _gaussian_error(lam, 16)
+
+
 @functools.lru_cache(maxsize=None)
 def _expected_error(fmt, supergroups: int = 4096) -> float:
+  return _gaussian_error(fmt.table().astype(np.float64), fmt.groups, supergroups)
+
+
+def _gaussian_error(lam, groups: int, supergroups: int = 4096) -> float:
   x = np.random.default_rng(12345).standard_normal((supergroups, 256))  # one super-group each
-  lam = fmt.table().astype(np.float64)
-  a = np.abs(x).reshape(supergroups, fmt.groups, -1)
+  a = np.abs(x).reshape(supergroups, groups, -1)
   s = a.max(-1, keepdims=True) / lam[-1]
   t = a / s
   j = np.clip(np.searchsorted(lam, t, side="right") - 1, 0, lam.size - 2)

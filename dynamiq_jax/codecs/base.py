@@ -189,6 +189,18 @@ class Codec(abc.ABC):
     paper's bits per coordinate.
     """
 
+  def compresses(self, d: int, n: int) -> bool:
+    """Whether a bucket of ``d`` coordinates over ``n`` ranks is compressed.
+
+    ``allreduce`` sends a bucket the codec declines as bf16 partial sums
+    (``AllReduceStats.uncompressed`` counts them): a codec whose format
+    cannot meet its budget on a small bucket declines it, rather than failing
+    or sending noise. A codec that cannot meet its budget on any bucket
+    raises instead.
+    """
+    del d, n
+    return True
+
   @property
   def stateful(self) -> bool:
     """Whether the codec carries state from one all-reduce to the next."""

@@ -45,6 +45,7 @@ from dynamiq_jax.codecs._exact import stochastic_bf16
 from dynamiq_jax.codecs._exact import tree_sum
 from dynamiq_jax.codecs.base import Codec, Metadata, Plan, ceil_div, pad_to
 from pallas_kernels import dynamiq as kernels
+from pallas_kernels import dynamiq_units as units_lib
 from pallas_kernels import dynamiq_format as fmt_lib
 from pallas_kernels import rng
 
@@ -54,6 +55,10 @@ SUPERGROUP = fmt_lib.SUPERGROUP
 _STATS_BITS = 32  # two bf16 values per super-group
 
 DEFAULT_EPS = ((2, 0.23), (4, 0.18), (8, 0.10))
+"""MEE eps of the authors' kernel; widths between are interpolated linearly."""
+
+PER_ROUND_WIDTHS = (2, 3, 4, 5, 6, 8)
+"""Default widths of per-round allocation (the paper's prototype uses 2, 4, 8)."""
 
 
 def _as_pairs(v, name):
@@ -74,9 +79,11 @@ class DynamiQLayout(NamedTuple):
   n: int
   supergroups: int  # real super-groups, ceil(d / 256)
   padded_supergroups: int  # a multiple of n
-  capacities: tuple[tuple[int, int], ...]  # (width, super-groups), widest first
+  capacities: tuple[tuple[int, int], ...]  # (width, super-groups), widest first; () per round
   stats_bits: int
   payload_bits: int
+  units: int = 0  # allocation="per_round": code units per chunk
+  plane_bits: int = 0  # allocation="per_round": bits per code plane (a unit holds one plane)
 
   @property
   def wire_bits(self) -> int:
@@ -147,7 +154,7 @@ class DynamiQ(Codec):
   """
 
   bits: float = 5.0
-  widths: tuple[int, ...] = (2, 4, 8)
+  widths: tuple[int, ...] | None = None
   variable_width: bool = True
   levels: Literal["mee", "uniform"] = "mee"
   eps: tuple[tuple[int, float], ...] = DEFAULT_EPS
@@ -158,14 +165,33 @@ class DynamiQ(Codec):
   scale_rounding: Literal["up", "stochastic"] = "up"
   profile: tuple[float, ...] | None = None
   fractions: tuple[tuple[int, float], ...] | None = None
+  allocation: Literal["per_round", "static"] = "per_round"
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
     if not (isinstance(self.bits, (int, float)) and np.isfinite(self.bits) and self.bits > 0):
       raise ValueError(f"bits={self.bits!r} must be a positive number of bits per coordinate")
+    if self.allocation not in ("static", "per_round"):
+      raise ValueError(f"allocation={self.allocation!r} must be 'per_round' or 'static'")
+    if self.widths is None:
+      set_("widths", PER_ROUND_WIDTHS if self.allocation == "per_round" else (2, 4, 8))
     widths = tuple(sorted(set(int(w) for w in self.widths)))
+    if self.allocation == "per_round":
+      if not widths or any(not 2 <= w <= 8 for w in widths):
+        raise ValueError(f"widths={self.widths!r} must be a non-empty subset of 2..8 "
+                         f"with allocation='per_round'")
+      if (self.levels, self.hierarchical, self.variable_width) != ("mee", True, True) or (
+          self.profile is not None or self.fractions is not None):
+        raise ValueError(
+            "allocation='per_round' chooses the widths every round with MEE levels and "
+            "hierarchical scales; it takes no levels='uniform', hierarchical=False, "
+            "variable_width=False, profile= or fractions= (use allocation='static' for those)")
+      set_("widths", widths)
+      set_("eps", _as_pairs(self.eps, "eps"))
+      return
     if not widths or any(w not in (2, 4, 8) for w in widths):
-      raise ValueError(f"widths={self.widths!r} must be a non-empty subset of (2, 4, 8)")
+      raise ValueError(f"widths={self.widths!r} must be a non-empty subset of (2, 4, 8) "
+                       f"with allocation='static' (any of 2..8 with allocation='per_round')")
     set_("widths", widths)
     set_("eps", _as_pairs(self.eps, "eps"))
     eps = dict(self.eps)
@@ -212,6 +238,9 @@ class DynamiQ(Codec):
 
   def width_errors(self) -> dict[int, float]:
     """``{width: relative MSE of one quantisation}`` for this configuration."""
+    if self.allocation == "per_round":
+      eps = dict(self.eps)
+      return {w: allocation.level_error(w, units_lib.eps_for(w, eps)) for w in self.widths}
     return {w: allocation.expected_error(self.format(w)) for w in self.widths}
 
   def _payload_bits(self) -> float:
@@ -250,6 +279,12 @@ class DynamiQ(Codec):
     Returns:
       ``dataclasses.replace(self, profile=..., fractions=None)``.
     """
+    if self.allocation == "per_round":
+      raise ValueError(
+          "calibrate() fits the static class capacities of allocation='static'; this codec "
+          "(allocation='per_round') chooses its widths from every round's statistics and "
+          "needs no calibration. Fix: drop the calibrate() call, or use "
+          "DynamiQ(allocation='static', ...).calibrate(grads)")
     leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(grads)]
     if not leaves:
       raise ValueError("grads holds no arrays")
@@ -274,6 +309,22 @@ class DynamiQ(Codec):
   def wire_bits(self, d: int, n: int) -> int:
     """Exact bits of one all-reduce (all chunk payloads + statistics)."""
     return self.layout(d, n).wire_bits
+
+  def compresses(self, d: int, n: int) -> bool:
+    """True where the format meets the budget for this bucket.
+
+    Padding to whole super-groups per chunk and the per-super-group
+    statistics and scales cost a small bucket more per coordinate; below the
+    size where even the narrowest width fits the budget, ``allreduce`` sends
+    the bucket uncompressed. If the budget cannot be met even for a large
+    bucket (``bits`` too low for the format), this raises that error.
+    """
+    try:
+      self.layout(d, n)
+      return True
+    except ValueError:
+      self.layout(max(d, n * SUPERGROUP * 4096), n)  # raises if no bucket can meet it
+      return False
 
   # -- the all-reduce ------------------------------------------------------------
 
@@ -300,6 +351,8 @@ class DynamiQ(Codec):
 
   def plan(self, x, meta, bucket, state, keys):
     """Ranks super-groups by the global norm and fills the width classes, widest first."""
+    if self.allocation == "per_round":
+      return self._plan_per_round(x, meta, bucket)
     del state, keys
     n = bucket.n
     lay = self.layout(bucket.d, n)
@@ -316,6 +369,38 @@ class DynamiQ(Codec):
         chunks.append(rows[offset:offset + cap].reshape(n, cap // n, SUPERGROUP))
         offset += cap
     return Plan(tuple(chunks), DynamiQAux(order, gmean, lay, bucket.implementation))
+
+  def _plan_per_round(self, x, meta, bucket):
+    """Widths chosen this round from the global statistics (identical on every rank).
+
+    Super-groups are ranked by the global norm; chunk c takes ranks c, c + n,
+    c + 2n, ..., so position j of every chunk holds ranks jn .. jn + n - 1
+    (one *unit*) and every chunk gets the same widths, widest first: the
+    equal-marginal-gain rule of :func:`~dynamiq_jax.codecs.allocation.capacities_threshold`
+    with each width's measured error, within the chunk's fixed code budget.
+    """
+    n = bucket.n
+    lay = self.layout(bucket.d, n)
+    total, s = lay.padded_supergroups, lay.padded_supergroups // n
+    stats = meta.reshape(total, 2)
+    gmean, gnorm = stats[:, 0], stats[:, 1]
+    _, resid = self._rows(x, bucket)
+    with jax.named_scope("dynamiq/allocate"):
+      valid = jnp.arange(total) < lay.supergroups
+      order = jnp.argsort(jnp.where(valid, -gnorm, jnp.inf), stable=True)
+      chunks = resid[order].reshape(s, n, SUPERGROUP).transpose(1, 0, 2)
+      unit_bits = units_lib.unit_bytes(lay.plane_bits) * 8
+      counts = allocation.capacities_threshold(
+          gnorm, valid, self.width_errors(), s, {w: n * SUPERGROUP * w for w in self.widths},
+          n * lay.units * unit_bits, n)
+      widths = units_lib.position_widths_general(counts, self.widths, s)
+    return Plan(chunks, PerRoundAux(order, gmean, widths, lay, bucket.implementation))
+
+  def _unit_args(self, aux, decode=False):
+    args = dict(eps=self.eps, plane_bits=aux.layout.plane_bits, width_set=self.widths)
+    if not decode:
+      args.update(strata=self._strata(aux.layout), scale_rounding=self.scale_rounding)
+    return args
 
   def _classes(self, lay):
     return [(w, self.format(w), cap // lay.n) for w, cap in lay.capacities]
@@ -338,6 +423,9 @@ class DynamiQ(Codec):
     return out
 
   def encode(self, chunk, aux, keys):
+    if isinstance(aux, PerRoundAux):
+      return units_lib.encode_units(chunk, aux.widths, aux.layout.units, keys=self._keys(keys, 0),
+                                    rank=keys.rank, **self._unit_args(aux))
     lay = aux.layout
     return jnp.concatenate([
         kernels.compress(x, f, keys=self._keys(keys, w), rank=keys.rank,
@@ -345,15 +433,24 @@ class DynamiQ(Codec):
         for (w, f, _), x in zip(self._classes(lay), chunk)])
 
   def decode(self, payload, aux):
+    if isinstance(aux, PerRoundAux):
+      return units_lib.decode_units(payload, aux.widths, aux.layout.units,
+                                    **self._unit_args(aux, decode=True))
     return tuple(kernels.decompress(p, f, implementation=aux.implementation)
                  for (_, f, _), p in zip(self._classes(aux.layout), self._split(payload, aux.layout)))
 
   def decode_add(self, payload, chunk, aux):
+    if isinstance(aux, PerRoundAux):
+      return self.decode(payload, aux) + chunk
     lay = aux.layout
     return tuple(kernels.decompress_accumulate(p, x, f, implementation=aux.implementation)
                  for (_, f, _), p, x in zip(self._classes(lay), self._split(payload, lay), chunk))
 
   def decode_add_encode(self, payload, chunk, aux, keys):
+    if isinstance(aux, PerRoundAux):
+      return units_lib.decompress_accumulate_recompress_units(
+          payload, chunk, aux.widths, aux.layout.units, keys=self._keys(keys, 0),
+          rank=keys.rank, **self._unit_args(aux))
     lay = aux.layout
     return jnp.concatenate([
         kernels.decompress_accumulate_recompress(
@@ -363,9 +460,23 @@ class DynamiQ(Codec):
 
   def finish(self, decoded, aux, bucket, state):
     del state
-    dec = jnp.concatenate([c.reshape(-1, SUPERGROUP) for c in decoded], axis=0)
+    if isinstance(aux, PerRoundAux):  # chunk c holds ranks c, c + n, ...: back to rank order
+      dec = decoded.transpose(1, 0, 2).reshape(-1, SUPERGROUP)
+    else:
+      dec = jnp.concatenate([c.reshape(-1, SUPERGROUP) for c in decoded], axis=0)
     out = dec[jnp.argsort(aux.order)] + aux.gmean[:, None]
     return out.reshape(-1)[:bucket.d], None
+
+
+class PerRoundAux(NamedTuple):
+  """One bucket's per-round allocation: super-groups in rank order, reduced means,
+  the width of each chunk position (widest first), static layout."""
+
+  order: jax.Array
+  gmean: jax.Array
+  widths: jax.Array
+  layout: "DynamiQLayout"
+  implementation: str | None = None
 
 
 class DynamiQAux(NamedTuple):
@@ -421,6 +532,8 @@ def _element_index(v):
 def _layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
   if d < 1 or n < 1:
     raise ValueError(f"need d >= 1 and n >= 1, got {d=}, {n=}")
+  if codec.allocation == "per_round":
+    return _unit_layout(codec, d, n)
   m = ceil_div(d, SUPERGROUP)
   units = ceil_div(m, n)
   stats_bits = _STATS_BITS * units * n
@@ -453,3 +566,28 @@ def _layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
 @functools.lru_cache(maxsize=1)
 def _paper_profile():
   return allocation.mixture_profile()
+
+
+def _unit_layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
+  """Per-round allocation: each chunk is S scale records and a fixed number of code
+  units (one plane of one super-group each), as many as the budget pays for."""
+  m = ceil_div(d, SUPERGROUP)
+  s = ceil_div(m, n)
+  stats_bits = _STATS_BITS * s * n
+  plane_bits = 2 if all(w % 2 == 0 for w in codec.widths) else 1
+  unit = units_lib.unit_bytes(plane_bits)
+  chunk_bytes = int((codec.bits * d - stats_bits) // (8 * n))
+  code_units = (chunk_bytes - units_lib.SCALE_BYTES * s) // unit
+  least = s * codec.widths[0] // plane_bits
+  if code_units < least:
+    need = (stats_bits + 8 * n * (units_lib.SCALE_BYTES * s + least * unit)) / d
+    raise ValueError(
+        f"DynamiQ(bits={codec.bits}) cannot meet its budget for a bucket of {d} "
+        f"coordinates over n={n} ranks: the smallest layout ({s * n} super-groups at "
+        f"{codec.widths[0]} bits, padding and statistics included) needs {need:.3f} "
+        f"bits/coordinate. Fix: raise bits to at least {np.ceil(need * 100) / 100:.2f}, "
+        f"all-reduce a larger bucket (more parameters per call), or send small models "
+        f"with codecs.Bf16().")
+  code_units = min(code_units, s * codec.widths[-1] // plane_bits)
+  payload_bits = 8 * n * units_lib.payload_bytes(s, code_units, plane_bits)
+  return DynamiQLayout(d, n, m, s * n, (), stats_bits, payload_bits, code_units, plane_bits)

@@ -55,7 +55,7 @@ def create_train_state(config: Config, rng, first_batch=None,
   """Parameters, and the optimizer whose first transform all-reduces over ``AXIS``.
 
   With ``first_batch`` (global ``(images, labels)``), the codec is first
-  calibrated on its per-rank gradients at the initial parameters
+  with ``--calibrate``, static capacities fitted to its per-rank gradients at the initial parameters
   (:func:`examples.common.calibrate`); the config that was used comes back
   beside the state.
   """

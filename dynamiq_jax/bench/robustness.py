@@ -1,0 +1,168 @@
+"""DynamiQ on gradients unlike the paper's model, and against model size.
+
+    python -m dynamiq_jax.bench.robustness            # families + LM snapshots + size sweep
+    python -m dynamiq_jax.bench.robustness --tiny     # smoke test (CI)
+
+Table 1, n = 8 workers, ring, 5 bits all-in: vNMSE of
+
+* ``DynamiQ 5b``: the default codec (widths chosen every round from the
+  global statistics);
+* ``static``: the static-capacity codec (``allocation="static"``), whose
+  class capacities come from the paper's gradient model;
+* ``static calibrated``: the same, calibrated offline on that very data
+  (``DynamiQ(allocation="static").calibrate(g)``): the best a static split
+  can do;
+* ``MXFP8`` (8.5 bits) for scale,
+
+on the four families of :mod:`dynamiq_jax.bench.families` and on the word-
+and byte-LM gradient snapshots of :mod:`dynamiq_jax.bench.vnmse` (cached),
+with the ratio of the default to the calibrated static codec.
+
+Table 2 and ``robustness_size.png``: the default codec's vNMSE against the
+bucket size d (64 ... 2^20) at n = 8 on two families, and the ratio between
+neighbouring sizes. A size the codec cannot compress at the budget is
+marked ``refused``.
+
+Writes ``docs/results/robustness.json`` (``robustness_tiny.json`` with
+``--tiny``) and the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+__all__ = ["main", "SIZES"]
+
+SIZES = tuple([64, 256, 1024, 1100, 1101, 2048, 2049, 3020, 3021, 4096, 4097, 8192, 1 << 14,
+               1 << 15, 1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20])
+"""Bucket sizes of the size sweep: powers of two and the old cliffs' edges."""
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.robustness",
+                              description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--d", type=int, default=1 << 18, help="coordinates per worker, table 1")
+  p.add_argument("--n", type=int, default=8, help="workers")
+  p.add_argument("--bits", type=float, default=5.0, help="DynamiQ's all-in budget")
+  p.add_argument("--seeds", type=int, default=2, help="rounding seeds per point")
+  p.add_argument("--size-families", default="dense,paper",
+                 help="comma-separated families of the size sweep")
+  p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dynamiq_jax"),
+                 help="where captured LM gradients are kept ('' to disable)")
+  p.add_argument("--no-real", action="store_true", help="skip the LM gradient snapshots")
+  p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
+  p.add_argument("--out", default=None, help="results directory (default docs/results)")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = _parse(argv)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import numpy as np
+
+  from dynamiq_jax.bench import common
+  from dynamiq_jax.bench.families import FAMILIES, family
+  from dynamiq_jax.bench.vnmse import lm_gradients, measure
+  from dynamiq_jax.codecs import DynamiQ, mxfp8
+
+  n, bits = args.n, args.bits
+  d = 1 << 12 if args.tiny else args.d
+  sizes = (64, 2048, 2049, 4096) if args.tiny else SIZES
+  size_families = ["dense"] if args.tiny else args.size_families.split(",")
+  seeds = 1 if args.tiny else args.seeds
+  default, static = DynamiQ(bits=bits), DynamiQ(bits=bits, allocation="static")
+
+  data = {(f, 0): family(f, n, d, 0) for f in FAMILIES}
+  if not args.no_real:
+    lm, _, steps = lm_gradients(args.cache or None, tiny=args.tiny)
+    data.update({k: v[:n] for k, v in lm.items()})
+
+  rows = []
+  t0 = time.time()
+  for (name, step), g in data.items():
+    row = {"data": name if name in FAMILIES else f"{name}@{step}", "d": int(g.shape[1])}
+    codecs = {"default": default, "static": static, "mxfp8": mxfp8()}
+    try:
+      codecs["static calibrated"] = static.calibrate(g)
+    except ValueError as e:  # a budget the static layout cannot meet
+      row["static calibrated"] = None
+      row["static calibrated error"] = str(e)
+    for label, codec in codecs.items():
+      try:
+        row[label] = measure(codec, g, seeds=seeds)
+      except ValueError as e:
+        row[label], row[f"{label} error"] = None, str(e)
+    cal = row.get("static calibrated")
+    row["default / calibrated"] = row["default"] / cal if cal and row["default"] else None
+    rows.append(row)
+    print(_row(row), flush=True)
+  table_seconds = time.time() - t0
+
+  sweep = []
+  for fam in size_families:
+    prev = None
+    for size in sizes:
+      g = family(fam, n, size, 0)
+      try:
+        v = measure(default, g, seeds=seeds)
+      except ValueError as e:
+        v, err = None, str(e)
+      else:
+        err = None
+      point = {"family": fam, "d": size, "vnmse": v,
+               "step": (v / prev if v and prev else None)}
+      if err:
+        point["error"] = err
+      sweep.append(point)
+      prev = v if v else prev
+      print(f"size {fam:>6} d={size:>8}: "
+            + ("refused" if v is None else f"{v:.3e}")
+            + (f"  x{point['step']:.2f} the previous size" if point["step"] else ""), flush=True)
+
+  report = {"machine": common.machine(), "command": common.command_line(),
+            "n": n, "bits": bits, "d": d, "seeds": seeds, "table": rows, "sizes": sweep,
+            "table_seconds": table_seconds}
+  out_dir = common.results_dir(args.out)
+  stem = "robustness_tiny" if args.tiny else "robustness"
+  common.write_json(os.path.join(out_dir, stem + ".json"), report)
+  _plot(sweep, os.path.join(out_dir, stem + "_size.png"), n, bits)
+  worst = max((p["step"] for p in sweep if p["step"]), default=None)
+  print(f"\nlargest step between neighbouring sizes: x{worst:.2f}" if worst else "")
+  return rows, sweep
+
+
+def _fmt(v):
+  return "-" if v is None else f"{v:.3e}"
+
+
+def _row(r):
+  ratio = r["default / calibrated"]
+  return (f"{r['data']:>14}  default {_fmt(r['default'])}  static {_fmt(r['static'])}  "
+          f"static calibrated {_fmt(r.get('static calibrated'))}  MXFP8 {_fmt(r['mxfp8'])}  "
+          f"default/calibrated {'-' if ratio is None else f'{ratio:.2f}'}")
+
+
+def _plot(sweep, path, n, bits):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for fam in sorted({p["family"] for p in sweep}):
+    pts = [(p["d"], p["vnmse"]) for p in sweep if p["family"] == fam and p["vnmse"]]
+    if pts:
+      ax.loglog(*zip(*pts), "-o", ms=3, label=fam)
+  ax.set_xlabel("coordinates in the bucket (d)")
+  ax.set_ylabel("vNMSE")
+  ax.set_title(f"DynamiQ {bits:g} bits, ring, n = {n}: error against model size")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  main()
