@@ -269,6 +269,21 @@ def _plane_table(widths, plane_bits: int):
   return jnp.concatenate([offs, jnp.broadcast_to(ends[-1], (_PTAB - planes,))]).astype(jnp.int32)
 
 
+def _payload_call(kernel, cfg, s_count, units, in_specs, interpret, name, fill, *args):
+  """A launch writing a payload; ``fill`` (tests only) is the payload buffer's
+  initial byte (None: uninitialized), to check that every byte is written."""
+  out_shape = jax.ShapeDtypeStruct((U.payload_bytes(s_count, units, cfg.plane_bits),), jnp.uint8)
+  if fill is None:
+    return K._call(kernel, cfg, s_count, in_specs, out_shape, K._ANY, interpret, name, *args)
+  n = len(args)
+  buf = jnp.full(out_shape.shape, fill, jnp.uint8)
+  return pl.pallas_call(
+      lambda *refs: kernel(*refs[:n], refs[-1]), out_shape=K._typed_like(out_shape, args),
+      grid=(pl.cdiv(s_count, K.BLOCK),), in_specs=in_specs + [K._ANY], out_specs=K._ANY,
+      input_output_aliases={n: 0}, compiler_params=K._compiler_params(interpret),
+      interpret=interpret, name=name)(*args, buf)
+
+
 def _dense_spec(cfg):
   return pl.BlockSpec(cfg.block(K.BLOCK), lambda i: (i, 0, 0, 0))
 
@@ -281,20 +296,18 @@ def _name(op, cfg):
   return f"dynamiq_units_{op}_p{cfg.plane_bits}"
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "units", "strata", "interpret"))
-def _compress_call(x, widths, karr, *, cfg, units, strata, interpret):
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "strata", "interpret", "fill"))
+def _compress_call(x, widths, karr, *, cfg, units, strata, interpret, fill=None):
   s_count = x.shape[0]
   tab = jnp.asarray(cfg.table())
   kernel = functools.partial(_compress_kernel, cfg=cfg, s_count=s_count, units=units,
                              strata=strata)
-  return K._call(kernel, cfg, s_count,
-                 [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
-                  _dense_spec(cfg)],
-                 jax.ShapeDtypeStruct((U.payload_bytes(s_count, units, cfg.plane_bits),),
-                                      jnp.uint8),
-                 K._ANY, interpret, _name("compress", cfg),
-                 karr, _plane_table(widths, cfg.plane_bits), tab, widths,
-                 x.reshape(cfg.block(s_count)))
+  return _payload_call(kernel, cfg, s_count, units,
+                       [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
+                        _dense_spec(cfg)],
+                       interpret, _name("compress", cfg), fill,
+                       karr, _plane_table(widths, cfg.plane_bits), tab, widths,
+                       x.reshape(cfg.block(s_count)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
@@ -326,19 +339,17 @@ def _decompress_accumulate_call(payload, x, widths, *, cfg, units, interpret):
   return out.reshape(s_count, F.SUPERGROUP)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "units", "strata", "interpret"))
-def _dar_call(payload, x, widths, karr, *, cfg, units, strata, interpret):
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "strata", "interpret", "fill"))
+def _dar_call(payload, x, widths, karr, *, cfg, units, strata, interpret, fill=None):
   s_count = widths.shape[0]
   tab = jnp.asarray(cfg.table())
   kernel = functools.partial(_dar_kernel, cfg=cfg, s_count=s_count, units=units, strata=strata)
-  return K._call(kernel, cfg, s_count,
-                 [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(), K._ANY,
-                  _dense_spec(cfg)],
-                 jax.ShapeDtypeStruct((U.payload_bytes(s_count, units, cfg.plane_bits),),
-                                      jnp.uint8),
-                 K._ANY, interpret, _name("decompress_accumulate_recompress", cfg),
-                 karr, _plane_table(widths, cfg.plane_bits), tab, widths, payload,
-                 x.reshape(cfg.block(s_count)))
+  return _payload_call(kernel, cfg, s_count, units,
+                       [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
+                        K._ANY, _dense_spec(cfg)],
+                       interpret, _name("decompress_accumulate_recompress", cfg), fill,
+                       karr, _plane_table(widths, cfg.plane_bits), tab, widths, payload,
+                       x.reshape(cfg.block(s_count)))
 
 
 def _check(cfg: _Config, units, widths, x=None, payload=None):

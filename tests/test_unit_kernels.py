@@ -108,6 +108,27 @@ def test_unused_units_are_zero_and_values_round_trip():
   assert rel < 1.0, rel  # a lossy but sane reconstruction (2..8 bits)
 
 
+@pytest.mark.parametrize("plane_bits,width_set,room", [(1, WS6, 9), (2, WS3, 2), (1, WS3, -2)])
+def test_every_payload_byte_is_written(plane_bits, width_set, room):
+  """Interpret mode starts an output buffer at zero, which would hide an unwritten
+  byte (the unused units); here the buffer starts at 0xA5 instead."""
+  s = 13
+  x = _x(8, s)
+  widths = _widths(8, s, width_set, "mixed")
+  units = _units(widths, plane_bits, room)
+  cfg = UK._config(EPS, width_set, plane_bits, "up")
+  karr = K._keys_array(_keys(8), 2)
+  ref = U.compress_units_reference(x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
+                                   plane_bits=plane_bits, width_set=width_set)
+  _same(UK._compress_call(x, widths, karr, cfg=cfg, units=units, strata=8, interpret=True,
+                          fill=0xA5), ref)
+  _same(UK._dar_call(ref, x, widths, karr, cfg=cfg, units=units, strata=8, interpret=True,
+                     fill=0xA5),
+        U.decompress_accumulate_recompress_units_reference(
+            ref, x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
+            plane_bits=plane_bits, width_set=width_set))
+
+
 def test_vmap_maps_the_kernels_over_a_batch():
   """Batched x, keys and widths (each batch element its own chunk); the unbatched
   payload case is covered by broadcasting in the rule."""
