@@ -40,6 +40,13 @@ static share of them, so every payload byte is written exactly once. The
 concatenated level table (padded to a power of two) is a small input
 gathered by level index.
 
+Compiled for sm_90a from a CPU host (``tests/test_gpu_compile_units.py``,
+bf16 inputs, ``BLOCK = 8``), ``ptxas -v`` reports 0 spill bytes for all
+eight kernels; registers, compress / decompress / decompress_accumulate /
+hop: 72 / 56 / 48 / 96 with ``plane_bits=1`` and width set (2, 3, 4, 5, 6,
+8), 117 / 40 / 40 / 126 with ``plane_bits=2`` and (2, 4, 8). Not yet run on
+a GPU.
+
 Dispatch: :func:`pallas_kernels.dynamiq._dispatch`, the same as the
 per-class kernels (``implementation=None``: the kernels in a lowering for
 ``cuda`` / ``rocm``, the reference elsewhere; ``"pallas"``: the kernels,
