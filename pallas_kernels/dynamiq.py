@@ -505,7 +505,8 @@ def _compile_alone(kernel, device, args, kwargs):
 def _kernel_compiles(op, kernel, args, kwargs) -> bool:
   """Whether ``op``'s kernel compiles for this process's GPU (True when it has none).
 
-  Checked once per (op, format, strata, operand shapes and dtypes) by
+  Checked once per (op, static arguments (format, strata, ...), operand
+  shapes and dtypes) by
   compiling the kernel alone; on failure one :class:`KernelFallbackWarning`
   names the kernel, the error and how to force either path. Without a local
   GPU (a deviceless or AOT compile from a CPU host) there is nothing to
@@ -517,7 +518,9 @@ def _kernel_compiles(op, kernel, args, kwargs) -> bool:
   operands, _ = _split(args, kwargs)
   types = tuple(f"{jnp.result_type(v)}{list(np.shape(v))}" for v in operands)
   fmts = tuple(v for v in args if isinstance(v, F.Format))
-  key = (op, fmts, kwargs.get("strata"), types, gpus[0].device_kind)
+  static = tuple(repr(v) for v in jax.tree.leaves((args, kwargs))
+                 if not isinstance(v, (jax.Array, np.ndarray, np.generic)))
+  key = (op, static, types, gpus[0].device_kind)  # static: the format, strata, ...
   if key not in _probed:
     try:
       _compile_alone(kernel, gpus[0], args, kwargs)

@@ -3,18 +3,27 @@
 One ring chunk of ``S`` super-groups travels as one static payload::
 
   [S scale records: 16 uint8 k_g + 2-byte bf16 unit U]   (18 S bytes)
-  [U_units code units of 64 bytes]                       (64 U_units bytes)
+  [U_units code units of 32 * plane_bits bytes]
 
-A w-bit code (w in {2, 4, 8}) is stored as ``w / 2`` two-bit *planes*: plane
-``p`` of a super-group holds bits ``2p, 2p+1`` of its 256 codes, four codes
-per byte, LSB-first (64 bytes: one unit). Super-groups are ordered widest
-first, and units are *plane-major*: plane p of every super-group that has
-it (a prefix of the chunk) occupies units ``[off_p, off_p + count_p)``,
-``off`` the exclusive prefix sum of ``count_p`` (the number of super-groups
-wider than ``2p`` bits); unused units at the end are zero. Placement is
-four contiguous copies at data-dependent offsets (no gather). Bytes per super-group are those of the per-class record (``32 w +
-18``), so a split that fits the per-class budget fits here; the number of
-units is static (the budget), the widths are per round.
+A w-bit code (w in ``width_set``, default :data:`WIDTH_SET` = (2, 3, 4, 5,
+6, 8); the paper's set is :data:`WIDTHS` = (2, 4, 8)) is stored as ``w``
+one-bit *planes* (``plane_bits=1``, the default; units of 32 bytes) or
+``w / 2`` two-bit planes (``plane_bits=2``, units of 64 bytes; even widths
+only): plane ``p`` of a super-group holds bits ``[p b, (p + 1) b)`` of its
+256 codes, ``8 / b`` codes per byte, LSB-first (one unit). Super-groups are
+ordered widest first, and units are *plane-major*: plane p of every
+super-group that has it (a prefix of the chunk) occupies units ``[off_p,
+off_p + count_p)``, ``off`` the exclusive prefix sum of ``count_p`` (the
+number of super-groups with more than ``p`` planes); unused units at the end
+are zero. Placement is one contiguous copy per plane at a data-dependent
+offset (no gather). Bytes per super-group are those of the per-class record
+(``32 w + 18``), so a split that fits the per-class budget fits here; the
+number of units is static (the budget), the widths are per round.
+
+The ``*_reference`` functions here are the pure-jnp twins of the Pallas
+kernels in :mod:`pallas_kernels.dynamiq_units_kernels` (which also holds
+the dispatching public names, ``compress_units`` and friends); both use
+:func:`encode_block_var` / :func:`decode_block_var`.
 
 Arithmetic: the same as :mod:`pallas_kernels.dynamiq_format` — its
 hierarchical scales (:func:`~pallas_kernels.dynamiq_format._scales_hier`;
@@ -22,7 +31,7 @@ with MEE levels the top level is 1 for every width, so scales do not depend
 on the width), its RNG draws (:func:`~pallas_kernels.dynamiq_format._uniforms`)
 and its division-free rounding (:func:`_round_levels_var` repeats
 ``_round_levels`` line for line with the width's constants as per-super-group
-arrays: a concatenated level table ``[lam_2 | lam_4 | lam_8]`` indexed at a
+arrays: a concatenated level table ``[lam_2 | lam_3 | ...]`` indexed at a
 per-super-group base). So with the same draws a super-group gets exactly
 the code the per-class format gives it (tested), and one code path serves
 every width (no per-class launches, no static capacities).
@@ -40,21 +49,27 @@ import numpy as np
 from pallas_kernels import bf16
 from pallas_kernels import dynamiq_format as F
 
-__all__ = ["WIDTHS", "UNIT_BYTES", "SCALE_BYTES", "payload_bytes", "position_widths",
-           "position_widths_general", "unit_bytes", "eps_for",
-           "encode_units", "decode_units", "decompress_accumulate_recompress_units",
-           "units_for_budget"]
+__all__ = ["WIDTHS", "WIDTH_SET", "PLANE_BITS", "UNIT_BYTES", "SCALE_BYTES", "payload_bytes",
+           "position_widths", "position_widths_general", "unit_bytes", "eps_for",
+           "compress_units_reference", "decompress_units_reference",
+           "decompress_accumulate_units_reference",
+           "decompress_accumulate_recompress_units_reference", "units_for_budget"]
 
 WIDTHS = (2, 4, 8)
+"""The paper's width set."""
+WIDTH_SET = (2, 3, 4, 5, 6, 8)
+"""Default width set of the ``*_units`` functions (with ``plane_bits=1``)."""
+PLANE_BITS = 1
+"""Default bits per plane (units of ``32 * PLANE_BITS`` bytes)."""
 UNIT_BYTES = 64  # one 2-bit plane of 256 codes
 SCALE_BYTES = F.HIER_GROUP + 2  # 16 k_g + bf16 unit
 
 
-def payload_bytes(supergroups: int, units: int, plane_bits: int = 2) -> int:
+def payload_bytes(supergroups: int, units: int, plane_bits: int = PLANE_BITS) -> int:
   return supergroups * SCALE_BYTES + units * 32 * plane_bits
 
 
-def units_for_budget(supergroups: int, budget_bytes: int, plane_bits: int = 2) -> int:
+def units_for_budget(supergroups: int, budget_bytes: int, plane_bits: int = PLANE_BITS) -> int:
   """Code units of a chunk of ``supergroups`` within ``budget_bytes`` (static)."""
   return (budget_bytes - supergroups * SCALE_BYTES) // (32 * plane_bits)
 
@@ -136,8 +151,20 @@ def position_widths_general(counts, width_set, supergroups: int):
 
 
 def _wsel(widths, values, tabs):
-  """Per-super-group constant: values[index of width]."""
-  return jnp.take(jnp.asarray(values), jnp.take(jnp.asarray(tabs.index), widths))
+  """Per-super-group constant: ``values[index of width]`` (the smallest width's
+  for a width outside the set).
+
+  A select chain over the static width set, not a gather, so that the same
+  code runs in the Pallas kernels (:mod:`pallas_kernels.dynamiq_units_kernels`)."""
+  out = jnp.full(widths.shape, values[0], values.dtype)
+  for i, w in enumerate(tabs.widths[1:], start=1):
+    out = jnp.where(widths == w, values[i], out)
+  return out
+
+
+def _trailing(v, ndim: int):
+  """``v`` with unit axes appended up to ``ndim`` (broadcasts against a block)."""
+  return v[(...,) + (None,) * (ndim - v.ndim)]
 
 
 def _round_levels_var(a, s, lookup, base, r, c1, c2, u_scaled, q: int):
@@ -164,37 +191,38 @@ def encode_block_var(x, widths, tabs: _Tables, *, lookup, idx, keys, rank, strat
   """Quantises a block of super-groups, each at its own width.
 
   Args:
-    x: float32 [S, G, 16] values (G = 16 hierarchical groups).
+    x: float32 [S, G, 16] values (G = 16 hierarchical groups), or the same
+      as [S, G, CB, P] (the kernels' view, P codes per plane byte).
     widths: int32 [S].
-    idx: uint32 [S, G, 16] RNG counters.
+    idx: uint32 RNG counters, shaped as ``x``.
 
   Returns:
-    ``(codes uint32 [S, G, 16] in [0, 2^w - 2], k uint8 [S, G], unit f32 [S])``.
+    ``(codes uint32 shaped as x in [0, 2^w - 2], k uint8 [S, G], unit f32 [S])``.
   """
   a = jnp.abs(x)
   fmt8 = F.Format(bits=8, scale_rounding=scale_rounding)  # top = 1: same scales for all widths
-  xs = x[..., None]  # [S, G, 16, 1]: the format's [S, G, CB, P] view with P = 1
-  a4 = a[..., None]
-  group_idx = jnp.min(jnp.min(idx[..., None], axis=-1), axis=-1) // np.uint32(F.HIER_GROUP)
+  a4 = _trailing(a, 4)  # the format's [S, G, CB, P] view (P = 1 for [S, G, 16])
+  group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(F.HIER_GROUP)
   k, unit, s = F._scales_hier(a4, fmt8, keys, group_idx)
   q = F.rng.strata_count(strata)
   u = F._uniforms(idx, keys, rank, strata)
   u = jnp.where(x < 0, np.float32(q) - u, u)
   if store is not None:
     u = store(u)
-  per = lambda v: _wsel(widths, v, tabs)[:, None, None]
+  per = lambda v: _trailing(_wsel(widths, v, tabs), x.ndim)
   r = per(tabs.r)
-  lvl = _round_levels_var(a, s[..., None], lookup, per(tabs.base), r, per(tabs.c1),
+  lvl = _round_levels_var(a, _trailing(s, x.ndim), lookup, per(tabs.base), r, per(tabs.c1),
                           per(tabs.c2), u, q)
-  codes = jnp.where(xs[..., 0] < 0, r - lvl, r + lvl).astype(jnp.uint32)
+  codes = jnp.where(x < 0, r - lvl, r + lvl).astype(jnp.uint32)
   return codes, k.astype(jnp.uint8), unit
 
 
 def decode_block_var(codes, scale, widths, tabs: _Tables, *, lookup):
-  """codes uint32 [S, G, 16], decoded group scale f32 [S, G] -> float32 [S, G, 16]."""
-  per = lambda v: _wsel(widths, v, tabs)[:, None, None]
+  """codes uint32 [S, G, 16] (or [S, G, CB, P]), decoded group scale f32 [S, G]
+  -> float32 shaped as codes."""
+  per = lambda v: _trailing(_wsel(widths, v, tabs), codes.ndim)
   lvl = codes.astype(jnp.int32) - per(tabs.r)
-  val = lookup(per(tabs.base) + jnp.abs(lvl)) * scale[..., None]  # exact product
+  val = lookup(per(tabs.base) + jnp.abs(lvl)) * _trailing(scale, codes.ndim)  # exact product
   return jnp.where(lvl < 0, -val, val)
 
 
@@ -210,7 +238,7 @@ def _geom(plane_bits: int):
   return 8 // plane_bits, per, 256 // per
 
 
-def unit_bytes(plane_bits: int = 2) -> int:
+def unit_bytes(plane_bits: int = PLANE_BITS) -> int:
   return _geom(plane_bits)[2]
 
 
@@ -303,13 +331,14 @@ def _lookup(tabs):
   return lambda j: jnp.take(t, j)
 
 
-def encode_units(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
-                 scale_rounding="up", plane_bits: int = 2, width_set=WIDTHS):
+def compress_units_reference(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
+                             scale_rounding="up", plane_bits: int = PLANE_BITS,
+                             width_set=WIDTH_SET):
   """Compresses a chunk ``x`` float [S, 256] with per-super-group ``widths``.
 
-  ``plane_bits=1`` stores 1-bit planes (units of 32 bytes), which allows any
-  width in ``width_set`` (a subset of 2..8); with 2 (default) widths must be
-  even.
+  ``plane_bits=1`` (default) stores 1-bit planes (units of 32 bytes), which
+  allows any width in ``width_set`` (a subset of 2..8); with 2 widths must
+  be even.
 
   Returns:
     uint8 ``[payload_bytes(S, units, plane_bits)]``.
@@ -329,8 +358,9 @@ def encode_units(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
   return jnp.concatenate([scales.reshape(-1), body.reshape(-1)])
 
 
-def decode_units(payload, widths, units: int, *, eps, plane_bits: int = 2, width_set=WIDTHS):
-  """Inverse of :func:`encode_units` (values): float32 [S, 256]."""
+def decompress_units_reference(payload, widths, units: int, *, eps, plane_bits: int = PLANE_BITS,
+                               width_set=WIDTH_SET):
+  """Inverse of :func:`compress_units_reference` (values): float32 [S, 256]."""
   tabs = _tables(eps, width_set)
   s_count = widths.shape[0]
   scales = payload[:s_count * SCALE_BYTES].reshape(s_count, SCALE_BYTES)
@@ -343,11 +373,20 @@ def decode_units(payload, widths, units: int, *, eps, plane_bits: int = 2, width
   return val.reshape(s_count, 256)
 
 
-def decompress_accumulate_recompress_units(payload, x, widths, units: int, *, eps, keys,
-                                           rank=0, strata: int = 1, scale_rounding="up",
-                                           plane_bits: int = 2, width_set=WIDTHS):
-  """One ring hop: ``encode_units(decode_units(payload) + x)``."""
+def decompress_accumulate_units_reference(payload, x, widths, units: int, *, eps,
+                                          plane_bits: int = PLANE_BITS, width_set=WIDTH_SET):
+  """``decompress_units_reference(payload) + x`` in float32: float32 [S, 256]."""
+  return (decompress_units_reference(payload, widths, units, eps=eps, plane_bits=plane_bits,
+                                     width_set=width_set) + x.astype(jnp.float32))
+
+
+def decompress_accumulate_recompress_units_reference(payload, x, widths, units: int, *, eps, keys,
+                                                     rank=0, strata: int = 1,
+                                                     scale_rounding="up",
+                                                     plane_bits: int = PLANE_BITS,
+                                                     width_set=WIDTH_SET):
+  """One ring hop: ``compress_units_reference(decompress_units_reference(payload) + x)``."""
   geo = dict(plane_bits=plane_bits, width_set=width_set)
-  acc = decode_units(payload, widths, units, eps=eps, **geo) + x.astype(jnp.float32)
-  return encode_units(acc, widths, units, eps=eps, keys=keys, rank=rank, strata=strata,
-                      scale_rounding=scale_rounding, **geo)
+  acc = decompress_accumulate_units_reference(payload, x, widths, units, eps=eps, **geo)
+  return compress_units_reference(acc, widths, units, eps=eps, keys=keys, rank=rank,
+                                  strata=strata, scale_rounding=scale_rounding, **geo)

@@ -20,11 +20,12 @@ def test_same_values_as_per_class_format(rounding, strata):
   x[3] = 0.0
   counts = jnp.array([4, 5, 3], jnp.int32)  # 2, 4, 8 bits
   widths = U.position_widths(counts, s)
-  units = U.units_for_budget(s, s * U.SCALE_BYTES + 64 * (4 + 10 + 12) + 100)
-  p = U.encode_units(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS, rank=3, strata=strata,
-                     scale_rounding=rounding)
-  assert p.shape == (U.payload_bytes(s, units),) and p.dtype == jnp.uint8
-  got = np.asarray(U.decode_units(p, widths, units, eps=EPS))
+  geo = dict(plane_bits=2, width_set=U.WIDTHS)
+  units = U.units_for_budget(s, s * U.SCALE_BYTES + 64 * (4 + 10 + 12) + 100, plane_bits=2)
+  p = U.compress_units_reference(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS, rank=3,
+                                 strata=strata, scale_rounding=rounding, **geo)
+  assert p.shape == (U.payload_bytes(s, units, plane_bits=2),) and p.dtype == jnp.uint8
+  got = np.asarray(U.decompress_units_reference(p, widths, units, eps=EPS, **geo))
   w = np.asarray(widths)
   for b in (2, 4, 8):
     fmt = F.Format(bits=b, eps=EPS[b], scale_rounding=rounding)
@@ -33,7 +34,7 @@ def test_same_values_as_per_class_format(rounding, strata):
     np.testing.assert_array_equal(got[w == b], ref[w == b])
   # the unused units are zero, the payload fits the per-class record bytes
   assert not np.asarray(p[s * U.SCALE_BYTES + 64 * 26:]).any()
-  assert U.payload_bytes(s, 26) == sum((32 * b + 18) for b in w)
+  assert U.payload_bytes(s, 26, plane_bits=2) == sum((32 * b + 18) for b in w)
 
 
 def test_hop_matches_per_class_hop():
@@ -42,14 +43,16 @@ def test_hop_matches_per_class_hop():
   x = rng.standard_normal((s, 256)).astype(np.float32)
   y = rng.standard_normal((s, 256)).astype(np.float32)
   widths = jnp.full((s,), 4, jnp.int32)
+  geo = dict(plane_bits=2, width_set=U.WIDTHS)
   units = 2 * s
-  p = U.encode_units(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS)
-  q = U.decompress_accumulate_recompress_units(p, jnp.asarray(y), widths, units, eps=EPS,
-                                               keys=KEYS)
+  p = U.compress_units_reference(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS, **geo)
+  q = U.decompress_accumulate_recompress_units_reference(p, jnp.asarray(y), widths, units,
+                                                         eps=EPS, keys=KEYS, **geo)
   fmt = F.Format(bits=4, eps=EPS[4])
   pr = F.compress_reference(jnp.asarray(x), fmt, keys=KEYS)
   qr = F.decompress_accumulate_recompress_reference(pr, jnp.asarray(y), fmt, keys=KEYS)
-  np.testing.assert_array_equal(np.asarray(U.decode_units(q, widths, units, eps=EPS)),
+  np.testing.assert_array_equal(np.asarray(U.decompress_units_reference(q, widths, units,
+                                                                       eps=EPS, **geo)),
                                 np.asarray(F.decompress_reference(qr, fmt)))
 
 
@@ -69,11 +72,12 @@ def test_planes_roundtrip_any_widths(plane_bits, width_set):
   used = int(sum(w // plane_bits))
   units = used + 3
   geo = dict(plane_bits=plane_bits, width_set=tuple(ws))
-  p = U.encode_units(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS, rank=1, strata=4, **geo)
+  p = U.compress_units_reference(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS, rank=1,
+                                 strata=4, **geo)
   assert p.shape == (U.payload_bytes(s, units, plane_bits),)
   assert U.payload_bytes(s, used, plane_bits) == sum(32 * b + 18 for b in w)
   assert not np.asarray(p[U.payload_bytes(s, used, plane_bits):]).any()
-  got = np.asarray(U.decode_units(p, widths, units, eps=EPS, **geo))
+  got = np.asarray(U.decompress_units_reference(p, widths, units, eps=EPS, **geo))
   # the same values as the block arithmetic without any byte movement
   tabs = U._tables(EPS, tuple(ws))
   xb = jnp.asarray(x).reshape(s, 16, 16)

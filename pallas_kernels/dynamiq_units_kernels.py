@@ -1,0 +1,535 @@
+"""Pallas kernels for the unit-packed DynamiQ chunk, and their dispatch.
+
+The chunk layout is :mod:`pallas_kernels.dynamiq_units`'s (read its
+docstring): ``S`` scale records of 18 bytes, then plane-major code units of
+``32 * plane_bits`` bytes, each super-group at its own width (data, int32
+``[S]``, widest first). Four operations, each one launch, as for the
+per-class records (:mod:`pallas_kernels.dynamiq`):
+
+=============================================  =======================================
+``compress_units(x)``                          values -> chunk payload
+``decompress_units(p)``                        chunk payload -> float32
+``decompress_accumulate_units(p, x)``          ``decode(p) + x``
+``decompress_accumulate_recompress_units``     ring hop ``encode(decode(p) + x)``;
+                                               the sum stays in registers
+=============================================  =======================================
+
+Algorithm: the block arithmetic is the reference's own
+(:func:`~pallas_kernels.dynamiq_units.encode_block_var`,
+:func:`~pallas_kernels.dynamiq_units.decode_block_var`, on
+:mod:`pallas_kernels.dynamiq_format`'s scales, draws and division-free
+rounding; the per-width constants are a select chain over the static width
+set), so kernel and reference agree bit for bit. Only the byte movement
+differs.
+
+Memory layout: one program handles ``BLOCK`` super-groups
+(:data:`pallas_kernels.dynamiq.BLOCK`). Dense operands are viewed as
+``[S, G, CB, P]`` with ``P = 8 / plane_bits`` codes per plane byte and ``CB
+= 16 / P`` plane bytes per scale group, so byte ``g CB + cb`` of a plane
+holds codes ``(g CB + cb) P + [0, P)``: a plane byte is the plane's bits of
+the ``P`` codes along the last axis, packed and unpacked without a reshape.
+The payload stays flat uint8 in global memory (``memory_space=ANY``); each
+program loads / stores with computed offsets and masks: the 16 ``k_g`` bytes
+and 2 unit bytes of each scale record, and for each plane ``p`` (up to the
+widest of ``width_set``) its plane bytes at unit ``off_p + s``, where the
+super-group has that plane (``widths[s] // plane_bits > p``) and the unit is
+within the payload. The widths come in as a ``[BLOCK]`` block, the plane
+offsets as a small int32 input (``off_p``, then the units used). Compress
+also zeroes the unused units ``[used, units)``: program ``i`` zeroes its own
+static share of them, so every payload byte is written exactly once. The
+concatenated level table (padded to a power of two) is a small input
+gathered by level index.
+
+Compiled for sm_90a from a CPU host (``tests/test_gpu_compile_units.py``,
+bf16 inputs, ``BLOCK = 8``), ``ptxas -v`` reports 0 spill bytes for all
+eight kernels; registers, compress / decompress / decompress_accumulate /
+hop: 72 / 56 / 48 / 96 with ``plane_bits=1`` and width set (2, 3, 4, 5, 6,
+8), 117 / 40 / 40 / 126 with ``plane_bits=2`` and (2, 4, 8). Not yet run on
+a GPU.
+
+Dispatch: :func:`pallas_kernels.dynamiq._dispatch`, the same as the
+per-class kernels (``implementation=None``: the kernels in a lowering for
+``cuda`` / ``rocm``, the reference elsewhere; ``"pallas"``: the kernels,
+interpreted off GPU; ``"xla"``: the reference; a kernel raises
+``NotImplementedError`` for input it does not support, and dispatch falls
+back to the reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels import bf16
+from pallas_kernels import dynamiq as K
+from pallas_kernels import dynamiq_format as F
+from pallas_kernels import dynamiq_units as U
+
+__all__ = [
+    "compress_units",
+    "decompress_units",
+    "decompress_accumulate_units",
+    "decompress_accumulate_recompress_units",
+    "compress_units_pallas",
+    "decompress_units_pallas",
+    "decompress_accumulate_units_pallas",
+    "decompress_accumulate_recompress_units_pallas",
+]
+
+_G = F.HIER_GROUP  # scale groups per super-group
+_PTAB = 16  # entries of the plane-offset input (off_p for p < 8, then the units used)
+_TAIL_CHUNK = 64  # most unused units one store zeroes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Config:
+  """Static description of a chunk's coding (hashable: a jit static argument)."""
+
+  eps: tuple
+  width_set: tuple
+  plane_bits: int
+  scale_rounding: str
+
+  @functools.cached_property
+  def tabs(self):
+    return U._tables(dict(self.eps), self.width_set)
+
+  def table(self) -> np.ndarray:
+    """The concatenated level table, zero-padded to a power of two (Triton)."""
+    t = self.tabs.table
+    return np.pad(t, (0, pl.next_power_of_2(t.size) - t.size))
+
+  @property
+  def per(self) -> int:  # codes per plane byte
+    return 8 // self.plane_bits
+
+  @property
+  def cb(self) -> int:  # plane bytes per scale group
+    return _G // self.per
+
+  @property
+  def unit_bytes(self) -> int:
+    return U.unit_bytes(self.plane_bits)
+
+  @property
+  def planes(self) -> int:  # planes of the widest code of the width set
+    return max(self.width_set) // self.plane_bits
+
+  def block(self, supergroups: int) -> tuple[int, int, int, int]:
+    return (supergroups, _G, self.cb, self.per)
+
+
+def _config(eps, width_set, plane_bits, scale_rounding) -> _Config:
+  if plane_bits not in (1, 2):
+    raise ValueError(f"{plane_bits=} must be 1 or 2")
+  width_set = tuple(sorted(int(w) for w in width_set))
+  if not width_set or min(width_set) < 2 or max(width_set) > 8:
+    raise ValueError(f"{width_set=} must be a non-empty subset of 2..8")
+  if scale_rounding not in ("up", "stochastic"):
+    raise ValueError(f"{scale_rounding=} must be 'up' or 'stochastic'")
+  eps = tuple(sorted((int(w), float(e)) for w, e in dict(eps).items()))
+  return _Config(eps=eps, width_set=width_set, plane_bits=plane_bits,
+                 scale_rounding=scale_rounding)
+
+
+# ----------------------------------------------------------------------------
+# Kernel bodies.
+
+
+def _iota(shape, dim):
+  return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _scale_offsets(s_count: int):
+  """Offsets of this program's scale records: k bytes [BLOCK, G], unit [BLOCK], masks."""
+  block = K.BLOCK
+  base = pl.program_id(0) * block
+  sg2 = base + _iota((block, _G), 0)
+  sg1 = base + _iota((block,), 0)
+  return (sg2 * U.SCALE_BYTES + _iota((block, _G), 1), sg2 < s_count,
+          sg1 * U.SCALE_BYTES + _G, sg1 < s_count)
+
+
+def _plane_offsets(cfg: _Config, widths, ptab_ref, s_count: int, units: int):
+  """Per plane p: (byte offsets [BLOCK, G, CB] of this program's plane-p bytes, mask)."""
+  block = K.BLOCK
+  shape = (block, _G, cfg.cb)
+  sg = pl.program_id(0) * block + _iota(shape, 0)
+  byte = _iota(shape, 1) * cfg.cb + _iota(shape, 2)
+  has = (widths // cfg.plane_bits)[:, None, None]  # planes per super-group
+  live = sg < s_count
+  out = []
+  for p in range(cfg.planes):
+    unit = ptab_ref[p] + sg
+    out.append((s_count * U.SCALE_BYTES + unit * cfg.unit_bytes + byte,
+                live & (has > p) & (unit < units)))
+  return out
+
+
+def _keys(keys_ref):
+  return (keys_ref[0], keys_ref[1], keys_ref[2], keys_ref[3]), keys_ref[4].astype(jnp.int32)
+
+
+def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: int, units: int):
+  """Loads this program's scale records and planes; decodes: float32 [BLOCK, G, CB, P]."""
+  k_off, k_ok, u_off, u_ok = _scale_offsets(s_count)
+  k = K._load_bytes(pay_ref, k_off, k_ok)
+  unit = bf16.from_bytes(K._load_bytes(pay_ref, u_off, u_ok),
+                         K._load_bytes(pay_ref, u_off + 1, u_ok))
+  shape = cfg.block(K.BLOCK)
+  shifts = jax.lax.broadcasted_iota(jnp.uint32, shape, 3) * np.uint32(cfg.plane_bits)
+  mask = np.uint32((1 << cfg.plane_bits) - 1)
+  codes = jnp.zeros(shape, jnp.uint32)
+  for p, (off, ok) in enumerate(_plane_offsets(cfg, widths, ptab_ref, s_count, units)):
+    b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)[..., None]
+    codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
+  return U.decode_block_var(codes, F.hier_scale(k, unit), widths, cfg.tabs,
+                            lookup=lambda j: tab_ref[j])
+
+
+def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
+                 s_count: int, units: int, strata: int):
+  """Encodes float32 [BLOCK, G, CB, P]; stores its scale records, planes and its
+  share of the unused units (zeros)."""
+  block = K.BLOCK
+  shape = x.shape
+  idx = ((pl.program_id(0) * block + _iota(shape, 0)) * F.SUPERGROUP + _iota(shape, 1) * _G
+         + _iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
+  keys, rank = _keys(keys_ref)
+  codes, k, unit = U.encode_block_var(x, widths, cfg.tabs, lookup=lambda j: tab_ref[j], idx=idx,
+                                      keys=keys, rank=rank, strata=strata,
+                                      scale_rounding=cfg.scale_rounding)
+  k_off, k_ok, u_off, u_ok = _scale_offsets(s_count)
+  K._store_bytes(out_ref, k_off, k, k_ok)
+  bits = jax.lax.bitcast_convert_type(unit, jnp.uint32) >> 16
+  K._store_bytes(out_ref, u_off, (bits & 0xFF).astype(jnp.uint8), u_ok)
+  K._store_bytes(out_ref, u_off + 1, (bits >> 8).astype(jnp.uint8), u_ok)
+  shifts = jax.lax.broadcasted_iota(jnp.uint32, shape, 3) * np.uint32(cfg.plane_bits)
+  mask = np.uint32((1 << cfg.plane_bits) - 1)
+  for p, (off, ok) in enumerate(_plane_offsets(cfg, widths, ptab_ref, s_count, units)):
+    plane = (codes >> np.uint32(cfg.plane_bits * p)) & mask
+    byte = jnp.sum(plane << shifts, axis=-1).astype(jnp.uint8)  # disjoint bit fields
+    K._store_bytes(out_ref, off, byte, ok)
+  # Unused units [used, units): program i zeroes [used + i T, used + (i + 1) T).
+  share, chunk = _tail_share(units, pl.cdiv(s_count, block))
+  if share:
+    used = ptab_ref[_PTAB - 1]
+    rows = _iota((chunk, cfg.unit_bytes), 0)
+    cols = _iota((chunk, cfg.unit_bytes), 1)
+    zeros = jnp.zeros((chunk, cfg.unit_bytes), jnp.uint8)
+    for c in range(0, share, chunk):
+      unit_i = used + pl.program_id(0) * share + c + rows
+      K._store_bytes(out_ref, s_count * U.SCALE_BYTES + unit_i * cfg.unit_bytes + cols, zeros,
+                     unit_i < units)
+
+
+def _tail_share(units: int, programs: int) -> tuple[int, int]:
+  """(unused units each program zeroes, units per store): static, covering ``units``."""
+  if units == 0:
+    return 0, 0
+  chunk = min(pl.next_power_of_2(pl.cdiv(units, programs)), _TAIL_CHUNK)
+  return pl.cdiv(pl.cdiv(units, programs), chunk) * chunk, chunk
+
+
+def _compress_kernel(keys_ref, ptab_ref, tab_ref, w_ref, x_ref, out_ref, *, cfg, s_count, units,
+                     strata):
+  _write_chunk(out_ref, x_ref[...].astype(jnp.float32), w_ref[...], keys_ref, ptab_ref, tab_ref,
+               cfg=cfg, s_count=s_count, units=units, strata=strata)
+
+
+def _decompress_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, units):
+  out_ref[...] = _read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
+                             units=units)
+
+
+def _decompress_accumulate_kernel(ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg,
+                                  s_count, units):
+  out_ref[...] = (_read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
+                              units=units) + x_ref[...].astype(jnp.float32))
+
+
+def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg, s_count,
+                units, strata):
+  widths = w_ref[...]
+  acc = (_read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count, units=units)
+         + x_ref[...].astype(jnp.float32))
+  _write_chunk(out_ref, acc, widths, keys_ref, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
+               units=units, strata=strata)
+
+
+# ----------------------------------------------------------------------------
+# pallas_call wrappers (one launch each).
+
+
+def _plane_table(widths, plane_bits: int):
+  """int32 [16]: ``off_p`` (first unit of plane p) for p < 8, the units used after."""
+  planes = 8 // plane_bits
+  counts = jnp.sum((widths[None, :] // plane_bits
+                    > jnp.arange(planes, dtype=jnp.int32)[:, None]).astype(jnp.int32), axis=1)
+  ends = jnp.cumsum(counts)
+  offs = ends - counts
+  return jnp.concatenate([offs, jnp.broadcast_to(ends[-1], (_PTAB - planes,))]).astype(jnp.int32)
+
+
+def _payload_call(kernel, cfg, s_count, units, in_specs, interpret, name, fill, *args):
+  """A launch writing a payload; ``fill`` (tests only) is the payload buffer's
+  initial byte (None: uninitialized), to check that every byte is written."""
+  out_shape = jax.ShapeDtypeStruct((U.payload_bytes(s_count, units, cfg.plane_bits),), jnp.uint8)
+  if fill is None:
+    return K._call(kernel, cfg, s_count, in_specs, out_shape, K._ANY, interpret, name, *args)
+  n = len(args)
+  buf = jnp.full(out_shape.shape, fill, jnp.uint8)
+  return pl.pallas_call(
+      lambda *refs: kernel(*refs[:n], refs[-1]), out_shape=K._typed_like(out_shape, args),
+      grid=(pl.cdiv(s_count, K.BLOCK),), in_specs=in_specs + [K._ANY], out_specs=K._ANY,
+      input_output_aliases={n: 0}, compiler_params=K._compiler_params(interpret),
+      interpret=interpret, name=name)(*args, buf)
+
+
+def _dense_spec(cfg):
+  return pl.BlockSpec(cfg.block(K.BLOCK), lambda i: (i, 0, 0, 0))
+
+
+def _widths_spec():
+  return pl.BlockSpec((K.BLOCK,), lambda i: (i,))
+
+
+def _name(op, cfg):
+  return f"dynamiq_units_{op}_p{cfg.plane_bits}"
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "strata", "interpret", "fill"))
+def _compress_call(x, widths, karr, *, cfg, units, strata, interpret, fill=None):
+  s_count = x.shape[0]
+  tab = jnp.asarray(cfg.table())
+  kernel = functools.partial(_compress_kernel, cfg=cfg, s_count=s_count, units=units,
+                             strata=strata)
+  return _payload_call(kernel, cfg, s_count, units,
+                       [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
+                        _dense_spec(cfg)],
+                       interpret, _name("compress", cfg), fill,
+                       karr, _plane_table(widths, cfg.plane_bits), tab, widths,
+                       x.reshape(cfg.block(s_count)))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
+def _decompress_call(payload, widths, *, cfg, units, interpret):
+  s_count = widths.shape[0]
+  tab = jnp.asarray(cfg.table())
+  kernel = functools.partial(_decompress_kernel, cfg=cfg, s_count=s_count, units=units)
+  out = K._call(kernel, cfg, s_count,
+                [K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(), K._ANY],
+                jax.ShapeDtypeStruct(cfg.block(s_count), jnp.float32), _dense_spec(cfg),
+                interpret, _name("decompress", cfg),
+                _plane_table(widths, cfg.plane_bits), tab, widths, payload)
+  return out.reshape(s_count, F.SUPERGROUP)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
+def _decompress_accumulate_call(payload, x, widths, *, cfg, units, interpret):
+  s_count = widths.shape[0]
+  tab = jnp.asarray(cfg.table())
+  kernel = functools.partial(_decompress_accumulate_kernel, cfg=cfg, s_count=s_count,
+                             units=units)
+  out = K._call(kernel, cfg, s_count,
+                [K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(), K._ANY,
+                 _dense_spec(cfg)],
+                jax.ShapeDtypeStruct(cfg.block(s_count), jnp.float32), _dense_spec(cfg),
+                interpret, _name("decompress_accumulate", cfg),
+                _plane_table(widths, cfg.plane_bits), tab, widths, payload,
+                x.reshape(cfg.block(s_count)))
+  return out.reshape(s_count, F.SUPERGROUP)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "strata", "interpret", "fill"))
+def _dar_call(payload, x, widths, karr, *, cfg, units, strata, interpret, fill=None):
+  s_count = widths.shape[0]
+  tab = jnp.asarray(cfg.table())
+  kernel = functools.partial(_dar_kernel, cfg=cfg, s_count=s_count, units=units, strata=strata)
+  return _payload_call(kernel, cfg, s_count, units,
+                       [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
+                        K._ANY, _dense_spec(cfg)],
+                       interpret, _name("decompress_accumulate_recompress", cfg), fill,
+                       karr, _plane_table(widths, cfg.plane_bits), tab, widths, payload,
+                       x.reshape(cfg.block(s_count)))
+
+
+def _check(cfg: _Config, units, widths, x=None, payload=None):
+  """Validates operands (ValueError), or raises NotImplementedError for what the
+  kernels do not support (dispatch then falls back to the reference)."""
+  if not isinstance(units, (int, np.integer)) or units < 0:
+    raise ValueError(f"{units=} must be a static non-negative int")
+  if widths.ndim != 1 or not jnp.issubdtype(widths.dtype, jnp.integer):
+    raise ValueError(f"widths {widths.dtype}{list(widths.shape)} must be int32 [supergroups]")
+  s_count = widths.shape[0]
+  if x is not None:
+    if x.shape != (s_count, F.SUPERGROUP):
+      raise ValueError(f"x.shape={x.shape} must be [{s_count}, {F.SUPERGROUP}] (widths: "
+                       f"{s_count} super-groups)")
+    if x.dtype not in K._SUPPORTED_DTYPES:
+      raise NotImplementedError(f"x dtype {x.dtype} (kernels take float32, bfloat16, float16)")
+  if payload is not None:
+    size = U.payload_bytes(s_count, units, cfg.plane_bits)
+    if payload.shape != (size,) or payload.dtype != jnp.uint8:
+      raise ValueError(f"payload {payload.dtype}{list(payload.shape)} must be uint8 [{size}] "
+                       f"(payload_bytes({s_count}, {units}, {cfg.plane_bits}))")
+  if s_count == 0:
+    raise NotImplementedError("an empty chunk (no super-groups)")
+  if cfg.plane_bits == 2 and any(w % 2 for w in cfg.width_set):
+    raise NotImplementedError(f"odd widths in width_set={cfg.width_set} with plane_bits=2")
+
+
+def _widths(widths):
+  return jnp.asarray(widths).astype(jnp.int32)
+
+
+# vmap: every operation maps over the batch (dynamiq.py's _map_batch_rule):
+# a chunk's units are plane-major over its own super-groups, so batches do
+# not merge into one chunk.
+
+
+def compress_units_pallas(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
+                          scale_rounding="up", plane_bits: int = U.PLANE_BITS,
+                          width_set=U.WIDTH_SET, interpret=False):
+  """Kernel version of :func:`~pallas_kernels.dynamiq_units.compress_units_reference`."""
+  cfg = _config(eps, width_set, plane_bits, scale_rounding)
+  widths = _widths(widths)
+  _check(cfg, units, widths, x=x)
+
+  @jax.custom_batching.custom_vmap
+  def op(x, widths, karr):
+    return _compress_call(x, widths, karr, cfg=cfg, units=int(units), strata=strata,
+                          interpret=interpret)
+
+  op.def_vmap(K._map_batch_rule(op))
+  return op(x, widths, K._keys_array(keys, rank))
+
+
+def decompress_units_pallas(payload, widths, units: int, *, eps, plane_bits: int = U.PLANE_BITS,
+                            width_set=U.WIDTH_SET, interpret=False):
+  """Kernel version of :func:`~pallas_kernels.dynamiq_units.decompress_units_reference`."""
+  cfg = _config(eps, width_set, plane_bits, "up")
+  widths = _widths(widths)
+  _check(cfg, units, widths, payload=payload)
+
+  @jax.custom_batching.custom_vmap
+  def op(payload, widths):
+    return _decompress_call(payload, widths, cfg=cfg, units=int(units), interpret=interpret)
+
+  op.def_vmap(K._map_batch_rule(op))
+  return op(payload, widths)
+
+
+def decompress_accumulate_units_pallas(payload, x, widths, units: int, *, eps,
+                                       plane_bits: int = U.PLANE_BITS, width_set=U.WIDTH_SET,
+                                       interpret=False):
+  """Kernel version of ``decompress_units_reference(payload) + x``."""
+  cfg = _config(eps, width_set, plane_bits, "up")
+  widths = _widths(widths)
+  _check(cfg, units, widths, x=x, payload=payload)
+
+  @jax.custom_batching.custom_vmap
+  def op(payload, x, widths):
+    return _decompress_accumulate_call(payload, x, widths, cfg=cfg, units=int(units),
+                                       interpret=interpret)
+
+  op.def_vmap(K._map_batch_rule(op))
+  return op(payload, x, widths)
+
+
+def decompress_accumulate_recompress_units_pallas(payload, x, widths, units: int, *, eps, keys,
+                                                  rank=0, strata: int = 1, scale_rounding="up",
+                                                  plane_bits: int = U.PLANE_BITS,
+                                                  width_set=U.WIDTH_SET, interpret=False):
+  """Kernel version of the fused ring hop
+  (:func:`~pallas_kernels.dynamiq_units.decompress_accumulate_recompress_units_reference`)."""
+  cfg = _config(eps, width_set, plane_bits, scale_rounding)
+  widths = _widths(widths)
+  _check(cfg, units, widths, x=x, payload=payload)
+
+  @jax.custom_batching.custom_vmap
+  def op(payload, x, widths, karr):
+    return _dar_call(payload, x, widths, karr, cfg=cfg, units=int(units), strata=strata,
+                     interpret=interpret)
+
+  op.def_vmap(K._map_batch_rule(op))
+  return op(payload, x, widths, K._keys_array(keys, rank))
+
+
+# ----------------------------------------------------------------------------
+# Dispatch (pallas_kernels.dynamiq's).
+
+
+def _eps_key(eps):
+  """eps as a hashable, sorted tuple of (width, eps) pairs (a dict is converted)."""
+  return tuple(sorted((int(w), float(e)) for w, e in dict(eps).items()))
+
+
+def compress_units(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
+                   scale_rounding="up", plane_bits: int = U.PLANE_BITS, width_set=U.WIDTH_SET,
+                   implementation: K.Implementation = None, interpret: bool | None = None):
+  """Compresses a chunk ``x`` float [S, 256] at per-super-group ``widths``.
+
+  Args:
+    x: float32, bfloat16 or float16 [S, 256].
+    widths: int32 [S], widest first, each in ``width_set``.
+    units: code units of the payload (static).
+    eps: MEE eps per width: a tuple of ``(width, eps)`` pairs or a dict.
+    keys: ``(k0, k1, s0, s1)`` uint32 scalars.
+    rank: this rank (stratified draws).
+    strata: 1 (independent draws) or the number of ranks sharing strata.
+    scale_rounding: ``"up"`` or ``"stochastic"``.
+    plane_bits: 1 (32-byte units, any widths) or 2 (64-byte units, even widths).
+    width_set: the widths the chunk may use (a subset of 2..8).
+    implementation: None (kernels when lowering for a GPU, else the
+      reference), ``"pallas"`` or ``"xla"``.
+    interpret: overrides the kernels' interpret mode.
+
+  Returns:
+    uint8 ``[payload_bytes(S, units, plane_bits)]``.
+  """
+  return K._dispatch("compress_units", compress_units_pallas, U.compress_units_reference,
+                     implementation, interpret, x, widths, units, eps=_eps_key(eps), keys=keys,
+                     rank=rank, strata=strata, scale_rounding=scale_rounding,
+                     plane_bits=plane_bits, width_set=tuple(width_set))
+
+
+def decompress_units(payload, widths, units: int, *, eps, plane_bits: int = U.PLANE_BITS,
+                     width_set=U.WIDTH_SET, implementation: K.Implementation = None,
+                     interpret: bool | None = None):
+  """Decodes a chunk payload (see :func:`compress_units`) to float32 [S, 256]."""
+  return K._dispatch("decompress_units", decompress_units_pallas, U.decompress_units_reference,
+                     implementation, interpret, payload, widths, units, eps=_eps_key(eps),
+                     plane_bits=plane_bits, width_set=tuple(width_set))
+
+
+def decompress_accumulate_units(payload, x, widths, units: int, *, eps,
+                                plane_bits: int = U.PLANE_BITS, width_set=U.WIDTH_SET,
+                                implementation: K.Implementation = None,
+                                interpret: bool | None = None):
+  """``decompress_units(payload) + x`` in float32 [S, 256]."""
+  return K._dispatch("decompress_accumulate_units", decompress_accumulate_units_pallas,
+                     U.decompress_accumulate_units_reference, implementation, interpret,
+                     payload, x, widths, units, eps=_eps_key(eps), plane_bits=plane_bits,
+                     width_set=tuple(width_set))
+
+
+def decompress_accumulate_recompress_units(payload, x, widths, units: int, *, eps, keys, rank=0,
+                                           strata: int = 1, scale_rounding="up",
+                                           plane_bits: int = U.PLANE_BITS,
+                                           width_set=U.WIDTH_SET,
+                                           implementation: K.Implementation = None,
+                                           interpret: bool | None = None):
+  """``compress_units(decompress_units(payload) + x)`` in one pass (a ring hop);
+  the sum is never stored."""
+  return K._dispatch("decompress_accumulate_recompress_units",
+                     decompress_accumulate_recompress_units_pallas,
+                     U.decompress_accumulate_recompress_units_reference, implementation,
+                     interpret, payload, x, widths, units, eps=_eps_key(eps), keys=keys,
+                     rank=rank, strata=strata, scale_rounding=scale_rounding,
+                     plane_bits=plane_bits, width_set=tuple(width_set))

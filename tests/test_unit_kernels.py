@@ -1,0 +1,260 @@
+"""Unit-packed chunk kernels (pallas_kernels.dynamiq_units_kernels) against their
+jnp reference (pallas_kernels.dynamiq_units), bit for bit, in interpret mode; and
+their lowering for cuda (the Pallas->Triton lowering runs on this CPU machine)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dynamiq as K
+from pallas_kernels import dynamiq_units as U
+from pallas_kernels import dynamiq_units_kernels as UK
+from pallas_kernels import rng
+
+EPS = {2: 0.23, 4: 0.18, 8: 0.10}
+WS6 = (2, 3, 4, 5, 6, 8)
+WS3 = (2, 4, 8)
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _keys(seed):
+  k0, k1 = rng.derive_key(seed, 1)
+  s0, s1 = rng.derive_key(seed, 2)
+  return (k0, k1, s0, s1)
+
+
+def _x(seed, s, dtype=jnp.float32):
+  r = np.random.default_rng(seed)
+  x = r.standard_normal((s, 256)) * np.exp(r.normal(0, 3, (s, 1)))
+  x[0, :16] = 0.0  # a zero scale group
+  if s > 2:
+    x[2] = 0.0  # a zero super-group
+  return jnp.asarray(x.astype(np.float32), dtype)
+
+
+def _widths(seed, s, width_set, kind):
+  """int32 [s], widest first: every width of the set ("mixed", random counts) or one."""
+  r = np.random.default_rng(seed)
+  if kind == "mixed":
+    w = np.concatenate([list(width_set), r.choice(width_set, max(s - len(width_set), 0))])[:s]
+  else:
+    w = np.full(s, width_set[int(kind)] if kind.isdigit() else max(width_set))
+  return jnp.asarray(np.sort(w)[::-1].copy(), jnp.int32)
+
+
+def _units(widths, plane_bits, room):
+  """Units used by ``widths`` plus ``room`` (negative: a payload too small, truncated)."""
+  return max(int(np.sum(np.asarray(widths) // plane_bits)) + room, 0)
+
+
+def _same(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.shape == b.shape and a.dtype == b.dtype
+  np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+# (plane_bits, width_set, scale_rounding, strata, S, dtype, widths, room)
+CASES = [
+    (1, WS6, "up", 1, 11, jnp.float32, "mixed", 5),
+    (1, WS6, "stochastic", 8, 20, jnp.bfloat16, "mixed", 0),
+    (1, WS6, "up", 8, 3, jnp.float32, "1", 2),  # all 3-bit
+    (1, WS3, "up", 8, 13, jnp.bfloat16, "mixed", 40),  # many unused units
+    (1, WS3, "stochastic", 1, 9, jnp.float32, "max", 0),  # all 8-bit
+    (2, WS3, "up", 8, 11, jnp.bfloat16, "mixed", 3),
+    (2, WS3, "stochastic", 1, 20, jnp.float32, "0", 1),  # all 2-bit
+    (2, WS3, "up", 1, 5, jnp.float32, "mixed", -3),  # too few units: truncated
+]
+
+
+def _case_id(c):
+  pb, ws, sr, strata, s, dtype, kind, room = c
+  return (f"p{pb}-w{''.join(map(str, ws))}-{sr}-strata{strata}-S{s}-{jnp.dtype(dtype).name}"
+          f"-{kind}-room{room}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_all_four_kernels_equal_the_reference(case):
+  pb, ws, sr, strata, s, dtype, kind, room = case
+  x = _x(s, s, dtype)
+  widths = _widths(s, s, ws, kind)
+  units = _units(widths, pb, room)
+  geo = dict(eps=EPS, plane_bits=pb, width_set=ws)
+  enc = dict(keys=_keys(1), rank=5, strata=strata, scale_rounding=sr)
+  p_ref = U.compress_units_reference(x, widths, units, **enc, **geo)
+  assert p_ref.shape == (U.payload_bytes(s, units, pb),)
+  _same(UK.compress_units_pallas(x, widths, units, **enc, **geo, interpret=True), p_ref)
+  _same(UK.decompress_units_pallas(p_ref, widths, units, **geo, interpret=True),
+        U.decompress_units_reference(p_ref, widths, units, **geo))
+  _same(UK.decompress_accumulate_units_pallas(p_ref, x, widths, units, **geo, interpret=True),
+        U.decompress_accumulate_units_reference(p_ref, x, widths, units, **geo))
+  enc2 = dict(enc, keys=_keys(2), rank=3)
+  _same(UK.decompress_accumulate_recompress_units_pallas(p_ref, x, widths, units, **enc2, **geo,
+                                                         interpret=True),
+        U.decompress_accumulate_recompress_units_reference(p_ref, x, widths, units, **enc2,
+                                                           **geo))
+
+
+def test_unused_units_are_zero_and_values_round_trip():
+  s, pb = 10, 1
+  x = _x(3, s)
+  widths = _widths(3, s, WS6, "mixed")
+  used = _units(widths, pb, 0)
+  p = UK.compress_units_pallas(x, widths, used + 7, eps=EPS, keys=_keys(3), interpret=True)
+  assert not np.asarray(p[U.payload_bytes(s, used, pb):]).any()
+  assert U.payload_bytes(s, used, pb) == sum(32 * int(w) + 18 for w in np.asarray(widths))
+  y = np.asarray(UK.decompress_units_pallas(p, widths, used + 7, eps=EPS, interpret=True))
+  rel = np.linalg.norm(y - np.asarray(x)) / np.linalg.norm(np.asarray(x))
+  assert rel < 1.0, rel  # a lossy but sane reconstruction (2..8 bits)
+
+
+@pytest.mark.parametrize("plane_bits,width_set,room", [(1, WS6, 9), (2, WS3, 2), (1, WS3, -2)])
+def test_every_payload_byte_is_written(plane_bits, width_set, room):
+  """Interpret mode starts an output buffer at zero, which would hide an unwritten
+  byte (the unused units); here the buffer starts at 0xA5 instead."""
+  s = 13
+  x = _x(8, s)
+  widths = _widths(8, s, width_set, "mixed")
+  units = _units(widths, plane_bits, room)
+  cfg = UK._config(EPS, width_set, plane_bits, "up")
+  karr = K._keys_array(_keys(8), 2)
+  ref = U.compress_units_reference(x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
+                                   plane_bits=plane_bits, width_set=width_set)
+  _same(UK._compress_call(x, widths, karr, cfg=cfg, units=units, strata=8, interpret=True,
+                          fill=0xA5), ref)
+  _same(UK._dar_call(ref, x, widths, karr, cfg=cfg, units=units, strata=8, interpret=True,
+                     fill=0xA5),
+        U.decompress_accumulate_recompress_units_reference(
+            ref, x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
+            plane_bits=plane_bits, width_set=width_set))
+
+
+def test_vmap_maps_the_kernels_over_a_batch():
+  """Batched x, keys and widths (each batch element its own chunk); the unbatched
+  payload case is covered by broadcasting in the rule."""
+  s, pb, b = 6, 1, 2
+  geo = dict(eps=EPS, plane_bits=pb, width_set=WS6)
+  xs = jnp.stack([_x(10 + i, s) for i in range(b)])
+  ws = jnp.stack([_widths(10 + i, s, WS6, "mixed") for i in range(b)])
+  units = max(_units(w, pb, 2) for w in ws)
+  seeds = jnp.arange(b, dtype=jnp.uint32)
+
+  def enc(x, w, seed, impl):
+    keys = tuple(k + seed for k in _keys(4))
+    return impl(x, w, units, keys=keys, rank=1, strata=8, **geo)
+
+  ker = lambda *a, **k: UK.compress_units_pallas(*a, **k, interpret=True)
+  p = jax.vmap(lambda x, w, sd: enc(x, w, sd, ker))(xs, ws, seeds)
+  p_ref = jax.vmap(lambda x, w, sd: enc(x, w, sd, U.compress_units_reference))(xs, ws, seeds)
+  _same(p, p_ref)
+  for i in range(b):  # and each element is the unbatched result
+    _same(p[i], U.compress_units_reference(xs[i], ws[i], units, keys=tuple(
+        k + seeds[i] for k in _keys(4)), rank=1, strata=8, **geo))
+  dec = jax.vmap(lambda p, w: UK.decompress_units_pallas(p, w, units, **geo, interpret=True))
+  _same(dec(p, ws), jax.vmap(lambda p, w: U.decompress_units_reference(p, w, units, **geo))(p, ws))
+  acc = jax.vmap(lambda p, x: UK.decompress_accumulate_units_pallas(p, x, ws[0], units, **geo,
+                                                                    interpret=True))
+  _same(acc(p, xs), jax.vmap(lambda p, x: U.decompress_accumulate_units_reference(
+      p, x, ws[0], units, **geo))(p, xs))
+  hop = lambda impl: jax.vmap(lambda p, x, w: impl(p, x, w, units, keys=_keys(5), strata=8, **geo))
+  _same(hop(lambda *a, **k: UK.decompress_accumulate_recompress_units_pallas(
+      *a, **k, interpret=True))(p, xs, ws),
+        hop(U.decompress_accumulate_recompress_units_reference)(p, xs, ws))
+
+
+class TestDispatch:
+
+  def _lowered(self, implementation, platform, pb=1):
+    s, units = 11, 30
+    ws = WS6 if pb == 1 else WS3
+    f = lambda p, x, w: UK.decompress_accumulate_recompress_units(
+        p, x, w, units, eps=EPS, keys=_keys(0), plane_bits=pb, width_set=ws,
+        implementation=implementation)
+    args = (jax.ShapeDtypeStruct((U.payload_bytes(s, units, pb),), jnp.uint8),
+            jax.ShapeDtypeStruct((s, 256), jnp.float32), jax.ShapeDtypeStruct((s,), jnp.int32))
+    return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+  def test_default_is_chosen_by_the_lowering_platform(self):
+    assert self._lowered(None, "cuda").count(TRITON) == 1
+    assert "stablehlo.while" not in self._lowered(None, "cuda")  # no XLA:CPU workaround on GPU
+    cpu = self._lowered(None, "cpu")
+    assert TRITON not in cpu and "stablehlo.while" in cpu  # the reference's materialize
+    assert TRITON not in self._lowered("xla", "cuda")
+    assert self._lowered("pallas", "cuda", pb=2).count(TRITON) == 1
+    assert TRITON not in self._lowered("pallas", "cpu")  # interpreted
+
+  def test_public_names_equal_the_reference_on_cpu(self):
+    s, pb = 9, 1
+    x = _x(6, s, jnp.bfloat16)
+    w = _widths(6, s, WS6, "mixed")
+    units = _units(w, pb, 1)
+    eps_tuple = tuple(EPS.items())
+    ref = U.compress_units_reference(x, w, units, eps=EPS, keys=_keys(6), strata=8)
+    for impl in (None, "xla", "pallas"):
+      p = jax.jit(lambda x, w: UK.compress_units(x, w, units, eps=eps_tuple, keys=_keys(6),
+                                                 strata=8, implementation=impl))(x, w)
+      _same(p, ref)
+    y_ref = U.decompress_units_reference(ref, w, units, eps=EPS)
+    _same(UK.decompress_units(ref, w, units, eps=EPS), y_ref)
+    _same(UK.decompress_units(ref, w, units, eps=EPS, implementation="pallas"), y_ref)
+    _same(UK.decompress_accumulate_units(ref, x, w, units, eps=EPS, implementation="pallas"),
+          U.decompress_accumulate_units_reference(ref, x, w, units, eps=EPS))
+
+  def test_odd_widths_with_two_bit_planes_fall_back_to_the_reference(self):
+    s = 4
+    x = _x(7, s)
+    w = _widths(7, s, WS6, "mixed")
+    geo = dict(eps=EPS, plane_bits=2, width_set=WS6)
+    with pytest.raises(NotImplementedError, match="odd widths"):
+      UK.compress_units_pallas(x, w, 12, keys=_keys(7), **geo, interpret=True)
+    _same(UK.compress_units(x, w, 12, keys=_keys(7), **geo, implementation="pallas"),
+          U.compress_units_reference(x, w, 12, keys=_keys(7), **geo))
+
+  def test_bad_payload_size_names_the_fix(self):
+    with pytest.raises(ValueError, match=r"payload_bytes\(4, 3, 1\)"):
+      UK.decompress_units(jnp.zeros((10,), jnp.uint8), jnp.full((4,), 2, jnp.int32), 3, eps=EPS,
+                          implementation="pallas")
+
+
+@pytest.mark.parametrize("plane_bits,width_set", [(1, WS6), (2, WS3)])
+def test_lowers_for_gpu_with_triton(plane_bits, width_set):
+  """Each unit kernel lowers for cuda (Pallas -> Triton) on this CPU machine."""
+  s, units = 37, 150
+  geo = dict(eps=EPS, plane_bits=plane_bits, width_set=width_set)
+  x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((s,), jnp.int32)
+  p = jax.ShapeDtypeStruct((U.payload_bytes(s, units, plane_bits),), jnp.uint8)
+  fns = [(lambda x, w: UK.compress_units_pallas(x, w, units, keys=_keys(0), strata=8, **geo),
+          (x, w), "compress"),
+         (lambda p, w: UK.decompress_units_pallas(p, w, units, **geo), (p, w), "decompress"),
+         (lambda p, x, w: UK.decompress_accumulate_units_pallas(p, x, w, units, **geo),
+          (p, x, w), "decompress_accumulate"),
+         (lambda p, x, w: UK.decompress_accumulate_recompress_units_pallas(
+             p, x, w, units, keys=_keys(0), strata=8, scale_rounding="stochastic", **geo),
+          (p, x, w), "decompress_accumulate_recompress")]
+  for f, args, name in fns:
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON) == 1, name
+    assert f"dynamiq_units_{name}_p{plane_bits}" in text
+
+
+def test_kernels_lower_inside_shard_map_with_check_vma(mesh):
+  """Inside ``jax.shard_map(check_vma=True)`` each pallas_call declares how its
+  output varies over the mesh (dynamiq._typed_like), or tracing fails."""
+  s, units = 8, 30
+  sharded = lambda shape, dtype: jax.ShapeDtypeStruct(
+      (8,) + shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
+
+  def body(x, w):
+    x, w = x[0], w[0]
+    p = UK.compress_units(x, w, units, eps=EPS, keys=_keys(0), rank=jax.lax.axis_index("data"),
+                          strata=8, implementation="pallas")
+    p = UK.decompress_accumulate_recompress_units(p, x, w, units, eps=EPS, keys=_keys(1),
+                                                  strata=8, implementation="pallas")
+    return UK.decompress_accumulate_units(p, x, w, units, eps=EPS, implementation="pallas")[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("data"), jax.P("data")),
+                            out_specs=jax.P("data"), check_vma=True))
+  text = f.trace(sharded((s, 256), jnp.float32),
+                 sharded((s,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count(TRITON) == 3
