@@ -46,6 +46,7 @@ from dynamiq_jax.codecs._exact import tree_sum
 from dynamiq_jax.codecs.base import Codec, Metadata, Plan, ceil_div, pad_to
 from pallas_kernels import dynamiq as kernels
 from pallas_kernels import dynamiq_units as units_lib
+from pallas_kernels import dynamiq_units_kernels as unit_kernels
 from pallas_kernels import dynamiq_format as fmt_lib
 from pallas_kernels import rng
 
@@ -397,7 +398,8 @@ class DynamiQ(Codec):
     return Plan(chunks, PerRoundAux(order, gmean, widths, lay, bucket.implementation))
 
   def _unit_args(self, aux, decode=False):
-    args = dict(eps=self.eps, plane_bits=aux.layout.plane_bits, width_set=self.widths)
+    args = dict(eps=self.eps, plane_bits=aux.layout.plane_bits, width_set=self.widths,
+                implementation=aux.implementation)
     if not decode:
       args.update(strata=self._strata(aux.layout), scale_rounding=self.scale_rounding)
     return args
@@ -424,8 +426,9 @@ class DynamiQ(Codec):
 
   def encode(self, chunk, aux, keys):
     if isinstance(aux, PerRoundAux):
-      return units_lib.encode_units(chunk, aux.widths, aux.layout.units, keys=self._keys(keys, 0),
-                                    rank=keys.rank, **self._unit_args(aux))
+      return unit_kernels.compress_units(chunk, aux.widths, aux.layout.units,
+                                         keys=self._keys(keys, 0), rank=keys.rank,
+                                         **self._unit_args(aux))
     lay = aux.layout
     return jnp.concatenate([
         kernels.compress(x, f, keys=self._keys(keys, w), rank=keys.rank,
@@ -434,21 +437,23 @@ class DynamiQ(Codec):
 
   def decode(self, payload, aux):
     if isinstance(aux, PerRoundAux):
-      return units_lib.decode_units(payload, aux.widths, aux.layout.units,
-                                    **self._unit_args(aux, decode=True))
+      return unit_kernels.decompress_units(payload, aux.widths, aux.layout.units,
+                                           **self._unit_args(aux, decode=True))
     return tuple(kernels.decompress(p, f, implementation=aux.implementation)
                  for (_, f, _), p in zip(self._classes(aux.layout), self._split(payload, aux.layout)))
 
   def decode_add(self, payload, chunk, aux):
     if isinstance(aux, PerRoundAux):
-      return self.decode(payload, aux) + chunk
+      return unit_kernels.decompress_accumulate_units(payload, chunk, aux.widths,
+                                                      aux.layout.units,
+                                                      **self._unit_args(aux, decode=True))
     lay = aux.layout
     return tuple(kernels.decompress_accumulate(p, x, f, implementation=aux.implementation)
                  for (_, f, _), p, x in zip(self._classes(lay), self._split(payload, lay), chunk))
 
   def decode_add_encode(self, payload, chunk, aux, keys):
     if isinstance(aux, PerRoundAux):
-      return units_lib.decompress_accumulate_recompress_units(
+      return unit_kernels.decompress_accumulate_recompress_units(
           payload, chunk, aux.widths, aux.layout.units, keys=self._keys(keys, 0),
           rank=keys.rank, **self._unit_args(aux))
     lay = aux.layout
