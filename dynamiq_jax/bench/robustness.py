@@ -18,10 +18,11 @@ on the four families of :mod:`dynamiq_jax.bench.families` and on the word-
 and byte-LM gradient snapshots of :mod:`dynamiq_jax.bench.vnmse` (cached),
 with the ratio of the default to the calibrated static codec.
 
-Table 2 and ``robustness_size.png``: the default codec's vNMSE against the
-bucket size d (64 ... 2^20) at n = 8 on two families, and the ratio between
-neighbouring sizes. A size the codec cannot compress at the budget is
-marked ``refused``.
+Table 2 and ``robustness_size.png``: the default codec's vNMSE and bits per
+coordinate against the bucket size d (64 ... 2^20) at n = 8 on two
+families. A bucket too small to compress within 1/4 code bit of a large
+bucket (:meth:`DynamiQ.compresses`) goes as bf16 (``uncompressed``); the
+ratio between neighbouring *compressed* sizes is printed.
 
 Writes ``docs/results/robustness.json`` (``robustness_tiny.json`` with
 ``--tiny``) and the plot.
@@ -102,25 +103,23 @@ def main(argv=None):
   table_seconds = time.time() - t0
 
   sweep = []
+  import dynamiq_jax as dq
   for fam in size_families:
     prev = None
     for size in sizes:
       g = family(fam, n, size, 0)
-      try:
-        v = measure(default, g, seeds=seeds)
-      except ValueError as e:
-        v, err = None, str(e)
-      else:
-        err = None
-      point = {"family": fam, "d": size, "vnmse": v,
-               "step": (v / prev if v and prev else None)}
-      if err:
-        point["error"] = err
+      v = measure(default, g, seeds=seeds)
+      compressed = default.compresses(size, n)
+      wire = dq.wire_stats(g[0], codec=default, n=n)
+      point = {"family": fam, "d": size, "vnmse": v, "compressed": compressed,
+               "bits_per_coord": float(wire.bits_per_coord),
+               "step": (v / prev if compressed and prev else None)}
       sweep.append(point)
-      prev = v if v else prev
-      print(f"size {fam:>6} d={size:>8}: "
-            + ("refused" if v is None else f"{v:.3e}")
-            + (f"  x{point['step']:.2f} the previous size" if point["step"] else ""), flush=True)
+      prev = v if compressed else prev
+      print(f"size {fam:>6} d={size:>8}: {v:.3e} at {point['bits_per_coord']:.2f} bits"
+            + ("" if compressed else " (uncompressed: bf16)")
+            + (f"  x{point['step']:.2f} the previous compressed size" if point["step"] else ""),
+            flush=True)
 
   report = {"machine": common.machine(), "command": common.command_line(),
             "n": n, "bits": bits, "d": d, "seeds": seeds, "table": rows, "sizes": sweep,
@@ -130,7 +129,7 @@ def main(argv=None):
   common.write_json(os.path.join(out_dir, stem + ".json"), report)
   _plot(sweep, os.path.join(out_dir, stem + "_size.png"), n, bits)
   worst = max((p["step"] for p in sweep if p["step"]), default=None)
-  print(f"\nlargest step between neighbouring sizes: x{worst:.2f}" if worst else "")
+  print(f"\nlargest step between neighbouring compressed sizes: x{worst:.2f}" if worst else "")
   return rows, sweep
 
 
@@ -151,9 +150,12 @@ def _plot(sweep, path, n, bits):
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4))
   for fam in sorted({p["family"] for p in sweep}):
-    pts = [(p["d"], p["vnmse"]) for p in sweep if p["family"] == fam and p["vnmse"]]
+    pts = [(p["d"], p["vnmse"]) for p in sweep if p["family"] == fam and p["compressed"]]
+    raw = [(p["d"], p["vnmse"]) for p in sweep if p["family"] == fam and not p["compressed"]]
     if pts:
-      ax.loglog(*zip(*pts), "-o", ms=3, label=fam)
+      line, = ax.loglog(*zip(*pts), "-o", ms=3, label=f"{fam}, compressed")
+      if raw:
+        ax.loglog(*zip(*raw), "x", color=line.get_color(), label=f"{fam}, sent as bf16")
   ax.set_xlabel("coordinates in the bucket (d)")
   ax.set_ylabel("vNMSE")
   ax.set_title(f"DynamiQ {bits:g} bits, ring, n = {n}: error against model size")

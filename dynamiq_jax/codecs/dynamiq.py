@@ -58,6 +58,10 @@ _STATS_BITS = 32  # two bf16 values per super-group
 DEFAULT_EPS = ((2, 0.23), (4, 0.18), (8, 0.10))
 """MEE eps of the authors' kernel; widths between are interpolated linearly."""
 
+SMALL_BUCKET_SLACK = 0.25
+"""Code bits per coordinate a bucket may lack against a large bucket and still be
+compressed (per-round allocation): 4^0.25 = 1.41x the error, at most."""
+
 PER_ROUND_WIDTHS = (2, 3, 4, 5, 6, 8)
 """Default widths of per-round allocation (the paper's prototype uses 2, 4, 8)."""
 
@@ -312,20 +316,27 @@ class DynamiQ(Codec):
     return self.layout(d, n).wire_bits
 
   def compresses(self, d: int, n: int) -> bool:
-    """True where the format meets the budget for this bucket.
+    """Whether this bucket is compressed; ``allreduce`` sends the others as bf16.
 
-    Padding to whole super-groups per chunk and the per-super-group
-    statistics and scales cost a small bucket more per coordinate; below the
-    size where even the narrowest width fits the budget, ``allreduce`` sends
-    the bucket uncompressed. If the budget cannot be met even for a large
-    bucket (``bits`` too low for the format), this raises that error.
+    Padding to whole super-groups per chunk, and the statistics and scales of
+    every padded super-group, cost a small bucket more per coordinate, so it
+    has fewer code bits left than a large one. Each code bit lowers the error
+    about 4x, so a bucket is compressed only where its code bits per
+    coordinate are within :data:`SMALL_BUCKET_SLACK` of a large bucket's
+    (static capacities: wherever the layout meets the budget). So no bucket
+    gets an error much above a large bucket's: a model one coordinate larger
+    is compressed about as well, or sent uncompressed. If the budget cannot
+    be met even for a large bucket (``bits`` too low for the format), this
+    raises that error.
     """
+    large = self.layout(max(d, n * SUPERGROUP * 4096), n)  # raises if no bucket meets it
     try:
-      self.layout(d, n)
-      return True
+      lay = self.layout(d, n)
     except ValueError:
-      self.layout(max(d, n * SUPERGROUP * 4096), n)  # raises if no bucket can meet it
       return False
+    if self.allocation == "static":
+      return True
+    return _code_bits(lay) >= _code_bits(large) - SMALL_BUCKET_SLACK
 
   # -- the all-reduce ------------------------------------------------------------
 
@@ -596,3 +607,8 @@ def _unit_layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
   code_units = min(code_units, s * codec.widths[-1] // plane_bits)
   payload_bits = 8 * n * units_lib.payload_bytes(s, code_units, plane_bits)
   return DynamiQLayout(d, n, m, s * n, (), stats_bits, payload_bits, code_units, plane_bits)
+
+
+def _code_bits(lay: DynamiQLayout) -> float:
+  """Code bits per real coordinate of a per-round layout."""
+  return lay.n * lay.units * units_lib.unit_bytes(lay.plane_bits) * 8 / lay.d
