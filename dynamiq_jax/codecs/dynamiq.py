@@ -336,7 +336,7 @@ class DynamiQ(Codec):
       return False
     if self.allocation == "static":
       return True
-    return _code_bits(lay) >= _code_bits(large) - SMALL_BUCKET_SLACK
+    return _code_bits(lay, self.widths[0]) >= _code_bits(large, self.widths[0]) - SMALL_BUCKET_SLACK
 
   # -- the all-reduce ------------------------------------------------------------
 
@@ -609,6 +609,9 @@ def _unit_layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
   return DynamiQLayout(d, n, m, s * n, (), stats_bits, payload_bits, code_units, plane_bits)
 
 
-def _code_bits(lay: DynamiQLayout) -> float:
-  """Code bits per real coordinate of a per-round layout."""
-  return lay.n * lay.units * units_lib.unit_bytes(lay.plane_bits) * 8 / lay.d
+def _code_bits(lay: DynamiQLayout, narrowest: int) -> float:
+  """Code bits per real coordinate of a per-round layout, less what its padding
+  super-groups take (they rank last, at the narrowest width)."""
+  total = lay.n * lay.units * units_lib.unit_bytes(lay.plane_bits) * 8
+  padding = (lay.padded_supergroups - lay.supergroups) * narrowest * SUPERGROUP
+  return (total - padding) / lay.d
