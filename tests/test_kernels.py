@@ -135,7 +135,7 @@ def test_kernels_lower_inside_shard_map_with_check_vma(mesh):
   each pallas_call must declare how its output varies over the mesh, or tracing
   fails. (Interpret mode cannot run there on jax 0.10.2: its interpreter indexes
   a varying ref with an invarying index and check_vma rejects that.)"""
-  g = jax.ShapeDtypeStruct((8, 1 << 12), jnp.float32,
+  g = jax.ShapeDtypeStruct((8, 1 << 16), jnp.float32,  # large enough to be compressed
                            sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
 
   def body(x):
