@@ -37,7 +37,7 @@ def _norms(kind, m, rng):
 @pytest.mark.parametrize("n,units", [(8, 4), (8, 128), (64, 3), (2, 700)])
 def test_matches_exact_optimum_and_best_capacities(kind, n, units):
   rng = np.random.default_rng(units * 7 + n)
-  codec = DynamiQ(bits=5)
+  codec = DynamiQ(bits=5, allocation="static")  # the {2, 4, 8} per-class records
   errors = codec.width_errors()
   widths = sorted(errors)
   m = units * n
@@ -64,7 +64,7 @@ def test_matches_exact_optimum_and_best_capacities(kind, n, units):
 def test_same_under_vmap_and_jit():
   rng = np.random.default_rng(0)
   n, units = 8, 64
-  codec = DynamiQ(bits=5)
+  codec = DynamiQ(bits=5, allocation="static")  # the {2, 4, 8} per-class records
   errors = codec.width_errors()
   cost = {w: n * codec.format(w).record_bytes * 8 for w in errors}
   m = n * units
@@ -79,7 +79,7 @@ def test_same_under_vmap_and_jit():
 
 def test_padding_and_zero_and_inf():
   n, units = 4, 8
-  codec = DynamiQ(bits=5)
+  codec = DynamiQ(bits=5, allocation="static")  # the {2, 4, 8} per-class records
   errors = codec.width_errors()
   cost = {w: n * codec.format(w).record_bytes * 8 for w in errors}
   budget = 5.0 * n * units * 256 - 32 * n * units

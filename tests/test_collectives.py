@@ -158,8 +158,20 @@ class TestErrors:
     np.testing.assert_array_equal(np.asarray(f(w, x)), np.ones((300, 300)))
 
   def test_budget_that_cannot_be_met(self):
+    # no bucket of any size meets 2.5 bits: an error that says how to fix it
+    with pytest.raises(ValueError, match=r"bits=2.5.*over n=8.*raise bits"):
+      dq.simulate(np.ones((N, 1000), np.float32), codec=DynamiQ(bits=2.5))
     with pytest.raises(ValueError, match=r"bits=5.*1000 coordinates over n=8.*raise bits"):
-      dq.simulate(np.ones((N, 1000), np.float32), codec=DynamiQ(bits=5))
+      DynamiQ(bits=5).layout(1000, N)
+    # 5 bits fit large buckets: a small one is sent as bf16, and the stats say so
+    g = np.random.default_rng(0).standard_normal((N, 1000)).astype(np.float32)
+
+    def one(x):
+      return dq.allreduce(x, axis_name="i", codec=DynamiQ(bits=5), key=jax.random.key(0))
+
+    out, stats = jax.vmap(one, axis_name="i")(g)
+    assert int(stats.uncompressed[0]) == 1000 and float(stats.bits_per_coord[0]) == 16.0
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(dq.simulate(g, codec=Bf16())))
 
   def test_integer_leaf_names_its_path(self):
     tree = {"params": {"w": np.ones((N, 4), np.float32)}, "step": np.ones((N,), np.int32)}
