@@ -162,3 +162,19 @@ def test_smoothing_and_target():
   np.testing.assert_allclose(train.smooth([4.0, 2.0, 0.0, 2.0], 2), [4.0, 3.0, 1.0, 1.0])
   assert train.steps_to_target([3.0, 2.0, 1.0], 2.0) == 2
   assert train.steps_to_target([3.0, 2.5], 2.0) is None
+
+
+def test_robustness_tiny(tmp_path):
+  from dynamiq_jax.bench import robustness
+  rows, sweep = robustness.main(["--tiny", "--out", str(tmp_path), "--cache", ""])
+  by = {r["data"]: r for r in rows}
+  assert {"dense", "signal_noise", "layered", "paper"} <= set(by)
+  # the default codec is never noise where the static one is (dense, flat norms)
+  assert by["dense"]["default"] < 0.1 < by["dense"]["static"]
+  assert all(r["default"] > 0 for r in rows)
+  assert {p["d"] for p in sweep} == {64, 2049, 8192}
+  sent = {p["d"]: (p["compressed"], p["bits_per_coord"]) for p in sweep}
+  assert not sent[64][0] and sent[64][1] == 16.0  # too small: bf16, and the bits say so
+  assert sent[8192][0] and sent[8192][1] <= 5.0
+  for name in ("robustness_tiny.json", "robustness_tiny_size.png"):
+    assert os.path.exists(os.path.join(tmp_path, name))

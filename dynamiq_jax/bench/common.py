@@ -10,7 +10,17 @@ import shlex
 import subprocess
 import sys
 
-__all__ = ["machine", "command_line", "write_json", "results_dir"]
+__all__ = ["machine", "command_line", "write_json", "results_dir", "add_data_flags"]
+
+
+def add_data_flags(parser, *, real: str = "the LM gradients"):
+  """The flags every data-driven benchmark shares: --cache, --no-real, --tiny, --out."""
+  parser.add_argument("--cache",
+                      default=os.path.join(os.path.expanduser("~"), ".cache", "dynamiq_jax"),
+                      help="where captured LM gradients are kept ('' to disable)")
+  parser.add_argument("--no-real", action="store_true", help=f"skip {real}")
+  parser.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
+  parser.add_argument("--out", default=None, help="results directory (default docs/results)")
 
 
 def results_dir(path: str | None = None) -> str:

@@ -34,6 +34,8 @@ import argparse
 import os
 import time
 
+from dynamiq_jax.bench import common
+
 __all__ = ["main", "SIZES"]
 
 SIZES = tuple([64, 256, 1024, 1100, 1101, 2048, 2049, 3020, 3021, 4096, 4097, 8192, 1 << 14,
@@ -51,11 +53,7 @@ def _parse(argv):
   p.add_argument("--seeds", type=int, default=2, help="rounding seeds per point")
   p.add_argument("--size-families", default="dense,paper",
                  help="comma-separated families of the size sweep")
-  p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dynamiq_jax"),
-                 help="where captured LM gradients are kept ('' to disable)")
-  p.add_argument("--no-real", action="store_true", help="skip the LM gradient snapshots")
-  p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
-  p.add_argument("--out", default=None, help="results directory (default docs/results)")
+  common.add_data_flags(p, real="the LM gradient snapshots")
   return p.parse_args(argv)
 
 
@@ -64,14 +62,13 @@ def main(argv=None):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import numpy as np
 
-  from dynamiq_jax.bench import common
   from dynamiq_jax.bench.families import FAMILIES, family
   from dynamiq_jax.bench.vnmse import lm_gradients, measure
   from dynamiq_jax.codecs import DynamiQ, mxfp8
 
   n, bits = args.n, args.bits
-  d = 1 << 12 if args.tiny else args.d
-  sizes = (64, 2048, 2049, 4096) if args.tiny else SIZES
+  d = 1 << 14 if args.tiny else args.d
+  sizes = (64, 2049, 8192) if args.tiny else SIZES
   size_families = ["dense"] if args.tiny else args.size_families.split(",")
   seeds = 1 if args.tiny else args.seeds
   default, static = DynamiQ(bits=bits), DynamiQ(bits=bits, allocation="static")
@@ -152,10 +149,11 @@ def _plot(sweep, path, n, bits):
   for fam in sorted({p["family"] for p in sweep}):
     pts = [(p["d"], p["vnmse"]) for p in sweep if p["family"] == fam and p["compressed"]]
     raw = [(p["d"], p["vnmse"]) for p in sweep if p["family"] == fam and not p["compressed"]]
+    color = None
     if pts:
-      line, = ax.loglog(*zip(*pts), "-o", ms=3, label=f"{fam}, compressed")
-      if raw:
-        ax.loglog(*zip(*raw), "x", color=line.get_color(), label=f"{fam}, sent as bf16")
+      color = ax.loglog(*zip(*pts), "-o", ms=3, label=f"{fam}, compressed")[0].get_color()
+    if raw:
+      ax.loglog(*zip(*raw), "x", color=color, label=f"{fam}, sent as bf16")
   ax.set_xlabel("coordinates in the bucket (d)")
   ax.set_ylabel("vNMSE")
   ax.set_title(f"DynamiQ {bits:g} bits, ring, n = {n}: error against model size")

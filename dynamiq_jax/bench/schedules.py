@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from dynamiq_jax.bench import common
+
 from dynamiq_jax.bench.vnmse import N, lm_gradients, measure
 
 __all__ = ["main", "SCHEDULES"]
@@ -43,11 +45,7 @@ def _parse(argv):
   p.add_argument("--d", type=int, default=1 << 20, help="synthetic coordinates per worker")
   p.add_argument("--seeds", type=int, default=2, help="rounding seeds per stateless point")
   p.add_argument("--rounds", type=int, default=12, help="steps for stateful codecs")
-  p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dynamiq_jax"),
-                 help="where captured LM gradients are kept ('' to disable)")
-  p.add_argument("--no-real", action="store_true", help="skip the LM gradients")
-  p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
-  p.add_argument("--out", default=None, help="results directory (default docs/results)")
+  common.add_data_flags(p)
   return p.parse_args(argv)
 
 
@@ -55,7 +53,6 @@ def main(argv=None):
   args = _parse(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import dynamiq_jax as dq
-  from dynamiq_jax.bench import common
   from dynamiq_jax.bench.reference import REFERENCE, paper_model_gradients
   from dynamiq_jax.codecs import DynamiQ, MX
   from tqdm.auto import tqdm

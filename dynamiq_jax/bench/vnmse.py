@@ -33,6 +33,8 @@ import os
 
 import numpy as np
 
+from dynamiq_jax.bench import common
+
 __all__ = ["main", "codec_table", "ladder"]
 
 
@@ -49,11 +51,7 @@ def _parse(argv):
                  help="synthetic scaling: n * d at most this (memory); d = min(--d, this / n)")
   p.add_argument("--max-n-real", type=int, default=64,
                  help="largest n of the real-gradient scaling (<= 64)")
-  p.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "dynamiq_jax"),
-                 help="where captured LM gradients are kept ('' to disable)")
-  p.add_argument("--no-real", action="store_true", help="skip the LM gradients")
-  p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
-  p.add_argument("--out", default=None, help="results directory (default docs/results)")
+  common.add_data_flags(p)
   p.add_argument("--scaling-codecs", default=None,
                  help="comma-separated codec labels: measure the scaling with n for these only "
                  "(default: all; the run then stays complete: false)")
@@ -185,7 +183,6 @@ def main(argv=None):
     return render(args.render)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import dynamiq_jax as dq
-  from dynamiq_jax.bench import common
   from dynamiq_jax.bench.reference import AUTHORS_ALL_IN_BITS, REFERENCE, paper_model_gradients
   from dynamiq_jax.codecs import DynamiQ, MX
   from dynamiq_jax.codecs.dynamiq import SUPERGROUP

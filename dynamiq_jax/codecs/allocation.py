@@ -272,6 +272,17 @@ def _top_share(profile, grid: int = 1 << 14):
   return lambda u: np.interp(u, t, cum)
 
 
+def _checked_widths(widths, units: int, cost_per_unit, budget: float) -> list[int]:
+  """Sorted widths (at most 3) whose narrowest fits every unit within ``budget``."""
+  w = sorted(int(x) for x in widths)
+  if len(w) > 3:
+    raise ValueError(f"at most 3 widths, got {w}")
+  if units * cost_per_unit[w[0]] > budget:
+    raise ValueError(f"even all {units} units at {w[0]} bits cost "
+                     f"{units * cost_per_unit[w[0]]} > {budget}")
+  return w
+
+
 def best_capacities(profile, errors: Mapping[int, float], units: int,
                     cost_per_unit: Mapping[int, int], budget: float) -> dict[int, int]:
   """The whole-unit split of minimum expected error that fits the budget.
@@ -297,13 +308,8 @@ def best_capacities(profile, errors: Mapping[int, float], units: int,
   Raises:
     ValueError: if even every unit at the narrowest width exceeds the budget.
   """
-  w = sorted(errors)
-  if len(w) > 3:
-    raise ValueError(f"at most 3 widths, got {w}")
+  w = _checked_widths(errors, units, cost_per_unit, budget)
   lo = w[0]
-  if units * cost_per_unit[lo] > budget:
-    raise ValueError(f"even all {units} units at {lo} bits cost "
-                     f"{units * cost_per_unit[lo]} > {budget}")
   share = _top_share(profile)
   if len(w) == 1:
     return {lo: units}
@@ -421,13 +427,8 @@ def split_menu(widths: Sequence[int], units: int, cost_per_unit: Mapping[int, in
   Raises:
     ValueError: if even every unit at the narrowest width exceeds the budget.
   """
-  w = sorted(int(x) for x in widths)
-  if len(w) > 3:
-    raise ValueError(f"at most 3 widths, got {w}")
+  w = _checked_widths(widths, units, cost_per_unit, budget)
   lo = w[0]
-  if units * cost_per_unit[lo] > budget:
-    raise ValueError(f"even all {units} units at {lo} bits cost "
-                     f"{units * cost_per_unit[lo]} > {budget}")
   if len(w) == 1:
     return np.array([[units]], np.int64)
   hi, mid = w[-1], w[1]
