@@ -2,7 +2,13 @@
 
     import optax, dynamiq_jax as dq
     tx = optax.chain(dq.compressed_psum("data"), optax.adamw(1e-3))
+
+Two submodules load on first use, so that ``import dynamiq_jax`` needs only
+jax and optax: ``dq.multiprocess`` (one process per worker; POSIX only) and
+``dq.nnx`` (Flax NNX data-parallel training; needs flax).
 """
+
+import importlib
 
 from dynamiq_jax import codecs
 from dynamiq_jax import schedules
@@ -13,6 +19,7 @@ from dynamiq_jax.allreduce import wire_stats
 from dynamiq_jax.registry import REDUCERS
 from dynamiq_jax.registry import codec_from_name
 from dynamiq_jax.registry import reducer
+from dynamiq_jax.schedules.context import UnboundAxisError
 from dynamiq_jax.simulate import simulate
 from dynamiq_jax.train import as_varying
 from dynamiq_jax.train import baseline_psum
@@ -24,9 +31,24 @@ from dynamiq_jax.transform import compressed_psum
 
 __version__ = "0.1.0"
 
+_LAZY_SUBMODULES = ("multiprocess", "nnx")
+
+
+def __getattr__(name):
+  """Imports ``dq.multiprocess`` and ``dq.nnx`` when first used."""
+  if name in _LAZY_SUBMODULES:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+
+
 __all__ = [
     "codecs",
     "schedules",
+    "multiprocess",
     "AllReduceStats",
     "allreduce",
     "init_codec_state",
@@ -34,6 +56,7 @@ __all__ = [
     "REDUCERS",
     "codec_from_name",
     "reducer",
+    "UnboundAxisError",
     "simulate",
     "as_varying",
     "baseline_psum",

@@ -19,9 +19,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dynamiq_jax.schedules.context import axis_size
+
 __all__ = [
     "as_varying", "baseline_psum", "data_parallel_init", "data_parallel_step",
-    "DataParallelStep",
+    "DataParallelStep", "SyncedStep", "CPU_SYNC_EVERY", "resolve_sync_every",
 ]
 
 
@@ -52,7 +54,7 @@ def baseline_psum(axis_name="data", *, dtype=jnp.bfloat16, average: bool = True
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    n = jax.lax.axis_size(axis_name)
+    n = axis_size(axis_name)  # the library's UnboundAxisError under plain jax.jit
 
     def one(g):
       s = jax.lax.psum(g.astype(dtype), axis_name)
@@ -98,7 +100,7 @@ def data_parallel_init(tx: optax.GradientTransformation, params, *, mesh, axis_n
 
 def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                        *, mesh, axis_name="data", has_aux: bool = False,
-                       donate: bool = True):
+                       donate: bool = True, sync_every: int | None = None):
   """A jitted data-parallel step: local gradients, ``tx`` all-reduces them.
 
   ``tx`` must start with the all-reduce (``compressed_psum`` or
@@ -115,6 +117,9 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux is averaged
       over ranks (it must be a pytree of floats).
     donate: donate params and optimizer state buffers.
+    sync_every: wait for the results every this many steps (0: never);
+      ``None`` means after every step on CPU meshes (:data:`CPU_SYNC_EVERY`,
+      which avoids a deadlock of XLA's CPU collectives) and never on others.
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss[, aux])``
@@ -148,33 +153,80 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
     return jax.jit(step, out_shardings=out_shardings,
                    donate_argnums=(0, 1) if donate else ())
 
-  return DataParallelStep(build, sync=mesh.devices.flat[0].platform == "cpu")
+  return DataParallelStep(build, sync_every=resolve_sync_every(sync_every, mesh))
 
 
-class DataParallelStep:
+CPU_SYNC_EVERY = 1
+"""Steps between waits for results on CPU meshes (the default ``sync_every`` there).
+
+XLA's in-process CPU collectives can deadlock when many steps with
+collectives are queued at once: with 8 simulated devices on 2 cores, about
+180 asynchronously dispatched BF16 psum steps end in a rendezvous timeout.
+Waiting after every step keeps the queue at one step; CPU devices gain
+nothing from running ahead.
+"""
+
+
+def resolve_sync_every(sync_every: int | None, mesh) -> int:
+  """``sync_every``, or its default for ``mesh``: :data:`CPU_SYNC_EVERY` on CPU, else 0 (never).
+
+  Raises:
+    ValueError: for a negative ``sync_every``.
+  """
+  if sync_every is None:
+    return CPU_SYNC_EVERY if mesh.devices.flat[0].platform == "cpu" else 0
+  if sync_every < 0:
+    raise ValueError(f"{sync_every=} must be >= 0 (0: never wait, k: wait every k steps)")
+  return int(sync_every)
+
+
+class SyncedStep:
+  """A jitted step that waits for its results every ``sync_every`` calls.
+
+  Args:
+    jitted: the ``jax.jit`` function.
+    sync_every: wait (``jax.block_until_ready``) on every ``sync_every``-th
+      call's outputs; 0 never waits (calls stay asynchronous).
+
+  Attributes:
+    jitted: the underlying ``jax.jit`` function (``.lower``, ``._cache_size``).
+    sync_every: as given.
+    calls: how many times the step ran.
+  """
+
+  def __init__(self, jitted, sync_every: int):
+    self.jitted = jitted
+    self.sync_every = sync_every
+    self.calls = 0
+
+  def __call__(self, *args):
+    out = self.jitted(*args)
+    self.calls += 1
+    if self.sync_every and self.calls % self.sync_every == 0:
+      out = jax.block_until_ready(out)
+    return out
+
+
+class DataParallelStep(SyncedStep):
   """The callable :func:`data_parallel_step` returns.
 
-  On the CPU platform each call waits for its results: XLA's in-process CPU
-  collectives can deadlock when many steps with collectives are queued at
-  once (seen with 8 simulated devices on 2 cores: a rendezvous timeout after
-  ~180 asynchronously dispatched BF16 psum steps). On GPUs calls stay
-  asynchronous.
+  It waits for its results every ``sync_every`` steps (by default after
+  every step on CPU, see :data:`CPU_SYNC_EVERY`, and never on GPUs).
 
   Attributes:
     jitted: the underlying ``jax.jit`` function (``.lower``, ``._cache_size``),
       built at the first call (its shardings follow the optimizer state).
+    sync_every: steps between waits (0: never).
   """
 
-  def __init__(self, build, sync: bool):
+  def __init__(self, build, sync_every: int):
+    super().__init__(None, sync_every)
     self._build = build
     self._built = {}
-    self.jitted = None
-    self.sync = sync
 
   def __call__(self, params, opt_state, batch):
     structure = jax.tree.structure(opt_state, is_leaf=_is_per_rank)
     if structure not in self._built:
       self._built[structure] = self._build(opt_state)
     self.jitted = self._built[structure]
-    out = self.jitted(params, opt_state, batch)
-    return jax.block_until_ready(out) if self.sync else out
+    return super().__call__(params, opt_state, batch)

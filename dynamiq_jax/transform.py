@@ -12,6 +12,7 @@ from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.allreduce import allreduce
 from dynamiq_jax.allreduce import init_codec_state
 from dynamiq_jax.codecs.dynamiq import DynamiQ
+from dynamiq_jax.schedules.context import axis_size
 
 __all__ = ["CompressedPsumState", "PerRank", "compressed_psum"]
 
@@ -106,10 +107,11 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    n = axis_size(axis_name)  # raises the library's UnboundAxisError under plain jax.jit
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
     codec_state = state.codec_state
     if codec_state is not None:
-      fresh = init_codec_state(updates, codec=codec, n=jax.lax.axis_size(axis_name),
+      fresh = init_codec_state(updates, codec=codec, n=n,
                                bucket_size=bucket_size)
       codec_state = jax.tree.map(lambda f, o: jnp.where(state.step == 0, f, o),
                                  fresh, codec_state)

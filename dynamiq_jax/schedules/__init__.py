@@ -5,6 +5,7 @@ functions of arrays (:class:`HopOps`) that ``allreduce`` builds from a codec.
 """
 
 from dynamiq_jax.schedules.context import AxisContext
+from dynamiq_jax.schedules.context import UnboundAxisError
 from dynamiq_jax.schedules.context import axis_context
 from dynamiq_jax.schedules.executor import HopOps
 from dynamiq_jax.schedules.executor import all_gather
@@ -18,6 +19,7 @@ from dynamiq_jax.schedules.plan import ring_plan
 
 __all__ = [
     "AxisContext",
+    "UnboundAxisError",
     "axis_context",
     "HopOps",
     "all_gather",

@@ -7,7 +7,8 @@ from typing import Any
 
 import jax
 
-__all__ = ["AxisContext", "axis_context", "varying_axes", "axis_names"]
+__all__ = ["AxisContext", "UnboundAxisError", "axis_context", "axis_size", "varying_axes",
+           "axis_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,21 +55,51 @@ def varying_axes(x) -> frozenset:
   return frozenset(vma)
 
 
+class UnboundAxisError(ValueError):
+  """A collective over ``axis_name`` was traced where no enclosing map binds that name.
+
+  The usual cause is calling the compressed all-reduce (``compressed_psum``,
+  ``allreduce``, ``baseline_psum``) inside plain ``jax.jit`` over sharded
+  arrays: ``jax.jit`` with ``NamedSharding`` inputs partitions the program
+  itself (GSPMD) and binds no axis name, so there is no per-rank code for a
+  hand-written all-reduce to run in. The message names the fix.
+  """
+
+
+def _unbound(axis_name) -> UnboundAxisError:
+  name = axis_name if isinstance(axis_name, str) else axis_names(axis_name)[0]
+  return UnboundAxisError(
+      f"axis_name={axis_name!r} is not bound here: the gradient all-reduce runs per rank, "
+      f"so it must be traced inside a jax.shard_map (or jax.pmap / jax.vmap) that names "
+      f"that axis. Plain jax.jit over NamedSharding-ed arrays binds no axis name (XLA "
+      f"partitions the program itself and would insert its own full-precision all-reduce). "
+      f"Fix: build the step with dynamiq_jax.data_parallel_step(loss_fn, tx, mesh=mesh, "
+      f"axis_name={name!r}) (dynamiq_jax.nnx.DataParallel for Flax NNX models), or wrap "
+      f"the per-rank part yourself: jax.jit(jax.shard_map(step, mesh=mesh, in_specs=..., "
+      f"out_specs=...)) with a mesh that has the axis {name!r}, or "
+      f"jax.pmap(..., axis_name={name!r}); or pass the axis name your mesh actually uses.")
+
+
+def axis_size(axis_name) -> int:
+  """``jax.lax.axis_size(axis_name)``, raising :class:`UnboundAxisError` where it is unbound."""
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError:
+    raise _unbound(axis_name) from None
+
+
 def axis_context(axis_name) -> AxisContext:
   """Resolves ``axis_name`` in the current trace.
 
   Raises:
-    ValueError: if the name is not bound by an enclosing ``shard_map``,
-      ``pmap`` or ``vmap``; the message says how to bind it.
+    UnboundAxisError: (a ``ValueError``) if the name is not bound by an
+      enclosing ``shard_map``, ``pmap`` or ``vmap``, e.g. under plain
+      ``jax.jit``; the message says how to bind it.
   """
+  n = axis_size(axis_name)
   try:
-    n = jax.lax.axis_size(axis_name)
     idx = jax.lax.axis_index(axis_name)
   except NameError:
-    raise ValueError(
-        f"axis_name={axis_name!r} is not bound here. Call this inside "
-        f"jax.shard_map(..., mesh=mesh) whose mesh has that axis, or inside "
-        f"jax.pmap(..., axis_name={axis_name!r}) / jax.vmap(..., axis_name="
-        f"{axis_name!r}); or pass the name your mesh actually uses.") from None
+    raise _unbound(axis_name) from None
   checked = set(axis_names(axis_name)) <= varying_axes(idx)
   return AxisContext(axis_name=axis_name, n=int(n), invariant_gather=checked)
