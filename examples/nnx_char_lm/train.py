@@ -23,11 +23,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dynamiq_jax.nnx import DataParallel
 from .. import common
 from .. import datasets
 from .config import Config
-from ..nnx_parallel import DataParallel
 from ..nnx_parallel import calibrate
+from ..nnx_parallel import train_loop
 
 VOCAB = 256  # bytes
 
@@ -134,7 +135,7 @@ def train_and_evaluate(config: Config) -> dict:
     loss = float(np.sum(losses * weights) / weights.sum())
     return {"eval_loss": loss, "eval_bits_per_byte": loss / math.log(2)}
 
-  state, history, start = dp.train_loop(config, loss_fn, batch_fn=batch_fn, eval_fn=run_eval,
+  state, history, start = train_loop(dp, config, loss_fn, batch_fn=batch_fn, eval_fn=run_eval,
                                         desc=f"char-LM {config.codec}")
   metrics = common.run_metrics(
       "nnx_char_lm", config, devices=devices, params=params, history=history, start=start,

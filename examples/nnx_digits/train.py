@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dynamiq_jax.nnx import DataParallel
 from .. import common
 from .. import datasets
 from .config import Config
-from ..nnx_parallel import DataParallel
 from ..nnx_parallel import calibrate
+from ..nnx_parallel import train_loop
 
 
 class CNN(nnx.Module):
@@ -91,7 +92,7 @@ def train_and_evaluate(config: Config) -> dict:
     return {"test_loss": common.weighted_mean(out["loss"], weights),
             "test_accuracy": common.weighted_mean(out["correct"], weights)}
 
-  state, history, start = dp.train_loop(config, loss_fn, batch_fn=batch_fn, eval_fn=run_eval,
+  state, history, start = train_loop(dp, config, loss_fn, batch_fn=batch_fn, eval_fn=run_eval,
                                         desc=f"digits {config.codec}")
   final = {k: history.evals[-1][k] for k in ("test_accuracy", "test_loss")}
   return common.run_metrics("nnx_digits", config, devices=devices, params=params,
