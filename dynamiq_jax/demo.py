@@ -20,17 +20,30 @@ import os
 import sys
 import time
 
+SYNC_EVERY = 1
+"""Default ``--sync-every``: wait for every step (see docs/guide.md, Troubleshooting)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The demo's command-line flags (``--help`` shows each with its default)."""
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.demo", description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (data-parallel ranks)")
+  p.add_argument("--steps", type=int, default=300, help="training steps of each run")
+  p.add_argument("--batch", type=int, default=256, help="global batch size")
+  p.add_argument("--hidden", type=int, default=256, help="width of the MLP's two hidden layers")
+  p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+  p.add_argument("--bits", type=float, default=5.0, help="DynamiQ budget, bits/coordinate")
+  p.add_argument("--seed", type=int, default=0,
+                 help="seeds the initialisation, the data split and order, and the rounding")
+  p.add_argument("--sync-every", type=int, default=SYNC_EVERY,
+                 help="wait for the step's results every this many steps (0: never); "
+                 "XLA's CPU collectives can deadlock when many steps are queued")
+  return p
+
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.demo", description=__doc__.split("\n")[0])
-  p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (data-parallel ranks)")
-  p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--batch", type=int, default=256, help="global batch size")
-  p.add_argument("--hidden", type=int, default=256)
-  p.add_argument("--lr", type=float, default=2e-3)
-  p.add_argument("--bits", type=float, default=5.0, help="DynamiQ budget, bits/coordinate")
-  p.add_argument("--seed", type=int, default=0)
-  return p.parse_args(argv)
+  return build_parser().parse_args(argv)
 
 
 def main(argv=None):
@@ -100,7 +113,7 @@ def main(argv=None):
   rows = []
   for name, (reduce, codec) in runs.items():
     tx = optax.chain(reduce, optax.adam(args.lr))
-    step = dq.data_parallel_step(loss_fn, tx, mesh=mesh)
+    step = dq.data_parallel_step(loss_fn, tx, mesh=mesh, sync_every=args.sync_every)
     params = jax.device_put(jax.tree.map(jnp.array, init_params), repl)
     state = jax.device_put(tx.init(params), repl)
     t0 = time.perf_counter()

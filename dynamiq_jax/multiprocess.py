@@ -299,23 +299,33 @@ def _check(args) -> None:
   print(f"digest {int(mine.view(np.uint32).astype(np.uint64).sum())}", flush=True)
 
 
-def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.multiprocess")
+def build_parser() -> argparse.ArgumentParser:
+  """The ``--check`` entry point's flags (``--help`` shows each with its default)."""
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.multiprocess",
+                              description="Checks a multi-process all-reduce against simulate.",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--check", action="store_true",
                  help="all-reduce synthetic gradients and compare with simulate")
-  p.add_argument("--num-processes", type=int, default=2)
+  p.add_argument("--num-processes", type=int, default=2, help="processes (workers) in the job")
   p.add_argument("--process-id", type=int, default=None,
                  help="this process's rank; unset: spawn every rank locally")
-  p.add_argument("--coordinator", default=None, help="host:port of process 0")
-  p.add_argument("--local-devices", type=int, default=1)
-  p.add_argument("--codec", default="dynamiq")
-  p.add_argument("--schedule", default="ring")
-  p.add_argument("--d", type=int, default=1 << 16)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--data-seed", type=int, default=0)
-  p.add_argument("--no-compare", dest="compare", action="store_false")
-  p.add_argument("--timeout", type=float, default=300)
-  return p.parse_args(argv)
+  p.add_argument("--coordinator", default=None,
+                 help="host:port of process 0; unset: a free port on 127.0.0.1")
+  p.add_argument("--local-devices", type=int, default=1, help="CPU devices per process")
+  p.add_argument("--codec", default="dynamiq", help="codec name (dynamiq_jax.REDUCERS)")
+  p.add_argument("--schedule", default="ring", help="all-reduce schedule: ring or butterfly")
+  p.add_argument("--d", type=int, default=1 << 16, help="synthetic coordinates per worker")
+  p.add_argument("--seed", type=int, default=0, help="seed of the rounding streams")
+  p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic gradients")
+  p.add_argument("--no-compare", dest="compare", action="store_false",
+                 help="skip the bit-for-bit comparison with simulate")
+  p.add_argument("--timeout", type=float, default=300,
+                 help="seconds the spawned job may take before it is stopped")
+  return p
+
+
+def _parse(argv):
+  return build_parser().parse_args(argv)
 
 
 def main(argv=None):

@@ -121,10 +121,47 @@ def _flag_metadata(cls: type, name: str) -> dict:
   return {}
 
 
+def build_parser(default: ExampleConfig, *, prog: str | None = None,
+                 description: str | None = None,
+                 required: Sequence[str] = ()) -> argparse.ArgumentParser:
+  """The command-line flags of a config, one ``--name`` per config field.
+
+  ``--help`` shows each flag's meaning and default.
+
+  Args:
+    default: the defaults (an :class:`ExampleConfig` subclass instance).
+    prog: program name for ``--help``.
+    description: text for ``--help``.
+    required: fields that must be given on the command line.
+  """
+  parser = argparse.ArgumentParser(prog=prog, description=description,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  for field in dataclasses.fields(default):
+    if field.metadata.get("flag") is False:
+      continue  # derived during the run (e.g. calibrated_profile), not set by hand
+    value = getattr(default, field.name)
+    names = [f"--{field.name}"]
+    if "_" in field.name:
+      names.append(f"--{field.name.replace('_', '-')}")
+    help_text = _flag_metadata(type(default), field.name).get("help", "")
+    if field.type == "bool":
+      parser.add_argument(*names, dest=field.name, default=value, help=help_text,
+                          action=argparse.BooleanOptionalAction)
+      continue
+    choices = _flag_metadata(type(default), field.name).get("choices")
+    choices = choices() if callable(choices) else choices
+    is_required = field.name in required
+    parser.add_argument(*names, dest=field.name, type=_parser_for(field.type),
+                        default=argparse.SUPPRESS if is_required else value,
+                        required=is_required, choices=tuple(choices) if choices else None,
+                        help=help_text)
+  return parser
+
+
 def parse_flags(default: ExampleConfig, argv: Sequence[str] | None = None, *,
                 prog: str | None = None, description: str | None = None,
                 required: Sequence[str] = ()) -> ExampleConfig:
-  """Builds a config from command-line flags, one ``--name`` per config field.
+  """Builds a config from command-line flags (:func:`build_parser`).
 
   Args:
     default: the defaults (an :class:`ExampleConfig` subclass instance).
@@ -136,30 +173,8 @@ def parse_flags(default: ExampleConfig, argv: Sequence[str] | None = None, *,
   Returns:
     ``default`` with the given flags replaced.
   """
-  parser = argparse.ArgumentParser(prog=prog, description=description)
-  for field in dataclasses.fields(default):
-    if field.metadata.get("flag") is False:
-      continue  # derived during the run (e.g. calibrated_profile), not set by hand
-    value = getattr(default, field.name)
-    names = [f"--{field.name}"]
-    if "_" in field.name:
-      names.append(f"--{field.name.replace('_', '-')}")
-    metadata = _flag_metadata(type(default), field.name)
-    help_text = metadata.get("help", "")
-    if field.type == "bool":
-      parser.add_argument(*names, dest=field.name, default=value, help=help_text,
-                          action=argparse.BooleanOptionalAction)
-      continue
-    choices = metadata.get("choices")
-    choices = choices() if callable(choices) else choices
-    is_required = field.name in required
-    parser.add_argument(*names, dest=field.name, type=_parser_for(field.type),
-                        default=None if is_required else value, required=is_required,
-                        choices=tuple(choices) if choices else None,
-                        help=help_text if is_required or value is None
-                        else f"{help_text} (default: {value})")
-  args = parser.parse_args(argv)
-  return dataclasses.replace(default, **vars(args))
+  parser = build_parser(default, prog=prog, description=description, required=required)
+  return dataclasses.replace(default, **vars(parser.parse_args(argv)))
 
 
 def validate(config: ExampleConfig) -> None:
@@ -182,6 +197,19 @@ def validate(config: ExampleConfig) -> None:
       raise ValueError(f"{name}={getattr(config, name)} must be >= 0")
 
 
+def example_parser(get_config: Callable[[], ExampleConfig], *, prog: str,
+                   doc: str) -> argparse.ArgumentParser:
+  """The flags of an example's ``main.py``: its config's fields, ``--workdir`` required.
+
+  Args:
+    get_config: the example's ``config.get_config`` (the flags' defaults).
+    prog: program name for ``--help``.
+    doc: the ``main.py`` docstring; its first line describes the program in ``--help``.
+  """
+  return build_parser(get_config(), prog=prog, description=doc.split("\n")[0],
+                      required=("workdir",))
+
+
 def run_example(get_config: Callable[[], ExampleConfig],
                 train_and_evaluate: Callable[[ExampleConfig], dict],
                 argv: Sequence[str] | None = None, *, prog: str, doc: str) -> dict:
@@ -197,9 +225,8 @@ def run_example(get_config: Callable[[], ExampleConfig],
   Returns:
     The run's metrics.
   """
-  config = parse_flags(get_config(), argv, prog=prog, description=doc.split("\n")[0],
-                       required=("workdir",))
-  metrics = train_and_evaluate(config)
+  args = example_parser(get_config, prog=prog, doc=doc).parse_args(argv)
+  metrics = train_and_evaluate(dataclasses.replace(get_config(), **vars(args)))
   print_summary(metrics)
   return metrics
 

@@ -20,7 +20,7 @@ def add_data_flags(parser, *, real: str = "the LM gradients"):
                       help="where captured LM gradients are kept ('' to disable)")
   parser.add_argument("--no-real", action="store_true", help=f"skip {real}")
   parser.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
-  parser.add_argument("--out", default=None, help="results directory (default docs/results)")
+  parser.add_argument("--out", default=None, help="results directory; unset: docs/results")
 
 
 def results_dir(path: str | None = None) -> str:

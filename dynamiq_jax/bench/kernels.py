@@ -33,18 +33,25 @@ __all__ = ["main"]
 OPS = ("compress", "decompress", "decompress_accumulate", "decompress_accumulate_recompress")
 
 
-def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.kernels")
+def build_parser() -> argparse.ArgumentParser:
+  """The benchmark's flags (``--help`` shows each with its default)."""
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.kernels",
+                              description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--log2-sizes", default="20,22,24,26,28",
                  help="comma-separated log2 of coordinates per call")
-  p.add_argument("--bits", default="2,4,8")
+  p.add_argument("--bits", default="2,4,8", help="comma-separated code widths to time")
   p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                  help="dtype of the local values")
   p.add_argument("--reps", type=int, default=20, help="launches per timed loop")
   p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is kept")
   p.add_argument("--tiny", action="store_true", help="smoke-test sizes (CI)")
-  p.add_argument("--out", default=None)
-  return p.parse_args(argv)
+  p.add_argument("--out", default=None, help="results directory; unset: docs/results")
+  return p
+
+
+def _parse(argv):
+  return build_parser().parse_args(argv)
 
 
 def backend_check() -> dict:

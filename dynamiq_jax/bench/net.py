@@ -384,10 +384,12 @@ def _plot(rows, path):
   plt.close(fig)
 
 
-def _parse(argv):
+def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
+  """The benchmark's flags (``--help`` shows each with its default); ``tiny``: --tiny's defaults."""
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.net",
-                              description=__doc__.split("\n\n")[0])
-  p.add_argument("--workers", type=int, default=4)
+                              description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--workers", type=int, default=4, help="worker processes (one per rank)")
   p.add_argument("--sizes-mb", type=float, nargs="+", default=[16, 64, 256],
                  help="gradient sizes, in MB of bf16")
   p.add_argument("--rates", type=float, nargs="+", default=[50, 100, 200, 500, 1000],
@@ -395,35 +397,41 @@ def _parse(argv):
   p.add_argument("--methods", nargs="+",
                  default=["psum-f32", "psum-bf16", "bf16-ring/ring", "dynamiq/ring",
                           "dynamiq/butterfly", "dynamiq4/ring", "mxfp8/ring", "mxfp4/ring",
-                          "thc/ring", "omnireduce/ring"])
-  p.add_argument("--repeats", type=int, default=3)
+                          "thc/ring", "omnireduce/ring"],
+                 help="all-reduces to time: psum-<dtype>, or <codec>[<bits>]/<schedule>")
+  p.add_argument("--repeats", type=int, default=3, help="timed all-reduces per point")
   p.add_argument("--tile-mb", type=float, default=8.0,
                  help="bucket (tile) size in MiB of bf16 gradient; 0: one bucket")
   p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per link end")
   p.add_argument("--lm", action=argparse.BooleanOptionalAction, default=True,
                  help="also time training steps of a small transformer LM")
-  p.add_argument("--lm-steps", type=int, default=3)
+  p.add_argument("--lm-steps", type=int, default=3, help="timed LM training steps")
   p.add_argument("--lm-batch", type=int, default=8, help="sequences per worker per step")
   p.add_argument("--no-compute", dest="compute", action="store_false",
                  help="skip the compression-throughput measurement")
   p.add_argument("--no-shaping", action="store_true", help="plain loopback, even as root")
-  p.add_argument("--heartbeat-s", type=int, default=20)
+  p.add_argument("--heartbeat-s", type=int, default=20,
+                 help="seconds without a heartbeat after which a worker counts as dead")
   p.add_argument("--timeout", type=float, default=1800,
                  help="seconds any one phase may take before the job is stopped")
   p.add_argument("--inject-fault", choices=["kill", "link-down"], default=None,
                  help="testing: kill worker 1 or take its link down during the first rate")
   p.add_argument("--tiny", action="store_true",
                  help="smoke test: 2 workers, 1 MB, one rate, a few methods, tiny LM")
-  p.add_argument("--out", default=None, help="results directory (default docs/results)")
+  p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
   p.add_argument("--config", default=None, help=argparse.SUPPRESS)
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if "--tiny" in argv:  # smaller defaults; flags given explicitly still win
+  if tiny:  # smaller defaults; flags given explicitly still win
     p.set_defaults(workers=2, sizes_mb=[1.0], rates=[200.0], repeats=1, lm_steps=1,
                    lm_batch=2, tile_mb=0.5,
                    methods=["psum-f32", "psum-bf16", "bf16-ring/ring", "dynamiq/ring"])
-  return p.parse_args(argv)
+  return p
+
+
+def _parse(argv):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  return build_parser(tiny="--tiny" in argv).parse_args(argv)
 
 
 def main(argv=None):

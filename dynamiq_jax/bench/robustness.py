@@ -43,7 +43,8 @@ SIZES = tuple([64, 256, 1024, 1100, 1101, 2048, 2049, 3020, 3021, 4096, 4097, 81
 """Bucket sizes of the size sweep: powers of two and the old cliffs' edges."""
 
 
-def _parse(argv):
+def build_parser() -> argparse.ArgumentParser:
+  """The benchmark's flags (``--help`` shows each with its default)."""
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.robustness",
                               description=__doc__.split("\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -54,7 +55,11 @@ def _parse(argv):
   p.add_argument("--size-families", default="dense,paper",
                  help="comma-separated families of the size sweep")
   common.add_data_flags(p, real="the LM gradient snapshots")
-  return p.parse_args(argv)
+  return p
+
+
+def _parse(argv):
+  return build_parser().parse_args(argv)
 
 
 def main(argv=None):

@@ -40,13 +40,20 @@ def _label(schedule, mesh_shape):
   return schedule if mesh_shape is None else f"{schedule} {mesh_shape[0]}x{mesh_shape[1]}"
 
 
-def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.schedules")
+def build_parser() -> argparse.ArgumentParser:
+  """The benchmark's flags (``--help`` shows each with its default)."""
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.schedules",
+                              description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--d", type=int, default=1 << 20, help="synthetic coordinates per worker")
   p.add_argument("--seeds", type=int, default=2, help="rounding seeds per stateless point")
   p.add_argument("--rounds", type=int, default=12, help="steps for stateful codecs")
   common.add_data_flags(p)
-  return p.parse_args(argv)
+  return p
+
+
+def _parse(argv):
+  return build_parser().parse_args(argv)
 
 
 def main(argv=None):

@@ -77,24 +77,32 @@ EXAMPLES = {
 }
 
 
-def _parse(argv):
+def build_parser() -> argparse.ArgumentParser:
+  """The benchmark's flags (``--help`` shows each with its default)."""
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.train",
-                              description=__doc__.split("\n")[0])
+                              description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--examples", default=",".join(EXAMPLES), help="comma-separated, of "
                  + ", ".join(EXAMPLES))
   p.add_argument("--codecs", default=None,
-                 help="comma-separated labels (default: all; --tiny: BF16 psum, DynamiQ 5b, "
+                 help="comma-separated labels (unset: all; --tiny: BF16 psum, DynamiQ 5b, "
                  "MXFP4), of: " + ", ".join(c[0] for c in CODECS))
-  p.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; --tiny: 0)")
-  p.add_argument("--steps", type=int, default=None, help="override every example's steps")
+  p.add_argument("--seeds", default=None, help="comma-separated seeds (unset: 0,1,2; --tiny: 0)")
+  p.add_argument("--steps", type=int, default=None,
+                 help="override every example's steps (unset: each example's own)")
   p.add_argument("--link-gbps", default="100,1",
                  help="link rates (Gbit/s) of the time-to-accuracy model; the first is the "
-                 "headline (default 100, as in the paper)")
+                 "headline (100, as in the paper)")
   p.add_argument("--target-at", type=float, default=0.8,
                  help="target = BF16's smoothed train loss at this fraction of its run")
   p.add_argument("--smooth", type=int, default=20, help="moving-average window of the train loss")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
-  p.add_argument("--out", default=None, help="results directory (default docs/results)")
+  p.add_argument("--out", default=None, help="results directory; unset: docs/results")
+  return p
+
+
+def _parse(argv):
+  p = build_parser()
   args = p.parse_args(argv)
   if args.codecs is None:
     args.codecs = "BF16 psum,DynamiQ 5b,MXFP4" if args.tiny else ",".join(c[0] for c in CODECS)

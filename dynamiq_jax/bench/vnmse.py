@@ -38,8 +38,11 @@ from dynamiq_jax.bench import common
 __all__ = ["main", "codec_table", "ladder"]
 
 
-def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.vnmse")
+def build_parser() -> argparse.ArgumentParser:
+  """The benchmark's flags (``--help`` shows each with its default)."""
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.vnmse",
+                              description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--d", type=int, default=1 << 20, help="synthetic coordinates per worker")
   p.add_argument("--seeds", type=int, default=2, help="rounding seeds per stateless point")
   p.add_argument("--rounds", type=int, default=60, help="steps for stateful codecs")
@@ -61,7 +64,11 @@ def _parse(argv):
   p.add_argument("--render", metavar="JSON", default=None,
                  help="measure nothing: print the tables of an earlier run's JSON and draw its "
                  "plots beside it")
-  return p.parse_args(argv)
+  return p
+
+
+def _parse(argv):
+  return build_parser().parse_args(argv)
 
 
 N = 8  # workers of the tables (the paper's)

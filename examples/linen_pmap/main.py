@@ -10,10 +10,18 @@ from . import config
 from . import train
 
 
+PROG = "python -m examples.linen_pmap.main"
+
+
+def build_parser():
+  """The example's flags: every config field, with its meaning and default in ``--help``."""
+  return common.example_parser(config.get_config, prog=PROG, doc=__doc__)
+
+
 def main(argv=None) -> dict:
   """Runs the example as ``argv`` (default: the command line) says; returns the metrics."""
-  return common.run_example(config.get_config, train.train_and_evaluate, argv,
-                            prog="python -m examples.linen_pmap.main", doc=__doc__)
+  return common.run_example(config.get_config, train.train_and_evaluate, argv, prog=PROG,
+                            doc=__doc__)
 
 
 if __name__ == "__main__":
