@@ -606,8 +606,10 @@ def train_loop(config: ExampleConfig, *, state, step_fn, batch_fn, eval_fn,
       position += 1
       with Stopwatch() as watch:
         state, loss = step_fn(state, batch)
-        # Fetching the loss waits for the step: XLA's CPU collectives can
-        # deadlock when many steps are queued (see dynamiq_jax.DataParallelStep).
+        # Fetching the loss waits for the step, so at most one step is in
+        # flight: XLA's CPU collectives can deadlock when many steps are
+        # queued (docs/guide.md, Troubleshooting). The steps wait on CPU too
+        # (sync_every); this also makes step_time_s the step's own time.
         loss = float(np.asarray(loss).reshape(-1)[0])
       history.record_step(loss, watch.seconds)
       bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
