@@ -12,6 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dynamiq_jax as dq
+from dynamiq_jax.train import CPU_SYNC_EVERY
+from dynamiq_jax.train import SyncedStep
+from dynamiq_jax.train import resolve_sync_every
 
 KEY = jax.random.key(0)
 
@@ -102,3 +105,25 @@ def test_submodules_are_attributes_loaded_on_first_use():
 def test_unknown_attribute_is_an_attribute_error():
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     dq.nope  # noqa: B018
+
+
+class TestSyncEvery:
+  """Steps wait for their results every ``sync_every`` calls (the CPU deadlock guard)."""
+
+  def test_waits_every_k_calls(self, monkeypatch):
+    waited = []
+    monkeypatch.setattr(jax, "block_until_ready", lambda out: waited.append(out) or out)
+    step = SyncedStep(lambda i: i, sync_every=3)
+    assert [step(i) for i in range(7)] == list(range(7))
+    assert waited == [2, 5] and step.calls == 7
+
+  def test_zero_never_waits(self, monkeypatch):
+    monkeypatch.setattr(jax, "block_until_ready", lambda out: pytest.fail("waited"))
+    step = SyncedStep(lambda i: i, sync_every=0)
+    assert [step(i) for i in range(3)] == [0, 1, 2]
+
+  def test_default_waits_every_step_on_cpu(self, mesh):
+    assert resolve_sync_every(None, mesh) == CPU_SYNC_EVERY == 1
+    assert resolve_sync_every(4, mesh) == 4
+    with pytest.raises(ValueError, match="sync_every=-1 must be >= 0"):
+      dq.data_parallel_step(lambda p, b: 0.0, optax.sgd(0.1), mesh=mesh, sync_every=-1)
