@@ -65,6 +65,12 @@ class AllReduceStats(NamedTuple):
       is too small for the codec to compress within its budget
       (:meth:`~dynamiq_jax.codecs.Codec.compresses`); they are counted in
       ``bits_per_coord``.
+    error_estimate: the codecs' own estimate of the relative error this
+      all-reduce added, ``E ||result - exact||^2 / ||result||^2`` over the
+      whole tree (float32, identical on every rank), from the statistics the
+      codec already has (:meth:`~dynamiq_jax.codecs.Codec.error_estimate`);
+      0 for one rank, NaN where a codec makes no estimate. Comparable with
+      the vNMSE of the benchmarks; watch it for a codec out of its depth.
   """
 
   bits_per_coord: Any
@@ -73,6 +79,7 @@ class AllReduceStats(NamedTuple):
   codec_state: Any = None
   own: Any = None
   uncompressed: Any = 0
+  error_estimate: Any = 0.0
 
 
 def _check_leaves(tree):
@@ -275,27 +282,36 @@ def _reduce_flat(flat, *, ctx: AxisContext, codec, schedule, key, bucket_size, i
   if ctx.n == 1:  # one rank: the mean is the input, bit for bit, whatever the codec
     get_plan(schedule, 1)  # still validates the schedule's name
     return flat, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(total),
-                                codec_state=tuple(states) if codec.stateful else None), flat
+                                codec_state=tuple(states) if codec.stateful else None,
+                                error_estimate=jnp.float32(0)), flat
   plan = get_plan(schedule, ctx.n)
-  outs, new_states, owns = [], [], []
+  outs, new_states, owns, errs = [], [], [], []
   for b, (s, e) in enumerate(bounds):
     with jax.named_scope(f"allreduce/bucket{b}"):
       bucket = Bucket(b, e - s, ctx.n, implementation)
       keys = Keys.from_key(key, bucket=b, rank=ctx.rank())
       used = _bucket_codec(codec, e - s, ctx.n)
-      out, new_state, own = _reduce_bucket(flat[s:e], used, bucket, states[b], keys, plan, ctx,
-                                           return_own)
+      out, new_state, own, err = _reduce_bucket(flat[s:e], used, bucket, states[b], keys, plan,
+                                                ctx, return_own)
       new_state = states[b] if used is not codec else new_state
     outs.append(out)
     new_states.append(new_state)
     owns.append(own)
+    errs.append(err)
   out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
   own = (jnp.concatenate(owns) if len(owns) > 1 else owns[0]) if return_own else None
   stats = AllReduceStats(
       jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank), jnp.int32(total),
       codec_state=tuple(new_states) if codec.stateful else None,
-      uncompressed=jnp.int32(report.uncompressed))
+      uncompressed=jnp.int32(report.uncompressed),
+      error_estimate=_relative(sum(errs), jnp.sum(out * out)))
   return out, stats, own
+
+
+def _relative(err, ref):
+  """``err / ref``, 0 where both are 0 (a zero gradient reduced exactly)."""
+  return jnp.where(ref > 0, err / jnp.where(ref > 0, ref, 1.0),
+                   jnp.where(err > 0, jnp.inf, err * 0.0)).astype(jnp.float32)
 
 
 def _hop_ops(codec: Codec, aux, keys: Keys) -> HopOps:
@@ -349,7 +365,8 @@ def _guard(x, ctx: AxisContext):
 
 def _reduce_bucket(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
                    ctx: AxisContext, return_own: bool):
-  """One bucket: guard, metadata pass, payload pass, finish -> (out, new state, own).
+  """One bucket: guard, metadata pass, payload pass, finish -> (out, new state, own,
+  estimated squared error: NaN where the codec makes no estimate).
 
   A value that is NaN or infinite on any rank makes the whole bucket NaN on
   every rank (the codec itself sees zeros there, so its state stays finite);
@@ -365,9 +382,11 @@ def _reduce_bucket(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: Tre
   p = codec.plan(x, meta, bucket, state, keys)
   decoded = execute(plan, ctx, p.chunks, _hop_ops(codec, p.aux, keys))
   out, new_state = codec.finish(decoded, p.aux, bucket, state)
+  err = codec.error_estimate(out, p.aux, bucket, plan.partials())
+  err = jnp.float32(jnp.nan) if err is None else err / (scale * scale)
   out = jnp.where(nonfinite, jnp.float32(jnp.nan), out / scale)
   own = codec.contribution(x, p.aux, bucket) / scale if return_own else None
-  return out, new_state, own
+  return out, new_state, own, err
 
 
 def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, implementation,
@@ -404,7 +423,11 @@ def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, i
                                    bucket_size=bucket_size, implementation=implementation,
                                    codec_state=None, return_own=False)
   out = hierarchical.join_shares(hierarchical.all_gather_shares(fast_ctx, reduced), total, unit)
+  # each fast rank's share has its own estimate: weigh them by the shares' norms
+  ref = jnp.sum(reduced * reduced)
+  err, ref = fast_ctx.psum((stats.error_estimate * ref, ref))
   # the slow axis's cost: every fast rank sends its share at the codec's bits per
   # coordinate (the exact float32 traffic inside the fast axis is not counted)
   return _unflatten(out, arrays, treedef), AllReduceStats(
-      stats.bits_per_coord, stats.bytes_per_rank, jnp.int32(total))
+      stats.bits_per_coord, stats.bytes_per_rank, jnp.int32(total),
+      error_estimate=_relative(err, ref))

@@ -41,12 +41,16 @@ class CompressedPsumState(NamedTuple):
       rank; None for stateless codecs.
     residual: with ``error_feedback=True``, each rank's residual
       (:class:`PerRank`); otherwise None.
+    error_estimate: the codec's estimate of the relative error the last
+      all-reduce added (``AllReduceStats.error_estimate``; 0 before the
+      first step), identical on every rank: read it to watch the codec.
   """
 
   step: jax.Array
   key: jax.Array
   codec_state: Any = None
   residual: Any = None
+  error_estimate: Any = 0.0
 
 
 def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
@@ -103,7 +107,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
         key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
         # structure only: the values depend on the axis size, set at step 0
         codec_state=init_codec_state(params, codec=codec, n=1, bucket_size=bucket_size),
-        residual=residual)
+        residual=residual, error_estimate=jnp.zeros([], jnp.float32))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -130,6 +134,6 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     return reduced, CompressedPsumState(
         step=optax.safe_increment(state.step), key=state.key,
         codec_state=stats.codec_state if codec_state is not None else None,
-        residual=residual)
+        residual=residual, error_estimate=jnp.asarray(stats.error_estimate, jnp.float32))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

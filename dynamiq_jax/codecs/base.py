@@ -31,13 +31,14 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dynamiq_jax._sizes import ceil_div, round_up
 from pallas_kernels import rng
 
 __all__ = [
     "Bucket", "Keys", "HopKeys", "Metadata", "Plan", "Codec", "padded_length", "pad_to",
-    "round_up", "ceil_div",
+    "round_up", "ceil_div", "partial_sum_energy",
 ]
 
 PyTree = Any
@@ -51,6 +52,25 @@ def padded_length(d: int, n: int) -> int:
 def pad_to(x, length: int):
   """A flat array zero-padded at the end to ``length``."""
   return jnp.pad(x, (0, length - x.shape[0]))
+
+
+def partial_sum_energy(total_sq, self_sq, n: int, partials: tuple[int, ...]):
+  """Expected ``sum_k ||P_k||^2`` over the quantised partial sums of a reduction.
+
+  A model with one common part ``c`` and independent parts ``e_r`` of equal
+  size on every rank: ``E ||P_k||^2 = k s2 + k^2 c2`` for a partial of ``k``
+  ranks. ``total_sq`` is ``||sum_r x_r||^2`` (the reduced result) and
+  ``self_sq`` is ``sum_r ||x_r||^2``, per row (arrays of one shape); they give
+  ``c2`` and ``s2``. ``self_sq=None`` assumes independent ranks (``c2 = 0``),
+  the larger estimate for a given ``total_sq``.
+  """
+  k = np.asarray(partials, np.float64)
+  a, b = np.float32(k.sum()), np.float32((k * k).sum())
+  if self_sq is None or n == 1:
+    return total_sq * (a / np.float32(n))
+  c2 = jnp.clip((total_sq - self_sq) / np.float32(n * n - n), 0.0, self_sq / np.float32(n))
+  s2 = self_sq / np.float32(n) - c2
+  return s2 * a + c2 * b
 
 
 class Bucket(NamedTuple):
@@ -250,6 +270,18 @@ class Codec(abc.ABC):
   @abc.abstractmethod
   def finish(self, decoded, aux, bucket: Bucket, state):
     """Decoded chunks (leading axis n) -> ``(flat float32 [d], new state)``."""
+
+  def error_estimate(self, out, aux, bucket: Bucket, partials: tuple[int, ...]):
+    """The expected squared error ``||out - exact sum||^2`` this bucket's
+    all-reduce added (float32 scalar, the units of ``x``), or None.
+
+    Computed from what the codec already has (its aux, the reduced ``out``);
+    ``partials`` (:meth:`TreePlan.partials`) says how many ranks' data each
+    quantised partial sum of a chunk carries. None: the codec makes no
+    estimate (``AllReduceStats.error_estimate`` is then NaN).
+    """
+    del out, aux, bucket, partials
+    return None
 
   def contribution(self, x, aux, bucket: Bucket):
     """This rank's ``x`` as the codec represented it in the sum (flat float32 [d])."""

@@ -43,7 +43,7 @@ from dynamiq_jax.codecs._exact import hypot
 from dynamiq_jax.codecs._exact import row_norm
 from dynamiq_jax.codecs._exact import stochastic_bf16
 from dynamiq_jax.codecs._exact import tree_sum
-from dynamiq_jax.codecs.base import Codec, Metadata, Plan, ceil_div, pad_to
+from dynamiq_jax.codecs.base import Codec, Metadata, Plan, ceil_div, pad_to, partial_sum_energy
 from pallas_kernels import dynamiq as kernels
 from pallas_kernels import dynamiq_units as units_lib
 from pallas_kernels import dynamiq_units_kernels as unit_kernels
@@ -380,7 +380,7 @@ class DynamiQ(Codec):
       for _, cap in lay.capacities:
         chunks.append(rows[offset:offset + cap].reshape(n, cap // n, SUPERGROUP))
         offset += cap
-    return Plan(tuple(chunks), DynamiQAux(order, gmean, lay, bucket.implementation))
+    return Plan(tuple(chunks), DynamiQAux(order, gmean, gnorm, lay, bucket.implementation))
 
   def _plan_per_round(self, x, meta, bucket):
     """Widths chosen this round from the global statistics (identical on every rank).
@@ -406,7 +406,7 @@ class DynamiQ(Codec):
           gnorm, valid, self.width_errors(), s, {w: n * SUPERGROUP * w for w in self.widths},
           n * lay.units * unit_bits, n)
       widths = units_lib.position_widths_general(counts, self.widths, s)
-    return Plan(chunks, PerRoundAux(order, gmean, widths, lay, bucket.implementation))
+    return Plan(chunks, PerRoundAux(order, gmean, gnorm, widths, lay, bucket.implementation))
 
   def _unit_args(self, aux, decode=False):
     args = dict(eps=self.eps, plane_bits=aux.layout.plane_bits, width_set=self.widths,
@@ -484,22 +484,53 @@ class DynamiQ(Codec):
     return out.reshape(-1)[:bucket.d], None
 
 
+  def error_estimate(self, out, aux, bucket, partials):
+    """Each super-group's quantisation error at its width, summed over the partials.
+
+    ``c_w * sum_k E ||P_k||^2`` per super-group (:meth:`width_errors` for
+    ``c_w``; :func:`~dynamiq_jax.codecs.base.partial_sum_energy` for the
+    partial sums, from the reduced residual and the global statistic ``F``,
+    the sum of the ranks' squared residual norms). This is the error of
+    independent rounding; correlated rounding (the default) stratifies the
+    draws of a coordinate's successive hops and adds less, so for it the
+    estimate is an upper one. The bf16 rounding of the means is not counted
+    (about ``2^-18`` relative per hop).
+    """
+    lay, n = aux.layout, bucket.n
+    total = lay.padded_supergroups
+    resid = pad_to(out, total * SUPERGROUP).reshape(total, SUPERGROUP) - aux.gmean[:, None]
+    energy = partial_sum_energy(jnp.sum(resid * resid, axis=-1), aux.gnorm * aux.gnorm, n,
+                                partials)
+    errors = self.width_errors()
+    table = jnp.asarray([errors.get(w, 0.0) for w in range(max(errors) + 1)], jnp.float32)
+    if isinstance(aux, PerRoundAux):  # rank i of the order sits at chunk position i // n
+      by_rank = jnp.repeat(aux.widths, n, total_repeat_length=total)
+    else:
+      by_rank = jnp.concatenate([jnp.full((cap,), w, jnp.int32) for w, cap in lay.capacities])
+      by_rank = jnp.pad(by_rank, (0, total - by_rank.shape[0]))  # padding super-groups: 0
+    return jnp.sum(table[by_rank] * energy[aux.order])
+
+
 class PerRoundAux(NamedTuple):
-  """One bucket's per-round allocation: super-groups in rank order, reduced means,
-  the width of each chunk position (widest first), static layout."""
+  """One bucket's per-round allocation: super-groups in rank order, reduced means
+  and residual norms, the width of each chunk position (widest first), static
+  layout."""
 
   order: jax.Array
   gmean: jax.Array
+  gnorm: jax.Array
   widths: jax.Array
   layout: "DynamiQLayout"
   implementation: str | None = None
 
 
 class DynamiQAux(NamedTuple):
-  """One bucket's allocation: super-groups in class order, reduced means, static layout."""
+  """One bucket's allocation: super-groups in class order, reduced means and
+  residual norms, static layout."""
 
   order: jax.Array
   gmean: jax.Array
+  gnorm: jax.Array
   layout: "DynamiQLayout"
   implementation: str | None = None
 

@@ -36,6 +36,9 @@ class AxisContext:
   def pmax(self, tree):
     return jax.tree.map(lambda a: jax.lax.pmax(a, self.axis_name), tree)
 
+  def psum(self, tree):
+    return jax.tree.map(lambda a: jax.lax.psum(a, self.axis_name), tree)
+
   def ppermute(self, tree, perm):
     return jax.lax.ppermute(tree, self.axis_name, perm)
 

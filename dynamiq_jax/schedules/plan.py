@@ -101,6 +101,18 @@ class TreePlan:
       return len(vals) < 3 or len({b - a for a, b in zip(vals[:-1], vals[1:])}) == 1
     return affine(lambda i: self.edges[i][0]) and affine(lambda i: self.edges[i - 1][1])
 
+  def partials(self) -> tuple[int, ...]:
+    """How many ranks' data each encode of one chunk carries, one entry per rank.
+
+    Rank ``r`` encodes the sum over its subtree once (the root its full sum,
+    ``n``): the ring's are ``1, 2, ..., n``; the butterfly's halve per level.
+    A codec's error estimate sums one quantisation error per entry.
+    """
+    size = {r: 1 for r in range(self.n)}
+    for a, b in self.edges:  # a child sends after all of its own receives
+      size[b] += size[a]
+    return tuple(size[r] for r in range(self.n))
+
   def depth(self) -> int:
     """Longest leaf-to-root path, in edges."""
     parent = dict(self.edges)
