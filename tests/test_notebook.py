@@ -18,7 +18,8 @@ def test_notebook_installs_from_the_repository_only_in_colab():
   nb = nbformat.read(NOTEBOOK, as_version=4)
   setup = _code(nb)[0]
   assert '"google.colab" in sys.modules' in setup
-  assert "pip" in setup and "git+{REPO_URL}" in setup
+  assert "pip" in setup and "@ {SOURCE}" in setup and "YOUR-ORG" not in setup
+  assert "YOUR-ORG" not in nb.cells[0].source  # no placeholder links
   assert "DQ_NOTEBOOK_TINY" in setup
   assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
       "commit the notebook without outputs; CI executes it")
