@@ -23,13 +23,13 @@ N = 8
 
 
 def _readme_codec():
-  """Runs the README's "Writing a codec" block; returns its namespace."""
-  with open(os.path.join(ROOT, "README.md")) as f:
+  """Runs docs/design.md's "Writing a codec" block; returns its namespace."""
+  with open(os.path.join(ROOT, "docs", "design.md")) as f:
     text = f.read()
   section = text.split("## Writing a codec", 1)[1]
   block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   namespace = {}
-  exec(compile(block, "README.md (Writing a codec)", "exec"), namespace)
+  exec(compile(block, "docs/design.md (Writing a codec)", "exec"), namespace)
   return namespace
 
 
@@ -41,7 +41,7 @@ def int8():
 def test_readme_codec_is_short():
   block = _readme_codec.__code__  # the block itself is measured below
   del block
-  with open(os.path.join(ROOT, "README.md")) as f:
+  with open(os.path.join(ROOT, "docs", "design.md")) as f:
     section = f.read().split("## Writing a codec", 1)[1]
   code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   body = code.split("class Int8Payload")[1].split("grads =")[0]

@@ -1,6 +1,6 @@
 """Compression error weighted by Adam's per-coordinate scale, on the byte-LM gradients.
 
-A one-off check of a guess in the README (*Training*): that MXFP4 trains
+A one-off check of a guess in docs/results.md (*Training*): that MXFP4 trains
 better than DynamiQ despite a higher vNMSE because Adam divides each
 coordinate by its own RMS, so noise on small coordinates matters more than
 vNMSE says. For each codec it prints, on the byte-LM snapshot at step 300

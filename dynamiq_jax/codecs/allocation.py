@@ -17,7 +17,7 @@ We use each width's *measured* ``c_w`` instead
 (:func:`expected_error`): the 4^-w
 model says 2 bits are 16x worse than 4, but the ternary 2-bit quantiser is
 54x worse (0.70 vs 0.013), so the paper's model sends too many super-groups
-to 2 bits (the README's *How it works* has the measured effect).
+to 2 bits (docs/design.md, *How it works*, has the measured effect).
 
 Applied *offline* to a distribution of ``log F`` the rule yields the class
 fractions:

@@ -19,8 +19,8 @@ codec between them:
 Everything a hop needs travels as arguments: the chunk, the payload, the
 plan's ``aux`` arrays and the random :class:`HopKeys` of that hop.
 
-A complete example, a stochastic-rounding int8 codec in 30 lines, is in the
-README ("Writing a codec"); ``tests/test_codec_contract.py`` runs it.
+A complete example, a stochastic-rounding int8 codec in 30 lines, is in
+docs/design.md ("Writing a codec"); ``tests/test_codec_contract.py`` runs it.
 """
 
 from __future__ import annotations

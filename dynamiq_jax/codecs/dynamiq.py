@@ -127,7 +127,7 @@ class DynamiQ(Codec):
       correlated rounding the draws of successive hops of a coordinate are
       stratified while each hop's input depends on the earlier roundings, so
       the all-reduce carries a small bias, far below the variance it
-      removes (the README's *How it works* has the figures). Use ``correlated=False``
+      removes (docs/design.md, *How it works*, has the figures). Use ``correlated=False``
       where exact unbiasedness matters more than variance.
     centre: subtract each super-group's mean before quantising and add the
       all-reduced means back (the paper's step 2). ``False`` quantises the

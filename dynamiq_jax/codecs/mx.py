@@ -21,7 +21,7 @@ Two scale modes:
 
 The authors' own FP6/FP4 casts truncate subnormals and round normals with
 +0.43 / +0.4 offsets (biased low); ours are exact RNE casts, so ours can be
-more accurate than their simulator (the README's *Results* compares them).
+more accurate than their simulator (docs/results.md compares them).
 """
 
 from __future__ import annotations
