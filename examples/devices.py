@@ -52,11 +52,6 @@ def select_devices(count: int | None = None) -> list:
   return cpus[:cpu_count]
 
 
-def make_mesh(devices, axis_name: str = "data"):
-  """A 1-D mesh over ``devices`` with the data-parallel axis ``axis_name``."""
-  return jax.make_mesh((len(devices),), (axis_name,), devices=devices)
-
-
 def setup(config: flags.TrainConfig, axis_name: str = "data"):
   """What every ``train_and_evaluate`` starts with: check the config, pick the devices.
 
@@ -66,7 +61,7 @@ def setup(config: flags.TrainConfig, axis_name: str = "data"):
 
   Returns:
     ``(devices, n, mesh)``: the devices (:func:`select_devices`), how many
-    there are, and a 1-D mesh over them (:func:`make_mesh`).
+    there are, and a 1-D mesh over them with the axis ``axis_name``.
 
   Raises:
     ValueError: for a setting :func:`validate` rejects, or a batch size that
@@ -77,12 +72,12 @@ def setup(config: flags.TrainConfig, axis_name: str = "data"):
   n = len(devices)
   if config.batch_size % n:
     raise ValueError(f"batch_size={config.batch_size} must be a multiple of the {n} devices")
-  return devices, n, make_mesh(devices, axis_name)
+  return devices, n, jax.make_mesh((n,), (axis_name,), devices=devices)
 
 
-def shard_batch(mesh, tree, axis_name: str = "data"):
-  """Puts every leaf of a host batch on ``mesh``, split along its leading axis."""
-  return jax.device_put(tree, NamedSharding(mesh, P(axis_name)))
+def shard_batch(mesh, tree):
+  """Puts every leaf of a host batch on ``mesh``, split along its leading axis over ``data``."""
+  return jax.device_put(tree, NamedSharding(mesh, P("data")))
 
 
 def pad_to_multiple(arrays: Sequence[np.ndarray], n: int):

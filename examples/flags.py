@@ -126,23 +126,17 @@ def build_parser(default: ExampleConfig, *, prog: str | None = None,
   return parser
 
 
-def parse_flags(default: ExampleConfig, argv: Sequence[str] | None = None, *,
-                prog: str | None = None, description: str | None = None,
-                required: Sequence[str] = ()) -> ExampleConfig:
+def parse_flags(default: ExampleConfig, argv: Sequence[str] | None = None) -> ExampleConfig:
   """Builds a config from command-line flags (:func:`build_parser`).
 
   Args:
     default: the defaults (an :class:`ExampleConfig` subclass instance).
     argv: the arguments (default ``sys.argv[1:]``).
-    prog: program name for ``--help``.
-    description: text for ``--help``.
-    required: fields that must be given on the command line.
 
   Returns:
     ``default`` with the given flags replaced.
   """
-  parser = build_parser(default, prog=prog, description=description, required=required)
-  return dataclasses.replace(default, **vars(parser.parse_args(argv)))
+  return dataclasses.replace(default, **vars(build_parser(default).parse_args(argv)))
 
 
 def validate(config: ExampleConfig) -> None:

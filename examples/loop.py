@@ -7,6 +7,7 @@ import time
 from typing import Callable, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from . import flags
 from .checkpoints import checkpoints_for
@@ -43,8 +44,8 @@ def should_evaluate(config: ExampleConfig, step: int) -> bool:
   return step == config.steps or (every > 0 and step % every == 0)
 
 
-def train_loop(config: ExampleConfig, *, state, step_fn, batch_fn, eval_fn,
-               to_checkpoint=lambda s: s, from_checkpoint=lambda t: t, desc: str = "train"):
+def train_loop(config: ExampleConfig, *, state, step_fn, batch_fn, eval_fn, to_checkpoint,
+               from_checkpoint, desc: str):
   """Runs ``config.steps`` steps with evaluation, checkpoints and a progress bar.
 
   If ``<workdir>/checkpoints`` holds a checkpoint, the loop first restores
@@ -79,19 +80,20 @@ def train_loop(config: ExampleConfig, *, state, step_fn, batch_fn, eval_fn,
     history = History(saved)
   history.restarts.append(start)
 
-  bar = progress_bar(config, start, desc)
+  bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=desc,
+             disable=not config.progress, dynamic_ncols=True, mininterval=0.5)
   try:
     for step in bar:
       batch = batch_fn(position)
       position += 1
-      with Stopwatch() as watch:
-        state, loss = step_fn(state, batch)
-        # Fetching the loss waits for the step, so at most one step is in
-        # flight: XLA's CPU collectives can deadlock when many steps are
-        # queued (docs/guide.md, Troubleshooting). The steps wait on CPU too
-        # (sync_every); this also makes step_time_s the step's own time.
-        loss = float(np.asarray(loss).reshape(-1)[0])
-      history.record_step(loss, watch.seconds)
+      t0 = time.perf_counter()
+      state, loss = step_fn(state, batch)
+      # Fetching the loss waits for the step, so at most one step is in
+      # flight: XLA's CPU collectives can deadlock when many steps are
+      # queued (docs/guide.md, Troubleshooting). The steps wait on CPU too
+      # (sync_every); this also makes step_time_s the step's own time.
+      loss = float(np.asarray(loss).reshape(-1)[0])
+      history.record_step(loss, time.perf_counter() - t0)
       bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
       done = step + 1
       if should_evaluate(config, done):
@@ -107,22 +109,3 @@ def train_loop(config: ExampleConfig, *, state, step_fn, batch_fn, eval_fn,
   if not history.evals or history.evals[-1]["step"] != config.steps:
     history.record_eval(config.steps, **eval_fn(state))
   return state, history, start
-
-
-def progress_bar(config: ExampleConfig, start: int, desc: str):
-  """A tqdm bar over steps ``start..config.steps-1``."""
-  from tqdm.auto import tqdm
-
-  return tqdm(range(start, config.steps), initial=start, total=config.steps, desc=desc,
-              disable=not config.progress, dynamic_ncols=True, mininterval=0.5)
-
-
-class Stopwatch:
-  """Wall time of a block: ``with Stopwatch() as t: ...; t.seconds``."""
-
-  def __enter__(self):
-    self._t0 = time.perf_counter()
-    return self
-
-  def __exit__(self, *exc):
-    self.seconds = time.perf_counter() - self._t0

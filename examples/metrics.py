@@ -76,12 +76,6 @@ def write_metrics(workdir: str | None, metrics: dict) -> str | None:
   return path
 
 
-def device_summary(devices) -> dict:
-  """What the run ran on, for the metrics."""
-  return {"count": len(devices), "platform": devices[0].platform,
-          "kind": devices[0].device_kind}
-
-
 def run_metrics(example: str, config: ExampleConfig, *, devices, params, history: History,
                 start: int, state, final: dict, extra: dict | None = None) -> dict:
   """The metrics every example reports (and writes to ``<workdir>/metrics.json``).
@@ -97,12 +91,14 @@ def run_metrics(example: str, config: ExampleConfig, *, devices, params, history
     final: the final evaluation numbers.
     extra: more top-level entries.
   """
+  codec = reduction.make_codec(config)
   metrics = {
       "example": example,
       "config": dict(vars(config)),
-      "devices": device_summary(devices),
+      "devices": {"count": len(devices), "platform": devices[0].platform,
+                  "kind": devices[0].device_kind},
       "reducer": {"name": config.codec, "options": reduction.reducer_options(config),
-                  "schedule": config.schedule, "codec": reduction.codec_description(config)},
+                  "schedule": config.schedule, "codec": None if codec is None else repr(codec)},
       "params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
       "wire": reduction.wire_report(config, params, len(devices)),
       "steps": config.steps,

@@ -38,7 +38,7 @@ def calibrate(config, model: nnx.Module, loss_fn: Callable, batch, n: int):
 
 
 def train_loop(dp: DataParallel, config: flags.ExampleConfig, loss_fn, *, batch_fn, eval_fn,
-               desc: str = "train"):
+               desc: str):
   """:func:`examples.loop.train_loop` from ``dp.state`` with ``dp.train_step(loss_fn)``.
 
   Checkpoints hold the state as ``dp.checkpoint_tree`` gives it.

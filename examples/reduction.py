@@ -82,12 +82,9 @@ def calibrate(config: ExampleConfig, grad_fn: Callable[[Any], Any], batch, n: in
   """
   if not config.calibrate or config.calibrated_profile is not None:
     return config
-  try:
-    codec = dq.codec_from_name(config.codec, **reducer_options(config))
-  except ValueError:
-    return config  # the psum-* reducers have no codec
+  codec = make_codec(config)
   if not isinstance(codec, dq.codecs.DynamiQ):
-    return config
+    return config  # other codecs, and the psum-* reducers (no codec), have nothing to fit
   codec = dataclasses.replace(codec, allocation="static", widths=STATIC_WIDTHS)
   host = jax.device_get(batch)
   size = len(jax.tree.leaves(host)[0])
@@ -133,12 +130,12 @@ def make_optimizer(config: TrainConfig, axis_name: str = "data", *,
                      optax.adamw(schedule, weight_decay=config.weight_decay, **adamw))
 
 
-def codec_description(config: ExampleConfig) -> str | None:
-  """``repr`` of the codec the run uses (None for the ``psum-*`` reducers)."""
+def make_codec(config: ExampleConfig):
+  """The codec ``config.codec`` names, with :func:`reducer_options`; None for ``psum-*``."""
   try:
-    return repr(dq.codec_from_name(config.codec, **reducer_options(config)))
+    return dq.codec_from_name(config.codec, **reducer_options(config))
   except ValueError:
-    return None
+    return None  # the psum-* reducers have no codec
 
 
 _PSUM_BITS = {"bf16": 16, "f16": 16, "fp16": 16, "f32": 32, "fp32": 32}
@@ -154,10 +151,7 @@ def wire_report(config: ExampleConfig, params, n: int) -> dict:
   """
   coords = int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
   bf16_bytes = 2.0 * coords * 2 * (n - 1) / n
-  try:
-    codec = dq.codec_from_name(config.codec, **reducer_options(config))
-  except ValueError:
-    codec = None
+  codec = make_codec(config)
   if codec is not None:
     stats = dq.wire_stats(params, codec=codec, n=n)
     bits, sent = float(stats.bits_per_coord), float(stats.bytes_per_rank)
