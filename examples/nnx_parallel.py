@@ -14,11 +14,13 @@ from typing import Callable
 from flax import nnx
 
 from dynamiq_jax.nnx import DataParallel
-from . import common
+from . import flags
+from . import loop
+from . import reduction
 
 
 def calibrate(config, model: nnx.Module, loss_fn: Callable, batch, n: int):
-  """:func:`examples.common.calibrate` for an NNX model, before ``DataParallel.create``.
+  """:func:`examples.reduction.calibrate` for an NNX model, before ``DataParallel.create``.
 
   Args:
     config: the run's settings.
@@ -29,15 +31,15 @@ def calibrate(config, model: nnx.Module, loss_fn: Callable, batch, n: int):
 
   Returns:
     The config with the fitted capacities (or unchanged; see
-    :func:`examples.common.calibrate`).
+    :func:`examples.reduction.calibrate`).
   """
   grad = nnx.jit(nnx.grad(loss_fn))
-  return common.calibrate(config, lambda shard: grad(model, shard), batch, n)
+  return reduction.calibrate(config, lambda shard: grad(model, shard), batch, n)
 
 
-def train_loop(dp: DataParallel, config: common.ExampleConfig, loss_fn, *, batch_fn, eval_fn,
-               desc: str = "train"):
-  """:func:`examples.common.train_loop` from ``dp.state`` with ``dp.train_step(loss_fn)``.
+def train_loop(dp: DataParallel, config: flags.ExampleConfig, loss_fn, *, batch_fn, eval_fn,
+               desc: str):
+  """:func:`examples.loop.train_loop` from ``dp.state`` with ``dp.train_step(loss_fn)``.
 
   Checkpoints hold the state as ``dp.checkpoint_tree`` gives it.
 
@@ -50,9 +52,9 @@ def train_loop(dp: DataParallel, config: common.ExampleConfig, loss_fn, *, batch
     desc: progress bar label.
 
   Returns:
-    ``(state, history, start)``, as :func:`examples.common.train_loop`.
+    ``(state, history, start)``, as :func:`examples.loop.train_loop`.
   """
-  return common.train_loop(
+  return loop.train_loop(
       config, state=dp.state, step_fn=dp.train_step(loss_fn), batch_fn=batch_fn,
       eval_fn=eval_fn, to_checkpoint=dp.checkpoint_tree,
       from_checkpoint=dp.from_checkpoint_tree, desc=desc)

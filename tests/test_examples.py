@@ -21,7 +21,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the examples live beside the package, not inside it
   sys.path.insert(0, str(ROOT))
 
-from examples import common  # noqa: E402
+from examples import devices  # noqa: E402
+from examples import flags  # noqa: E402
+from examples import reduction  # noqa: E402
 from examples import datasets  # noqa: E402
 from examples.linen_pmap import config as linen_config  # noqa: E402
 from examples.linen_pmap import train as linen_train  # noqa: E402
@@ -54,27 +56,27 @@ def _check_run(metrics, steps):
 
 
 def test_flags_override_the_config_defaults():
-  config = common.parse_flags(digits_config.get_config(), [
+  config = flags.parse_flags(digits_config.get_config(), [
       "--codec", "psum-bf16", "--bits", "4", "--schedule", "butterfly", "--devices", "4",
       "--steps", "7", "--seed", "3", "--workdir", "/tmp/x", "--batch-size", "64",
       "--no-progress"])
   assert (config.codec, config.bits, config.schedule, config.devices, config.steps,
           config.seed, config.workdir, config.batch_size, config.progress) == (
               "psum-bf16", 4.0, "butterfly", 4, 7, 3, "/tmp/x", 64, False)
-  defaults = common.parse_flags(digits_config.get_config(), [])
+  defaults = flags.parse_flags(digits_config.get_config(), [])
   assert defaults.devices is None and defaults.bits is None and defaults.codec == "dynamiq"
 
 
 @pytest.mark.parametrize("argv", [["--codec", "no-such-codec"], ["--schedule", "tree"]])
 def test_flags_reject_unknown_choices(argv, capsys):
   with pytest.raises(SystemExit):
-    common.parse_flags(digits_config.get_config(), argv)
+    flags.parse_flags(digits_config.get_config(), argv)
   assert "invalid choice" in capsys.readouterr().err
 
 
 def test_overridden_defaults_keep_the_shared_help(capsys):
   with pytest.raises(SystemExit):
-    common.parse_flags(lm_config.get_config(), ["--help"])
+    flags.parse_flags(lm_config.get_config(), ["--help"])
   help_text = " ".join(capsys.readouterr().out.split())
   assert "linear warm-up steps before the cosine decay (default: 40)" in help_text
   assert "global batch size in sequences (split over the devices) (default: 64)" in help_text
@@ -83,23 +85,23 @@ def test_overridden_defaults_keep_the_shared_help(capsys):
 
 def test_setup_checks_that_the_batch_splits_over_the_devices():
   with pytest.raises(ValueError, match="multiple of the 8 devices"):
-    common.setup(digits_config.get_config(batch_size=60))
-  devices, n, mesh = common.setup(digits_config.get_config(batch_size=64, devices=4))
-  assert n == len(devices) == mesh.shape["data"] == 4
+    devices.setup(digits_config.get_config(batch_size=60))
+  chosen, n, mesh = devices.setup(digits_config.get_config(batch_size=64, devices=4))
+  assert n == len(chosen) == mesh.shape["data"] == 4
 
 
 def test_every_registered_reducer_can_be_built_from_flags():
   for name in dq.REDUCERS:
     config = digits_config.get_config(codec=name)
-    assert common.reducer_options(config) == {}, name  # no --bits: the codec's own default
-    assert callable(common.make_reducer(config, "data").update), name
-  assert common.reducer_options(digits_config.get_config(codec="dynamiq", bits=4)) == {"bits": 4}
-  assert common.reducer_options(digits_config.get_config(codec="psum-bf16", bits=4)) == {}
+    assert reduction.reducer_options(config) == {}, name  # no --bits: the codec's own default
+    assert callable(reduction.make_reducer(config, "data").update), name
+  assert reduction.reducer_options(digits_config.get_config(codec="dynamiq", bits=4)) == {"bits": 4}
+  assert reduction.reducer_options(digits_config.get_config(codec="psum-bf16", bits=4)) == {}
   if "globalqsgd" in dq.REDUCERS:  # takes whole bits
-    assert common.reducer_options(
+    assert reduction.reducer_options(
         digits_config.get_config(codec="globalqsgd", bits=16.0)) == {"bits": 16}
     with pytest.raises(ValueError, match="whole bits"):
-      common.reducer_options(digits_config.get_config(codec="globalqsgd", bits=4.5))
+      reduction.reducer_options(digits_config.get_config(codec="globalqsgd", bits=4.5))
 
 
 def test_calibrate_fits_the_codec_to_the_per_rank_gradients():
@@ -107,54 +109,54 @@ def test_calibrate_fits_the_codec_to_the_per_rank_gradients():
   x = rng.standard_normal((16, 4096)).astype(np.float32) * np.exp(rng.normal(size=4096) * 2)
   grad_fn = lambda shard: {"g": shard.mean(0), "h": shard[:, :100].max(0)}
   config = digits_config.get_config(codec="dynamiq", bits=4, calibrate=True)
-  fitted = common.calibrate(config, grad_fn, x, 4)
+  fitted = reduction.calibrate(config, grad_fn, x, 4)
   # the same as calibrating the codec by hand on the four ranks' gradients
   by_hand = [np.concatenate([g.ravel() for g in grad_fn(x[4 * r:4 * r + 4]).values()])
              for r in range(4)]
   static = dq.codecs.DynamiQ(bits=4, allocation="static")
   assert fitted.calibrated_profile == static.calibrate(np.stack(by_hand)).profile
-  assert common.reducer_options(fitted) == {
+  assert reduction.reducer_options(fitted) == {
       "bits": 4, "allocation": "static", "widths": (2, 4, 8),
       "profile": fitted.calibrated_profile}
   # these gradients are not the paper's model: the fitted codec shares the bits differently
-  codec = dq.codec_from_name(fitted.codec, **common.reducer_options(fitted))
+  codec = dq.codec_from_name(fitted.codec, **reduction.reducer_options(fitted))
   assert codec.default_fractions() != static.default_fractions()
-  assert common.calibrate(fitted, grad_fn, x, 4) is fitted  # already calibrated
+  assert reduction.calibrate(fitted, grad_fn, x, 4) is fitted  # already calibrated
   for unchanged in (dataclasses.replace(config, calibrate=False),
                     digits_config.get_config(codec="psum-bf16"),
                     digits_config.get_config(codec="mxfp8")):
-    assert common.calibrate(unchanged, grad_fn, x, 4) is unchanged
+    assert reduction.calibrate(unchanged, grad_fn, x, 4) is unchanged
   with pytest.raises(ValueError, match="not a multiple of the 3 ranks"):
-    common.calibrate(config, grad_fn, x, 3)
+    reduction.calibrate(config, grad_fn, x, 3)
   # off by default (per-round allocation needs none); the fitted shares are not a flag
   assert digits_config.get_config(codec="dynamiq").calibrate is False
-  assert common.parse_flags(config, ["--no-calibrate"]).calibrate is False
+  assert flags.parse_flags(config, ["--no-calibrate"]).calibrate is False
   with pytest.raises(SystemExit):
-    common.parse_flags(config, ["--calibrated_profile", "1"])
+    flags.parse_flags(config, ["--calibrated_profile", "1"])
 
 
 def test_wire_report_counts_what_each_rank_sends():
   params = {"w": np.zeros((300, 400), np.float32)}
-  bf16 = common.wire_report(digits_config.get_config(codec="psum-bf16"), params, 8)
+  bf16 = reduction.wire_report(digits_config.get_config(codec="psum-bf16"), params, 8)
   assert bf16["bits_per_coord"] == 16
   assert bf16["bytes_per_rank_per_step"] == pytest.approx(2 * 120_000 * 2 * 7 / 8)
-  five = common.wire_report(digits_config.get_config(codec="dynamiq", bits=5), params, 8)
+  five = reduction.wire_report(digits_config.get_config(codec="dynamiq", bits=5), params, 8)
   assert 4.5 < five["bits_per_coord"] <= 5.0
   assert five["vs_bf16"] == pytest.approx(five["bits_per_coord"] / 16, rel=1e-6)
 
 
 def test_select_devices_uses_the_simulated_cpu_devices():
-  assert len(common.select_devices(None)) == 8
-  assert [d.id for d in common.select_devices(4)] == [0, 1, 2, 3]
+  assert len(devices.select_devices(None)) == 8
+  assert [d.id for d in devices.select_devices(4)] == [0, 1, 2, 3]
   with pytest.raises(RuntimeError, match="fresh process"):
-    common.select_devices(64)
+    devices.select_devices(64)
 
 
 def test_validate_names_the_bad_setting():
   with pytest.raises(ValueError, match="REDUCERS"):
-    common.validate(digits_config.get_config(codec="nope"))
+    flags.validate(digits_config.get_config(codec="nope"))
   with pytest.raises(ValueError, match="schedule"):
-    common.validate(digits_config.get_config(schedule="tree"))
+    flags.validate(digits_config.get_config(schedule="tree"))
 
 
 def test_digit_batches_are_a_function_of_the_position():

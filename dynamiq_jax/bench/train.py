@@ -155,9 +155,9 @@ def _fmt(x, spec):
 
 def main(argv=None):
   args = _parse(argv)
-  from dynamiq_jax.examples import common as ex_common  # examples/, shipped in the wheel
+  from dynamiq_jax.examples import devices as ex_devices  # examples/, shipped in the wheel
 
-  devices = ex_common.select_devices(None)  # before anything else starts JAX
+  devices = ex_devices.select_devices(None)  # before anything else starts JAX
   from dynamiq_jax.bench import common
   from tqdm.auto import tqdm
 

@@ -11,7 +11,7 @@ all-reduces them instead, compressed::
     state = state.apply_gradients(grads=grads)   # inside the pmapped step
 
 (Here the all-reduce is picked by name, ``dq.reducer(config.codec, "batch", ...)``,
-in the chain ``examples.common.make_optimizer`` builds.)
+in the chain ``examples.reduction.make_optimizer`` builds.)
 """
 
 from __future__ import annotations
@@ -27,9 +27,15 @@ from flax import linen as nn
 from flax import serialization
 from flax.training import train_state
 
-from .. import common
 from .. import datasets
+from .. import loop
+from .. import reduction
 from .config import Config
+from ..devices import pad_to_multiple
+from ..devices import param_shapes
+from ..devices import setup
+from ..devices import weighted_mean
+from ..metrics import run_metrics
 
 AXIS = "batch"
 
@@ -56,16 +62,16 @@ def create_train_state(config: Config, rng, first_batch=None,
 
   With ``first_batch`` (global ``(images, labels)``), the codec is first
   with ``--calibrate``, static capacities fitted to its per-rank gradients at the initial parameters
-  (:func:`examples.common.calibrate`); the config that was used comes back
+  (:func:`examples.reduction.calibrate`); the config that was used comes back
   beside the state.
   """
   model = CNN(features=config.features, hidden=config.hidden)
   params = model.init(rng, jnp.zeros((1, 8, 8, 1), jnp.float32))["params"]
   if first_batch is not None:
     grad = jax.jit(jax.grad(functools.partial(loss_fn, model.apply)))
-    config = common.calibrate(config, lambda b: grad(params, *b), first_batch, n)
+    config = reduction.calibrate(config, lambda b: grad(params, *b), first_batch, n)
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=common.make_optimizer(config, AXIS))
+                                        tx=reduction.make_optimizer(config, AXIS))
   return state, config
 
 
@@ -106,27 +112,27 @@ def train_and_evaluate(config: Config) -> dict:
     resumes from), plus ``replicas_identical``: whether every device ends
     with the same parameters.
   """
-  devices, n, _ = common.setup(config, AXIS)
+  devices, n, _ = setup(config, AXIS)
   data = datasets.load_digits(config.test_fraction)
 
   batches = datasets.EpochBatches(len(data.y_train), config.batch_size, config.seed)
   first = batches.indices(0)
   state, config = create_train_state(config, jax.random.key(config.seed),
                                      (data.x_train[first], data.y_train[first]), n)
-  params = common.param_shapes(state.params)
+  params = param_shapes(state.params)
   # One copy of the state per device, stacked on a leading axis: the pmap way.
   # Naming the mesh axis like pmap's gives the copies the sharding the step
   # returns, so the second step does not compile again.
   state = jax_utils.replicate(state, devices, axis_name=AXIS)
   p_train_step = jax.pmap(train_step, axis_name=AXIS, devices=devices, donate_argnums=(0,))
   p_eval_step = jax.pmap(eval_step, axis_name=AXIS, devices=devices)
-  (x_test, y_test), weights = common.pad_to_multiple([data.x_test, data.y_test], n)
+  (x_test, y_test), weights = pad_to_multiple([data.x_test, data.y_test], n)
   test_batch = _per_device(n, x_test, y_test)
 
   def run_eval(state) -> dict:
     out = jax.device_get(p_eval_step(state, *test_batch))
-    return {"test_loss": common.weighted_mean(out["loss"], weights),
-            "test_accuracy": common.weighted_mean(out["correct"], weights)}
+    return {"test_loss": weighted_mean(out["loss"], weights),
+            "test_accuracy": weighted_mean(out["correct"], weights)}
 
   def batch_fn(position):
     idx = batches.indices(position)
@@ -140,7 +146,7 @@ def train_and_evaluate(config: Config) -> dict:
   to_checkpoint = serialization.to_state_dict
   from_checkpoint = functools.partial(serialization.from_state_dict, state)
 
-  state, history, start = common.train_loop(
+  state, history, start = loop.train_loop(
       config, state=state, step_fn=step_fn, batch_fn=batch_fn, eval_fn=run_eval,
       to_checkpoint=to_checkpoint, from_checkpoint=from_checkpoint,
       desc=f"linen pmap {config.codec}")
@@ -148,7 +154,7 @@ def train_and_evaluate(config: Config) -> dict:
   # Every device holds its own copy; the all-reduce gives every rank the same bytes.
   replicas_identical = all(bool(np.all(a == a[:1]))
                            for a in jax.tree.leaves(jax.device_get(state.params)))
-  return common.run_metrics(
+  return run_metrics(
       "linen_pmap", config, devices=devices, params=params, history=history, start=start,
       state=to_checkpoint(state), final=final,
       extra={"replicas_identical": replicas_identical})

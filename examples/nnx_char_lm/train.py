@@ -7,7 +7,7 @@ evaluation is the mean cross-entropy on fixed held-out windows, in nats per
 byte (``eval_bits_per_byte`` = nats / ln 2).
 
 The optimizer is the issue's one-liner with the all-reduce picked by name
-(built by ``examples.common.make_optimizer``)::
+(built by ``examples.reduction.make_optimizer``)::
 
     tx = optax.chain(dq.reducer(config.codec, "data", bits=...), optax.adamw(...))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -24,9 +24,14 @@ import optax
 from flax import nnx
 
 from dynamiq_jax.nnx import DataParallel
-from .. import common
 from .. import datasets
+from .. import reduction
 from .config import Config
+from ..devices import pad_to_multiple
+from ..devices import param_shapes
+from ..devices import setup
+from ..devices import shard_batch
+from ..metrics import run_metrics
 from ..nnx_parallel import calibrate
 from ..nnx_parallel import train_loop
 
@@ -97,8 +102,8 @@ def per_example(model: CharTransformer, batch) -> jax.Array:
 
 
 def make_optimizer(config: Config, axis_name: str = "data") -> optax.GradientTransformation:
-  """:func:`examples.common.make_optimizer` decaying to a tenth of the peak, AdamW ``b2=0.99``."""
-  return common.make_optimizer(config, axis_name, final_lr_fraction=0.1, b2=0.99)
+  """:func:`examples.reduction.make_optimizer` decaying to a tenth of the peak, AdamW ``b2=0.99``."""
+  return reduction.make_optimizer(config, axis_name, final_lr_fraction=0.1, b2=0.99)
 
 
 def train_and_evaluate(config: Config) -> dict:
@@ -108,27 +113,27 @@ def train_and_evaluate(config: Config) -> dict:
     config: the settings (``config.get_config()`` plus changes).
 
   Returns:
-    The metrics of :func:`examples.common.run_metrics` and the ``corpus``
+    The metrics of :func:`examples.metrics.run_metrics` and the ``corpus``
     read; ``evals`` and ``final`` hold the held-out ``eval_loss`` (nats per
     byte) and ``eval_bits_per_byte``. With a ``workdir``, they are written
     there too, next to the checkpoints a later run resumes from, bit for bit
-    (:func:`examples.common.train_loop`).
+    (:func:`examples.loop.train_loop`).
   """
-  devices, n, mesh = common.setup(config)
+  devices, n, mesh = setup(config)
   corpus = datasets.python_source_corpus(config.corpus_bytes, config.held_out_every)
 
   def batch_fn(position):
-    return common.shard_batch(mesh, datasets.random_windows(
+    return shard_batch(mesh, datasets.random_windows(
         corpus.train, config.batch_size, config.context, config.seed, position))
 
   model = CharTransformer(config, rngs=nnx.Rngs(config.seed))
-  params = common.param_shapes(nnx.state(model, nnx.Param))
+  params = param_shapes(nnx.state(model, nnx.Param))
   config = calibrate(config, model, loss_fn, batch_fn(0), n)
   dp = DataParallel.create(model, make_optimizer(config), mesh=mesh)
   evaluate = dp.eval_step(per_example)
-  (x_eval, y_eval), weights = common.pad_to_multiple(
+  (x_eval, y_eval), weights = pad_to_multiple(
       datasets.even_windows(corpus.held_out, config.eval_windows, config.context), n)
-  eval_batch = common.shard_batch(mesh, (x_eval, y_eval))
+  eval_batch = shard_batch(mesh, (x_eval, y_eval))
 
   def run_eval(state) -> dict:
     losses = np.asarray(jax.device_get(evaluate(state, eval_batch)), np.float64)
@@ -137,7 +142,7 @@ def train_and_evaluate(config: Config) -> dict:
 
   state, history, start = train_loop(dp, config, loss_fn, batch_fn=batch_fn, eval_fn=run_eval,
                                         desc=f"char-LM {config.codec}")
-  metrics = common.run_metrics(
+  metrics = run_metrics(
       "nnx_char_lm", config, devices=devices, params=params, history=history, start=start,
       state=state, final={k: history.evals[-1][k] for k in ("eval_loss", "eval_bits_per_byte")},
       extra={"corpus": {"root": corpus.root, "files": corpus.files,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..common import TrainConfig
-from ..common import flag
+from ..flags import TrainConfig
+from ..flags import flag
 
 
 @dataclasses.dataclass(frozen=True)

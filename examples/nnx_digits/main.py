@@ -5,7 +5,8 @@
 Run it from the repository root; ``--help`` lists every flag.
 """
 
-from .. import common
+from .. import flags
+from .. import loop
 from . import config
 from . import train
 
@@ -15,12 +16,12 @@ PROG = "python -m examples.nnx_digits.main"
 
 def build_parser():
   """The example's flags: every config field, with its meaning and default in ``--help``."""
-  return common.example_parser(config.get_config, prog=PROG, doc=__doc__)
+  return flags.example_parser(config.get_config, prog=PROG, doc=__doc__)
 
 
 def main(argv=None) -> dict:
   """Runs the example as ``argv`` (default: the command line) says; returns the metrics."""
-  return common.run_example(config.get_config, train.train_and_evaluate, argv, prog=PROG,
+  return loop.run_example(config.get_config, train.train_and_evaluate, argv, prog=PROG,
                             doc=__doc__)
 
 

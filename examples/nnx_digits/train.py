@@ -5,7 +5,7 @@ The optimizer is the issue's one-liner with the all-reduce picked by name::
     tx = optax.chain(dq.reducer(config.codec, "data", bits=...), optax.adamw(...))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-(``examples.common.make_optimizer`` builds it; ``dq.reducer("dynamiq", ...)`` is
+(``examples.reduction.make_optimizer`` builds it; ``dq.reducer("dynamiq", ...)`` is
 ``dq.compressed_psum(codec=DynamiQ(...))``.)
 Each rank computes gradients on its slice of the global batch; the chain
 all-reduces them (compressed unless ``--codec psum-*``) before AdamW.
@@ -19,9 +19,15 @@ import optax
 from flax import nnx
 
 from dynamiq_jax.nnx import DataParallel
-from .. import common
 from .. import datasets
+from .. import reduction
 from .config import Config
+from ..devices import pad_to_multiple
+from ..devices import param_shapes
+from ..devices import setup
+from ..devices import shard_batch
+from ..devices import weighted_mean
+from ..metrics import run_metrics
 from ..nnx_parallel import calibrate
 from ..nnx_parallel import train_loop
 
@@ -65,35 +71,35 @@ def train_and_evaluate(config: Config) -> dict:
     config: the settings (``config.get_config()`` plus changes).
 
   Returns:
-    The metrics of :func:`examples.common.run_metrics`; ``evals`` and
+    The metrics of :func:`examples.metrics.run_metrics`; ``evals`` and
     ``final`` hold ``test_loss`` and ``test_accuracy``. With a ``workdir``,
     they are written there too, next to the checkpoints a later run
-    resumes from, bit for bit (:func:`examples.common.train_loop`).
+    resumes from, bit for bit (:func:`examples.loop.train_loop`).
   """
-  devices, n, mesh = common.setup(config)
+  devices, n, mesh = setup(config)
   data = datasets.load_digits(config.test_fraction)
 
   batches = datasets.EpochBatches(len(data.y_train), config.batch_size, config.seed)
 
   def batch_fn(position):
     idx = batches.indices(position)
-    return common.shard_batch(mesh, (data.x_train[idx], data.y_train[idx]))
+    return shard_batch(mesh, (data.x_train[idx], data.y_train[idx]))
 
   model = CNN(features=config.features, hidden=config.hidden, rngs=nnx.Rngs(config.seed))
-  params = common.param_shapes(nnx.state(model, nnx.Param))
+  params = param_shapes(nnx.state(model, nnx.Param))
   config = calibrate(config, model, loss_fn, batch_fn(0), n)
-  dp = DataParallel.create(model, common.make_optimizer(config), mesh=mesh)
+  dp = DataParallel.create(model, reduction.make_optimizer(config), mesh=mesh)
   evaluate = dp.eval_step(per_example)
-  (x_test, y_test), weights = common.pad_to_multiple([data.x_test, data.y_test], n)
-  test_batch = common.shard_batch(mesh, (x_test, y_test))
+  (x_test, y_test), weights = pad_to_multiple([data.x_test, data.y_test], n)
+  test_batch = shard_batch(mesh, (x_test, y_test))
 
   def run_eval(state) -> dict:
     out = jax.device_get(evaluate(state, test_batch))
-    return {"test_loss": common.weighted_mean(out["loss"], weights),
-            "test_accuracy": common.weighted_mean(out["correct"], weights)}
+    return {"test_loss": weighted_mean(out["loss"], weights),
+            "test_accuracy": weighted_mean(out["correct"], weights)}
 
   state, history, start = train_loop(dp, config, loss_fn, batch_fn=batch_fn, eval_fn=run_eval,
                                         desc=f"digits {config.codec}")
   final = {k: history.evals[-1][k] for k in ("test_accuracy", "test_loss")}
-  return common.run_metrics("nnx_digits", config, devices=devices, params=params,
+  return run_metrics("nnx_digits", config, devices=devices, params=params,
                             history=history, start=start, state=state, final=final)
