@@ -115,7 +115,7 @@ class _Tables:
       else:
         qq = 1.0 + 2.0 * e**2
         c1.append(np.float32(qq**rr - 1.0))
-        c2.append(np.float32(1.0 / np.log(qq)))
+        c2.append(np.float32(1.0 / np.log2(qq)))
     self.table = np.concatenate(tabs).astype(np.float32)
     self.base = np.array(base, np.int32)
     self.r = np.array(r, np.int32)
@@ -167,15 +167,30 @@ def _trailing(v, ndim: int):
   return v[(...,) + (None,) * (ndim - v.ndim)]
 
 
-def _round_levels_var(a, s, lookup, base, r, c1, c2, u_scaled, q: int):
+def _round_levels_var(a, s, lookup, base, r, c1, c2, u_scaled, q: int, log2=jnp.log2):
   """:func:`pallas_kernels.dynamiq_format._round_levels` with the width's
   constants as arrays broadcast against ``a`` (``base`` indexes the
-  concatenated table). The first guess is the MEE log formula for every
-  width: for the ternary 2-bit width it is clipped to ``r - 1 = 0``, the only
-  bracket, so no select is needed."""
-  safe = jnp.where(s > 0, s, 1.0)
-  t = a / safe  # a guess only
-  approx = jnp.log1p(t * c1) * c2
+  concatenated table).
+
+  The first guess is the MEE log formula for every width, ``floor(log2(1 +
+  t c1) / log2(1 + 2 eps^2))`` with ``t = a / s``; for the ternary 2-bit
+  width it is clipped to ``r - 1 = 0``, the only bracket, so no select is
+  needed. It is computed cheaply: ``1 / s`` once per group (``s`` is the
+  group's scale, broadcast), then per coordinate two multiplies, a multiply-
+  add and a base-2 log (one MUFU instruction on a GPU) instead of a division
+  and ``log1p``. Groups with ``s < 2^-100`` are scaled by ``2^24`` first
+  (exact) so that the reciprocal stays finite. Only the guess changes: it is
+  within one level of the exact bracket for every width 2..8 and ``a`` in
+  ``[0, s]`` (``a`` next to every level boundary, checked in
+  ``tests/test_dynamiq_units.py``), and the two correction steps below then
+  find that bracket whatever the guess, so the codes are the ones the
+  division and ``log1p`` gave, bit for bit, on every backend, and ``log2``
+  may be any approximation with an error well below a level (the kernels
+  pass the GPU's ``lg2.approx.f32``, absolute error below 2^-22)."""
+  f = jnp.where(s < np.float32(2.0**-100), np.float32(2.0**24), np.float32(1.0))
+  rcp = 1.0 / (jnp.where(s > 0, s, 1.0) * f)  # per group
+  t = (a * f) * rcp  # a guess only
+  approx = log2(1.0 + t * c1) * c2
   j = jnp.clip(jnp.floor(approx), 0, r - 1).astype(jnp.int32)
   lk = lambda i: lookup(base + i)
   j = jnp.maximum(j - (a < lk(j) * s).astype(jnp.int32), 0)
@@ -187,7 +202,7 @@ def _round_levels_var(a, s, lookup, base, r, c1, c2, u_scaled, q: int):
 
 
 def encode_block_var(x, widths, tabs: _Tables, *, lookup, idx, keys, rank, strata: int,
-                     scale_rounding="up", store=None):
+                     scale_rounding="up", store=None, log2=jnp.log2):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
@@ -195,6 +210,8 @@ def encode_block_var(x, widths, tabs: _Tables, *, lookup, idx, keys, rank, strat
       as [S, G, CB, P] (the kernels' view, P codes per plane byte).
     widths: int32 [S].
     idx: uint32 RNG counters, shaped as ``x``.
+    log2: the base-2 log of the first guess of each level (any approximation
+      within 2^-20 of it gives the same codes; :func:`_round_levels_var`).
 
   Returns:
     ``(codes uint32 shaped as x in [0, 2^w - 2], k uint8 [S, G], unit f32 [S])``.
@@ -212,7 +229,7 @@ def encode_block_var(x, widths, tabs: _Tables, *, lookup, idx, keys, rank, strat
   per = lambda v: _trailing(_wsel(widths, v, tabs), x.ndim)
   r = per(tabs.r)
   lvl = _round_levels_var(a, _trailing(s, x.ndim), lookup, per(tabs.base), r, per(tabs.c1),
-                          per(tabs.c2), u, q)
+                          per(tabs.c2), u, q, log2)
   codes = jnp.where(x < 0, r - lvl, r + lvl).astype(jnp.uint32)
   return codes, k.astype(jnp.uint8), unit
 

@@ -43,9 +43,10 @@ gathered by level index.
 Compiled for sm_90a from a CPU host (``tests/test_gpu_compile_units.py``,
 bf16 inputs, ``BLOCK = 8``), ``ptxas -v`` reports 0 spill bytes for all
 eight kernels; registers, compress / decompress / decompress_accumulate /
-hop: 72 / 56 / 48 / 96 with ``plane_bits=1`` and width set (2, 3, 4, 5, 6,
-8), 117 / 40 / 40 / 126 with ``plane_bits=2`` and (2, 4, 8). Not yet run on
-a GPU.
+hop: 72 / 40 / 62 / 80 with ``plane_bits=1`` and width set (2, 3, 4, 5, 6,
+8), 115 / 40 / 40 / 119 with ``plane_bits=2`` and (2, 4, 8). Static SASS instructions per coordinate (``tools/sass_count.py``,
+``docs/results/kernels_sass.md``): 148 / 33 / 35 / 175 with that width set,
+146 for the hop when every super-group is at 4 bits. Not yet run on a GPU.
 
 Dispatch: :func:`pallas_kernels.dynamiq._dispatch`, the same as the
 per-class kernels (``implementation=None``: the kernels in a lowering for
@@ -182,18 +183,43 @@ def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: in
   unit = bf16.from_bytes(K._load_bytes(pay_ref, u_off, u_ok),
                          K._load_bytes(pay_ref, u_off + 1, u_ok))
   shape = cfg.block(K.BLOCK)
-  shifts = jax.lax.broadcasted_iota(jnp.uint32, shape, 3) * np.uint32(cfg.plane_bits)
-  mask = np.uint32((1 << cfg.plane_bits) - 1)
-  codes = jnp.zeros(shape, jnp.uint32)
-  for p, (off, ok) in enumerate(_plane_offsets(cfg, widths, ptab_ref, s_count, units)):
-    b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)[..., None]
-    codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
+  lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
+  planes = _plane_offsets(cfg, widths, ptab_ref, s_count, units)
+  if cfg.plane_bits == 1:
+    # Word-wise: each plane byte's two nibbles are spread to bit 0 of four
+    # bytes by one multiply ((n * 0x204081) & 0x01010101: bit c lands at 8 c,
+    # the other partial products at distinct bits below 25, so no carries),
+    # and shifted to bit p; code c is then byte c % 4 of the low / high word.
+    words = [jnp.zeros(shape[:3], jnp.uint32), jnp.zeros(shape[:3], jnp.uint32)]
+    for p, (off, ok) in enumerate(planes):
+      b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)
+      for h, nib in enumerate((b & np.uint32(0xF), b >> np.uint32(4))):
+        words[h] = words[h] | (((nib * np.uint32(0x204081)) & np.uint32(0x01010101))
+                               << np.uint32(p))
+    word = jnp.where(lane < 4, words[0][..., None], words[1][..., None])
+    codes = (word >> ((lane & np.uint32(3)) * np.uint32(8))) & np.uint32(0xFF)
+  else:
+    shifts = lane * np.uint32(cfg.plane_bits)
+    mask = np.uint32((1 << cfg.plane_bits) - 1)
+    codes = jnp.zeros(shape, jnp.uint32)
+    for p, (off, ok) in enumerate(planes):
+      b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)[..., None]
+      codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
   return U.decode_block_var(codes, F.hier_scale(k, unit), widths, cfg.tabs,
                             lookup=lambda j: tab_ref[j])
 
 
+def _approx_log2(v):
+  """float32 base-2 log by the GPU's ``lg2.approx.f32`` (one MUFU instruction;
+  absolute error below 2^-22 for the arguments >= 1 it gets here)."""
+  from jax.experimental.pallas import triton as pltr
+  [out] = pltr.elementwise_inline_asm("lg2.approx.f32 $0, $1;", args=[v], constraints="=f,f",
+                                      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct.like(v)])
+  return out
+
+
 def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
-                 s_count: int, units: int, strata: int):
+                 s_count: int, units: int, strata: int, interpret: bool):
   """Encodes float32 [BLOCK, G, CB, P]; stores its scale records, planes and its
   share of the unused units (zeros)."""
   block = K.BLOCK
@@ -203,18 +229,32 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   keys, rank = _keys(keys_ref)
   codes, k, unit = U.encode_block_var(x, widths, cfg.tabs, lookup=lambda j: tab_ref[j], idx=idx,
                                       keys=keys, rank=rank, strata=strata,
-                                      scale_rounding=cfg.scale_rounding)
+                                      scale_rounding=cfg.scale_rounding,
+                                      log2=jnp.log2 if interpret else _approx_log2)
   k_off, k_ok, u_off, u_ok = _scale_offsets(s_count)
   K._store_bytes(out_ref, k_off, k, k_ok)
   bits = jax.lax.bitcast_convert_type(unit, jnp.uint32) >> 16
   K._store_bytes(out_ref, u_off, (bits & 0xFF).astype(jnp.uint8), u_ok)
   K._store_bytes(out_ref, u_off + 1, (bits >> 8).astype(jnp.uint8), u_ok)
-  shifts = jax.lax.broadcasted_iota(jnp.uint32, shape, 3) * np.uint32(cfg.plane_bits)
-  mask = np.uint32((1 << cfg.plane_bits) - 1)
+  # Word-wise planes: the codes of a plane byte (8 or 4) go into uint32 words,
+  # four codes (one byte each) per word; a plane's bits are then gathered
+  # from a word by one mask and one multiply (partial products at distinct
+  # bits, so no carries): 1-bit planes, bits 0, 8, 16, 24 times 0x10204080
+  # land at bits 28..31; 2-bit planes, fields at 0, 8, 16, 24 times
+  # 0x01041040 land at bits 24..31.
+  lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
+  byte_of = (lane & np.uint32(3)) * np.uint32(8)
+  words = [jnp.sum(jnp.where(lane // 4 == h, codes << byte_of, np.uint32(0)), axis=-1)
+           for h in range(shape[3] // 4)]  # disjoint bit fields
   for p, (off, ok) in enumerate(_plane_offsets(cfg, widths, ptab_ref, s_count, units)):
-    plane = (codes >> np.uint32(cfg.plane_bits * p)) & mask
-    byte = jnp.sum(plane << shifts, axis=-1).astype(jnp.uint8)  # disjoint bit fields
-    K._store_bytes(out_ref, off, byte, ok)
+    if cfg.plane_bits == 1:
+      nib = [(((w >> np.uint32(p)) & np.uint32(0x01010101)) * np.uint32(0x10204080))
+             >> np.uint32(28) for w in words]
+      byte = nib[0] | (nib[1] << np.uint32(4))
+    else:
+      byte = ((((words[0] >> np.uint32(2 * p)) & np.uint32(0x03030303))
+               * np.uint32(0x01041040)) >> np.uint32(24))
+    K._store_bytes(out_ref, off, byte.astype(jnp.uint8), ok)
   # Unused units [used, units): program i zeroes [used + i T, used + (i + 1) T).
   share, chunk = _tail_share(units, pl.cdiv(s_count, block))
   if share:
@@ -237,9 +277,9 @@ def _tail_share(units: int, programs: int) -> tuple[int, int]:
 
 
 def _compress_kernel(keys_ref, ptab_ref, tab_ref, w_ref, x_ref, out_ref, *, cfg, s_count, units,
-                     strata):
+                     strata, interpret):
   _write_chunk(out_ref, x_ref[...].astype(jnp.float32), w_ref[...], keys_ref, ptab_ref, tab_ref,
-               cfg=cfg, s_count=s_count, units=units, strata=strata)
+               cfg=cfg, s_count=s_count, units=units, strata=strata, interpret=interpret)
 
 
 def _decompress_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, units):
@@ -254,12 +294,12 @@ def _decompress_accumulate_kernel(ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_
 
 
 def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg, s_count,
-                units, strata):
+                units, strata, interpret):
   widths = w_ref[...]
   acc = (_read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count, units=units)
          + x_ref[...].astype(jnp.float32))
   _write_chunk(out_ref, acc, widths, keys_ref, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
-               units=units, strata=strata)
+               units=units, strata=strata, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------
@@ -308,7 +348,7 @@ def _compress_call(x, widths, karr, *, cfg, units, strata, interpret, fill=None)
   s_count = x.shape[0]
   tab = jnp.asarray(cfg.table())
   kernel = functools.partial(_compress_kernel, cfg=cfg, s_count=s_count, units=units,
-                             strata=strata)
+                             strata=strata, interpret=bool(interpret))
   return _payload_call(kernel, cfg, s_count, units,
                        [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
                         _dense_spec(cfg)],
@@ -350,7 +390,8 @@ def _decompress_accumulate_call(payload, x, widths, *, cfg, units, interpret):
 def _dar_call(payload, x, widths, karr, *, cfg, units, strata, interpret, fill=None):
   s_count = widths.shape[0]
   tab = jnp.asarray(cfg.table())
-  kernel = functools.partial(_dar_kernel, cfg=cfg, s_count=s_count, units=units, strata=strata)
+  kernel = functools.partial(_dar_kernel, cfg=cfg, s_count=s_count, units=units, strata=strata,
+                             interpret=bool(interpret))
   return _payload_call(kernel, cfg, s_count, units,
                        [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
                         K._ANY, _dense_spec(cfg)],

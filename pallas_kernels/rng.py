@@ -132,6 +132,8 @@ def uniform_int(h, n: int):
   if not 1 <= n < 2**16:
     raise ValueError(f"{n=} must be in [1, 65536)")
   m = _u32(h) >> 8
+  if n < 1 << 8:  # m n < 2^32: one multiply, the same value
+    return ((m * jnp.uint32(n)) >> 24).astype(jnp.int32)
   hi = (m >> 12) * jnp.uint32(n)
   lo = (m & jnp.uint32(0xFFF)) * jnp.uint32(n)
   return ((hi + (lo >> 12)) >> 12).astype(jnp.int32)
@@ -143,6 +145,29 @@ _GF_POLY = {
     7: 0b10000011, 8: 0x11B, 9: 0x211, 10: 0x409, 11: 0x805, 12: 0x1053,
     13: 0x201B, 14: 0x4443, 15: 0x8003, 16: 0x1100B,
 }
+
+
+def _gf_row(i, k: int):
+  """The products ``alpha i`` in GF(2^k) for every ``alpha < 2^k``, ``k``-bit
+  fields of one uint32 (field ``alpha`` at bit ``k alpha``); ``k <= 3``.
+
+  ``alpha i`` is linear in ``alpha``'s bits: the XOR of ``x^j i`` over the set
+  bits ``j``. So the whole row costs a few operations on the scalar ``i``,
+  and a product with a per-coordinate ``alpha`` is then one shift and mask
+  (:func:`stratum`) instead of ``k`` rounds of :func:`_gf_mul`."""
+  poly = jnp.uint32(_GF_POLY[k])
+  top = jnp.uint32(1 << k)
+  m = [_u32(i)]
+  for _ in range(k - 1):
+    a = m[-1] << 1
+    m.append(jnp.where((a & top) != 0, a ^ poly, a))
+  row = jnp.zeros_like(m[0])
+  prod = [jnp.zeros_like(m[0])]
+  for alpha in range(1, 1 << k):
+    low = (alpha & -alpha).bit_length() - 1
+    prod.append(prod[alpha & (alpha - 1)] ^ m[low])
+    row = row | (prod[alpha] << jnp.uint32(k * alpha))
+  return row
 
 
 def _is_prime(p: int) -> bool:
@@ -209,5 +234,8 @@ def stratum(h, rank, n: int):
   i = jnp.asarray(rank).astype(jnp.uint32)
   if q & (q - 1) == 0:
     k = q.bit_length() - 1
+    if k <= 3 and jnp.ndim(i) == 0:  # the row of products with the scalar rank
+      prod = (_gf_row(i, k) >> (alpha * jnp.uint32(k))) & jnp.uint32(q - 1)
+      return (prod ^ beta).astype(jnp.int32)
     return (_gf_mul(alpha, jnp.broadcast_to(i, jnp.shape(h)), k) ^ beta).astype(jnp.int32)
   return ((alpha * i + beta) % jnp.uint32(q)).astype(jnp.int32)
