@@ -179,12 +179,14 @@ def measure(config: str) -> dict[str, dict]:
   return out
 
 
-def _dar_bytes_per_coord(plane_bits: int, width: int, local_bytes: int = 2) -> float:
-  """DAR's minimal HBM traffic per coordinate at one width: payload in and out
-  (code bits plus the 18-byte scale record per 256 coordinates) and the local
-  values in (bf16: 2 bytes)."""
+def _dar_bytes_per_coord(width: int, local_bytes: int = 2, widths_input: bool = True) -> float:
+  """DAR's HBM traffic per coordinate at one width, from the kernel's operands:
+  the payload read and written (``width`` code bits plus the 18-byte scale
+  record per 256 coordinates), the local values read (bf16: 2 bytes) and the
+  unit kernels' int32 width per super-group (4 / 256 bytes); the level and
+  plane-offset tables are a few hundred bytes per launch (not counted)."""
   payload = (32 * width + 18) / 256
-  return 2 * payload + local_bytes
+  return 2 * payload + local_bytes + (4 / 256 if widths_input else 0.0)
 
 
 def table(configs=None) -> dict:
@@ -202,8 +204,7 @@ def table(configs=None) -> dict:
              "static_bound_coords_per_s": INSTR_PER_S / per}
       if "recompress" in name:
         width = {"default": 4, "w4": 4, "w5": 5, "per_class_b4": 4}[config]
-        bpc = _dar_bytes_per_coord(1, width) if config != "per_class_b4" else (
-            2 * (32 * 4 + 18) / 256 + 2)
+        bpc = _dar_bytes_per_coord(width, widths_input=config != "per_class_b4")
         roof = HBM_BYTES_PER_S / bpc
         row.update(bytes_per_coord=round(bpc, 4), roofline_coords_per_s=roof,
                    fraction_of_roofline=round(INSTR_PER_S / per / roof, 3))
@@ -231,12 +232,39 @@ def format_table(report: dict) -> str:
   return "\n".join(lines)
 
 
+def compare_table(before: dict, after: dict) -> str:
+  """Markdown: per configuration and kernel, before and after (bound and roofline
+  fraction recomputed from the instruction counts with this file's model)."""
+  old = {(r["config"], r["kernel"]): r for r in before["rows"]}
+  lines = ["| config | kernel | instr/coord before | after | registers before | after | "
+           "spills before | after | DAR bound before (coords/s, of roofline) | after |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in after["rows"]:
+    b = old.get((r["config"], r["kernel"]))
+    if b is None:
+      continue
+    bound = ""
+    if "roofline_coords_per_s" in r:
+      roof = r["roofline_coords_per_s"]
+      fb, fa = (INSTR_PER_S / x["instructions_per_coord"] for x in (b, r))
+      bound = f"{fb:.2e} ({fb / roof:.0%}) | {fa:.2e} ({fa / roof:.0%})"
+    else:
+      bound = " | "
+    lines.append(f"| {r['config']} | {r['kernel'].replace('dynamiq_', '')} | "
+                 f"{b['instructions_per_coord']:.1f} | {r['instructions_per_coord']:.1f} | "
+                 f"{b['registers']} | {r['registers']} | {b['spill_bytes']} | "
+                 f"{r['spill_bytes']} | {bound} |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--child", nargs=2, metavar=("DUMP_DIR", "CONFIG"), help=argparse.SUPPRESS)
   p.add_argument("--configs", default=None,
                  help=f"comma-separated, of {sorted(CONFIGS)} and per_class_b4 (default: all)")
   p.add_argument("--json", default=None, help="write the report here")
+  p.add_argument("--before", default=None,
+                 help="a report written earlier: print a before / after table against it")
   args = p.parse_args(argv)
   if args.child:
     _compile_child(*args.child)
@@ -251,6 +279,8 @@ def main(argv=None):
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.json}")
+  if args.before:
+    print(compare_table(json.loads(pathlib.Path(args.before).read_text()), report))
 
 
 if __name__ == "__main__":
