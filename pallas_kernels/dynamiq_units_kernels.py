@@ -43,10 +43,16 @@ gathered by level index.
 Compiled for sm_90a from a CPU host (``tests/test_gpu_compile_units.py``,
 bf16 inputs, ``BLOCK = 8``), ``ptxas -v`` reports 0 spill bytes for all
 eight kernels; registers, compress / decompress / decompress_accumulate /
-hop: 72 / 40 / 62 / 80 with ``plane_bits=1`` and width set (2, 3, 4, 5, 6,
-8), 115 / 40 / 40 / 119 with ``plane_bits=2`` and (2, 4, 8). Static SASS instructions per coordinate (``tools/sass_count.py``,
-``docs/results/kernels_sass.md``): 148 / 33 / 35 / 175 with that width set,
-146 for the hop when every super-group is at 4 bits. Not yet run on a GPU.
+hop: 56 / 32 / 40 / 72 with ``plane_bits=1`` and width set (2, 3, 4, 5, 6,
+8), 96 / 32 / 32 / 96 with ``plane_bits=2`` and (2, 4, 8) (there the
+bracket's second load waits for its comparison: loaded together with the
+first, ptxas spilled 16 bytes in compress). Static SASS instructions per coordinate (``tools/sass_count.py``,
+``docs/results/kernels_sass.md``): 89 / 27 / 30 / 114 with that width set,
+91 for the hop when every super-group is at 4 bits (95 at 5 bits). Three
+operations have a GPU instruction inlined (``lg2.approx.f32`` and
+``fma.rn.f32`` for the first guess of a level, ``cvt.rmi.s32.f32`` for its
+floor, ``mul.hi.u32`` for the stratum draw); interpret mode runs their jnp
+twins, which give the same codes. Not yet run on a GPU.
 
 Dispatch: :func:`pallas_kernels.dynamiq._dispatch`, the same as the
 per-class kernels (``implementation=None``: the kernels in a lowering for
@@ -101,9 +107,15 @@ class _Config:
     return U._tables(dict(self.eps), self.width_set)
 
   def table(self) -> np.ndarray:
-    """The concatenated level table, zero-padded to a power of two (Triton)."""
-    t = self.tabs.table
+    """int32: the signed decode table's float32 bits (``_Tables.dec``), then
+    (at :attr:`pairs_at`) the bracket pairs (``_Tables.pairs``), zero-padded
+    to a power of two (Triton)."""
+    t = np.concatenate([self.tabs.dec.view(np.int32), self.tabs.pairs])
     return np.pad(t, (0, pl.next_power_of_2(t.size) - t.size))
+
+  @property
+  def pairs_at(self) -> int:
+    return self.tabs.dec.size
 
   @property
   def per(self) -> int:  # codes per plane byte
@@ -206,7 +218,8 @@ def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: in
       b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)[..., None]
       codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
   return U.decode_block_var(codes, F.hier_scale(k, unit), widths, cfg.tabs,
-                            lookup=lambda j: tab_ref[j])
+                            lookup=lambda j: jax.lax.bitcast_convert_type(tab_ref[j],
+                                                                          jnp.float32))
 
 
 def _approx_log2(v):
@@ -218,6 +231,36 @@ def _approx_log2(v):
   return out
 
 
+def _mulhi(v, n: int):
+  """:func:`pallas_kernels.rng.mulhi` by the GPU's ``mul.hi.u32`` (one instruction)."""
+  from jax.experimental.pallas import triton as pltr
+  v = jax.lax.bitcast_convert_type(v, jnp.int32)  # Triton's signless i32
+  [out] = pltr.elementwise_inline_asm(f"mul.hi.u32 $0, $1, {int(n)};", args=[v],
+                                      constraints="=r,r", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(v)])
+  return jax.lax.bitcast_convert_type(out, jnp.uint32)
+
+
+def _floor_int(v):
+  """:func:`pallas_kernels.dynamiq_units._floor_int` by the GPU's ``cvt.rmi.s32.f32``."""
+  from jax.experimental.pallas import triton as pltr
+  [out] = pltr.elementwise_inline_asm("cvt.rmi.s32.f32 $0, $1;", args=[v], constraints="=r,f",
+                                      pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape,
+                                                                                jnp.int32)])
+  return out
+
+
+def _fma(a, b, c):
+  """``a b + c`` by the GPU's ``fma.rn.f32`` (the first guess of the level only)."""
+  from jax.experimental.pallas import triton as pltr
+  a, b, c = jnp.broadcast_arrays(a, b, c)
+  [out] = pltr.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c],
+                                      constraints="=f,f,f,f", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(a)])
+  return out
+
+
 def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
                  s_count: int, units: int, strata: int, interpret: bool):
   """Encodes float32 [BLOCK, G, CB, P]; stores its scale records, planes and its
@@ -226,11 +269,24 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   shape = x.shape
   idx = ((pl.program_id(0) * block + _iota(shape, 0)) * F.SUPERGROUP + _iota(shape, 1) * _G
          + _iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
+  group_idx = ((pl.program_id(0) * block + _iota(shape[:2], 0)) * _G
+               + _iota(shape[:2], 1)).astype(jnp.uint32)
+  # the draws' groups of 8 (idx >> 3) per plane byte, and each code's lane (idx & 7):
+  # with P = 8 codes per plane byte, lane = the static position in the byte
+  first = (group_idx[..., None] * _G + _iota(shape[:3], 2) * shape[3]).astype(jnp.uint32)
+  draw_group = (first >> np.uint32(3))[..., None]
+  lane = ((_iota(shape, 2) * shape[3] + _iota(shape, 3)) & 7).astype(jnp.uint32)
   keys, rank = _keys(keys_ref)
-  codes, k, unit = U.encode_block_var(x, widths, cfg.tabs, lookup=lambda j: tab_ref[j], idx=idx,
+  codes, k, unit = U.encode_block_var(x, widths, cfg.tabs, pairs=lambda j: tab_ref[cfg.pairs_at + j],
+                                      idx=idx,
                                       keys=keys, rank=rank, strata=strata,
                                       scale_rounding=cfg.scale_rounding,
-                                      log2=jnp.log2 if interpret else _approx_log2)
+                                      log2=jnp.log2 if interpret else _approx_log2,
+                                      group_idx=group_idx, draw_group=draw_group, lane=lane,
+                                      mulhi=F.rng.mulhi if interpret else _mulhi,
+                                      floor_int=U._floor_int if interpret else _floor_int,
+                                      fma=U._fma if interpret else _fma,
+                                      reload=cfg.plane_bits == 2)  # else ptxas spills
   k_off, k_ok, u_off, u_ok = _scale_offsets(s_count)
   K._store_bytes(out_ref, k_off, k, k_ok)
   bits = jax.lax.bitcast_convert_type(unit, jnp.uint32) >> 16
