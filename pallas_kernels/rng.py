@@ -159,12 +159,12 @@ def lane_bits(h, lane):
   a bijection of the 32-bit words, so with ``h`` uniform each coordinate's
   word is *exactly* uniform, and any bit field of it too: every marginal
   draw (what unbiasedness needs) is exact. Two coordinates of one group see
-  ``h K_i`` and ``h K_j``, a 2-D lattice whose shortest vector is at least
-  2^14 for every pair of these constants (checked in
-  ``tests/test_format.py``), so the top 16 bits of the two are
-  independent to within a few counts of 2^-16 (the second-order statistics
-  of the rounding errors, hence the error of any sum, are those of
-  independent draws)."""
+  ``h K_i`` and ``h K_j``: as ``h`` varies the pair lies on a 2-D lattice
+  whose shortest vector is at least 2^13.6 for every pair of these
+  constants (ideal: 2^16.1; checked in ``tests/test_format.py``), i.e. on
+  lines at most 2^-13.6 apart in the unit square, so any pair statistic
+  (the correlation of two rounding errors, hence the error of a sum) is
+  that of independent draws to within about that spacing."""
   k = mix32(_u32(lane) + jnp.uint32(_LANE_SEED)) | jnp.uint32(1)
   return _u32(h) * k
 
