@@ -37,7 +37,11 @@ Format (one *super-group* = 256 consecutive coordinates, one code width
   :mod:`pallas_kernels.rng`; with ``strata = n > 1`` it is the correlated
   (stratified) draw ``u = (pi(rank) + gamma) / q`` with the permutation
   ``pi`` shared by all ranks for the coordinate and ``gamma`` private
-  (:func:`pallas_kernels.rng.stratum`).
+  (:func:`pallas_kernels.rng.stratum`). ``gamma`` has 16 bits, and one
+  hash per key and group of 8 coordinates feeds its 8 draws
+  (:func:`_uniforms`): each draw is exactly uniform on its grid, so a
+  quantisation's bias is below 2^-16 / q of its level gap (the probability
+  of rounding up is ``ceil(p q 2^16) / (q 2^16)``).
 
 Byte layout of one hierarchical super-group record (``32 b + 18`` bytes)::
 
@@ -216,7 +220,7 @@ def _round_levels(a, s, fmt: Format, lookup, u_scaled, q: int):
   (a - lo s) q``. Every step is then one IEEE operation with the same result
   on every backend, whatever the precision of its division or log (only the
   first guess of ``j`` uses them) and whether it contracts into FMA.
-  ``u_scaled`` is uniform on [0, q).
+  ``u_scaled`` is uniform on [0, q) (on its grid of integers: strata x 2^16).
   """
   r = fmt.top
   safe = jnp.where(s > 0, s, 1.0)
@@ -235,14 +239,59 @@ def _round_levels(a, s, fmt: Format, lookup, u_scaled, q: int):
   return j + up.astype(jnp.int32)
 
 
-def _uniforms(idx, keys, rank, ranks: int):
-  """Per-element draws scaled to [0, q): ``pi(rank) + gamma`` (q = 1: gamma)."""
+UNIFORM_BITS = 16
+"""Resolution of each element's private uniform gamma (:func:`_uniforms`)."""
+
+
+def _uniforms(idx, keys, rank, ranks: int, *, group_idx=None, lane=None, mulhi=rng.mulhi):
+  """Per-element draws in units of ``2^-16``: ``pi(rank) 2^16 + gamma``, uniform
+  on [0, q 2^16) (q = 1: ``gamma``), as uint32.
+
+  Element ``idx`` belongs to the group ``idx >> 3`` of 8 consecutive
+  elements, at ``lane = idx & 7``; one :func:`~pallas_kernels.rng.hash_index`
+  per group and key gives every lane its bits (:func:`~pallas_kernels.rng.lane_bits`):
+  the private gamma is the top 16 bits under the rounding key ``(k0, k1)``,
+  the shared stratum pi comes from the bits under ``(s0, s1)``
+  (:func:`~pallas_kernels.rng.stratum`). Converted to float32
+  (:func:`signed_draws`) exactly for q <= 256 (below 2^24); beyond, rounded
+  to 24 bits.
+
+  Args:
+    idx: uint32 element indices.
+    group_idx, lane: ``idx >> 3`` and ``idx & 7`` when given (broadcastable
+      against each other; a kernel passes the group's index per group and
+      static lanes).
+    mulhi: :func:`pallas_kernels.rng.mulhi` or an equal implementation.
+  """
   k0, k1, s0, s1 = keys
-  gamma = rng.uniform24(rng.hash_index(k0, k1, idx))
+  if group_idx is None:
+    group_idx = idx >> np.uint32(3)
+  if lane is None:
+    lane = idx & np.uint32(rng.GROUP - 1)
+  gamma = rng.lane_bits(rng.hash_index(k0, k1, group_idx), lane) >> np.uint32(32 - UNIFORM_BITS)
   if ranks == 1:
     return gamma
-  pi = rng.stratum(rng.hash_index(s0, s1, idx), rank, ranks)
-  return pi.astype(jnp.float32) + gamma
+  pi = rng.stratum(rng.lane_bits(rng.hash_index(s0, s1, group_idx), lane), rank, ranks,
+                   mulhi=mulhi)
+  return (pi.astype(jnp.uint32) << np.uint32(UNIFORM_BITS)) | gamma
+
+
+def sign_mask(x):
+  """int32 -1 where ``x`` has its sign bit set (negative values, -0.0), else 0."""
+  return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) >> 31
+
+
+def signed_draws(u, neg, q: int):
+  """The draws of the signed-domain rounding, float32: ``u`` (uint32 on [0, q),
+  :func:`_uniforms`) where ``neg`` (:func:`sign_mask`) is 0 and ``q - 1 - u``
+  where it is -1 (still uniform on the grid [0, q)); one xor when q is a
+  power of two."""
+  m = neg.astype(jnp.uint32)
+  if q & (q - 1) == 0:
+    v = u ^ (m & np.uint32(q - 1))
+  else:
+    v = (u ^ m) + (m & np.uint32(q))
+  return v.astype(jnp.float32)
 
 
 def _top(fmt: Format):
@@ -342,19 +391,19 @@ def encode_block(x, fmt: Format, *, lookup, idx, keys, rank, strata: int, store=
   else:
     scale = s = _scales_flat(a, fmt)
     k = None
-  q = rng.strata_count(strata)
-  u = _uniforms(idx, keys, rank, strata)
+  q = rng.strata_count(strata) * 2**UNIFORM_BITS  # u is uniform on [0, q)
   # Signed-domain rounding: "up" means towards +inf whatever the sign, so a
-  # negative value rounds away from zero iff q - u < p q. Each quantisation
+  # negative value rounds away from zero iff q - 1 - u < p q. Each quantisation
   # is unbiased either way; with stratified draws, only the signed rule keeps
   # the hops' errors negatively correlated when a coordinate's partial sums
   # change sign along the path (the authors' simulator rounds signed values too).
-  u = jnp.where(x < 0, np.float32(q) - u, u)
+  neg = sign_mask(x)
+  u = signed_draws(_uniforms(idx, keys, rank, strata), neg, q)
   if store is not None and fmt.bits < 8:
     u = store(u)
   lvl = _round_levels(a, s[..., None, None], fmt, lookup, u, q)
   r = fmt.top
-  codes = jnp.where(x < 0, r - lvl, r + lvl).astype(jnp.uint32)
+  codes = (r + ((lvl ^ neg) - neg)).astype(jnp.uint32)  # r - lvl where x has its sign bit
   shifts = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 3) * np.uint32(fmt.bits)
   packed = jnp.sum(codes << shifts, axis=-1).astype(jnp.uint8)  # disjoint bit fields
   return packed, k, scale

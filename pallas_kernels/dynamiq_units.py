@@ -29,12 +29,13 @@ Arithmetic: the same as :mod:`pallas_kernels.dynamiq_format` — its
 hierarchical scales (:func:`~pallas_kernels.dynamiq_format._scales_hier`;
 with MEE levels the top level is 1 for every width, so scales do not depend
 on the width), its RNG draws (:func:`~pallas_kernels.dynamiq_format._uniforms`)
-and its division-free rounding (:func:`_round_levels_var` repeats
-``_round_levels`` line for line with the width's constants as per-super-group
-arrays: a concatenated level table ``[lam_2 | lam_3 | ...]`` indexed at a
-per-super-group base). So with the same draws a super-group gets exactly
-the code the per-class format gives it (tested), and one code path serves
-every width (no per-class launches, no static capacities).
+and its division-free rounding (:func:`_round_levels_var` finds the same
+exact bracket as ``_round_levels`` and makes the same comparison, with the
+width's constants as per-super-group arrays and concatenated tables
+indexed at a per-super-group base: bracket pairs for the encode, signed
+levels per code for the decode). So with the same draws a super-group gets
+exactly the code the per-class format gives it (tested), and one code path
+serves every width (no per-class launches, no static capacities).
 
 Only hierarchical MEE scales with ``scale_rounding="up"`` or
 ``"stochastic"`` are supported (the codec's defaults).
@@ -115,12 +116,26 @@ class _Tables:
       else:
         qq = 1.0 + 2.0 * e**2
         c1.append(np.float32(qq**rr - 1.0))
-        c2.append(np.float32(1.0 / np.log(qq)))
+        c2.append(np.float32(1.0 / np.log2(qq)))
     self.table = np.concatenate(tabs).astype(np.float32)
+    # pairs[pbase + l]: lam_l (bf16 bits, low half) and lam_(l+1) (high half),
+    # lam_(R+1) = lam_R: one load gives a bracket's two ends; pairs[pbase - 1]
+    # = (0, lam_0 = 0), so that a guess of -1 needs no clamp
+    bits = [(t.view(np.uint32) >> 16) for t in tabs]
+    self.pairs = np.concatenate([np.concatenate([[0], b | (np.append(b[1:], b[-1]) << 16)])
+                                 for b in bits]).astype(np.uint32).view(np.int32)
+    self.pbase = np.array(base, np.int32) + 1 + np.arange(len(tabs), dtype=np.int32)
+    # dec[dbase + c]: the signed level of code c (the unused code 2^w - 1: 0)
+    dec = [np.concatenate([-t[:0:-1], t, [0.0]]).astype(np.float32) for t in tabs]
+    self.dec = np.concatenate(dec)
+    self.dbase = np.cumsum([0] + [d.size for d in dec[:-1]]).astype(np.int32)
     self.base = np.array(base, np.int32)
     self.r = np.array(r, np.int32)
     self.c1 = np.array(c1, np.float32)
     self.c2 = np.array(c2, np.float32)
+    # 2^(-GUESS_OFFSET / c2): the guess's offset folded into the log's argument
+    self.k = np.exp2(-GUESS_OFFSET / self.c2.astype(np.float64)).astype(np.float32)
+    self.c1k = (self.c1.astype(np.float64) * self.k).astype(np.float32)
 
 
 def _tables(eps, widths=WIDTHS):
@@ -167,34 +182,96 @@ def _trailing(v, ndim: int):
   return v[(...,) + (None,) * (ndim - v.ndim)]
 
 
-def _round_levels_var(a, s, lookup, base, r, c1, c2, u_scaled, q: int):
-  """:func:`pallas_kernels.dynamiq_format._round_levels` with the width's
-  constants as arrays broadcast against ``a`` (``base`` indexes the
-  concatenated table). The first guess is the MEE log formula for every
-  width: for the ternary 2-bit width it is clipped to ``r - 1 = 0``, the only
-  bracket, so no select is needed."""
-  safe = jnp.where(s > 0, s, 1.0)
-  t = a / safe  # a guess only
-  approx = jnp.log1p(t * c1) * c2
-  j = jnp.clip(jnp.floor(approx), 0, r - 1).astype(jnp.int32)
-  lk = lambda i: lookup(base + i)
-  j = jnp.maximum(j - (a < lk(j) * s).astype(jnp.int32), 0)
-  j = jnp.minimum(j + (a >= lk(j + 1) * s).astype(jnp.int32), r - 1)
-  lo = lk(j) * s  # exact
-  hi = lk(j + 1) * s  # exact
+GUESS_OFFSET = 0.5
+"""Levels subtracted from the first guess of :func:`_round_levels_var`."""
+
+
+def _floor_int(v):
+  """``floor(v)`` as int32 (NaN -> 0, saturating): one ``cvt.rmi.s32.f32`` on a GPU."""
+  return jnp.floor(v).astype(jnp.int32)
+
+
+def _pair_lo(w):
+  return jax.lax.bitcast_convert_type(w << 16, jnp.float32)
+
+
+def _pair_hi(w):
+  return jax.lax.bitcast_convert_type(w & np.int32(-65536), jnp.float32)
+
+
+def _fma(a, b, c):
+  return a * b + c
+
+
+def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.log2,
+                      floor_int=_floor_int, fma=_fma, reload=False):
+  """Stochastically rounds ``a / s`` (in [0, 1]) to a level index in [0, R] with
+  the width's constants as arrays broadcast against ``a`` (``base`` indexes
+  the concatenated tables; ``pairs(i)`` is :attr:`_Tables.pairs`, the bf16
+  bits of ``lam_l`` and ``lam_(l+1)`` in one int32).
+
+  The rounding is :func:`pallas_kernels.dynamiq_format._round_levels`'s: the
+  bracket ``j`` is exact (``lam_j s <= a < lam_(j+1) s`` by exact products,
+  8 x 16 significant bits) and the value goes to ``j + 1`` iff ``u (hi - lo)
+  < (a - lo) q``. It is found from a first guess ``g = floor(log2(1 + t c1)
+  / log2(1 + 2 eps^2) - 1/2)``, ``t = a / s`` (the MEE index formula less
+  :data:`GUESS_OFFSET`), at most R - 1: the formula is within 1/2 of
+  a level of the exact position (bf16 levels move a boundary by at most a
+  quarter of a level at 8 bits, checked next to every boundary of every
+  width in ``tests/test_dynamiq_units.py``, also with a log2 off by 2^-20),
+  so ``g`` is ``j`` or ``j - 1``, and one exact comparison with ``lam_(g+1)
+  s`` decides; the two pairs ``g``, ``g + 1`` hold the three levels it
+  needs (two loads; a guess of -1 reads the pair ``(0, lam_0)`` before the
+  width's, and the comparison with ``lam_0 s = 0`` moves it to 0). At ``g = R - 1`` and ``a = s`` the bracket becomes
+  ``[lam_R, lam_R]`` and the value stays at ``R``, as ``[lam_(R-1), lam_R]``
+  with certain rounding up gives. The guess is cheap: ``c1 / s`` once per
+  group (``s < 2^-64`` scaled by ``2^64`` first, exact, so that it stays
+  finite), then per coordinate a multiply, a multiply-add, a base-2 log (one
+  MUFU instruction on a GPU) and a multiply (the offset is folded into the
+  log's argument: ``c1k = c1 k``, ``k = 2^(-1/2 / c2)``); ``log2`` and the division may
+  be approximations (the kernels pass ``lg2.approx.f32``), ``fma`` fused or
+  not, and ``floor_int`` any equal floor (the kernels' ``cvt.rmi``): only
+  the guess depends on them, never the codes. ``reload`` only reorders the
+  loads (the same values; a kernel picks what spills no registers)."""
+  f = jnp.where(s < np.float32(2.0**-64), np.float32(2.0**64), np.float32(1.0))
+  rc1 = c1k / (jnp.where(s > 0, s, 1.0) * f)  # per group
+  approx = log2(fma(a * f, rc1, k)) * c2  # log2(k (1 + t c1)) c2 = c2 log2(1 + t c1) - 1/2
+  g = jnp.minimum(floor_int(approx), r - 1)  # >= -1: pairs(base - 1) = (0, lam_0)
+  w0 = pairs(base + g)  # lam_g, lam_(g+1)
+  step = a >= _pair_hi(w0) * s  # exact
+  if reload:  # the bracket's pair loaded after the comparison (fewer live registers)
+    w = pairs(base + g + step.astype(jnp.int32))
+  else:  # both pairs loaded at once, then selected
+    w = jnp.where(step, pairs(base + g + 1), w0)
+  lo = _pair_lo(w) * s  # exact
+  hi = _pair_hi(w) * s  # exact
   up = u_scaled * (hi - lo) < (a - lo) * np.float32(q)
-  return j + up.astype(jnp.int32)
+  return g + step.astype(jnp.int32) + up.astype(jnp.int32)
 
 
-def encode_block_var(x, widths, tabs: _Tables, *, lookup, idx, keys, rank, strata: int,
-                     scale_rounding="up", store=None):
+def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata: int,
+                     scale_rounding="up", store=None, log2=jnp.log2, group_idx=None,
+                     draw_group=None, lane=None, mulhi=F.rng.mulhi, floor_int=_floor_int,
+                     fma=_fma, reload=False):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
     x: float32 [S, G, 16] values (G = 16 hierarchical groups), or the same
       as [S, G, CB, P] (the kernels' view, P codes per plane byte).
     widths: int32 [S].
+    pairs: ``pairs(i) -> tabs.pairs[i]`` for int32 arrays ``i``.
     idx: uint32 RNG counters, shaped as ``x``.
+    log2: the base-2 log of the first guess of each level (any approximation
+      within 2^-20 of it gives the same codes; :func:`_round_levels_var`).
+    group_idx: ``idx >> 4`` per scale group (uint32 [S, G]), when given.
+    draw_group, lane: ``idx >> 3`` (broadcastable against ``x``) and ``idx &
+      7`` (each element's place in its group of 8 draws), when given: a
+      kernel computes the group's hash once per group and the lanes are
+      static positions.
+    mulhi: :func:`pallas_kernels.rng.mulhi` or an equal implementation.
+    floor_int: :func:`_floor_int` or an equal implementation.
+    fma: ``a b + c``, fused or not (the first guess only).
+    reload: the order of the bracket's loads (:func:`_round_levels_var`).
 
   Returns:
     ``(codes uint32 shaped as x in [0, 2^w - 2], k uint8 [S, G], unit f32 [S])``.
@@ -202,28 +279,29 @@ def encode_block_var(x, widths, tabs: _Tables, *, lookup, idx, keys, rank, strat
   a = jnp.abs(x)
   fmt8 = F.Format(bits=8, scale_rounding=scale_rounding)  # top = 1: same scales for all widths
   a4 = _trailing(a, 4)  # the format's [S, G, CB, P] view (P = 1 for [S, G, 16])
-  group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(F.HIER_GROUP)
+  if group_idx is None:
+    group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(F.HIER_GROUP)
   k, unit, s = F._scales_hier(a4, fmt8, keys, group_idx)
-  q = F.rng.strata_count(strata)
-  u = F._uniforms(idx, keys, rank, strata)
-  u = jnp.where(x < 0, np.float32(q) - u, u)
+  q = F.rng.strata_count(strata) * 2**F.UNIFORM_BITS  # u is uniform on [0, q)
+  u = F._uniforms(idx, keys, rank, strata, group_idx=draw_group, lane=lane, mulhi=mulhi)
+  neg = F.sign_mask(x)
+  u = F.signed_draws(u, neg, q)
   if store is not None:
     u = store(u)
   per = lambda v: _trailing(_wsel(widths, v, tabs), x.ndim)
   r = per(tabs.r)
-  lvl = _round_levels_var(a, _trailing(s, x.ndim), lookup, per(tabs.base), r, per(tabs.c1),
-                          per(tabs.c2), u, q)
-  codes = jnp.where(x < 0, r - lvl, r + lvl).astype(jnp.uint32)
+  lvl = _round_levels_var(a, _trailing(s, x.ndim), pairs, per(tabs.pbase), r, per(tabs.c1k),
+                          per(tabs.k), per(tabs.c2), u, q, log2, floor_int, fma, reload)
+  codes = (r + ((lvl ^ neg) - neg)).astype(jnp.uint32)  # r - lvl where x has its sign bit
   return codes, k.astype(jnp.uint8), unit
 
 
 def decode_block_var(codes, scale, widths, tabs: _Tables, *, lookup):
   """codes uint32 [S, G, 16] (or [S, G, CB, P]), decoded group scale f32 [S, G]
-  -> float32 shaped as codes."""
+  -> float32 shaped as codes; ``lookup(i) -> tabs.dec[i]``."""
   per = lambda v: _trailing(_wsel(widths, v, tabs), codes.ndim)
-  lvl = codes.astype(jnp.int32) - per(tabs.r)
-  val = lookup(per(tabs.base) + jnp.abs(lvl)) * _trailing(scale, codes.ndim)  # exact product
-  return jnp.where(lvl < 0, -val, val)
+  # the signed level of each code from one table (tabs.dec): -lam s = -(lam s)
+  return lookup(per(tabs.dbase) + codes.astype(jnp.int32)) * _trailing(scale, codes.ndim)
 
 
 # ----------------------------------------------------------------------------
@@ -327,7 +405,12 @@ def _fetch(unit_bytes_, widths, plane_bits: int = 2):
 
 
 def _lookup(tabs):
-  t = jnp.asarray(tabs.table)
+  t = jnp.asarray(tabs.dec)
+  return lambda j: jnp.take(t, j)
+
+
+def _pairs(tabs):
+  t = jnp.asarray(tabs.pairs)
   return lambda j: jnp.take(t, j)
 
 
@@ -348,7 +431,7 @@ def compress_units_reference(x, widths, units: int, *, eps, keys, rank=0, strata
   xb = F.materialize(x.astype(jnp.float32).reshape(s_count, F.HIER_GROUP, -1))
   idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
   keys = tuple(jnp.asarray(k, jnp.uint32) for k in keys)
-  codes, k, unit = encode_block_var(xb, widths, tabs, lookup=_lookup(tabs), idx=idx, keys=keys,
+  codes, k, unit = encode_block_var(xb, widths, tabs, pairs=_pairs(tabs), idx=idx, keys=keys,
                                     rank=jnp.asarray(rank, jnp.int32), strata=strata,
                                     scale_rounding=scale_rounding, store=None)
   # Not stored (F.materialize) before the planes are cut: measured slower

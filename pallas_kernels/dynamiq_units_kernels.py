@@ -43,9 +43,16 @@ gathered by level index.
 Compiled for sm_90a from a CPU host (``tests/test_gpu_compile_units.py``,
 bf16 inputs, ``BLOCK = 8``), ``ptxas -v`` reports 0 spill bytes for all
 eight kernels; registers, compress / decompress / decompress_accumulate /
-hop: 72 / 56 / 48 / 96 with ``plane_bits=1`` and width set (2, 3, 4, 5, 6,
-8), 117 / 40 / 40 / 126 with ``plane_bits=2`` and (2, 4, 8). Not yet run on
-a GPU.
+hop: 56 / 32 / 40 / 72 with ``plane_bits=1`` and width set (2, 3, 4, 5, 6,
+8), 96 / 32 / 32 / 96 with ``plane_bits=2`` and (2, 4, 8) (there the
+bracket's second load waits for its comparison: loaded together with the
+first, ptxas spilled 16 bytes in compress). Static SASS instructions per coordinate (``tools/sass_count.py``,
+``docs/results/kernels_sass.md``): 89 / 27 / 30 / 114 with that width set,
+91 for the hop when every super-group is at 4 bits (95 at 5 bits). Three
+operations have a GPU instruction inlined (``lg2.approx.f32`` and
+``fma.rn.f32`` for the first guess of a level, ``cvt.rmi.s32.f32`` for its
+floor, ``mul.hi.u32`` for the stratum draw); interpret mode runs their jnp
+twins, which give the same codes. Not yet run on a GPU.
 
 Dispatch: :func:`pallas_kernels.dynamiq._dispatch`, the same as the
 per-class kernels (``implementation=None``: the kernels in a lowering for
@@ -100,9 +107,15 @@ class _Config:
     return U._tables(dict(self.eps), self.width_set)
 
   def table(self) -> np.ndarray:
-    """The concatenated level table, zero-padded to a power of two (Triton)."""
-    t = self.tabs.table
+    """int32: the signed decode table's float32 bits (``_Tables.dec``), then
+    (at :attr:`pairs_at`) the bracket pairs (``_Tables.pairs``), zero-padded
+    to a power of two (Triton)."""
+    t = np.concatenate([self.tabs.dec.view(np.int32), self.tabs.pairs])
     return np.pad(t, (0, pl.next_power_of_2(t.size) - t.size))
+
+  @property
+  def pairs_at(self) -> int:
+    return self.tabs.dec.size
 
   @property
   def per(self) -> int:  # codes per plane byte
@@ -182,39 +195,122 @@ def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: in
   unit = bf16.from_bytes(K._load_bytes(pay_ref, u_off, u_ok),
                          K._load_bytes(pay_ref, u_off + 1, u_ok))
   shape = cfg.block(K.BLOCK)
-  shifts = jax.lax.broadcasted_iota(jnp.uint32, shape, 3) * np.uint32(cfg.plane_bits)
-  mask = np.uint32((1 << cfg.plane_bits) - 1)
-  codes = jnp.zeros(shape, jnp.uint32)
-  for p, (off, ok) in enumerate(_plane_offsets(cfg, widths, ptab_ref, s_count, units)):
-    b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)[..., None]
-    codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
+  lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
+  planes = _plane_offsets(cfg, widths, ptab_ref, s_count, units)
+  if cfg.plane_bits == 1:
+    # Word-wise: each plane byte's two nibbles are spread to bit 0 of four
+    # bytes by one multiply ((n * 0x204081) & 0x01010101: bit c lands at 8 c,
+    # the other partial products at distinct bits below 25, so no carries),
+    # and shifted to bit p; code c is then byte c % 4 of the low / high word.
+    words = [jnp.zeros(shape[:3], jnp.uint32), jnp.zeros(shape[:3], jnp.uint32)]
+    for p, (off, ok) in enumerate(planes):
+      b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)
+      for h, nib in enumerate((b & np.uint32(0xF), b >> np.uint32(4))):
+        words[h] = words[h] | (((nib * np.uint32(0x204081)) & np.uint32(0x01010101))
+                               << np.uint32(p))
+    word = jnp.where(lane < 4, words[0][..., None], words[1][..., None])
+    codes = (word >> ((lane & np.uint32(3)) * np.uint32(8))) & np.uint32(0xFF)
+  else:
+    shifts = lane * np.uint32(cfg.plane_bits)
+    mask = np.uint32((1 << cfg.plane_bits) - 1)
+    codes = jnp.zeros(shape, jnp.uint32)
+    for p, (off, ok) in enumerate(planes):
+      b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)[..., None]
+      codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
   return U.decode_block_var(codes, F.hier_scale(k, unit), widths, cfg.tabs,
-                            lookup=lambda j: tab_ref[j])
+                            lookup=lambda j: jax.lax.bitcast_convert_type(tab_ref[j],
+                                                                          jnp.float32))
+
+
+def _approx_log2(v):
+  """float32 base-2 log by the GPU's ``lg2.approx.f32`` (one MUFU instruction;
+  absolute error below 2^-22 for the arguments >= 1 it gets here)."""
+  from jax.experimental.pallas import triton as pltr
+  [out] = pltr.elementwise_inline_asm("lg2.approx.f32 $0, $1;", args=[v], constraints="=f,f",
+                                      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct.like(v)])
+  return out
+
+
+def _mulhi(v, n: int):
+  """:func:`pallas_kernels.rng.mulhi` by the GPU's ``mul.hi.u32`` (one instruction)."""
+  from jax.experimental.pallas import triton as pltr
+  v = jax.lax.bitcast_convert_type(v, jnp.int32)  # Triton's signless i32
+  [out] = pltr.elementwise_inline_asm(f"mul.hi.u32 $0, $1, {int(n)};", args=[v],
+                                      constraints="=r,r", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(v)])
+  return jax.lax.bitcast_convert_type(out, jnp.uint32)
+
+
+def _floor_int(v):
+  """:func:`pallas_kernels.dynamiq_units._floor_int` by the GPU's ``cvt.rmi.s32.f32``."""
+  from jax.experimental.pallas import triton as pltr
+  [out] = pltr.elementwise_inline_asm("cvt.rmi.s32.f32 $0, $1;", args=[v], constraints="=r,f",
+                                      pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape,
+                                                                                jnp.int32)])
+  return out
+
+
+def _fma(a, b, c):
+  """``a b + c`` by the GPU's ``fma.rn.f32`` (the first guess of the level only)."""
+  from jax.experimental.pallas import triton as pltr
+  a, b, c = jnp.broadcast_arrays(a, b, c)
+  [out] = pltr.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c],
+                                      constraints="=f,f,f,f", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(a)])
+  return out
 
 
 def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
-                 s_count: int, units: int, strata: int):
+                 s_count: int, units: int, strata: int, interpret: bool):
   """Encodes float32 [BLOCK, G, CB, P]; stores its scale records, planes and its
   share of the unused units (zeros)."""
   block = K.BLOCK
   shape = x.shape
   idx = ((pl.program_id(0) * block + _iota(shape, 0)) * F.SUPERGROUP + _iota(shape, 1) * _G
          + _iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
+  group_idx = ((pl.program_id(0) * block + _iota(shape[:2], 0)) * _G
+               + _iota(shape[:2], 1)).astype(jnp.uint32)
+  # the draws' groups of 8 (idx >> 3) per plane byte, and each code's lane (idx & 7):
+  # with P = 8 codes per plane byte, lane = the static position in the byte
+  first = (group_idx[..., None] * _G + _iota(shape[:3], 2) * shape[3]).astype(jnp.uint32)
+  draw_group = (first >> np.uint32(3))[..., None]
+  lane = ((_iota(shape, 2) * shape[3] + _iota(shape, 3)) & 7).astype(jnp.uint32)
   keys, rank = _keys(keys_ref)
-  codes, k, unit = U.encode_block_var(x, widths, cfg.tabs, lookup=lambda j: tab_ref[j], idx=idx,
+  codes, k, unit = U.encode_block_var(x, widths, cfg.tabs, pairs=lambda j: tab_ref[cfg.pairs_at + j],
+                                      idx=idx,
                                       keys=keys, rank=rank, strata=strata,
-                                      scale_rounding=cfg.scale_rounding)
+                                      scale_rounding=cfg.scale_rounding,
+                                      log2=jnp.log2 if interpret else _approx_log2,
+                                      group_idx=group_idx, draw_group=draw_group, lane=lane,
+                                      mulhi=F.rng.mulhi if interpret else _mulhi,
+                                      floor_int=U._floor_int if interpret else _floor_int,
+                                      fma=U._fma if interpret else _fma,
+                                      reload=cfg.plane_bits == 2)  # else ptxas spills
   k_off, k_ok, u_off, u_ok = _scale_offsets(s_count)
   K._store_bytes(out_ref, k_off, k, k_ok)
   bits = jax.lax.bitcast_convert_type(unit, jnp.uint32) >> 16
   K._store_bytes(out_ref, u_off, (bits & 0xFF).astype(jnp.uint8), u_ok)
   K._store_bytes(out_ref, u_off + 1, (bits >> 8).astype(jnp.uint8), u_ok)
-  shifts = jax.lax.broadcasted_iota(jnp.uint32, shape, 3) * np.uint32(cfg.plane_bits)
-  mask = np.uint32((1 << cfg.plane_bits) - 1)
+  # Word-wise planes: the codes of a plane byte (8 or 4) go into uint32 words,
+  # four codes (one byte each) per word; a plane's bits are then gathered
+  # from a word by one mask and one multiply (partial products at distinct
+  # bits, so no carries): 1-bit planes, bits 0, 8, 16, 24 times 0x10204080
+  # land at bits 28..31; 2-bit planes, fields at 0, 8, 16, 24 times
+  # 0x01041040 land at bits 24..31.
+  lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
+  byte_of = (lane & np.uint32(3)) * np.uint32(8)
+  words = [jnp.sum(jnp.where(lane // 4 == h, codes << byte_of, np.uint32(0)), axis=-1)
+           for h in range(shape[3] // 4)]  # disjoint bit fields
   for p, (off, ok) in enumerate(_plane_offsets(cfg, widths, ptab_ref, s_count, units)):
-    plane = (codes >> np.uint32(cfg.plane_bits * p)) & mask
-    byte = jnp.sum(plane << shifts, axis=-1).astype(jnp.uint8)  # disjoint bit fields
-    K._store_bytes(out_ref, off, byte, ok)
+    if cfg.plane_bits == 1:
+      nib = [(((w >> np.uint32(p)) & np.uint32(0x01010101)) * np.uint32(0x10204080))
+             >> np.uint32(28) for w in words]
+      byte = nib[0] | (nib[1] << np.uint32(4))
+    else:
+      byte = ((((words[0] >> np.uint32(2 * p)) & np.uint32(0x03030303))
+               * np.uint32(0x01041040)) >> np.uint32(24))
+    K._store_bytes(out_ref, off, byte.astype(jnp.uint8), ok)
   # Unused units [used, units): program i zeroes [used + i T, used + (i + 1) T).
   share, chunk = _tail_share(units, pl.cdiv(s_count, block))
   if share:
@@ -237,9 +333,9 @@ def _tail_share(units: int, programs: int) -> tuple[int, int]:
 
 
 def _compress_kernel(keys_ref, ptab_ref, tab_ref, w_ref, x_ref, out_ref, *, cfg, s_count, units,
-                     strata):
+                     strata, interpret):
   _write_chunk(out_ref, x_ref[...].astype(jnp.float32), w_ref[...], keys_ref, ptab_ref, tab_ref,
-               cfg=cfg, s_count=s_count, units=units, strata=strata)
+               cfg=cfg, s_count=s_count, units=units, strata=strata, interpret=interpret)
 
 
 def _decompress_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, units):
@@ -254,12 +350,12 @@ def _decompress_accumulate_kernel(ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_
 
 
 def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg, s_count,
-                units, strata):
+                units, strata, interpret):
   widths = w_ref[...]
   acc = (_read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count, units=units)
          + x_ref[...].astype(jnp.float32))
   _write_chunk(out_ref, acc, widths, keys_ref, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
-               units=units, strata=strata)
+               units=units, strata=strata, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------
@@ -308,7 +404,7 @@ def _compress_call(x, widths, karr, *, cfg, units, strata, interpret, fill=None)
   s_count = x.shape[0]
   tab = jnp.asarray(cfg.table())
   kernel = functools.partial(_compress_kernel, cfg=cfg, s_count=s_count, units=units,
-                             strata=strata)
+                             strata=strata, interpret=bool(interpret))
   return _payload_call(kernel, cfg, s_count, units,
                        [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
                         _dense_spec(cfg)],
@@ -350,7 +446,8 @@ def _decompress_accumulate_call(payload, x, widths, *, cfg, units, interpret):
 def _dar_call(payload, x, widths, karr, *, cfg, units, strata, interpret, fill=None):
   s_count = widths.shape[0]
   tab = jnp.asarray(cfg.table())
-  kernel = functools.partial(_dar_kernel, cfg=cfg, s_count=s_count, units=units, strata=strata)
+  kernel = functools.partial(_dar_kernel, cfg=cfg, s_count=s_count, units=units, strata=strata,
+                             interpret=bool(interpret))
   return _payload_call(kernel, cfg, s_count, units,
                        [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
                         K._ANY, _dense_spec(cfg)],

@@ -29,6 +29,9 @@ __all__ = [
     "hash_index",
     "uniform24",
     "uniform_int",
+    "GROUP",
+    "lane_bits",
+    "mulhi",
     "strata_count",
     "stratum",
 ]
@@ -132,9 +135,49 @@ def uniform_int(h, n: int):
   if not 1 <= n < 2**16:
     raise ValueError(f"{n=} must be in [1, 65536)")
   m = _u32(h) >> 8
+  if n < 1 << 8:  # m n < 2^32: one multiply, the same value
+    return ((m * jnp.uint32(n)) >> 24).astype(jnp.int32)
   hi = (m >> 12) * jnp.uint32(n)
   lo = (m & jnp.uint32(0xFFF)) * jnp.uint32(n)
   return ((hi + (lo >> 12)) >> 12).astype(jnp.int32)
+
+
+GROUP = 8
+"""Coordinates per hash of the grouped draws (:func:`lane_bits`)."""
+
+_LANE_SEED = 0x632BE5AB
+
+
+def lane_bits(h, lane):
+  """32 bits for coordinate ``lane`` (in [0, :data:`GROUP`)) of a group whose
+  hash is ``h``: ``h * K(lane)`` modulo 2**32 with odd constants ``K(lane) =
+  mix32(lane + c) | 1``.
+
+  One :func:`hash_index` per group of 8 coordinates instead of one per
+  coordinate (a kernel computes ``K`` at compile time: ``lane`` is a static
+  position in the thread's registers). Multiplication by an odd constant is
+  a bijection of the 32-bit words, so with ``h`` uniform each coordinate's
+  word is *exactly* uniform, and any bit field of it too: every marginal
+  draw (what unbiasedness needs) is exact. Two coordinates of one group see
+  ``h K_i`` and ``h K_j``: as ``h`` varies the pair lies on a 2-D lattice
+  whose shortest vector is at least 2^13.6 for every pair of these
+  constants (ideal: 2^16.1; checked in ``tests/test_format.py``), i.e. on
+  lines at most 2^-13.6 apart in the unit square, so any pair statistic
+  (the correlation of two rounding errors, hence the error of a sum) is
+  that of independent draws to within about that spacing."""
+  k = mix32(_u32(lane) + jnp.uint32(_LANE_SEED)) | jnp.uint32(1)
+  return _u32(h) * k
+
+
+def mulhi(v, n: int):
+  """``floor(v n / 2**32)`` for uint32 ``v`` and a static ``0 < n <= 2**16``,
+  exact in 32-bit arithmetic (split multiply); the kernels use the GPU's
+  ``mul.hi.u32`` (one instruction, the same value)."""
+  if not 0 < n <= 1 << 16:
+    raise ValueError(f"{n=} must be in [1, 65536]")
+  v = _u32(v)
+  n = jnp.uint32(n)
+  return ((v >> 16) * n + (((v & jnp.uint32(0xFFFF)) * n) >> 16)) >> 16
 
 
 # Irreducible polynomials over GF(2) of degree k (bit k set), k = 1..16.
@@ -143,6 +186,29 @@ _GF_POLY = {
     7: 0b10000011, 8: 0x11B, 9: 0x211, 10: 0x409, 11: 0x805, 12: 0x1053,
     13: 0x201B, 14: 0x4443, 15: 0x8003, 16: 0x1100B,
 }
+
+
+def _gf_row(i, k: int):
+  """The products ``alpha i`` in GF(2^k) for every ``alpha < 2^k``, ``k``-bit
+  fields of one uint32 (field ``alpha`` at bit ``k alpha``); ``k <= 3``.
+
+  ``alpha i`` is linear in ``alpha``'s bits: the XOR of ``x^j i`` over the set
+  bits ``j``. So the whole row costs a few operations on the scalar ``i``,
+  and a product with a per-coordinate ``alpha`` is then one shift and mask
+  (:func:`stratum`) instead of ``k`` rounds of :func:`_gf_mul`."""
+  poly = jnp.uint32(_GF_POLY[k])
+  top = jnp.uint32(1 << k)
+  m = [_u32(i)]
+  for _ in range(k - 1):
+    a = m[-1] << 1
+    m.append(jnp.where((a & top) != 0, a ^ poly, a))
+  row = jnp.zeros_like(m[0])
+  prod = [jnp.zeros_like(m[0])]
+  for alpha in range(1, 1 << k):
+    low = (alpha & -alpha).bit_length() - 1
+    prod.append(prod[alpha & (alpha - 1)] ^ m[low])
+    row = row | (prod[alpha] << jnp.uint32(k * alpha))
+  return row
 
 
 def _is_prime(p: int) -> bool:
@@ -178,10 +244,10 @@ def _gf_mul(a, b, k: int):
   return r
 
 
-def stratum(h, rank, n: int):
+def stratum(h, rank, n: int, *, mulhi=mulhi):
   """Stratum of ``rank`` under a shared random permutation drawn from ``h``.
 
-  For each coordinate the shared hash ``h`` (identical on every rank) picks a
+  For each coordinate the shared bits ``h`` (identical on every rank) pick a
   bijection pi of the strata {0..q-1} (q = :func:`strata_count`) from a
   *pairwise-uniform* family: for any two ranks the pair (pi(i), pi(j)) is
   uniform over distinct pairs, exactly as for a uniformly random
@@ -190,13 +256,22 @@ def stratum(h, rank, n: int):
   "one rank per stratum" map, is *not* enough on a ring: consecutive hops
   land in adjacent strata and their errors correlate positively.
 
-  * q a power of two: pi(i) = alpha * i + beta in GF(2^k), alpha != 0;
-  * q prime: pi(i) = (alpha i + beta) mod q, alpha != 0.
+  * q = 2^k: pi(i) = alpha * i + beta in GF(2^k), alpha != 0; alpha - 1 =
+    ``mulhi(h, q - 1)`` (the top bits), beta the low k bits of ``h`` (k <= 8)
+    or of ``mix32(h)``. beta is exactly uniform whatever alpha, so every
+    rank's stratum is exactly uniform (unbiased rounding); given the low k
+    bits, alpha's probabilities are within 2^(2k-32) <= 2^-16 of 1 / (q - 1).
+  * q prime: pi(i) = (alpha i + beta) mod q, alpha != 0; (alpha - 1, beta)
+    is ``mulhi(h, q (q - 1))`` split by q when q (q - 1) < 2^16 (each pair
+    within 2^-16 relative of 1 / (q (q - 1))), else alpha from ``h`` and beta
+    from ``mix32(h)`` by ``mulhi``.
 
   Args:
-    h: uint32 shared hash bits per coordinate.
+    h: uint32 shared bits per coordinate (:func:`lane_bits`).
     rank: int32 rank (scalar or broadcastable), in [0, n).
     n: number of ranks (static).
+    mulhi: :func:`mulhi` or an equal implementation (the kernels' one
+      instruction).
 
   Returns:
     int32 strata in [0, q).
@@ -204,10 +279,21 @@ def stratum(h, rank, n: int):
   q = strata_count(n)
   if q == 1:
     return jnp.zeros(jnp.shape(h), jnp.int32)
-  alpha = uniform_int(h, q - 1).astype(jnp.uint32) + jnp.uint32(1)
-  beta = uniform_int(mix32(h), q).astype(jnp.uint32)
+  h = _u32(h)
   i = jnp.asarray(rank).astype(jnp.uint32)
   if q & (q - 1) == 0:
     k = q.bit_length() - 1
-    return (_gf_mul(alpha, jnp.broadcast_to(i, jnp.shape(h)), k) ^ beta).astype(jnp.int32)
+    alpha0 = mulhi(h, q - 1)  # alpha - 1
+    low = h if k <= 8 else mix32(h)  # beta = low & (q - 1)
+    if k <= 3 and jnp.ndim(i) == 0:  # the row of products with the scalar rank
+      row = _gf_row(i, k) >> jnp.uint32(k)  # field alpha - 1 holds alpha i
+      return (((row >> (alpha0 * jnp.uint32(k))) ^ low) & jnp.uint32(q - 1)).astype(jnp.int32)
+    prod = _gf_mul(alpha0 + jnp.uint32(1), jnp.broadcast_to(i, jnp.shape(h)), k)
+    return (prod ^ (low & jnp.uint32(q - 1))).astype(jnp.int32)
+  if q * (q - 1) < 1 << 16:
+    w = mulhi(h, q * (q - 1))
+    alpha, beta = w // jnp.uint32(q) + jnp.uint32(1), w % jnp.uint32(q)
+  else:  # q - 1 <= 2^16; q = 65537 (n in 65522..65535): beta by a modulo (2^-16 bias)
+    alpha = mulhi(h, q - 1) + jnp.uint32(1)
+    beta = mulhi(mix32(h), q) if q <= 1 << 16 else mix32(h) % jnp.uint32(q)
   return ((alpha * i + beta) % jnp.uint32(q)).astype(jnp.int32)

@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import pytest
 
 from dynamiq_jax.bench import kernels, schedules, vnmse
@@ -178,3 +179,21 @@ def test_robustness_tiny(tmp_path):
   assert sent[8192][0] and sent[8192][1] <= 5.0
   for name in ("robustness_tiny.json", "robustness_tiny_size.png"):
     assert os.path.exists(os.path.join(tmp_path, name))
+
+
+def test_kernels_units_tiny(tmp_path):
+  """The --gpu benchmark's body (the default codec's unit kernels), interpreted on CPU."""
+  rows = kernels.main(["--units", "--tiny", "--unit-widths", "4", "--out", str(tmp_path)])
+  assert {r["op"] for r in rows} == set(kernels.UNIT_OPS) | {"copy"}
+  assert {r["impl"] for r in rows if r["op"] != "copy"} == {"pallas", "xla"}
+  assert all(r["seconds"] > 0 and r["coords_per_s"] > 0 for r in rows)
+  with open(os.path.join(tmp_path, "kernels_units_tiny.json")) as f:
+    assert json.load(f)["interpret"] is True
+
+
+def test_kernels_gpu_fails_without_a_gpu(tmp_path):
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is present: --gpu runs")
+  with pytest.raises(SystemExit, match="no GPU") as err:
+    kernels.main(["--gpu", "--tiny", "--out", str(tmp_path)])
+  assert err.value.code != 0

@@ -82,9 +82,43 @@ def test_planes_roundtrip_any_widths(plane_bits, width_set):
   tabs = U._tables(EPS, tuple(ws))
   xb = jnp.asarray(x).reshape(s, 16, 16)
   idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
-  codes, k, unit = U.encode_block_var(xb, widths, tabs, lookup=U._lookup(tabs), idx=idx,
+  codes, k, unit = U.encode_block_var(xb, widths, tabs, pairs=U._pairs(tabs), idx=idx,
                                       keys=tuple(jnp.uint32(v) for v in KEYS),
                                       rank=jnp.int32(1), strata=4)
   ref = U.decode_block_var(codes, k.astype(jnp.float32) * unit[:, None], widths, tabs,
                            lookup=U._lookup(tabs))
   np.testing.assert_array_equal(got, np.asarray(ref).reshape(s, 256))
+
+
+@pytest.mark.parametrize("eps", [EPS, {2: 0.23, 4: 0.05, 8: 0.02}, {2: 0.3, 4: 0.3, 8: 0.3}])
+@pytest.mark.parametrize("log2", ["exact", "above", "below"])
+def test_rounding_finds_the_exact_bracket(eps, log2):
+  """_round_levels_var's cheap first guess (c1 / s per group, log2, minus
+  1/2) never changes the codes: with u = 0 the level is the exact bracket j
+  (a > lam_j s rounds up), next to every level boundary of every width 2..8
+  and for scales from tiny (the 2^64 rescaling below 2^-64) to huge; also
+  with a log2 off by +-2^-20 (an approximate GPU log2). Subnormal values are
+  left out: XLA:CPU flushes them to zero."""
+  width_set = tuple(range(2, 9))
+  tabs = U._tables(eps, width_set)
+  lookup = U._pairs(tabs)
+  off = {"exact": 0.0, "above": 2.0**-20, "below": -2.0**-20}[log2]
+  fn = lambda v: jnp.log2(v) + np.float32(off)
+  for i, w in enumerate(width_set):
+    lam = tabs.table[tabs.base[i]:tabs.base[i] + tabs.r[i] + 1].astype(np.float64)
+    for s in (1.0, 3.0e-5, 255 * 1.5e3, 2.0**-101, 2.0**-80, 2.0**-63, 2.0**-65, 3e38 / 255):
+      s = np.float32(s)
+      if lam[1] * s < np.finfo(np.float32).tiny:
+        continue  # subnormal levels: flushed to zero by XLA:CPU
+      pts = (lam[:, None] * np.float64(s)).astype(np.float32)
+      a = (pts.view(np.int32) + np.arange(-8, 9)[None, :]).view(np.float32).ravel()
+      a = a[((a >= np.finfo(np.float32).tiny) | (a == 0)) & (a <= s)]
+      lvl = U._round_levels_var(jnp.asarray(a), jnp.float32(s), lookup, jnp.int32(tabs.pbase[i]),
+                                jnp.int32(tabs.r[i]), jnp.float32(tabs.c1k[i]),
+                                jnp.float32(tabs.k[i]), jnp.float32(tabs.c2[i]), jnp.zeros(a.shape, jnp.float32), 1,
+                                log2=fn)
+      prods = (lam * np.float64(s)).astype(np.float32).astype(np.float64)
+      j = np.clip(np.searchsorted(prods, a.astype(np.float64), side="right") - 1, 0, tabs.r[i] - 1)
+      # rounds up iff a - lam_j s > 0, a difference XLA:CPU flushes to 0 when subnormal
+      want = j + (a - prods[j].astype(np.float32) >= np.finfo(np.float32).tiny)
+      np.testing.assert_array_equal(np.asarray(lvl), want, err_msg=f"{w=} {s=}")

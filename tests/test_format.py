@@ -251,6 +251,30 @@ class TestRng:
     prod = np.asarray(rng._gf_mul(a, b, k))
     assert all(len(set(row)) == q for row in prod)  # x -> alpha x is a bijection
 
+  def test_lane_bits_pairs_are_well_spread(self):
+    """rng.lane_bits: each lane's multiplier is odd (a bijection: exact
+    marginals), and for every pair of lanes the lattice of (h K_i, h K_j)
+    has no vector shorter than 2^13.5 (Gauss reduction of (1, K_j / K_i),
+    (0, 2^32))."""
+    k = [int(v) for v in np.asarray(rng.lane_bits(jnp.uint32(1), jnp.arange(rng.GROUP)))]
+    assert all(v % 2 for v in k) and len(set(k)) == rng.GROUP
+    m = 1 << 32
+
+    def shortest(a):
+      u, v = (1, a % m), (0, m)
+      norm = lambda w: w[0] * w[0] + w[1] * w[1]
+      if norm(u) > norm(v):
+        u, v = v, u
+      while True:
+        t = round((u[0] * v[0] + u[1] * v[1]) / norm(u))
+        v = (v[0] - t * u[0], v[1] - t * u[1])
+        if norm(v) >= norm(u):
+          return norm(u) ** 0.5
+        u, v = v, u
+
+    worst = min(shortest(kj * pow(ki, -1, m)) for ki in k for kj in k if ki != kj)
+    assert worst > 2.0**13.5, np.log2(worst)
+
   @pytest.mark.parametrize("n", [2, 5, 6, 8, 12, 64])
   def test_stratum_is_a_pairwise_uniform_permutation(self, n):
     q = rng.strata_count(n)

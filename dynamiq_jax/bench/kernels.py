@@ -2,6 +2,20 @@
 
     python -m dynamiq_jax.bench.kernels                  # on a GPU: 2^20 .. 2^28 coordinates
     python -m dynamiq_jax.bench.kernels --tiny           # smoke test (CPU: interpret mode)
+    python -m dynamiq_jax.bench.kernels --gpu            # the default codec's unit kernels,
+                                                         # GPU only: docs/results/kernels_gpu.json
+    python -m dynamiq_jax.bench.kernels --units --tiny   # the same at a tiny size anywhere
+
+``--gpu`` (or ``--units``) times the unit-packed kernels of the default
+per-round codec (:mod:`pallas_kernels.dynamiq_units_kernels`: compress,
+decompress and the ring hop decompress-accumulate-recompress, "DAR"; width
+set (2, 3, 4, 5, 6, 8), 1-bit planes, ``strata=8``), each on a chunk whose
+super-groups all have one width (``--unit-widths``, default 4 and 5), against
+the XLA reference of the same operation and against a plain copy; it reports
+GB/s of minimal traffic and coordinates per second, names the device
+(``jax.devices()[0].device_kind``) and writes
+``docs/results/kernels_gpu.json``. Without a GPU ``--gpu`` exits with status
+1 and a message that says so (``--units`` runs in interpret mode instead).
 
 For every size, code width and operation it times the Pallas kernel and the
 jnp reference compiled by XLA, each after a warm-up, as the median over
@@ -24,6 +38,7 @@ import argparse
 import os
 import re
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -47,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is kept")
   p.add_argument("--tiny", action="store_true", help="smoke-test sizes (CI)")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
+  p.add_argument("--gpu", action="store_true",
+                 help="benchmark the default codec's unit kernels on the GPU (fails without one)")
+  p.add_argument("--units", action="store_true",
+                 help="benchmark the unit kernels on any backend (CPU: interpret mode)")
+  p.add_argument("--unit-widths", default="4,5", help="code widths of the --gpu/--units chunks")
   return p
 
 
@@ -83,8 +103,132 @@ def backend_check() -> dict:
   return out
 
 
+def _timer(reps: int, repeats: int):
+  """``timed(fn, *operands)``: median seconds per launch of ``fn(i, *operands)``
+  over ``repeats`` jitted loops of ``reps`` launches."""
+  import jax
+  import jax.numpy as jnp
+
+  def timed(fn, *operands):
+    shape = jax.eval_shape(fn, jnp.int32(0), *operands)
+
+    @jax.jit
+    def loop(*ops):
+      # The whole output is the loop carry, so XLA must produce all of it (a
+      # reduction to one element would let it compute only that part).
+      def body(i, carry):
+        del carry
+        tied = jax.lax.optimization_barrier((i, ops))[1]
+        return fn(i, *tied)
+      return jax.lax.fori_loop(0, reps, body, jnp.zeros(shape.shape, shape.dtype))
+
+    jax.block_until_ready(loop(*operands))  # compile + warm-up
+    jax.block_until_ready(loop(*operands))
+    runs = []
+    for _ in range(repeats):
+      t = time.perf_counter()
+      jax.block_until_ready(loop(*operands))
+      runs.append((time.perf_counter() - t) / reps)
+    return statistics.median(runs)
+
+  return timed
+
+
+UNIT_OPS = ("compress", "decompress_accumulate_recompress", "decompress")
+
+
+def units_main(args):
+  """The ``--gpu`` / ``--units`` benchmark: the default codec's unit kernels."""
+  import jax
+  import jax.numpy as jnp
+
+  from dynamiq_jax.bench import common
+  from dynamiq_jax.codecs.dynamiq import DEFAULT_EPS
+  from pallas_kernels import dynamiq_units as U
+  from pallas_kernels import dynamiq_units_kernels as UK
+  from pallas_kernels import rng
+
+  on_gpu = jax.default_backend() == "gpu"
+  if args.gpu and not on_gpu:
+    sys.exit(f"no GPU: jax's default backend is {jax.default_backend()!r} "
+             f"(devices: {jax.devices()}); run --gpu on a machine with a CUDA GPU, or "
+             "--units --tiny for an interpret-mode smoke test")
+  if args.tiny:
+    sizes, args.reps, args.repeats = [1 << 12], 2, 1
+  else:
+    sizes = [1 << int(v) for v in args.log2_sizes.split(",")]
+  dtype = jnp.dtype(args.dtype)
+  device = jax.devices()[0]
+  kind = getattr(device, "device_kind", device.platform)
+  timed = _timer(args.reps, args.repeats)
+  big = jnp.zeros((max(sizes),), jnp.float32)
+  copy_s = timed(lambda i, a: a + jnp.asarray(i, jnp.float32), big)
+  copy_gbs = 2 * big.nbytes / copy_s / 1e9
+  geo = dict(eps=DEFAULT_EPS, plane_bits=U.PLANE_BITS, width_set=U.WIDTH_SET)
+  interpret = None if on_gpu else True
+
+  def keys_of(i):
+    a, b = rng.derive_key(i, 7)
+    return (a, b, b, a)
+
+  rows = []
+  for width in [int(w) for w in args.unit_widths.split(",")]:
+    for size in sizes:
+      s_count = size // 256
+      units = s_count * width // U.PLANE_BITS
+      widths = jnp.full((s_count,), width, jnp.int32)
+      x = jax.random.normal(jax.random.key(0), (s_count, 256), jnp.float32).astype(dtype)
+      payload = U.compress_units_reference(x, widths, units, keys=keys_of(0), strata=8, **geo)
+      pay_b, x_b = payload.size, x.size * dtype.itemsize
+      minimal = {"compress": x_b + pay_b, "decompress": pay_b + size * 4,
+                 "decompress_accumulate_recompress": 2 * pay_b + x_b,
+                 "copy": 2 * x_b}
+      # A plain copy of the local values (read + write), as a kernel would see it.
+      sec = timed(lambda i, x: x + jnp.asarray(i, x.dtype), x)
+      rows.append({"width": width, "coords": size, "op": "copy", "impl": "xla", "seconds": sec,
+                   "minimal_bytes": minimal["copy"], "gbs": minimal["copy"] / sec / 1e9,
+                   "coords_per_s": size / sec})
+      for op in UNIT_OPS:
+        for impl in ("pallas", "xla"):
+          kw = dict(implementation=impl, interpret=interpret if impl == "pallas" else None, **geo)
+          if op == "compress":
+            f = lambda i, x: UK.compress_units(x, widths, units, keys=keys_of(i), strata=8, **kw)
+            operands = (x,)
+          elif op == "decompress":
+            f = lambda i, p: UK.decompress_units(p, widths, units, **kw)
+            operands = (payload,)
+          else:
+            f = lambda i, p, x: UK.decompress_accumulate_recompress_units(
+                p, x, widths, units, keys=keys_of(i), strata=8, **kw)
+            operands = (payload, x)
+          sec = timed(f, *operands)
+          rows.append({"width": width, "coords": size, "op": op, "impl": impl, "seconds": sec,
+                       "minimal_bytes": minimal[op], "gbs": minimal[op] / sec / 1e9,
+                       "coords_per_s": size / sec,
+                       "fraction_of_copy": minimal[op] / sec / 1e9 / copy_gbs})
+  print(f"\nDynamiQ unit kernels (default per-round codec) on {kind} ({jax.default_backend()}, "
+        f"jax {jax.__version__}); local values {args.dtype}; copy bandwidth {copy_gbs:.1f} GB/s")
+  if not on_gpu:
+    print("no GPU: Pallas runs in interpret mode; these numbers only show that the benchmark runs")
+  print(f"{'w':>2} {'coords':>10} {'op':<34} {'impl':<7} {'ms':>9} {'GB/s':>8} {'coords/s':>10}")
+  for r in rows:
+    print(f"{r['width']:>2} {r['coords']:>10} {r['op']:<34} {r['impl']:<7} "
+          f"{r['seconds'] * 1e3:>9.3f} {r['gbs']:>8.1f} {r['coords_per_s']:>10.3e}")
+  out = common.results_dir(args.out)
+  name = "kernels_gpu" if on_gpu else "kernels_units"
+  path = common.write_json(os.path.join(out, f"{name}{'_tiny' if args.tiny else ''}.json"), {
+      "command": common.command_line(), "machine": common.machine(), "device_kind": kind,
+      "backend": jax.default_backend(), "interpret": not on_gpu, "local_dtype": args.dtype,
+      "width_set": list(U.WIDTH_SET), "plane_bits": U.PLANE_BITS, "strata": 8,
+      "copy_gbs": copy_gbs, "reps": args.reps, "repeats": args.repeats, "results": rows})
+  print(f"wrote {path}")
+  return rows
+
+
 def main(argv=None):
   args = _parse(argv)
+  if args.gpu or args.units:
+    return units_main(args)
   import jax
   import jax.numpy as jnp
 
@@ -104,29 +248,7 @@ def main(argv=None):
   device = jax.devices()[0]
   kind = getattr(device, "device_kind", device.platform)
 
-  def timed(fn, *operands):
-    """Median seconds per launch of fn(i, *operands) over `repeats` loops of `reps`."""
-
-    shape = jax.eval_shape(fn, jnp.int32(0), *operands)
-
-    @jax.jit
-    def loop(*ops):
-      # The whole output is the loop carry, so XLA must produce all of it (a
-      # reduction to one element would let it compute only that part).
-      def body(i, carry):
-        del carry
-        tied = jax.lax.optimization_barrier((i, ops))[1]
-        return fn(i, *tied)
-      return jax.lax.fori_loop(0, args.reps, body, jnp.zeros(shape.shape, shape.dtype))
-
-    jax.block_until_ready(loop(*operands))  # compile + warm-up
-    jax.block_until_ready(loop(*operands))
-    runs = []
-    for _ in range(args.repeats):
-      t = time.perf_counter()
-      jax.block_until_ready(loop(*operands))
-      runs.append((time.perf_counter() - t) / args.reps)
-    return statistics.median(runs)
+  timed = _timer(args.reps, args.repeats)
 
   # Copy bandwidth: read + write of the largest float32 buffer used here.
   big = jnp.zeros((max(sizes),), jnp.float32)

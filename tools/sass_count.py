@@ -1,0 +1,287 @@
+"""Static SASS cost of the unit-packed DynamiQ kernels on an H100 (sm_90a), without a GPU.
+
+    python tools/sass_count.py                    # table on stdout
+    python tools/sass_count.py --json docs/results/kernels_sass.json --md docs/results/kernels_sass.md
+
+For each configuration (``plane_bits`` and width set) a child process
+compiles the four kernels of :mod:`pallas_kernels.dynamiq_units_kernels`
+alone for one H100 (the recipe of ``tests/test_gpu_compile_units.py``: a
+compile-only topology from ``tests/data/h100_sxm.txtpb``, bf16 local
+values, a chunk of 37 super-groups, ``strata=8`` as on an 8-rank ring,
+``XLA_FLAGS=--xla_dump_to``). This script then assembles each dumped PTX
+file with ``ptxas -v --gpu-name=sm_90a -o x.cubin`` (registers and spill
+bytes from its report) and reads the cubin's ELF with pyelftools: the
+kernel's code is the section ``.text.<kernel>``, and every sm_90 SASS
+instruction is 16 bytes. The trailing padding (the ``BRA`` to itself after
+the last ``EXIT`` and the ``NOP`` s that align the section to 128 bytes) is
+not counted: it is recognised by the opcode field, bits 0-11 of the
+instruction (``0x918`` NOP, ``0x947`` BRA), the Volta-and-later encoding
+(no disassembler is installable here: cuobjdump / nvdisasm are not on PyPI).
+
+Per coordinate: the kernels are straight-line code (Triton unrolls the whole
+block; this script checks that the PTX has no backward branch), so every
+thread runs each static instruction once (predicated-off ones still issue),
+for ``BLOCK * 256 / (32 num_warps)`` coordinates (2048 / 128 = 16 with
+``BLOCK = 8`` and 4 warps). Thread-instructions per coordinate are then
+``static / 16``; the issue's bound uses the same unit (190 per coordinate
+-> 1.7e11 coordinates/s, i.e. 3.3e13 thread-instructions/s: 132 SMs x 4
+schedulers x 32 lanes x 1.98 GHz, one warp instruction per scheduler per
+clock).
+
+The old per-class DAR kernel at 4 bits (``pallas_kernels.dynamiq``,
+``dynamiq_decompress_accumulate_recompress_b4``, the issue's ``dar_b4``) is
+counted too, as a calibration of the method against the issue's figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+OPS = ("compress", "decompress", "decompress_accumulate", "decompress_accumulate_recompress")
+SHORT = {"compress": "compress", "decompress": "decompress",
+         "decompress_accumulate": "decompress_accumulate",
+         "decompress_accumulate_recompress": "dar"}
+CONFIGS = {  # name: (plane_bits, width set)
+    "default": (1, (2, 3, 4, 5, 6, 8)),  # the per-round codec's
+    "w4": (1, (4,)),
+    "w5": (1, (5,)),
+}
+NUM_WARPS = 4
+SM90_INSTR_BYTES = 16
+OP_NOP, OP_BRA = 0x918, 0x947
+# Throughput model (the issue's): thread-instructions per second of an H100 SXM.
+SMS, SCHEDULERS, LANES, CLOCK_HZ = 132, 4, 32, 1.98e9
+INSTR_PER_S = SMS * SCHEDULERS * LANES * CLOCK_HZ
+HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3
+
+
+def _compile_child(dump: str, config: str) -> None:
+  """Compiles the four unit kernels of ``config`` alone for one H100 (the child)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental import topologies
+
+  import test_gpu_compile as G
+  from pallas_kernels import dynamiq as K
+  from pallas_kernels import dynamiq_format as F
+  from pallas_kernels import dynamiq_units as U
+  from pallas_kernels import dynamiq_units_kernels as UK
+
+  topology = topologies.get_topology_desc(
+      topology_name="h100", platform="cuda", target_config=G.TARGET_CONFIG.read_text(),
+      topology="1x1x1")
+  sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])
+  keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
+  s = 37
+  if config == "per_class_b4":
+    fmt = F.Format(bits=4)
+    x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
+    p = jax.ShapeDtypeStruct((s, fmt.record_bytes), jnp.uint8, sharding=sharding)
+    f = lambda p, x: K.decompress_accumulate_recompress_pallas(p, x, fmt, keys=keys, strata=8)
+    jax.jit(f).trace(p, x).lower().compile()
+    return
+  pb, ws = CONFIGS[config]
+  units = s * max(ws) // pb // 2  # about half the widest: every plane is live somewhere
+  geo = dict(eps={2: 0.23, 4: 0.18, 8: 0.10}, plane_bits=pb, width_set=ws)
+  x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
+  w = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=sharding)
+  p = jax.ShapeDtypeStruct((U.payload_bytes(s, units, pb),), jnp.uint8, sharding=sharding)
+  fns = [(lambda x, w: UK.compress_units_pallas(x, w, units, keys=keys, strata=8, **geo), (x, w)),
+         (lambda p, w: UK.decompress_units_pallas(p, w, units, **geo), (p, w)),
+         (lambda p, x, w: UK.decompress_accumulate_units_pallas(p, x, w, units, **geo), (p, x, w)),
+         (lambda p, x, w: UK.decompress_accumulate_recompress_units_pallas(
+             p, x, w, units, keys=keys, strata=8, **geo), (p, x, w))]
+  for f, args in fns:
+    jax.jit(f).trace(*args).lower().compile()
+
+
+def _text_instructions(cubin: pathlib.Path) -> dict[str, dict[str, int]]:
+  """{kernel: {"instructions", "padding"}} from the cubin's ``.text.<kernel>`` sections."""
+  from elftools.elf.elffile import ELFFile
+
+  out = {}
+  with open(cubin, "rb") as fh:
+    for sec in ELFFile(fh).iter_sections():
+      if not sec.name.startswith(".text."):
+        continue
+      data = sec.data()
+      words = [int.from_bytes(data[i:i + SM90_INSTR_BYTES], "little")
+               for i in range(0, len(data), SM90_INSTR_BYTES)]
+      n = len(words)
+      while n and words[n - 1] & 0xFFF == OP_NOP:
+        n -= 1
+      if n and words[n - 1] & 0xFFF == OP_BRA:  # the BRA-to-self after the last EXIT
+        n -= 1
+      out[sec.name[len(".text."):]] = {"instructions": n, "padding": len(words) - n}
+  return out
+
+
+def _has_backward_branch(ptx: str, kernel: str) -> bool:
+  """Whether ``kernel``'s PTX branches to a label defined before the branch (a loop)."""
+  body = ptx[ptx.index(f".entry {kernel}("):]
+  end = re.search(r"\n\}\n", body)
+  body = body[:end.start()] if end else body
+  seen = set()
+  for line in body.splitlines():
+    label = re.match(r"\s*(\$?\w+):", line)
+    if label:
+      seen.add(label.group(1))
+    target = re.search(r"\bbra(?:\.uni)?\s+(\$?\w+);", line)
+    if target and target.group(1) in seen:
+      return True
+  return False
+
+
+def measure(config: str) -> dict[str, dict]:
+  """Compiles ``config``'s kernels in a child and returns ``{kernel: report}``."""
+  import test_gpu_compile as G
+
+  ptxas = G._ptxas()
+  with tempfile.TemporaryDirectory() as dump:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
+    env["JAX_PLATFORMS"] = "cpu"  # no driver; the topology API uses the plugin's compiler
+    res = subprocess.run([sys.executable, __file__, "--child", dump, config], env=env,
+                         capture_output=True, text=True, cwd=ROOT)
+    if res.returncode:
+      raise RuntimeError(f"the H100 compile of {config} failed:\n{res.stderr[-4000:]}")
+    out = {}
+    for path in sorted(pathlib.Path(dump).glob("*.ptx")):
+      ptx = path.read_text()
+      names = re.findall(r"\.entry (dynamiq_\w+)\(", ptx)
+      if not names:
+        continue
+      cubin = path.with_suffix(".cubin")
+      rep = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(path), "-o", str(cubin)],
+                           capture_output=True, text=True, check=True)
+      props = {name: (int(st) + int(ld), int(regs)) for name, st, ld, regs in re.findall(
+          r"Function properties for (\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill "
+          r"stores, (\d+) bytes spill loads\s*\n[^\n]*Used (\d+) registers", rep.stderr)}
+      text = _text_instructions(cubin)
+      for name in names:
+        spills, regs = props[name]
+        out[name] = {"instructions": text[name]["instructions"],
+                     "padding": text[name]["padding"], "registers": regs,
+                     "spill_bytes": spills, "loops": _has_backward_branch(ptx, name)}
+  return out
+
+
+def _dar_bytes_per_coord(width: int, local_bytes: int = 2, widths_input: bool = True) -> float:
+  """DAR's HBM traffic per coordinate at one width, from the kernel's operands:
+  the payload read and written (``width`` code bits plus the 18-byte scale
+  record per 256 coordinates), the local values read (bf16: 2 bytes) and the
+  unit kernels' int32 width per super-group (4 / 256 bytes); the level and
+  plane-offset tables are a few hundred bytes per launch (not counted)."""
+  payload = (32 * width + 18) / 256
+  return 2 * payload + local_bytes + (4 / 256 if widths_input else 0.0)
+
+
+def table(configs=None) -> dict:
+  """Measures every configuration; returns the JSON-able report."""
+  from pallas_kernels import dynamiq as K
+
+  configs = configs or list(CONFIGS) + ["per_class_b4"]
+  coords_per_thread = K.BLOCK * 256 // (32 * NUM_WARPS)
+  rows = []
+  for config in configs:
+    for name, r in sorted(measure(config).items()):
+      per = r["instructions"] / coords_per_thread
+      row = {"config": config, "kernel": name, **r,
+             "instructions_per_coord": round(per, 2),
+             "static_bound_coords_per_s": INSTR_PER_S / per}
+      if "recompress" in name:
+        width = {"default": 4, "w4": 4, "w5": 5, "per_class_b4": 4}[config]
+        bpc = _dar_bytes_per_coord(width, widths_input=config != "per_class_b4")
+        roof = HBM_BYTES_PER_S / bpc
+        row.update(bytes_per_coord=round(bpc, 4), roofline_coords_per_s=roof,
+                   fraction_of_roofline=round(INSTR_PER_S / per / roof, 3))
+      rows.append(row)
+  rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                       capture_output=True, text=True).stdout.strip()
+  return {"command": "python tools/sass_count.py " + " ".join(sys.argv[1:]), "source": rev,
+          "block_supergroups": K.BLOCK, "num_warps": NUM_WARPS,
+          "coords_per_thread": coords_per_thread,
+          "model": {"thread_instructions_per_s": INSTR_PER_S,
+                    "terms": f"{SMS} SMs x {SCHEDULERS} schedulers x {LANES} lanes x "
+                             f"{CLOCK_HZ / 1e9} GHz", "hbm_bytes_per_s": HBM_BYTES_PER_S},
+          "rows": rows}
+
+
+def format_table(report: dict) -> str:
+  lines = ["| config | kernel | SASS instr | instr/coord | registers | spill bytes | "
+           "bound (coords/s) | of HBM roofline |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+  for r in report["rows"]:
+    frac = f"{r['fraction_of_roofline']:.0%}" if "fraction_of_roofline" in r else ""
+    lines.append(f"| {r['config']} | {r['kernel']} | {r['instructions']} | "
+                 f"{r['instructions_per_coord']:.1f} | {r['registers']} | {r['spill_bytes']} | "
+                 f"{r['static_bound_coords_per_s']:.2e} | {frac} |")
+  return "\n".join(lines)
+
+
+def compare_table(before: dict, after: dict) -> str:
+  """Markdown: per configuration and kernel, before and after (bound and roofline
+  fraction recomputed from the instruction counts with this file's model)."""
+  old = {(r["config"], r["kernel"]): r for r in before["rows"]}
+  lines = ["| config | kernel | instr/coord before | after | registers before | after | "
+           "spills before | after | DAR bound before (coords/s, of roofline) | after |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in after["rows"]:
+    b = old.get((r["config"], r["kernel"]))
+    if b is None:
+      continue
+    bound = ""
+    if "roofline_coords_per_s" in r:
+      roof = r["roofline_coords_per_s"]
+      fb, fa = (INSTR_PER_S / x["instructions_per_coord"] for x in (b, r))
+      bound = f"{fb:.2e} ({fb / roof:.0%}) | {fa:.2e} ({fa / roof:.0%})"
+    else:
+      bound = " | "
+    lines.append(f"| {r['config']} | {r['kernel'].replace('dynamiq_', '')} | "
+                 f"{b['instructions_per_coord']:.1f} | {r['instructions_per_coord']:.1f} | "
+                 f"{b['registers']} | {r['registers']} | {b['spill_bytes']} | "
+                 f"{r['spill_bytes']} | {bound} |")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--child", nargs=2, metavar=("DUMP_DIR", "CONFIG"), help=argparse.SUPPRESS)
+  p.add_argument("--configs", default=None,
+                 help=f"comma-separated, of {sorted(CONFIGS)} and per_class_b4 (default: all)")
+  p.add_argument("--json", default=None, help="write the report here")
+  p.add_argument("--before", default=None,
+                 help="a report written earlier: print a before / after table against it")
+  args = p.parse_args(argv)
+  if args.child:
+    _compile_child(*args.child)
+    return
+  import test_gpu_compile as G
+  if G._missing():
+    sys.exit(f"cannot run: {G._missing()}")
+  report = table(args.configs.split(",") if args.configs else None)
+  if any(r["loops"] for r in report["rows"]):
+    print("warning: a kernel has a loop; its static count is not its per-coordinate cost")
+  print(format_table(report))
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.json}")
+  if args.before:
+    print(compare_table(json.loads(pathlib.Path(args.before).read_text()), report))
+
+
+if __name__ == "__main__":
+  main()
