@@ -1,4 +1,4 @@
-"""PROTOTYPE: a unit-packed DynamiQ chunk whose per-super-group widths are data.
+"""The unit-packed DynamiQ chunk of the default codec: per-super-group widths are data.
 
 One ring chunk of ``S`` super-groups travels as one static payload::
 
