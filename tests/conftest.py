@@ -18,3 +18,22 @@ def pytest_terminal_summary(terminalreporter):
     for name, value in getattr(report, "user_properties", ()):
       if name.startswith("gpu_compile"):
         terminalreporter.write_line(f"{name}: {value}")
+
+
+# Test files by their time on 2 cores, longest first (from --durations). With
+# --dist=loadfile and --no-loadscope-reorder (pyproject), pytest-xdist hands out
+# whole files in this order: the long ones start first and the short ones fill in
+# at the end, so no worker is left running a long file alone.
+LONGEST_FIRST = (
+    "test_dynamiq.py", "test_bench.py", "test_kernels.py", "test_unit_kernels.py",
+    "test_collectives.py", "test_transform.py", "test_examples.py", "test_baselines.py",
+    "test_multiprocess.py", "test_hierarchical.py", "test_net.py", "test_gpu_compile_units.py",
+    "test_allocation_rounds.py", "test_bucketing.py", "test_gpu_compile.py",
+    "test_codec_contract.py", "test_notebook.py", "test_docs.py", "test_checkpoint.py",
+    "test_dynamiq_units.py", "test_error_estimate.py", "test_demo.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole

@@ -116,6 +116,7 @@ def test_unbiased_through_the_kernels():
     assert np.max(np.abs(z)) < 5.0, z
 
 
+@pytest.mark.slow  # two ring compiles, one in interpret mode; each kernel's parity: above
 def test_ring_with_kernels_equals_xla_on_8_devices(mesh):
   g = model_data("heavy", 8, 1 << 15, 1)
   codec = DynamiQ(bits=5)

@@ -112,9 +112,10 @@ class TestTraining:
     np.testing.assert_array_equal(out, np.asarray(s1))
 
   def test_pmap(self):
-    grads = np.random.default_rng(1).standard_normal((N, 30_000)).astype(np.float32)
+    # The shape of test_compressed_step_equals_simulate: simulate's compiled code is reused.
+    grads = np.random.default_rng(1).standard_normal((N, 40_000)).astype(np.float32)
     tx = dq.compressed_psum("i", seed=2)
-    state = tx.init(jnp.zeros(30_000))
+    state = tx.init(jnp.zeros(40_000))
 
     def f(g, state):
       return tx.update(g, state)[0]
