@@ -241,7 +241,9 @@ def test_codec_limits_are_explained():
     OmniReduce(density=0)
 
 
-@pytest.mark.parametrize("name", dq.REDUCERS)
+@pytest.mark.parametrize("name", [
+    pytest.param(r, marks=pytest.mark.slow) if r == "dynamiq" else r  # dynamiq: .ci/run-slow
+    for r in dq.REDUCERS])
 def test_every_registered_reducer_runs(mesh, name):
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P

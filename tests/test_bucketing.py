@@ -65,6 +65,7 @@ def test_buckets_are_transparent_for_lossless_codecs(bucket_size):
     np.testing.assert_array_equal(np.asarray(out[k])[0], np.asarray(tree[k]).sum(0))
 
 
+@pytest.mark.slow  # .ci/run-slow; TestBudget in test_dynamiq checks wire bits per bucket
 def test_dynamiq_buckets_each_meet_the_budget():
   g = model_data("heavy", N, 1 << 18, 0)
   codec = DynamiQ(bits=5)

@@ -123,6 +123,7 @@ class TestStatisticsAllReduce:
     # a plain sum of norms (the mistake this test exists for) is far outside that
     assert np.max(np.abs(norms.sum(0) / want - 1)) > 10 * n * 2.0**-8
 
+  @pytest.mark.slow  # .ci/run-slow; the whole all-reduce's unbiasedness is tested in test_dynamiq
   def test_means_add_unbiased(self):
     rng = np.random.default_rng(1)
     n, units = 4, 32

@@ -99,7 +99,8 @@ class TestDynamiQParity:
            DynamiQ(bits=6, levels="uniform", hierarchical=False, allocation="static"),
            DynamiQ(centre=False)]
 
-  @pytest.mark.parametrize("codec", OTHER)
+  @pytest.mark.parametrize("codec", [OTHER[0]] + [pytest.param(c, marks=pytest.mark.slow)
+                                                   for c in OTHER[1:]])  # .ci/run-slow
   def test_other_configurations_match_too(self, mesh, codec):
     g = np.random.default_rng(5).standard_normal((N, 70_000)).astype(np.float32)
     out = per_rank(mesh, _reduce(codec, key=jax.random.key(3)), g)
@@ -204,6 +205,7 @@ class TestErrors:
       dq.simulate(np.ones((N, 4), np.float32), codec=F32(), schedule="tree")
 
 
+@pytest.mark.slow  # .ci/run-slow; tools/compile_time.py measures n = 8 vs 64
 def test_compile_cost_does_not_grow_with_n():
   """The ring runs as one loop body: n = 64 lowers to the same program size as n = 8."""
   codec = DynamiQ(bits=6)

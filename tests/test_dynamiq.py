@@ -160,7 +160,7 @@ class TestAccuracy:
   """Against the authors' own simulator on the same data (REFERENCE_VNMSE.md)."""
 
   @pytest.mark.parametrize("dataset", ["iid", "heavy"])
-  @pytest.mark.parametrize("data_seed", [0, 1])
+  @pytest.mark.parametrize("data_seed", [0, pytest.param(1, marks=pytest.mark.slow)])
   def test_within_1p1x_of_authors_at_their_bit_rate(self, dataset, data_seed):
     ref = REFERENCE[(dataset, N, "DynamiQ-5b hier+corr (ring)")][data_seed]
     ours = _vnmse(DynamiQ(bits=AUTHORS_ALL_IN_BITS), dataset, data_seed)
@@ -169,6 +169,7 @@ class TestAccuracy:
     ours5 = _vnmse(DynamiQ(bits=5.0), dataset, data_seed)
     assert ours5 <= 1.1 * ref, (ours5, ref)
 
+  @pytest.mark.slow  # .ci/run-slow; bench.vnmse's budget sweep measures the same
   def test_error_falls_strictly_with_the_budget(self):
     v = [_vnmse(DynamiQ(bits=b), "iid", 0, seeds=(0,)) for b in (3, 4, 5, 6)]
     assert all(a > 1.5 * b for a, b in zip(v[:-1], v[1:])), v
@@ -263,6 +264,7 @@ class TestEdgeValues:
     for leaf in jax.tree.leaves(out):
       np.testing.assert_array_equal(np.asarray(leaf), 0.0)
 
+  @pytest.mark.slow  # .ci/run-slow
   def test_uncentred_codec_keeps_zeros_inside_mixed_super_groups(self):
     """Embedding rows of absent tokens: zeros beside non-zeros in a super-group.
     Centring moves them off zero (the mean is subtracted, quantised, added

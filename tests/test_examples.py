@@ -231,6 +231,7 @@ def test_nnx_char_lm_runs(tmp_path):
 # -- checkpoints -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # .ci/run-slow; tests/test_checkpoint.py restores bit for bit in seconds
 @pytest.mark.parametrize("train, config", [
     (digits_train, digits_config.get_config(steps=8, batch_size=64, eval_every=0)),
     (linen_train, linen_config.get_config(steps=8, batch_size=64, eval_every=0)),

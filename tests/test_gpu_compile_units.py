@@ -118,6 +118,7 @@ def test_unit_kernels_compile_for_h100_without_spills(record_property):
 
 
 @pytest.mark.skipif(G._missing() is not None, reason=str(G._missing()))
+@pytest.mark.slow  # .ci/run-slow; tests/test_gpu_compile.py keeps a negative control
 def test_an_oversized_block_fails_the_check():
   """Negative control: the same check fails when the kernels spill registers."""
   with pytest.raises(AssertionError, match=r"spills \d+ bytes") as err:

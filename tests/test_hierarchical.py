@@ -38,8 +38,9 @@ def _shard_map_run(g, codec, schedule, check_vma):
   return np.asarray(out).reshape(8, -1), float(sent)
 
 
-@pytest.mark.parametrize("schedule,check_vma", [("hierarchical", True),
-                                                ("hierarchical-butterfly", False)])
+@pytest.mark.parametrize("schedule,check_vma", [
+    pytest.param("hierarchical", True, marks=pytest.mark.slow),  # .ci/run-slow
+    ("hierarchical-butterfly", False)])
 def test_shard_map_equals_simulate_bitwise(grads, schedule, check_vma):
   codec = DynamiQ(bits=5.0)
   out, sent = _shard_map_run(grads, codec, schedule, check_vma)

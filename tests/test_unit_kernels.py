@@ -55,14 +55,15 @@ def _same(a, b):
 
 
 # (plane_bits, width_set, scale_rounding, strata, S, dtype, widths, room)
+SLOW = pytest.mark.slow  # .ci/run-slow: the default tier keeps one case per plane width
 CASES = [
-    (1, WS6, "up", 1, 11, jnp.float32, "mixed", 5),
-    (1, WS6, "stochastic", 8, 20, jnp.bfloat16, "mixed", 0),
-    (1, WS6, "up", 8, 3, jnp.float32, "1", 2),  # all 3-bit
-    (1, WS3, "up", 8, 13, jnp.bfloat16, "mixed", 40),  # many unused units
-    (1, WS3, "stochastic", 1, 9, jnp.float32, "max", 0),  # all 8-bit
+    pytest.param((1, WS6, "up", 1, 11, jnp.float32, "mixed", 5), marks=SLOW),
+    (1, WS6, "stochastic", 8, 20, jnp.bfloat16, "mixed", 0),  # the default codec's
+    pytest.param((1, WS6, "up", 8, 3, jnp.float32, "1", 2), marks=SLOW),  # all 3-bit
+    pytest.param((1, WS3, "up", 8, 13, jnp.bfloat16, "mixed", 40), marks=SLOW),  # unused units
+    pytest.param((1, WS3, "stochastic", 1, 9, jnp.float32, "max", 0), marks=SLOW),  # all 8-bit
     (2, WS3, "up", 8, 11, jnp.bfloat16, "mixed", 3),
-    (2, WS3, "stochastic", 1, 20, jnp.float32, "0", 1),  # all 2-bit
+    pytest.param((2, WS3, "stochastic", 1, 20, jnp.float32, "0", 1), marks=SLOW),  # all 2-bit
     (2, WS3, "up", 1, 5, jnp.float32, "mixed", -3),  # too few units: truncated
 ]
 
@@ -129,6 +130,7 @@ def test_every_payload_byte_is_written(plane_bits, width_set, room):
             plane_bits=plane_bits, width_set=width_set))
 
 
+@pytest.mark.slow  # .ci/run-slow
 def test_vmap_maps_the_kernels_over_a_batch():
   """Batched x, keys and widths (each batch element its own chunk); the unbatched
   payload case is covered by broadcasting in the rule."""
