@@ -70,6 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def _setup(args):
+  """(sizes, dtype, device kind, timer, copy GB/s): what every run of this benchmark
+  needs; ``--tiny`` also shrinks the repetitions. The copy is a read + write of
+  the largest float32 buffer used."""
+  import jax
+  import jax.numpy as jnp
+  if args.tiny:
+    sizes = [1 << 12]
+    args.reps, args.repeats = 2, 1
+  else:
+    sizes = [1 << int(v) for v in args.log2_sizes.split(",")]
+  device = jax.devices()[0]
+  timed = _timer(args.reps, args.repeats)
+  big = jnp.zeros((max(sizes),), jnp.float32)
+  copy_s = timed(lambda i, a: a + jnp.asarray(i, jnp.float32), big)
+  return (sizes, jnp.dtype(args.dtype), getattr(device, "device_kind", device.platform), timed,
+          2 * big.nbytes / copy_s / 1e9)
+
+
 def _parse(argv):
   return build_parser().parse_args(argv)
 
@@ -153,17 +172,7 @@ def units_main(args):
     sys.exit(f"no GPU: jax's default backend is {jax.default_backend()!r} "
              f"(devices: {jax.devices()}); run --gpu on a machine with a CUDA GPU, or "
              "--units --tiny for an interpret-mode smoke test")
-  if args.tiny:
-    sizes, args.reps, args.repeats = [1 << 12], 2, 1
-  else:
-    sizes = [1 << int(v) for v in args.log2_sizes.split(",")]
-  dtype = jnp.dtype(args.dtype)
-  device = jax.devices()[0]
-  kind = getattr(device, "device_kind", device.platform)
-  timed = _timer(args.reps, args.repeats)
-  big = jnp.zeros((max(sizes),), jnp.float32)
-  copy_s = timed(lambda i, a: a + jnp.asarray(i, jnp.float32), big)
-  copy_gbs = 2 * big.nbytes / copy_s / 1e9
+  sizes, dtype, kind, timed, copy_gbs = _setup(args)
   geo = dict(eps=DEFAULT_EPS, plane_bits=U.PLANE_BITS, width_set=U.WIDTH_SET)
   interpret = None if on_gpu else True
 
@@ -238,22 +247,8 @@ def main(argv=None):
   from pallas_kernels import rng
 
   on_gpu = jax.default_backend() == "gpu"
-  if args.tiny:
-    sizes = [1 << 12]
-    args.reps, args.repeats = 2, 1
-  else:
-    sizes = [1 << int(v) for v in args.log2_sizes.split(",")]
+  sizes, dtype, kind, timed, copy_gbs = _setup(args)
   widths = [int(b) for b in args.bits.split(",")]
-  dtype = jnp.dtype(args.dtype)
-  device = jax.devices()[0]
-  kind = getattr(device, "device_kind", device.platform)
-
-  timed = _timer(args.reps, args.repeats)
-
-  # Copy bandwidth: read + write of the largest float32 buffer used here.
-  big = jnp.zeros((max(sizes),), jnp.float32)
-  copy_s = timed(lambda i, a: a + jnp.asarray(i, jnp.float32), big)
-  copy_gbs = 2 * big.nbytes / copy_s / 1e9
 
   rows = []
   for bits in widths:
