@@ -37,9 +37,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynamiq_jax.train import SyncedStep
+from dynamiq_jax.train import _is_per_rank
 from dynamiq_jax.train import as_varying
 from dynamiq_jax.train import resolve_sync_every
-from dynamiq_jax.transform import PerRank
 
 __all__ = ["DataParallel"]
 
@@ -49,10 +49,6 @@ def _raw_key(k):
     if hasattr(k, attr):
       return getattr(k, attr)
   return k
-
-
-def _is_per_rank(x):
-  return isinstance(x, PerRank)
 
 
 def _per_rank_prefixes(optimizer: nnx.Optimizer, prefix: tuple) -> list[tuple]:
