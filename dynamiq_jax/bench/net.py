@@ -47,7 +47,7 @@ import time
 import numpy as np
 
 from dynamiq_jax.bench import common
-from dynamiq_jax.bench.netns import Network, can_shape
+from dynamiq_jax.bench.netns import shaping, worker_job
 
 __all__ = ["main", "parse_method", "summarize"]
 
@@ -449,12 +449,8 @@ def main(argv=None):
     raise SystemExit(f"--workers={args.workers}: an all-reduce needs at least 2")
   if any(r < 0 for r in args.rates):
     raise SystemExit(f"--rates {args.rates}: rates are Mbit/s >= 0 (0: unshaped)")
-  shaped, why = can_shape()
-  if args.no_shaping:
-    shaped, why = False, "--no-shaping was given"
+  shaped = shaping(args.no_shaping)
   if not shaped:
-    print(f"NOTE: no traffic shaping is applied ({why}); the workers talk over plain "
-          f"loopback, so the link rates below are labels only.", flush=True)
     args.rates = [0.0]
   cfg = {
       "workers": args.workers, "sizes_mb": args.sizes_mb, "methods": args.methods,
@@ -477,25 +473,9 @@ def main(argv=None):
 
 
 def _drive(args, cfg, cfg_path, shaped):
-  import contextlib
-
-  from dynamiq_jax import multiprocess
-
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  port = multiprocess.free_port()
   results = []
-  with contextlib.ExitStack() as stack:
-    net = stack.enter_context(Network(args.workers)) if shaped else None
-    host = net.address(0) if net else "127.0.0.1"
-    argv = [[sys.executable, "-m", "dynamiq_jax.bench.net", "--worker", str(r),
-             "--coordinator", f"{host}:{port}", "--config", cfg_path]
-            for r in range(args.workers)]
-    prefix = [net.exec_prefix(r) for r in range(args.workers)] if net else None
-    job = stack.enter_context(multiprocess.Job(argv, env=env, prefix_per_rank=prefix,
-                                               stdin=True))
-    print(f"{args.workers} workers {'in network namespaces' if net else 'on loopback'}: "
-          f"compiling {len(args.methods)} methods x {len(args.sizes_mb)} sizes ...", flush=True)
+  with worker_job("dynamiq_jax.bench.net", args.workers, cfg_path, shaped=shaped) as (job, net):
+    print(f"({len(args.methods)} methods x {len(args.sizes_mb)} sizes)", flush=True)
     ready = [json.loads(s) for s in job.wait_lines("READY ", timeout=args.timeout)]
     for key, digest in ready[0]["digests"].items():
       differ = [r for r, msg in enumerate(ready) if msg["digests"][key] != digest]

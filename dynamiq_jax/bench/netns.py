@@ -17,13 +17,15 @@ exception while the network is up). Needs root and ``ip``/``tc``;
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 
-__all__ = ["Network", "can_shape", "NetworkError"]
+__all__ = ["Network", "can_shape", "NetworkError", "shaping", "worker_job"]
 
 SUBNET = "10.77.0"
 
@@ -40,6 +42,43 @@ def can_shape() -> tuple[bool, str]:
     if shutil.which(tool) is None:
       return False, f"the {tool!r} command is not installed (iproute2)"
   return True, ""
+
+
+def shaping(no_shaping: bool = False) -> bool:
+  """Whether the links will be shaped (root, tools, not ``no_shaping``); prints why not."""
+  shaped, why = can_shape()
+  if no_shaping:
+    shaped, why = False, "--no-shaping was given"
+  if not shaped:
+    print(f"NOTE: no traffic shaping is applied ({why}); the workers talk over plain "
+          f"loopback, so the link rates below are labels only.", flush=True)
+  return shaped
+
+
+@contextlib.contextmanager
+def worker_job(module: str, workers: int, cfg_path: str, *, shaped: bool):
+  """Runs ``python -m <module> --worker <r> --coordinator <host:port> --config <cfg_path>``
+  for ``r < workers``: each in its own namespace of a :class:`Network` when
+  ``shaped``, else on loopback. Yields ``(job, network or None)``
+  (:class:`dynamiq_jax.multiprocess.Job` with stdin pipes); every process
+  and namespace is gone on exit.
+  """
+  from dynamiq_jax import multiprocess
+
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  with contextlib.ExitStack() as stack:
+    net = stack.enter_context(Network(workers)) if shaped else None
+    host = net.address(0) if net else "127.0.0.1"
+    port = multiprocess.free_port()
+    argv = [[sys.executable, "-m", module, "--worker", str(r), "--coordinator", f"{host}:{port}",
+             "--config", cfg_path] for r in range(workers)]
+    prefix = [net.exec_prefix(r) for r in range(workers)] if net else None
+    job = stack.enter_context(multiprocess.Job(argv, env=env, prefix_per_rank=prefix,
+                                               stdin=True))
+    print(f"{workers} workers {'in network namespaces' if net else 'on loopback'}: "
+          f"compiling ...", flush=True)
+    yield job, net
 
 
 def _run(*cmd: str) -> str:
