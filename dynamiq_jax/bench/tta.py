@@ -51,7 +51,7 @@ import numpy as np
 
 from dynamiq_jax.bench import common
 
-__all__ = ["main", "CODECS", "train_run", "summarize"]
+__all__ = ["main", "CODECS", "Trainer", "train_run", "summarize", "wire"]
 
 # (label, reducer name, reducer options)
 CODECS = (
@@ -156,6 +156,29 @@ class Trainer:
     for leaf in jax.tree.leaves(local):
       h.update(np.asarray(leaf).tobytes())
     return float(self.eval_fn(local, self.eval_batch)), h.hexdigest()[:16]
+
+
+def wire(cfg: dict, label: str) -> dict:
+  """Bits per coordinate and bytes each rank sends per step, for ``label`` on ``cfg``'s model."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import dynamiq_jax as dq
+  from dynamiq_jax.bench import lm
+
+  model = nnx.eval_shape(lambda: lm.CharTransformer(lm.LMConfig(**cfg["model"]), seed=0))
+  d = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  n = cfg["workers"]
+  _, name, options = _codec(label)
+  if name.startswith("psum-"):  # XLA's all-reduce, taken as a ring of the dtype
+    bits = 8 * jnp.dtype(jnp.bfloat16 if name == "psum-bf16" else jnp.float32).itemsize
+    return {"params": d, "bits_per_coord": float(bits), "bytes_per_rank": bits / 8 * d * 2 *
+            (n - 1) / n}
+  st = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32),
+                     codec=dq.codec_from_name(name, **options), n=n)
+  return {"params": d, "bits_per_coord": float(st.bits_per_coord),
+          "bytes_per_rank": float(st.bytes_per_rank)}
 
 
 def _scalar(x) -> float:
@@ -394,6 +417,7 @@ def main(argv=None):
   report["summary"] = summarize(report, args)
   common.write_json(path, report)
   _print(report["summary"])
+  print("\n" + markdown(report["summary"]))
   png = _plot(report, args, out_dir)
   print(f"\nwrote {path} and {png}\nmachine: {report['machine']['platform']}; "
         f"reproduce: {report['command']}")
@@ -529,7 +553,8 @@ def summarize(report: dict, args) -> dict:
     k = [steps_to_target(per_seed[s], targets[s], window) for s in seeds if s in per_seed]
     q_mean, q_std = _mean_std([per_seed[s]["evals"][-1]["eval_loss"] for s in seeds
                                if s in per_seed])
-    row = {"steps_to_target": k, "reached": sum(x is not None for x in k),
+    row = {**wire(report["training"], label),
+           "steps_to_target": k, "reached": sum(x is not None for x in k),
            "final_eval_loss_mean": q_mean, "final_eval_loss_std": q_std,
            "final_vs_bf16": q_mean / base_q - 1.0 if q_mean is not None else None, "rates": {}}
     for rate in rates:
@@ -574,13 +599,13 @@ def _print(summary):
   rates = summary["rates"]
   print(f"\n== time to accuracy: target = BF16's smoothed eval loss at {summary['target_at']:g} "
         f"of its run (per seed: {', '.join(f'{v:.4f}' for v in summary['targets'].values())}) ==")
-  head = f"{'codec':<12} {'steps->tgt':>12}"
+  head = f"{'codec':<12} {'bits':>5} {'steps->tgt':>12}"
   for r in rates:
     head += f" {f's/step@{r:g}':>12} {f'TTA@{r:g} [s]':>14} {'vs BF16':>8}"
   print(head + f" {'final eval loss':>18} {'vs BF16':>8}")
   for label, row in summary["codecs"].items():
     k_mean, _ = _mean_std(row["steps_to_target"])
-    line = f"{label:<12} {_fmt(k_mean, '7.1f'):>7}({row['reached']}/{len(row['steps_to_target'])})"
+    line = f"{label:<12} {row['bits_per_coord']:5.2f} {_fmt(k_mean, '7.1f'):>7}({row['reached']}/{len(row['steps_to_target'])})"
     for r in rates:
       c = row["rates"][str(r)]
       line += (f" {_fmt(c['seconds_per_step'], '12.3f')} {_fmt(c['tta_s'], '14.1f')}"
@@ -600,6 +625,29 @@ def _print(summary):
             f"(step {c['steps_to_target_simulated']}): ratio {_fmt(c['ratio'], '.3f')}; "
             + (f"parameters equal to the simulated run's at {sum(same)}/{len(same)} evaluations"
                if same else "no simulated run to compare with"))
+
+
+def markdown(summary: dict) -> str:
+  """The TTA table in Markdown (the README's): one row per codec, the rates of the run."""
+  rates = summary["rates"]
+  label = lambda r: f"{r / 1000:g} Gbit/s" if r >= 1000 else f"{r:g} Mbit/s"
+  head = ["codec", "bits / coord", "steps to target"]
+  for r in rates:
+    head += [f"s / step, {label(r)}", f"TTA, {label(r)}"]
+  lines = ["| " + " | ".join(head + ["final eval loss vs BF16"]) + " |",
+           "|" + "---|" * (len(head) + 1)]
+  for name, row in summary["codecs"].items():
+    k_mean, _ = _mean_std(row["steps_to_target"])
+    cells = [name, f"{row['bits_per_coord']:.2f}",
+             f"{_fmt(k_mean, '.0f')} ({row['reached']}/{len(row['steps_to_target'])})"]
+    for r in rates:
+      c = row["rates"][str(r)]
+      cells.append(f"{_fmt(c['seconds_per_step'], '.2f')} s")
+      cells.append("-" if c["tta_s"] is None else
+                   f"{c['tta_s']:.0f} s ({_fmt(c['speedup_vs_bf16'], '.2f')}x)")
+    cells.append(f"{_fmt(row['final_vs_bf16'] and 100 * row['final_vs_bf16'], '+.2f')}%")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
 
 
 def _plot(report, args, out_dir):
