@@ -204,7 +204,7 @@ def _fma(a, b, c):
 
 
 def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.log2,
-                      floor_int=_floor_int, fma=_fma, reload=False):
+                      floor_int=_floor_int, fma=_fma, reload=False, group_store=None):
   """Stochastically rounds ``a / s`` (in [0, 1]) to a level index in [0, R] with
   the width's constants as arrays broadcast against ``a`` (``base`` indexes
   the concatenated tables; ``pairs(i)`` is :attr:`_Tables.pairs`, the bf16
@@ -232,9 +232,15 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
   be approximations (the kernels pass ``lg2.approx.f32``), ``fma`` fused or
   not, and ``floor_int`` any equal floor (the kernels' ``cvt.rmi``): only
   the guess depends on them, never the codes. ``reload`` only reorders the
-  loads (the same values; a kernel picks what spills no registers)."""
+  loads (the same values; a kernel picks what spills no registers).
+  ``group_store`` (identity on values, the XLA reference's
+  :func:`~pallas_kernels.dynamiq_format.materialize`) is applied to the
+  per-group factors, so that a fused loop reads them instead of recomputing
+  them per coordinate."""
+  group_store = group_store or (lambda v: v)
   f = jnp.where(s < np.float32(2.0**-64), np.float32(2.0**64), np.float32(1.0))
-  rc1 = c1k / (jnp.where(s > 0, s, 1.0) * f)  # per group
+  rc1 = group_store(c1k / (jnp.where(s > 0, s, 1.0) * f))  # per group
+  f = group_store(f)
   approx = log2(fma(a * f, rc1, k)) * c2  # log2(k (1 + t c1)) c2 = c2 log2(1 + t c1) - 1/2
   g = jnp.minimum(floor_int(approx), r - 1)  # >= -1: pairs(base - 1) = (0, lam_0)
   w0 = pairs(base + g)  # lam_g, lam_(g+1)
@@ -252,7 +258,7 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
 def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata: int,
                      scale_rounding="up", store=None, log2=jnp.log2, group_idx=None,
                      draw_group=None, lane=None, mulhi=F.rng.mulhi, floor_int=_floor_int,
-                     fma=_fma, reload=False):
+                     fma=_fma, reload=False, group_store=None):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
@@ -272,6 +278,12 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
     floor_int: :func:`_floor_int` or an equal implementation.
     fma: ``a b + c``, fused or not (the first guess only).
     reload: the order of the bracket's loads (:func:`_round_levels_var`).
+    group_store: identity on values, applied to the per-group and
+      per-super-group values (scales, width constants, the first guess's
+      factors); the XLA reference passes
+      :func:`~pallas_kernels.dynamiq_format.materialize`, so that the fused
+      rounding loop reads them instead of recomputing them per coordinate.
+      Kernels: None.
 
   Returns:
     ``(codes uint32 shaped as x in [0, 2^w - 2], k uint8 [S, G], unit f32 [S])``.
@@ -288,10 +300,12 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
   u = F.signed_draws(u, neg, q)
   if store is not None:
     u = store(u)
-  per = lambda v: _trailing(_wsel(widths, v, tabs), x.ndim)
+  gstore = group_store or (lambda v: v)
+  per = lambda v: _trailing(gstore(_wsel(widths, v, tabs)), x.ndim)
   r = per(tabs.r)
-  lvl = _round_levels_var(a, _trailing(s, x.ndim), pairs, per(tabs.pbase), r, per(tabs.c1k),
-                          per(tabs.k), per(tabs.c2), u, q, log2, floor_int, fma, reload)
+  lvl = _round_levels_var(a, _trailing(gstore(s), x.ndim), pairs, per(tabs.pbase), r,
+                          per(tabs.c1k), per(tabs.k), per(tabs.c2), u, q, log2, floor_int, fma,
+                          reload, group_store)
   codes = (r + ((lvl ^ neg) - neg)).astype(jnp.uint32)  # r - lvl where x has its sign bit
   return codes, k.astype(jnp.uint8), unit
 
@@ -433,7 +447,8 @@ def compress_units_reference(x, widths, units: int, *, eps, keys, rank=0, strata
   keys = tuple(jnp.asarray(k, jnp.uint32) for k in keys)
   codes, k, unit = encode_block_var(xb, widths, tabs, pairs=_pairs(tabs), idx=idx, keys=keys,
                                     rank=jnp.asarray(rank, jnp.int32), strata=strata,
-                                    scale_rounding=scale_rounding, store=None)
+                                    scale_rounding=scale_rounding, store=None,
+                                    group_store=F.materialize)  # 8-12% less CPU time
   # Not stored (F.materialize) before the planes are cut: measured slower
   # stored (31 ms vs 8.4 ms for codes + planes of 2^20 coordinates, XLA:CPU).
   scales = jnp.concatenate([k, bf16.to_bytes(unit)], axis=-1)  # [S, 18]

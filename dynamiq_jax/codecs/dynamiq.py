@@ -400,7 +400,7 @@ class DynamiQ(Codec):
     with jax.named_scope("dynamiq/allocate"):
       valid = jnp.arange(total) < lay.supergroups
       order = jnp.argsort(jnp.where(valid, -gnorm, jnp.inf), stable=True)
-      chunks = resid[order].reshape(s, n, SUPERGROUP).transpose(1, 0, 2)
+      chunks = resid[order.reshape(s, n).T]  # [n, s, 256]: one gather, no transpose
       unit_bits = units_lib.unit_bytes(lay.plane_bits) * 8
       counts = allocation.capacities_threshold(
           gnorm, valid, self.width_errors(), s, {w: n * SUPERGROUP * w for w in self.widths},
