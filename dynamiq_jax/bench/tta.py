@@ -311,7 +311,8 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--phases", default=",".join(PHASES),
-                 help="comma-separated, of " + ", ".join(PHASES))
+                 help="comma-separated, of " + ", ".join(PHASES) + "; '' runs none and "
+                 "only remakes the table and plot from the stored phases")
   p.add_argument("--codecs", default=",".join(c[0] for c in CODECS),
                  help="comma-separated labels, BF16 psum included")
   p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
@@ -673,7 +674,7 @@ def _plot(report, args, out_dir):
   ax.axhline(np.mean(list(summary["targets"].values())), color="gray", lw=0.8, ls=":",
              label="target")
   ax.set(xlabel=f"wall-clock seconds at {rate:g} Mbit/s (steps x measured s/step)",
-         ylabel="eval loss", xscale="log",
+         ylabel="eval loss",
          title=f"word LM, {args.workers} workers: eval loss against time "
          f"(mean of {len(report['simulate']['seeds'])} seeds)")
   ax.legend(fontsize=7)
