@@ -338,13 +338,13 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--timeout", type=float, default=3600,
                  help="seconds any one multi-process phase may take before it is stopped")
   p.add_argument("--tiny", action="store_true",
-                 help="smoke test: 2 workers, a tiny LM, 3 codecs, a few steps")
+                 help="smoke test: 2 workers, a tiny LM, 2 codecs, a few steps")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
   p.add_argument("--config", default=None, help=argparse.SUPPRESS)
   if tiny:
-    p.set_defaults(codecs="BF16 psum,bf16 ring,DynamiQ 5b", seeds="0", workers=2, steps=6,
+    p.set_defaults(codecs="BF16 psum,DynamiQ 5b", seeds="0", workers=2, steps=6,
                    batch=2, warmup=2, eval_every=2, eval_windows=4, smooth=1, rates=[200.0],
                    time_steps=2, real="DynamiQ 5b")
   return p
