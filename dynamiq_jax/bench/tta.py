@@ -50,6 +50,7 @@ import time
 import numpy as np
 
 from dynamiq_jax.bench import common
+from dynamiq_jax.bench.train import smooth
 
 __all__ = ["main", "CODECS", "Trainer", "train_run", "summarize", "wire"]
 
@@ -231,15 +232,6 @@ def _codec(label: str):
 
 # ---------------------------------------------------------------------------
 # target and steps to target
-
-
-def smooth(values, window: int) -> np.ndarray:
-  """Trailing moving average (shorter window at the start)."""
-  x = np.asarray(values, np.float64)
-  c = np.concatenate([[0.0], np.cumsum(x)])
-  i = np.arange(1, len(x) + 1)
-  lo = np.maximum(0, i - window)
-  return (c[i] - c[lo]) / (i - lo)
 
 
 def _eval_curve(run: dict, window: int):
