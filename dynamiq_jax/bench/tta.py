@@ -536,12 +536,11 @@ def summarize(report: dict, args) -> dict:
   targets = {s: target_of(sim["runs"][BASELINE][s], target_at, window) for s in seeds}
   step_s = {(r["rate_mbit"], r["codec"]): r["seconds_per_step"]
             for r in report["measure"]["rows"]}
-  rates = sorted({r for r, _ in step_s}, key=lambda r: args.rates.index(r)
-                 if r in args.rates else len(args.rates))
+  rates = list(dict.fromkeys(r["rate_mbit"] for r in report["measure"]["rows"]))  # as measured
   base_q = _mean_std([sim["runs"][BASELINE][s]["evals"][-1]["eval_loss"] for s in seeds])[0]
-  rows = {}
+  rows, known = {}, {c[0] for c in CODECS}
   for label, per_seed in sim["runs"].items():
-    if label not in dict.fromkeys(c[0] for c in CODECS):
+    if label not in known:
       continue
     k = [steps_to_target(per_seed[s], targets[s], window) for s in seeds if s in per_seed]
     q_mean, q_std = _mean_std([per_seed[s]["evals"][-1]["eval_loss"] for s in seeds
