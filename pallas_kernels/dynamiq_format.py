@@ -243,7 +243,8 @@ UNIFORM_BITS = 16
 """Resolution of each element's private uniform gamma (:func:`_uniforms`)."""
 
 
-def _uniforms(idx, keys, rank, ranks: int, *, group_idx=None, lane=None, mulhi=rng.mulhi):
+def _uniforms(idx, keys, rank, ranks: int, *, group_idx=None, lane=None, mulhi=rng.mulhi,
+              hash_store=None):
   """Per-element draws in units of ``2^-16``: ``pi(rank) 2^16 + gamma``, uniform
   on [0, q 2^16) (q = 1: ``gamma``), as uint32.
 
@@ -262,16 +263,22 @@ def _uniforms(idx, keys, rank, ranks: int, *, group_idx=None, lane=None, mulhi=r
       against each other; a kernel passes the group's index per group and
       static lanes).
     mulhi: :func:`pallas_kernels.rng.mulhi` or an equal implementation.
+    hash_store: identity on values, applied to the groups' hashes (the XLA
+      reference passes :func:`materialize` with per-group ``group_idx``, so
+      that the fused rounding loop reads one hash per group instead of
+      recomputing it for each of the group's 8 elements).
   """
   k0, k1, s0, s1 = keys
   if group_idx is None:
     group_idx = idx >> np.uint32(3)
   if lane is None:
     lane = idx & np.uint32(rng.GROUP - 1)
-  gamma = rng.lane_bits(rng.hash_index(k0, k1, group_idx), lane) >> np.uint32(32 - UNIFORM_BITS)
+  hstore = hash_store or (lambda v: v)
+  gamma = rng.lane_bits(hstore(rng.hash_index(k0, k1, group_idx)), lane) >> np.uint32(
+      32 - UNIFORM_BITS)
   if ranks == 1:
     return gamma
-  pi = rng.stratum(rng.lane_bits(rng.hash_index(s0, s1, group_idx), lane), rank, ranks,
+  pi = rng.stratum(rng.lane_bits(hstore(rng.hash_index(s0, s1, group_idx)), lane), rank, ranks,
                    mulhi=mulhi)
   return (pi.astype(jnp.uint32) << np.uint32(UNIFORM_BITS)) | gamma
 

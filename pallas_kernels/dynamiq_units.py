@@ -295,7 +295,8 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
     group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(F.HIER_GROUP)
   k, unit, s = F._scales_hier(a4, fmt8, keys, group_idx)
   q = F.rng.strata_count(strata) * 2**F.UNIFORM_BITS  # u is uniform on [0, q)
-  u = F._uniforms(idx, keys, rank, strata, group_idx=draw_group, lane=lane, mulhi=mulhi)
+  u = F._uniforms(idx, keys, rank, strata, group_idx=draw_group, lane=lane, mulhi=mulhi,
+                 hash_store=group_store if draw_group is not None else None)
   neg = F.sign_mask(x)
   u = F.signed_draws(u, neg, q)
   if store is not None:
@@ -418,14 +419,21 @@ def _fetch(unit_bytes_, widths, plane_bits: int = 2):
   return jnp.stack(out, axis=1)
 
 
+def _table(t):
+  """``j -> t[j]`` for indices known to be in range (the encoder makes them so): an
+  unsigned gather without jnp's negative-index and out-of-range fill code, which
+  XLA:CPU would otherwise evaluate per coordinate. (An out-of-range index would
+  read a clamped entry, never outside ``t``: XLA's gather clamps.)"""
+  t = jnp.asarray(t)
+  return lambda j: t.at[j.astype(jnp.uint32)].get(mode="promise_in_bounds")
+
+
 def _lookup(tabs):
-  t = jnp.asarray(tabs.dec)
-  return lambda j: jnp.take(t, j)
+  return _table(tabs.dec)
 
 
 def _pairs(tabs):
-  t = jnp.asarray(tabs.pairs)
-  return lambda j: jnp.take(t, j)
+  return _table(tabs.pairs)
 
 
 def compress_units_reference(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
@@ -442,12 +450,15 @@ def compress_units_reference(x, widths, units: int, *, eps, keys, rank=0, strata
   """
   tabs = _tables(eps, width_set)
   s_count = x.shape[0]
-  xb = F.materialize(x.astype(jnp.float32).reshape(s_count, F.HIER_GROUP, -1))
+  # [S, G, 2, 8]: each last axis is one group of 8 draws (idx >> 3), its lanes static
+  xb = F.materialize(x.astype(jnp.float32).reshape(s_count, F.HIER_GROUP, -1, F.rng.GROUP))
   idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
   keys = tuple(jnp.asarray(k, jnp.uint32) for k in keys)
   codes, k, unit = encode_block_var(xb, widths, tabs, pairs=_pairs(tabs), idx=idx, keys=keys,
                                     rank=jnp.asarray(rank, jnp.int32), strata=strata,
                                     scale_rounding=scale_rounding, store=None,
+                                    draw_group=idx[..., :1] >> np.uint32(3),
+                                    lane=np.arange(F.rng.GROUP, dtype=np.uint32),
                                     group_store=F.materialize)  # 8-12% less CPU time
   # Not stored (F.materialize) before the planes are cut: measured slower
   # stored (31 ms vs 8.4 ms for codes + planes of 2^20 coordinates, XLA:CPU).
