@@ -548,8 +548,9 @@ def materialize(value):
   def stored(value):
     first = jnp.ravel(value)[0].astype(jnp.float32)
     start = jnp.minimum(jax.lax.bitcast_convert_type(first, jnp.uint32), jnp.uint32(0))
+    # the carry starts as the first element broadcast (no zero-filled buffer of its own)
     _, out = jax.lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, value),
-                                (start, jnp.zeros_like(value)))
+                                (start, jnp.broadcast_to(jnp.ravel(value)[0], value.shape)))
     return out
 
   return jax.lax.platform_dependent(value, cpu=stored, default=lambda value: value)
