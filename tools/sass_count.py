@@ -192,14 +192,17 @@ def _dar_bytes_per_coord(width: int, local_bytes: int = 2, widths_input: bool = 
 def table(configs=None) -> dict:
   """Measures every configuration; returns the JSON-able report."""
   from pallas_kernels import dynamiq as K
+  from pallas_kernels import dynamiq_units_kernels as UK
 
   configs = configs or list(CONFIGS) + ["per_class_b4"]
-  coords_per_thread = K.BLOCK * 256 // (32 * NUM_WARPS)
+  per_thread = lambda block: block * 256 // (32 * NUM_WARPS)
+  coords_per_thread = per_thread(UK.BLOCK)  # the unit kernels'; per_class_b4: K.BLOCK's
   rows = []
   for config in configs:
     for name, r in sorted(measure(config).items()):
-      per = r["instructions"] / coords_per_thread
-      row = {"config": config, "kernel": name, **r,
+      cpt = per_thread(K.BLOCK if config == "per_class_b4" else UK.BLOCK)
+      per = r["instructions"] / cpt
+      row = {"config": config, "kernel": name, **r, "coords_per_thread": cpt,
              "instructions_per_coord": round(per, 2),
              "static_bound_coords_per_s": INSTR_PER_S / per}
       if "recompress" in name:
@@ -212,7 +215,8 @@ def table(configs=None) -> dict:
   rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                        capture_output=True, text=True).stdout.strip()
   return {"command": "python tools/sass_count.py " + " ".join(sys.argv[1:]), "source": rev,
-          "block_supergroups": K.BLOCK, "num_warps": NUM_WARPS,
+          "block_supergroups": UK.BLOCK, "block_supergroups_per_class": K.BLOCK,
+          "num_warps": NUM_WARPS,
           "coords_per_thread": coords_per_thread,
           "model": {"thread_instructions_per_s": INSTR_PER_S,
                     "terms": f"{SMS} SMs x {SCHEDULERS} schedulers x {LANES} lanes x "
