@@ -115,13 +115,13 @@ class _Config:
 
   def table(self) -> np.ndarray:
     """int32: the signed decode table's float32 bits (``_Tables.dec``), then
-    (at :attr:`pairs_at`) the bracket pairs (``_Tables.pairs``), zero-padded
-    to a power of two (Triton)."""
-    t = np.concatenate([self.tabs.dec.view(np.int32), self.tabs.pairs])
+    (at :attr:`levels_at`) the encode's float32 levels (``_Tables.lev``),
+    zero-padded to a power of two (Triton)."""
+    t = np.concatenate([self.tabs.dec, self.tabs.lev]).view(np.int32)
     return np.pad(t, (0, pl.next_power_of_2(t.size) - t.size))
 
   @property
-  def pairs_at(self) -> int:
+  def levels_at(self) -> int:
     return self.tabs.dec.size
 
   @property
@@ -287,7 +287,7 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   draw_group = (first >> np.uint32(3))[..., None]
   lane = ((_iota(shape, 2) * shape[3] + _iota(shape, 3)) & 7).astype(jnp.uint32)
   keys, rank = _keys(keys_ref)
-  codes, k, unit = U.encode_block_var(x, widths, cfg.tabs, pairs=lambda j: tab_ref[cfg.pairs_at + j],
+  codes, k, unit = U.encode_block_var(x, widths, cfg.tabs, pairs=None,
                                       idx=idx,
                                       keys=keys, rank=rank, strata=strata,
                                       scale_rounding=cfg.scale_rounding,
@@ -296,7 +296,8 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
                                       mulhi=F.rng.mulhi if interpret else _mulhi,
                                       floor_int=U._floor_int if interpret else _floor_int,
                                       fma=U._fma if interpret else _fma,
-                                      reload=cfg.plane_bits == 2)  # else ptxas spills
+                                      levels=lambda j: jax.lax.bitcast_convert_type(
+                                          tab_ref[cfg.levels_at + j], jnp.float32))
   k_off, k_ok, u_off, u_ok = _scale_offsets(s_count)
   K._store_bytes(out_ref, k_off, k, k_ok)
   bits = jax.lax.bitcast_convert_type(unit, jnp.uint32) >> 16
