@@ -276,7 +276,7 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
 def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata: int,
                      scale_rounding="up", store=None, log2=jnp.log2, group_idx=None,
                      draw_group=None, lane=None, mulhi=F.rng.mulhi, floor_int=_floor_int,
-                     fma=_fma, group_store=None, levels=None):
+                     fma=_fma, group_store=None, levels=None, div=None):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
@@ -297,6 +297,9 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
     fma: ``a b + c``, fused or not (the first guess only).
     levels: ``levels(i) -> tabs.lev[i]``: the bracket from single levels
       (:func:`_round_levels_var`; the same codes), instead of ``pairs``.
+    div: an approximate float32 division (within a few ulp for divisors in
+      [2^-126, 2^126]) for the first guesses of the scales' quotients (the
+      same scales); None: ``/``.
     group_store: identity on values, applied to the per-group and
       per-super-group values (scales, width constants, the first guess's
       factors); the XLA reference passes
@@ -312,7 +315,7 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
   a4 = _trailing(a, 4)  # the format's [S, G, CB, P] view (P = 1 for [S, G, 16])
   if group_idx is None:
     group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(F.HIER_GROUP)
-  k, unit, s = F._scales_hier(a4, fmt8, keys, group_idx)
+  k, unit, s = F._scales_hier(a4, fmt8, keys, group_idx, div)
   q = F.rng.strata_count(strata) * 2**F.UNIFORM_BITS  # u is uniform on [0, q)
   u = F._uniforms(idx, keys, rank, strata, group_idx=draw_group, lane=lane, mulhi=mulhi)
   neg = F.sign_mask(x)

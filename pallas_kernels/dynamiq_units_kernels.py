@@ -261,6 +261,18 @@ def _floor_int(v):
   return out
 
 
+def _div_approx(a, b):
+  """``a / b`` by the GPU's ``div.approx.ftz.f32`` (a reciprocal and a multiply;
+  2 ulp for ``|b|`` in [2^-126, 2^126]), for first guesses only: ``div.full.f32``
+  (Triton's ``/``) adds range tests and scalings around them."""
+  from jax.experimental.pallas import triton as pltr
+  a, b = jnp.broadcast_arrays(a, b)
+  [out] = pltr.elementwise_inline_asm("div.approx.ftz.f32 $0, $1, $2;", args=[a, b],
+                                      constraints="=f,f,f", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(a)])
+  return out
+
+
 def _fma(a, b, c):
   """``a b + c`` by the GPU's ``fma.rn.f32`` (the first guess of the level only)."""
   from jax.experimental.pallas import triton as pltr
@@ -296,6 +308,7 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
                                       mulhi=F.rng.mulhi if interpret else _mulhi,
                                       floor_int=U._floor_int if interpret else _floor_int,
                                       fma=U._fma if interpret else _fma,
+                                      div=None if interpret else _div_approx,
                                       levels=lambda j: jax.lax.bitcast_convert_type(
                                           tab_ref[cfg.levels_at + j], jnp.float32))
   k_off, k_ok, u_off, u_ok = _scale_offsets(s_count)

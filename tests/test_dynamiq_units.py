@@ -126,3 +126,25 @@ def test_rounding_finds_the_exact_bracket(eps, log2, bracket):
       # rounds up iff a - lam_j s > 0, a difference XLA:CPU flushes to 0 when subnormal
       want = j + (a - prods[j].astype(np.float32) >= np.finfo(np.float32).tiny)
       np.testing.assert_array_equal(np.asarray(lvl), want, err_msg=f"{w=} {s=}")
+
+
+@pytest.mark.parametrize("err", [2.0**-21, -2.0**-21, 2.0**-6])
+def test_scale_quotients_with_an_approximate_division(err):
+  """The scales' quotients (k = ceil(gmax / U), the stochastic floor) stay exact
+  when their first guess comes from a division off by a few ulp (the kernels'
+  div.approx.ftz.f32, 2 ulp for divisors in [2^-126, 2^126]); a guess off by
+  2^-6 (4 at a quotient of 255) is caught. Divisors from 2^-126 to 2^100 (bf16
+  units reach about 2^118); subnormal ones, which the kernels scale by 2^64
+  first, cannot be checked here: XLA:CPU flushes them to zero."""
+  rng = np.random.default_rng(0)
+  # bf16-exact divisors, quotients at and next to every integer 0..255
+  d = ((rng.integers(0, 2**7, 4096) | 2**7) * np.exp2(rng.integers(-133, 93, 4096)))
+  d = d.astype(np.float32)
+  q = rng.integers(0, 256, d.size).astype(np.float64) + rng.choice([-1e-6, 0.0, 1e-6, 0.5],
+                                                                   d.size)
+  v = (np.clip(q, 0, None) * d.astype(np.float64)).astype(np.float32)
+  v, d = jnp.asarray(v), jnp.asarray(d)
+  approx = lambda a, b: a / b * np.float32(1.0 + err)
+  same = [np.array_equal(np.asarray(fn(v, d, 255, div=approx)), np.asarray(fn(v, d, 255)))
+          for fn in (F._ceil_quotient, F._floor_quotient)]
+  assert same == [err < 2.0**-10] * 2
