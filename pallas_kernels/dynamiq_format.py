@@ -339,7 +339,7 @@ def _floor_quotient(v, d, kmax, div=None):
   return jnp.where((k < kmax) & ((k + 1) * d <= v), k + 1, k)
 
 
-def _scales_hier(a, fmt: Format, keys, group_idx, div=None):
+def _scales_hier(a, fmt: Format, keys, group_idx, div=None, gmax=None):
   """a = |x| [S, G, CB, P] -> (k f32 [S, G], unit f32 [S], element scale s [S, G]).
 
   ``"up"``: ``k = ceil(gmax / (U top))``; elements are normalised by the
@@ -347,10 +347,12 @@ def _scales_hier(a, fmt: Format, keys, group_idx, div=None):
   max rounded up to bf16, ``g``, normalises the elements and ``k`` is rounded
   stochastically with ``E[k U] = g``. Both unbiased.
   ``div``: an approximate division for the quotients' first guesses
-  (:func:`_ceil_quotient`; the same results).
+  (:func:`_ceil_quotient`; the same results). ``gmax``: the group maxima
+  [S, G] when the caller has them (``a`` is then not read).
   """
   top = _top(fmt)
-  gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
+  if gmax is None:
+    gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
   if fmt.scale_rounding == "up":
     unit = _ceil_div_bf16(jnp.max(gmax, axis=-1), float(top) * _UNIT_MAX)
     live = unit > 0

@@ -43,6 +43,8 @@ Only hierarchical MEE scales with ``scale_rounding="up"`` or
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -276,12 +278,14 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
 def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata: int,
                      scale_rounding="up", store=None, log2=jnp.log2, group_idx=None,
                      draw_group=None, lane=None, mulhi=F.rng.mulhi, floor_int=_floor_int,
-                     fma=_fma, group_store=None, levels=None, div=None):
+                     fma=_fma, group_store=None, levels=None, div=None, scales=None):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
     x: float32 [S, G, 16] values (G = 16 hierarchical groups), or the same
-      as [S, G, CB, P] (the kernels' view, P codes per plane byte).
+      as [S, G, CB, P] (the kernels' view, P codes per plane byte), or a
+      tuple of parts [S, G, P] (part c: ``x[:, :, c]``; ``idx``,
+      ``draw_group`` and ``lane`` are then tuples too, and so are the codes).
     widths: int32 [S].
     pairs: ``pairs(i) -> tabs.pairs[i]`` for int32 arrays ``i`` (None with ``levels``).
     idx: uint32 RNG counters, shaped as ``x``.
@@ -306,16 +310,33 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
       :func:`~pallas_kernels.dynamiq_format.materialize`, so that the fused
       rounding loop reads them instead of recomputing them per coordinate.
       Kernels: None.
+    scales: ``(k, unit, s)`` already found (for the parts of a tuple ``x``).
 
   Returns:
     ``(codes uint32 shaped as x in [0, 2^w - 2], k uint8 [S, G], unit f32 [S])``.
   """
+  if isinstance(x, (tuple, list)):  # parts of each group: encoded one by one
+    parts = [jnp.abs(v) for v in x]
+    gmax = functools.reduce(jnp.maximum, [jnp.max(v, axis=-1) for v in parts])
+    k, unit, s = F._scales_hier(None, F.Format(bits=8, scale_rounding=scale_rounding), keys,
+                                group_idx, div, gmax=gmax)
+    one = dict(tabs=tabs, pairs=pairs, keys=keys, rank=rank, strata=strata,
+               scale_rounding=scale_rounding, store=store, log2=log2, mulhi=mulhi,
+               floor_int=floor_int, fma=fma, group_store=group_store, levels=levels,
+               scales=(k, unit, s))
+    codes = tuple(encode_block_var(v, widths, idx=i, group_idx=group_idx, draw_group=d, lane=l,
+                                   **one)[0]
+                  for v, i, d, l in zip(x, idx, draw_group, lane))
+    return codes, k.astype(jnp.uint8), unit
   a = jnp.abs(x)
   fmt8 = F.Format(bits=8, scale_rounding=scale_rounding)  # top = 1: same scales for all widths
   a4 = _trailing(a, 4)  # the format's [S, G, CB, P] view (P = 1 for [S, G, 16])
   if group_idx is None:
     group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(F.HIER_GROUP)
-  k, unit, s = F._scales_hier(a4, fmt8, keys, group_idx, div)
+  if scales is None:
+    k, unit, s = F._scales_hier(a4, fmt8, keys, group_idx, div)
+  else:
+    k, unit, s = scales
   q = F.rng.strata_count(strata) * 2**F.UNIFORM_BITS  # u is uniform on [0, q)
   u = F._uniforms(idx, keys, rank, strata, group_idx=draw_group, lane=lane, mulhi=mulhi)
   neg = F.sign_mask(x)

@@ -143,6 +143,12 @@ class _Config:
   def block(self, supergroups: int) -> tuple[int, int, int, int]:
     return (supergroups, _G, self.cb, self.per)
 
+  @property
+  def split(self) -> bool:
+    """Whether the kernels hold a block as its ``CB = 2`` halves ``[BLOCK, G, P]``
+    (``plane_bits=1``; see :func:`_load_dense`)."""
+    return self.plane_bits == 1
+
 
 def _config(eps, width_set, plane_bits, scale_rounding) -> _Config:
   if plane_bits not in (1, 2):
@@ -195,6 +201,36 @@ def _keys(keys_ref):
   return (keys_ref[0], keys_ref[1], keys_ref[2], keys_ref[3]), keys_ref[4].astype(jnp.int32)
 
 
+def _load_dense(ref, cfg: _Config):
+  """A dense block ``[BLOCK, G, CB, P]`` as float32: whole, or as the tuple of
+  its halves ``ref[:, :, c, :]`` when :attr:`_Config.split`.
+
+  Loaded whole, Triton gives each thread 8 consecutive values (one 16-byte
+  access), so a scale group spans two threads: both find its maximum (a
+  shuffle) and its scale, and its two plane bytes (held by two threads) reach
+  their 16-bit store through shared memory. As two halves of the same layout,
+  one thread holds the whole group: its scale is found once per group, and
+  its plane bytes are one 16-bit access without a layout conversion."""
+  if not cfg.split:
+    return ref[...].astype(jnp.float32)
+  return tuple(ref[:, :, c, :].astype(jnp.float32) for c in range(cfg.cb))
+
+
+def _store_dense(ref, v, cfg: _Config):
+  """Stores float32 ``v`` (as :func:`_load_dense` gives) into a dense block."""
+  if not cfg.split:
+    ref[...] = v
+    return
+  for c, half in enumerate(v):
+    ref[:, :, c, :] = half
+
+
+def _add(a, b):
+  if isinstance(a, tuple):
+    return tuple(x + y for x, y in zip(a, b))
+  return a + b
+
+
 def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: int, units: int):
   """Loads this program's scale records and planes; decodes: float32 [BLOCK, G, CB, P]."""
   k_off, k_ok, u_off, u_ok = _scale_offsets(s_count)
@@ -202,8 +238,28 @@ def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: in
   unit = bf16.from_bytes(K._load_bytes(pay_ref, u_off, u_ok),
                          K._load_bytes(pay_ref, u_off + 1, u_ok))
   shape = cfg.block(BLOCK)
-  lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
   planes = _plane_offsets(cfg, widths, ptab_ref, s_count, units)
+  lookup = lambda j: jax.lax.bitcast_convert_type(tab_ref[j], jnp.float32)
+  scale = F.hier_scale(k, unit)
+  if cfg.split:
+    # As below, per half c: its plane byte (both halves' in one 16-bit load)
+    # spread into two words; code p is byte p % 4 of word p // 4.
+    half_shape = (shape[0], shape[1], shape[3])
+    lane = jax.lax.broadcasted_iota(jnp.uint32, half_shape, 2)
+    words = [[jnp.zeros(shape[:2], jnp.uint32) for _ in range(2)] for _ in range(cfg.cb)]
+    for p, (off, ok) in enumerate(planes):
+      both = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)
+      for c, b in enumerate(jax.lax.unstack(both, axis=2)):
+        for h, nib in enumerate((b & np.uint32(0xF), b >> np.uint32(4))):
+          words[c][h] = words[c][h] | (((nib * np.uint32(0x204081)) & np.uint32(0x01010101))
+                                       << np.uint32(p))
+    out = []
+    for c in range(cfg.cb):
+      word = jnp.where(lane < 4, words[c][0][..., None], words[c][1][..., None])
+      codes = (word >> ((lane & np.uint32(3)) * np.uint32(8))) & np.uint32(0xFF)
+      out.append(U.decode_block_var(codes, scale, widths, cfg.tabs, lookup=lookup))
+    return tuple(out)
+  lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
   if cfg.plane_bits == 1:
     # Word-wise: each plane byte's two nibbles are spread to bit 0 of four
     # bytes by one multiply ((n * 0x204081) & 0x01010101: bit c lands at 8 c,
@@ -224,9 +280,7 @@ def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: in
     for p, (off, ok) in enumerate(planes):
       b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)[..., None]
       codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
-  return U.decode_block_var(codes, F.hier_scale(k, unit), widths, cfg.tabs,
-                            lookup=lambda j: jax.lax.bitcast_convert_type(tab_ref[j],
-                                                                          jnp.float32))
+  return U.decode_block_var(codes, scale, widths, cfg.tabs, lookup=lookup)
 
 
 def _approx_log2(v):
@@ -288,16 +342,26 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   """Encodes float32 [BLOCK, G, CB, P]; stores its scale records, planes and its
   share of the unused units (zeros)."""
   block = BLOCK
-  shape = x.shape
-  idx = ((pl.program_id(0) * block + _iota(shape, 0)) * F.SUPERGROUP + _iota(shape, 1) * _G
-         + _iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
+  shape = cfg.block(BLOCK)
   group_idx = ((pl.program_id(0) * block + _iota(shape[:2], 0)) * _G
                + _iota(shape[:2], 1)).astype(jnp.uint32)
-  # the draws' groups of 8 (idx >> 3) per plane byte, and each code's lane (idx & 7):
-  # with P = 8 codes per plane byte, lane = the static position in the byte
-  first = (group_idx[..., None] * _G + _iota(shape[:3], 2) * shape[3]).astype(jnp.uint32)
-  draw_group = (first >> np.uint32(3))[..., None]
-  lane = ((_iota(shape, 2) * shape[3] + _iota(shape, 3)) & 7).astype(jnp.uint32)
+  if cfg.split:  # halves [BLOCK, G, P]: half c holds the group's codes c P + [0, P)
+    half_shape = (shape[0], shape[1], shape[3])
+    p_iota = _iota(half_shape, 2)
+    idx = tuple((group_idx[..., None] * _G + c * shape[3] + p_iota).astype(jnp.uint32)
+                for c in range(cfg.cb))
+    # one plane byte (8 codes) per half: its draws' group idx >> 3 and lanes idx & 7
+    draw_group = tuple((group_idx * np.uint32(cfg.cb) + np.uint32(c))[..., None]
+                       for c in range(cfg.cb))
+    lane = (p_iota.astype(jnp.uint32),) * cfg.cb
+  else:
+    idx = ((pl.program_id(0) * block + _iota(shape, 0)) * F.SUPERGROUP + _iota(shape, 1) * _G
+           + _iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
+    # the draws' groups of 8 (idx >> 3) per plane byte, and each code's lane (idx & 7):
+    # with P = 8 codes per plane byte, lane = the static position in the byte
+    first = (group_idx[..., None] * _G + _iota(shape[:3], 2) * shape[3]).astype(jnp.uint32)
+    draw_group = (first >> np.uint32(3))[..., None]
+    lane = ((_iota(shape, 2) * shape[3] + _iota(shape, 3)) & 7).astype(jnp.uint32)
   keys, rank = _keys(keys_ref)
   codes, k, unit = U.encode_block_var(x, widths, cfg.tabs, pairs=None,
                                       idx=idx,
@@ -322,12 +386,25 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   # bits, so no carries): 1-bit planes, bits 0, 8, 16, 24 times 0x10204080
   # land at bits 28..31; 2-bit planes, fields at 0, 8, 16, 24 times
   # 0x01041040 land at bits 24..31.
-  lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
-  byte_of = (lane & np.uint32(3)) * np.uint32(8)
-  words = [jnp.sum(jnp.where(lane // 4 == h, codes << byte_of, np.uint32(0)), axis=-1)
-           for h in range(shape[3] // 4)]  # disjoint bit fields
+  def pack(codes):  # -> words of 4 codes [..., P / 4] (disjoint bit fields)
+    lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, codes.ndim - 1)
+    byte_of = (lane & np.uint32(3)) * np.uint32(8)
+    return [jnp.sum(jnp.where(lane // 4 == h, codes << byte_of, np.uint32(0)), axis=-1)
+            for h in range(shape[3] // 4)]
+
+  if cfg.split:
+    half_words = [pack(c) for c in codes]
+  else:
+    words = pack(codes)
   for p, (off, ok) in enumerate(_plane_offsets(cfg, widths, ptab_ref, s_count, units)):
-    if cfg.plane_bits == 1:
+    if cfg.split:  # one plane byte per half, stored together (16 bits)
+      halves = []
+      for words in half_words:
+        nib = [(((w >> np.uint32(p)) & np.uint32(0x01010101)) * np.uint32(0x10204080))
+               >> np.uint32(28) for w in words]
+        halves.append(nib[0] | (nib[1] << np.uint32(4)))
+      byte = jax.lax.stack(halves, axis=2)
+    elif cfg.plane_bits == 1:
       nib = [(((w >> np.uint32(p)) & np.uint32(0x01010101)) * np.uint32(0x10204080))
              >> np.uint32(28) for w in words]
       byte = nib[0] | (nib[1] << np.uint32(4))
@@ -358,26 +435,27 @@ def _tail_share(units: int, programs: int) -> tuple[int, int]:
 
 def _compress_kernel(keys_ref, ptab_ref, tab_ref, w_ref, x_ref, out_ref, *, cfg, s_count, units,
                      strata, interpret):
-  _write_chunk(out_ref, x_ref[...].astype(jnp.float32), w_ref[...], keys_ref, ptab_ref, tab_ref,
+  _write_chunk(out_ref, _load_dense(x_ref, cfg), w_ref[...], keys_ref, ptab_ref, tab_ref,
                cfg=cfg, s_count=s_count, units=units, strata=strata, interpret=interpret)
 
 
 def _decompress_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, units):
-  out_ref[...] = _read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
-                             units=units)
+  _store_dense(out_ref, _read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg,
+                                    s_count=s_count, units=units), cfg)
 
 
 def _decompress_accumulate_kernel(ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg,
                                   s_count, units):
-  out_ref[...] = (_read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
-                              units=units) + x_ref[...].astype(jnp.float32))
+  _store_dense(out_ref, _add(_read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg,
+                                         s_count=s_count, units=units),
+                             _load_dense(x_ref, cfg)), cfg)
 
 
 def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg, s_count,
                 units, strata, interpret):
   widths = w_ref[...]
-  acc = (_read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count, units=units)
-         + x_ref[...].astype(jnp.float32))
+  acc = _add(_read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
+                         units=units), _load_dense(x_ref, cfg))
   _write_chunk(out_ref, acc, widths, keys_ref, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
                units=units, strata=strata, interpret=interpret)
 
