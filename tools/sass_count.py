@@ -15,15 +15,19 @@ kernel's code is the section ``.text.<kernel>``, and every sm_90 SASS
 instruction is 16 bytes. The trailing padding (the ``BRA`` to itself after
 the last ``EXIT`` and the ``NOP`` s that align the section to 128 bytes) is
 not counted: it is recognised by the opcode field, bits 0-11 of the
-instruction (``0x918`` NOP, ``0x947`` BRA), the Volta-and-later encoding
-(no disassembler is installable here: cuobjdump / nvdisasm are not on PyPI).
+instruction (``0x918`` NOP, ``0x947`` BRA), the Volta-and-later encoding,
+so no disassembler is needed. (To see the instructions themselves,
+``pip download nvidia-cuda-nvdisasm`` (CUDA 13, reads sm_90 cubins) and
+``nvdisasm -c x.cubin``; the Triton IR after each pass is dumped with
+``XLA_FLAGS=--xla_dump_emitter_re=.*`` next to ``--xla_dump_to``.)
 
 Per coordinate: the kernels are straight-line code (Triton unrolls the whole
 block; this script checks that the PTX has no backward branch), so every
 thread runs each static instruction once (predicated-off ones still issue),
-for ``BLOCK * 256 / (32 num_warps)`` coordinates (2048 / 128 = 16 with
-``BLOCK = 8`` and 4 warps). Thread-instructions per coordinate are then
-``static / 16``; the issue's bound uses the same unit (190 per coordinate
+for ``BLOCK * 256 / (32 num_warps)`` coordinates (4096 / 128 = 32 with the
+unit kernels' ``BLOCK = 16`` and 4 warps; 16 for the per-class kernel's
+``BLOCK = 8``). Thread-instructions per coordinate are then ``static / 32``
+(``/ 16``); the issue's bound uses the same unit (190 per coordinate
 -> 1.7e11 coordinates/s, i.e. 3.3e13 thread-instructions/s: 132 SMs x 4
 schedulers x 32 lanes x 1.98 GHz, one warp instruction per scheduler per
 clock).
@@ -56,6 +60,7 @@ CONFIGS = {  # name: (plane_bits, width set)
     "default": (1, (2, 3, 4, 5, 6, 8)),  # the per-round codec's
     "w4": (1, (4,)),
     "w5": (1, (5,)),
+    "p2": (2, (2, 4, 8)),  # the 2-bit-plane layout (the paper's width set)
 }
 NUM_WARPS = 4
 SM90_INSTR_BYTES = 16
@@ -206,7 +211,7 @@ def table(configs=None) -> dict:
              "instructions_per_coord": round(per, 2),
              "static_bound_coords_per_s": INSTR_PER_S / per}
       if "recompress" in name:
-        width = {"default": 4, "w4": 4, "w5": 5, "per_class_b4": 4}[config]
+        width = {"default": 4, "w4": 4, "w5": 5, "p2": 4, "per_class_b4": 4}[config]
         bpc = _dar_bytes_per_coord(width, widths_input=config != "per_class_b4")
         roof = HBM_BYTES_PER_S / bpc
         row.update(bytes_per_coord=round(bpc, 4), roofline_coords_per_s=roof,
