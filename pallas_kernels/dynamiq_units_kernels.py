@@ -22,12 +22,14 @@ rounding; the per-width constants are a select chain over the static width
 set), so kernel and reference agree bit for bit. Only the byte movement
 differs.
 
-Memory layout: one program handles ``BLOCK`` super-groups
-(:data:`pallas_kernels.dynamiq.BLOCK`). Dense operands are viewed as
-``[S, G, CB, P]`` with ``P = 8 / plane_bits`` codes per plane byte and ``CB
-= 16 / P`` plane bytes per scale group, so byte ``g CB + cb`` of a plane
-holds codes ``(g CB + cb) P + [0, P)``: a plane byte is the plane's bits of
-the ``P`` codes along the last axis, packed and unpacked without a reshape.
+Memory layout: one program handles :data:`BLOCK` super-groups. Dense
+operands are viewed as ``[S, G, CB, P]`` with ``P = 8 / plane_bits`` codes
+per plane byte and ``CB = 16 / P`` plane bytes per scale group, so byte ``g
+CB + cb`` of a plane holds codes ``(g CB + cb) P + [0, P)``: a plane byte is
+the plane's bits of the ``P`` codes along the last axis, packed and unpacked
+without a reshape. With ``plane_bits=1`` the kernels load and store the two
+halves ``[:, :, cb, :]`` apart (:func:`_load_dense`), so that one thread
+holds a whole scale group.
 The payload stays flat uint8 in global memory (``memory_space=ANY``); each
 program loads / stores with computed offsets and masks: the 16 ``k_g`` bytes
 and 2 unit bytes of each scale record, and for each plane ``p`` (up to the
@@ -41,18 +43,18 @@ concatenated level table (padded to a power of two) is a small input
 gathered by level index.
 
 Compiled for sm_90a from a CPU host (``tests/test_gpu_compile_units.py``,
-bf16 inputs, ``BLOCK = 8``), ``ptxas -v`` reports 0 spill bytes for all
+bf16 inputs, ``BLOCK = 16``), ``ptxas -v`` reports 0 spill bytes for all
 eight kernels; registers, compress / decompress / decompress_accumulate /
-hop: 56 / 32 / 40 / 72 with ``plane_bits=1`` and width set (2, 3, 4, 5, 6,
-8), 96 / 32 / 32 / 96 with ``plane_bits=2`` and (2, 4, 8) (there the
-bracket's second load waits for its comparison: loaded together with the
-first, ptxas spilled 16 bytes in compress). Static SASS instructions per coordinate (``tools/sass_count.py``,
-``docs/results/kernels_sass.md``): 89 / 27 / 30 / 114 with that width set,
-91 for the hop when every super-group is at 4 bits (95 at 5 bits). Three
-operations have a GPU instruction inlined (``lg2.approx.f32`` and
+hop: 109 / 56 / 53 / 114 with ``plane_bits=1`` and width set (2, 3, 4, 5,
+6, 8), 154 / 48 / 56 / 126 with ``plane_bits=2`` and (2, 4, 8). Static SASS
+instructions per coordinate (``tools/sass_count.py``,
+``docs/results/kernels_sass.md``): 74 / 23 / 25 / 98 with that width set,
+75 for the hop when every super-group is at 4 bits (76 at 5 bits). Five
+operations have a GPU instruction inlined (``lg2.approx.ftz.f32`` and
 ``fma.rn.f32`` for the first guess of a level, ``cvt.rmi.s32.f32`` for its
-floor, ``mul.hi.u32`` for the stratum draw); interpret mode runs their jnp
-twins, which give the same codes. Not yet run on a GPU.
+floor, ``div.approx.ftz.f32`` for the first guess of a scale's quotient,
+``mul.hi.u32`` for the stratum draw); interpret mode runs their jnp twins,
+which give the same codes. Not yet run on a GPU.
 
 Dispatch: :func:`pallas_kernels.dynamiq._dispatch`, the same as the
 per-class kernels (``implementation=None``: the kernels in a lowering for
@@ -92,8 +94,9 @@ BLOCK = 16
 """Super-groups per program: 32 coordinates per thread with 4 warps. Twice the
 per-class kernels' :data:`pallas_kernels.dynamiq.BLOCK`: each thread's fixed
 work (offsets, keys, table bases, the tail) is then shared by twice the
-coordinates (DAR at 4 bits: 88.1 -> 80.7 SASS instructions per coordinate,
-64 -> 96 registers, no spills; 32 super-groups: 79.6 at 167 registers)."""
+coordinates (DAR at 4 bits: 88.1 -> 81.2 SASS instructions per coordinate,
+64 -> 96 registers, no spills; 32 super-groups: 79.6 at 167 registers). More
+registers per thread leave fewer warps per SM: only a GPU can weigh that."""
 
 _G = F.HIER_GROUP  # scale groups per super-group
 _PTAB = 16  # entries of the plane-offset input (off_p for p < 8, then the units used)
@@ -241,7 +244,8 @@ def _add(a, b):
 
 
 def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: int, units: int):
-  """Loads this program's scale records and planes; decodes: float32 [BLOCK, G, CB, P]."""
+  """Loads this program's scale records and planes; decodes: float32 [BLOCK, G, CB, P],
+  or its two halves [BLOCK, G, P] when :attr:`_Config.split`."""
   k_off, k_ok, u_off, u_ok = _scale_offsets(s_count, _hidden_one(ptab_ref, cfg))
   k = K._load_bytes(pay_ref, k_off, k_ok)
   unit = bf16.from_bytes(K._load_bytes(pay_ref, u_off, u_ok),
@@ -348,8 +352,9 @@ def _fma(a, b, c):
 
 def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
                  s_count: int, units: int, strata: int, interpret: bool, hop: bool = False):
-  """Encodes float32 [BLOCK, G, CB, P]; stores its scale records, planes and its
-  share of the unused units (zeros)."""
+  """Encodes float32 [BLOCK, G, CB, P] (or its halves, :func:`_load_dense`);
+  stores its scale records, planes and its share of the unused units (zeros).
+  ``hop``: the DAR kernel (the k bytes' offsets hidden, :func:`_hidden_one`)."""
   block = BLOCK
   shape = cfg.block(BLOCK)
   group_idx = ((pl.program_id(0) * block + _iota(shape[:2], 0)) * _G
