@@ -267,10 +267,13 @@ def _typed_like(out_shape, args):
                               manual_axis_type=mat.update(varying=varying))
 
 
-def _call(kernel, fmt, s_count, in_specs, out_shape, out_spec, interpret, name, *args):
+def _call(kernel, fmt, s_count, in_specs, out_shape, out_spec, interpret, name, *args,
+          block=None):
+  """One launch over ``cdiv(s_count, block)`` programs (``block``: super-groups per
+  program, :data:`BLOCK` when None)."""
   out_shape = _typed_like(out_shape, args)
   return pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(pl.cdiv(s_count, BLOCK),), in_specs=in_specs,
+      kernel, out_shape=out_shape, grid=(pl.cdiv(s_count, block or BLOCK),), in_specs=in_specs,
       out_specs=out_spec, compiler_params=_compiler_params(interpret), interpret=interpret,
       name=name)(*args)
 

@@ -317,42 +317,61 @@ def _ceil_div_bf16(v, c: float):
   return jnp.where(w * np.float32(c) < v, bf16.next_up(w), w)  # exact product
 
 
-def _ceil_quotient(v, d, kmax):
-  """ceil(v / d) clipped to [0, kmax], for d with <= 16 significant bits; exact."""
-  k = jnp.clip(jnp.ceil(v / jnp.where(d > 0, d, 1.0)), 0, kmax)  # guess
+def _guess_operands(v, d, div):
+  """``(v, d, div)`` for a quotient guess: with an approximate ``div`` (a GPU's
+  ``div.approx.ftz.f32``, accurate for ``d`` in [2^-126, 2^126]) a ``d`` below
+  2^-64 and its ``v`` are scaled by 2^64 first (exact; the quotients here are
+  at most about ``kmax``, so ``v`` stays finite)."""
+  if div is None:
+    return v, d, jnp.divide
+  f = jnp.where(d < np.float32(2.0**-64), np.float32(2.0**64), np.float32(1.0))
+  return v * f, d * f, div
+
+
+def _ceil_quotient(v, d, kmax, div=None):
+  """ceil(v / d) clipped to [0, kmax], for d with <= 16 significant bits; exact
+  (``div``: any division within a few ulp, for the first guess only)."""
+  gv, gd, div = _guess_operands(v, d, div)
+  k = jnp.clip(jnp.ceil(div(gv, jnp.where(gd > 0, gd, 1.0))), 0, kmax)  # guess
   k = jnp.where((k > 0) & ((k - 1) * d >= v), k - 1, k)  # exact products
   return jnp.where((k < kmax) & (k * d < v), k + 1, k)
 
 
-def _floor_quotient(v, d, kmax):
-  """floor(v / d) clipped to [0, kmax], for d with <= 16 significant bits; exact."""
-  k = jnp.clip(jnp.floor(v / jnp.where(d > 0, d, 1.0)), 0, kmax)  # guess
+def _floor_quotient(v, d, kmax, div=None):
+  """floor(v / d) clipped to [0, kmax], for d with <= 16 significant bits; exact
+  (``div`` as for :func:`_ceil_quotient`)."""
+  gv, gd, div = _guess_operands(v, d, div)
+  k = jnp.clip(jnp.floor(div(gv, jnp.where(gd > 0, gd, 1.0))), 0, kmax)  # guess
   k = jnp.where((k > 0) & (k * d > v), k - 1, k)
   return jnp.where((k < kmax) & ((k + 1) * d <= v), k + 1, k)
 
 
-def _scales_hier(a, fmt: Format, keys, group_idx):
+def _scales_hier(a, fmt: Format, keys, group_idx, div=None, gmax=None):
   """a = |x| [S, G, CB, P] -> (k f32 [S, G], unit f32 [S], element scale s [S, G]).
 
   ``"up"``: ``k = ceil(gmax / (U top))``; elements are normalised by the
   decoded scale ``s = k U`` (so ``a <= top s``). ``"stochastic"``: the group
   max rounded up to bf16, ``g``, normalises the elements and ``k`` is rounded
   stochastically with ``E[k U] = g``. Both unbiased.
+  ``div``: an approximate division for the quotients' first guesses
+  (:func:`_ceil_quotient`; the same results). ``gmax``: the group maxima
+  [S, G] when the caller has them (``a`` is then not read).
   """
   top = _top(fmt)
-  gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
+  if gmax is None:
+    gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
   if fmt.scale_rounding == "up":
     unit = _ceil_div_bf16(jnp.max(gmax, axis=-1), float(top) * _UNIT_MAX)
     live = unit > 0
     ut = unit[:, None] * top  # exact: 8 x 7 significant bits
-    k = _ceil_quotient(gmax, ut, _UNIT_MAX)
+    k = _ceil_quotient(gmax, ut, _UNIT_MAX, div)
     s = k * unit[:, None]  # exact: 8 x 8 significant bits
   else:
     g = _ceil_div_bf16(gmax, float(top))  # bf16-exact, g top >= gmax
     unit = _ceil_div_bf16(jnp.max(g, axis=-1), _UNIT_MAX)
     live = unit > 0
     u1 = unit[:, None]
-    kf = _floor_quotient(g, u1, _UNIT_MAX)
+    kf = _floor_quotient(g, u1, _UNIT_MAX, div)
     k0, k1, _, _ = keys
     u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
     # P(k = kf + 1) = (g - kf U) / U, decided as u U < g - kf U (exact products)

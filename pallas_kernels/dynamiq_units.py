@@ -43,6 +43,8 @@ Only hierarchical MEE scales with ``scale_rounding="up"`` or
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,6 +127,11 @@ class _Tables:
     self.pairs = np.concatenate([np.concatenate([[0], b | (np.append(b[1:], b[-1]) << 16)])
                                  for b in bits]).astype(np.uint32).view(np.int32)
     self.pbase = np.array(base, np.int32) + 1 + np.arange(len(tabs), dtype=np.int32)
+    # lev[lbase + l]: lam_l as float32, for l in [-1, R + 1]: lam_(-1) = 0 (read
+    # by a guess of -1, never used), lam_(R+1) = lam_R (the kernels' bracket,
+    # :func:`_round_levels_var` with ``levels``)
+    self.lev = np.concatenate([np.concatenate([[0.0], t, t[-1:]]) for t in tabs]).astype(np.float32)
+    self.lbase = np.array(base, np.int32) + 1 + 2 * np.arange(len(tabs), dtype=np.int32)
     # dec[dbase + c]: the signed level of code c (the unused code 2^w - 1: 0)
     dec = [np.concatenate([-t[:0:-1], t, [0.0]]).astype(np.float32) for t in tabs]
     self.dec = np.concatenate(dec)
@@ -204,7 +211,8 @@ def _fma(a, b, c):
 
 
 def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.log2,
-                      floor_int=_floor_int, fma=_fma, reload=False, group_store=None):
+                      floor_int=_floor_int, fma=_fma, group_store=None, levels=None,
+                      lbase=None):
   """Stochastically rounds ``a / s`` (in [0, 1]) to a level index in [0, R] with
   the width's constants as arrays broadcast against ``a`` (``base`` indexes
   the concatenated tables; ``pairs(i)`` is :attr:`_Tables.pairs`, the bf16
@@ -231,24 +239,36 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
   log's argument: ``c1k = c1 k``, ``k = 2^(-1/2 / c2)``); ``log2`` and the division may
   be approximations (the kernels pass ``lg2.approx.f32``), ``fma`` fused or
   not, and ``floor_int`` any equal floor (the kernels' ``cvt.rmi``): only
-  the guess depends on them, never the codes. ``reload`` only reorders the
-  loads (the same values; a kernel picks what spills no registers).
-  ``group_store`` (identity on values, the XLA reference's
+  the guess depends on them, never the codes. ``group_store`` (identity on values, the XLA reference's
   :func:`~pallas_kernels.dynamiq_format.materialize`) is applied to the
   per-group factors, so that a fused loop reads them instead of recomputing
-  them per coordinate."""
+  them per coordinate.
+
+  ``levels`` (with ``lbase``; ``levels(i)`` is :attr:`_Tables.lev`, float32
+  levels) makes the same bracket from single levels instead of pairs, as the
+  kernels do: ``m = lam_(g+1) s`` decides the step and is one end of the
+  bracket whichever way it goes; the other end is ``lam_(g+2) s`` after a
+  step, else ``lam_g s`` (one load, predicated on a GPU). The same three
+  exact products as with pairs, the same comparisons: the same codes, and
+  one instruction less per coordinate on a GPU (no bf16 halves to unpack, and
+  the step's product is reused instead of recomputed)."""
   group_store = group_store or (lambda v: v)
   f = jnp.where(s < np.float32(2.0**-64), np.float32(2.0**64), np.float32(1.0))
   rc1 = group_store(c1k / (jnp.where(s > 0, s, 1.0) * f))  # per group
   f = group_store(f)
   approx = log2(fma(a * f, rc1, k)) * c2  # log2(k (1 + t c1)) c2 = c2 log2(1 + t c1) - 1/2
   g = jnp.minimum(floor_int(approx), r - 1)  # >= -1: pairs(base - 1) = (0, lam_0)
+  if levels is not None:
+    m = levels(lbase + g + 1) * s  # exact
+    step = a >= m
+    o = jnp.where(step, levels(lbase + g + 2), levels(lbase + g)) * s  # exact
+    lo = jnp.where(step, m, o)
+    hi = jnp.where(step, o, m)
+    up = u_scaled * (hi - lo) < (a - lo) * np.float32(q)
+    return g + step.astype(jnp.int32) + up.astype(jnp.int32)
   w0 = pairs(base + g)  # lam_g, lam_(g+1)
   step = a >= _pair_hi(w0) * s  # exact
-  if reload:  # the bracket's pair loaded after the comparison (fewer live registers)
-    w = pairs(base + g + step.astype(jnp.int32))
-  else:  # both pairs loaded at once, then selected
-    w = jnp.where(step, pairs(base + g + 1), w0)
+  w = jnp.where(step, pairs(base + g + 1), w0)
   lo = _pair_lo(w) * s  # exact
   hi = _pair_hi(w) * s  # exact
   up = u_scaled * (hi - lo) < (a - lo) * np.float32(q)
@@ -258,14 +278,16 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
 def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata: int,
                      scale_rounding="up", store=None, log2=jnp.log2, group_idx=None,
                      draw_group=None, lane=None, mulhi=F.rng.mulhi, floor_int=_floor_int,
-                     fma=_fma, reload=False, group_store=None):
+                     fma=_fma, group_store=None, levels=None, div=None, scales=None):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
     x: float32 [S, G, 16] values (G = 16 hierarchical groups), or the same
-      as [S, G, CB, P] (the kernels' view, P codes per plane byte).
+      as [S, G, CB, P] (the kernels' view, P codes per plane byte), or a
+      tuple of parts [S, G, P] (part c: ``x[:, :, c]``; ``idx``,
+      ``draw_group`` and ``lane`` are then tuples too, and so are the codes).
     widths: int32 [S].
-    pairs: ``pairs(i) -> tabs.pairs[i]`` for int32 arrays ``i``.
+    pairs: ``pairs(i) -> tabs.pairs[i]`` for int32 arrays ``i`` (None with ``levels``).
     idx: uint32 RNG counters, shaped as ``x``.
     log2: the base-2 log of the first guess of each level (any approximation
       within 2^-20 of it gives the same codes; :func:`_round_levels_var`).
@@ -277,23 +299,44 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
     mulhi: :func:`pallas_kernels.rng.mulhi` or an equal implementation.
     floor_int: :func:`_floor_int` or an equal implementation.
     fma: ``a b + c``, fused or not (the first guess only).
-    reload: the order of the bracket's loads (:func:`_round_levels_var`).
+    levels: ``levels(i) -> tabs.lev[i]``: the bracket from single levels
+      (:func:`_round_levels_var`; the same codes), instead of ``pairs``.
+    div: an approximate float32 division (within a few ulp for divisors in
+      [2^-126, 2^126]) for the first guesses of the scales' quotients (the
+      same scales); None: ``/``.
     group_store: identity on values, applied to the per-group and
       per-super-group values (scales, width constants, the first guess's
       factors); the XLA reference passes
       :func:`~pallas_kernels.dynamiq_format.materialize`, so that the fused
       rounding loop reads them instead of recomputing them per coordinate.
       Kernels: None.
+    scales: ``(k, unit, s)`` already found (for the parts of a tuple ``x``).
 
   Returns:
     ``(codes uint32 shaped as x in [0, 2^w - 2], k uint8 [S, G], unit f32 [S])``.
   """
+  if isinstance(x, (tuple, list)):  # parts of each group: encoded one by one
+    parts = [jnp.abs(v) for v in x]
+    gmax = functools.reduce(jnp.maximum, [jnp.max(v, axis=-1) for v in parts])
+    k, unit, s = F._scales_hier(None, F.Format(bits=8, scale_rounding=scale_rounding), keys,
+                                group_idx, div, gmax=gmax)
+    one = dict(tabs=tabs, pairs=pairs, keys=keys, rank=rank, strata=strata,
+               scale_rounding=scale_rounding, store=store, log2=log2, mulhi=mulhi,
+               floor_int=floor_int, fma=fma, group_store=group_store, levels=levels,
+               scales=(k, unit, s))
+    codes = tuple(encode_block_var(v, widths, idx=i, group_idx=group_idx, draw_group=d, lane=l,
+                                   **one)[0]
+                  for v, i, d, l in zip(x, idx, draw_group, lane))
+    return codes, k.astype(jnp.uint8), unit
   a = jnp.abs(x)
   fmt8 = F.Format(bits=8, scale_rounding=scale_rounding)  # top = 1: same scales for all widths
   a4 = _trailing(a, 4)  # the format's [S, G, CB, P] view (P = 1 for [S, G, 16])
   if group_idx is None:
     group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(F.HIER_GROUP)
-  k, unit, s = F._scales_hier(a4, fmt8, keys, group_idx)
+  if scales is None:
+    k, unit, s = F._scales_hier(a4, fmt8, keys, group_idx, div)
+  else:
+    k, unit, s = scales
   q = F.rng.strata_count(strata) * 2**F.UNIFORM_BITS  # u is uniform on [0, q)
   u = F._uniforms(idx, keys, rank, strata, group_idx=draw_group, lane=lane, mulhi=mulhi,
                  hash_store=group_store if draw_group is not None else None)
@@ -306,7 +349,8 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
   r = per(tabs.r)
   lvl = _round_levels_var(a, _trailing(gstore(s), x.ndim), pairs, per(tabs.pbase), r,
                           per(tabs.c1k), per(tabs.k), per(tabs.c2), u, q, log2, floor_int, fma,
-                          reload, group_store)
+                          group_store, levels,
+                          None if levels is None else per(tabs.lbase))
   codes = (r + ((lvl ^ neg) - neg)).astype(jnp.uint32)  # r - lvl where x has its sign bit
   return codes, k.astype(jnp.uint8), unit
 

@@ -92,13 +92,15 @@ def test_planes_roundtrip_any_widths(plane_bits, width_set):
 
 @pytest.mark.parametrize("eps", [EPS, {2: 0.23, 4: 0.05, 8: 0.02}, {2: 0.3, 4: 0.3, 8: 0.3}])
 @pytest.mark.parametrize("log2", ["exact", "above", "below"])
-def test_rounding_finds_the_exact_bracket(eps, log2):
+@pytest.mark.parametrize("bracket", ["pairs", "levels"])
+def test_rounding_finds_the_exact_bracket(eps, log2, bracket):
   """_round_levels_var's cheap first guess (c1 / s per group, log2, minus
   1/2) never changes the codes: with u = 0 the level is the exact bracket j
   (a > lam_j s rounds up), next to every level boundary of every width 2..8
   and for scales from tiny (the 2^64 rescaling below 2^-64) to huge; also
-  with a log2 off by +-2^-20 (an approximate GPU log2). Subnormal values are
-  left out: XLA:CPU flushes them to zero."""
+  with a log2 off by +-2^-20 (an approximate GPU log2); for the reference's
+  bracket from level pairs and the kernels' from single levels. Subnormal
+  values are left out: XLA:CPU flushes them to zero."""
   width_set = tuple(range(2, 9))
   tabs = U._tables(eps, width_set)
   lookup = U._pairs(tabs)
@@ -113,12 +115,36 @@ def test_rounding_finds_the_exact_bracket(eps, log2):
       pts = (lam[:, None] * np.float64(s)).astype(np.float32)
       a = (pts.view(np.int32) + np.arange(-8, 9)[None, :]).view(np.float32).ravel()
       a = a[((a >= np.finfo(np.float32).tiny) | (a == 0)) & (a <= s)]
+      by_levels = {} if bracket == "pairs" else dict(
+          levels=lambda j: jnp.take(jnp.asarray(tabs.lev), j), lbase=jnp.int32(tabs.lbase[i]))
       lvl = U._round_levels_var(jnp.asarray(a), jnp.float32(s), lookup, jnp.int32(tabs.pbase[i]),
                                 jnp.int32(tabs.r[i]), jnp.float32(tabs.c1k[i]),
                                 jnp.float32(tabs.k[i]), jnp.float32(tabs.c2[i]), jnp.zeros(a.shape, jnp.float32), 1,
-                                log2=fn)
+                                log2=fn, **by_levels)
       prods = (lam * np.float64(s)).astype(np.float32).astype(np.float64)
       j = np.clip(np.searchsorted(prods, a.astype(np.float64), side="right") - 1, 0, tabs.r[i] - 1)
       # rounds up iff a - lam_j s > 0, a difference XLA:CPU flushes to 0 when subnormal
       want = j + (a - prods[j].astype(np.float32) >= np.finfo(np.float32).tiny)
       np.testing.assert_array_equal(np.asarray(lvl), want, err_msg=f"{w=} {s=}")
+
+
+@pytest.mark.parametrize("err", [2.0**-21, -2.0**-21, 2.0**-6])
+def test_scale_quotients_with_an_approximate_division(err):
+  """The scales' quotients (k = ceil(gmax / U), the stochastic floor) stay exact
+  when their first guess comes from a division off by a few ulp (the kernels'
+  div.approx.ftz.f32, 2 ulp for divisors in [2^-126, 2^126]); a guess off by
+  2^-6 (4 at a quotient of 255) is caught. Divisors from 2^-126 to 2^100 (bf16
+  units reach about 2^118); subnormal ones, which the kernels scale by 2^64
+  first, cannot be checked here: XLA:CPU flushes them to zero."""
+  rng = np.random.default_rng(0)
+  # bf16-exact divisors, quotients at and next to every integer 0..255
+  d = ((rng.integers(0, 2**7, 4096) | 2**7) * np.exp2(rng.integers(-133, 93, 4096)))
+  d = d.astype(np.float32)
+  q = rng.integers(0, 256, d.size).astype(np.float64) + rng.choice([-1e-6, 0.0, 1e-6, 0.5],
+                                                                   d.size)
+  v = (np.clip(q, 0, None) * d.astype(np.float64)).astype(np.float32)
+  v, d = jnp.asarray(v), jnp.asarray(d)
+  approx = lambda a, b: a / b * np.float32(1.0 + err)
+  same = [np.array_equal(np.asarray(fn(v, d, 255, div=approx)), np.asarray(fn(v, d, 255)))
+          for fn in (F._ceil_quotient, F._floor_quotient)]
+  assert same == [err < 2.0**-10] * 2

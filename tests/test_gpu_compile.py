@@ -43,7 +43,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TARGET_CONFIG = pathlib.Path(__file__).resolve().parent / "data" / "h100_sxm.txtpb"
 DEVICES = 8
-OVERSIZED_BLOCK = 64  # super-groups per program, 8x the kernels' own BLOCK: spills on sm_90a
+OVERSIZED_BLOCK = 64  # super-groups per program, 4x the unit kernels' BLOCK: spills on sm_90a
 TRITON = "__gpu$xla.gpu.triton"
 
 
@@ -61,9 +61,10 @@ def _compile_step(dump: str, block: int | None) -> None:
 
   import dynamiq_jax as dq
   from pallas_kernels import dynamiq as kernels
+  from pallas_kernels import dynamiq_units_kernels as unit_kernels
 
-  if block is not None:
-    kernels.BLOCK = block  # read when the kernels are traced, below
+  if block is not None:  # read when the kernels are traced, below
+    kernels.BLOCK = unit_kernels.BLOCK = block
   topology = topologies.get_topology_desc(
       topology_name="h100", platform="cuda", target_config=TARGET_CONFIG.read_text(),
       topology=f"1x1x{DEVICES}")

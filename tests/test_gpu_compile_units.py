@@ -39,11 +39,10 @@ def _compile_kernels(dump: str, block: int | None) -> None:
   from jax.experimental import topologies
 
   from pallas_kernels import dynamiq_units as U
-  from pallas_kernels import dynamiq as K
   from pallas_kernels import dynamiq_units_kernels as UK
 
   if block is not None:
-    K.BLOCK = block  # read when the kernels are traced, below
+    UK.BLOCK = block  # read when the kernels are traced, below
 
   topology = topologies.get_topology_desc(
       topology_name="h100", platform="cuda", target_config=G.TARGET_CONFIG.read_text(),

@@ -15,15 +15,19 @@ kernel's code is the section ``.text.<kernel>``, and every sm_90 SASS
 instruction is 16 bytes. The trailing padding (the ``BRA`` to itself after
 the last ``EXIT`` and the ``NOP`` s that align the section to 128 bytes) is
 not counted: it is recognised by the opcode field, bits 0-11 of the
-instruction (``0x918`` NOP, ``0x947`` BRA), the Volta-and-later encoding
-(no disassembler is installable here: cuobjdump / nvdisasm are not on PyPI).
+instruction (``0x918`` NOP, ``0x947`` BRA), the Volta-and-later encoding,
+so no disassembler is needed. (To see the instructions themselves,
+``pip download nvidia-cuda-nvdisasm`` (CUDA 13, reads sm_90 cubins) and
+``nvdisasm -c x.cubin``; the Triton IR after each pass is dumped with
+``XLA_FLAGS=--xla_dump_emitter_re=.*`` next to ``--xla_dump_to``.)
 
 Per coordinate: the kernels are straight-line code (Triton unrolls the whole
 block; this script checks that the PTX has no backward branch), so every
 thread runs each static instruction once (predicated-off ones still issue),
-for ``BLOCK * 256 / (32 num_warps)`` coordinates (2048 / 128 = 16 with
-``BLOCK = 8`` and 4 warps). Thread-instructions per coordinate are then
-``static / 16``; the issue's bound uses the same unit (190 per coordinate
+for ``BLOCK * 256 / (32 num_warps)`` coordinates (4096 / 128 = 32 with the
+unit kernels' ``BLOCK = 16`` and 4 warps; 16 for the per-class kernel's
+``BLOCK = 8``). Thread-instructions per coordinate are then ``static / 32``
+(``/ 16``); the issue's bound uses the same unit (190 per coordinate
 -> 1.7e11 coordinates/s, i.e. 3.3e13 thread-instructions/s: 132 SMs x 4
 schedulers x 32 lanes x 1.98 GHz, one warp instruction per scheduler per
 clock).
@@ -56,6 +60,7 @@ CONFIGS = {  # name: (plane_bits, width set)
     "default": (1, (2, 3, 4, 5, 6, 8)),  # the per-round codec's
     "w4": (1, (4,)),
     "w5": (1, (5,)),
+    "p2": (2, (2, 4, 8)),  # the 2-bit-plane layout (the paper's width set)
 }
 NUM_WARPS = 4
 SM90_INSTR_BYTES = 16
@@ -192,18 +197,21 @@ def _dar_bytes_per_coord(width: int, local_bytes: int = 2, widths_input: bool = 
 def table(configs=None) -> dict:
   """Measures every configuration; returns the JSON-able report."""
   from pallas_kernels import dynamiq as K
+  from pallas_kernels import dynamiq_units_kernels as UK
 
   configs = configs or list(CONFIGS) + ["per_class_b4"]
-  coords_per_thread = K.BLOCK * 256 // (32 * NUM_WARPS)
+  per_thread = lambda block: block * 256 // (32 * NUM_WARPS)
+  coords_per_thread = per_thread(UK.BLOCK)  # the unit kernels'; per_class_b4: K.BLOCK's
   rows = []
   for config in configs:
     for name, r in sorted(measure(config).items()):
-      per = r["instructions"] / coords_per_thread
-      row = {"config": config, "kernel": name, **r,
+      cpt = per_thread(K.BLOCK if config == "per_class_b4" else UK.BLOCK)
+      per = r["instructions"] / cpt
+      row = {"config": config, "kernel": name, **r, "coords_per_thread": cpt,
              "instructions_per_coord": round(per, 2),
              "static_bound_coords_per_s": INSTR_PER_S / per}
       if "recompress" in name:
-        width = {"default": 4, "w4": 4, "w5": 5, "per_class_b4": 4}[config]
+        width = {"default": 4, "w4": 4, "w5": 5, "p2": 4, "per_class_b4": 4}[config]
         bpc = _dar_bytes_per_coord(width, widths_input=config != "per_class_b4")
         roof = HBM_BYTES_PER_S / bpc
         row.update(bytes_per_coord=round(bpc, 4), roofline_coords_per_s=roof,
@@ -212,7 +220,8 @@ def table(configs=None) -> dict:
   rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                        capture_output=True, text=True).stdout.strip()
   return {"command": "python tools/sass_count.py " + " ".join(sys.argv[1:]), "source": rev,
-          "block_supergroups": K.BLOCK, "num_warps": NUM_WARPS,
+          "block_supergroups": UK.BLOCK, "block_supergroups_per_class": K.BLOCK,
+          "num_warps": NUM_WARPS,
           "coords_per_thread": coords_per_thread,
           "model": {"thread_instructions_per_s": INSTR_PER_S,
                     "terms": f"{SMS} SMs x {SCHEDULERS} schedulers x {LANES} lanes x "
