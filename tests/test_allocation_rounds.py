@@ -130,3 +130,32 @@ def test_threshold_rule_near_optimal(kind, widths):
     assert mine <= best * 1.02 + 1e-12
   # the multiplier and the tie fill leave less than one upgrade step unspent
   assert budget - spent < max(cost.values()) - min(cost.values())
+
+
+@pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "edge"])
+def test_threshold_rule_same_with_the_plans_order(kind):
+  """``order=`` (the plan's :func:`descending_order`, a gather instead of a sort)
+  gives the sort's counts, with ties, padding rows and non-finite norms."""
+  rng = np.random.default_rng(5)
+  widths = (2, 3, 4, 5, 6, 8)
+  n, units = 4, 96
+  m = n * units
+  cost = {w: n * (256 * w + 144) for w in widths}
+  budget = 5.0 * m * 256 - 32 * m
+  if kind == "edge":  # repeated values, zeros, inf, nan, the largest float
+    norms = rng.choice(np.float32([0, 1e-30, 1, 1, 2.5, 3e38, np.inf, np.nan]), m)
+  else:
+    norms = np.asarray(jnp.asarray(_norms(kind, m, rng), jnp.float32))
+  valid = jnp.arange(m) < m - 37  # the last super-groups are padding
+  errors = _fine_errors(widths)
+  g = jnp.asarray(norms)
+
+  @jax.jit
+  def both(g):
+    sort = allocation.capacities_threshold(g, valid, errors, units, cost, budget, n)
+    order = allocation.descending_order(g, valid)
+    return sort, allocation.capacities_threshold(g, valid, errors, units, cost, budget, n,
+                                                 order=order)
+
+  sort, gather = both(g)
+  assert (np.asarray(sort) == np.asarray(gather)).all(), (sort, gather)

@@ -551,8 +551,24 @@ def hull_widths(errors: Mapping[int, float], cost_per_unit: Mapping[int, int]) -
   return hull
 
 
+def _finite_norms(gnorm):
+  """float32 norms with non-finite ones (never produced by the guarded all-reduce)
+  as the largest float."""
+  import jax.numpy as jnp
+  g = jnp.asarray(gnorm, jnp.float32)
+  return jnp.where(jnp.isfinite(g), g, jnp.finfo(jnp.float32).max)
+
+
+def descending_order(gnorm, valid):
+  """The permutation that sorts super-groups by norm, largest first, ties by
+  index, the ones not ``valid`` (padding) last: the order in which the
+  allocation hands out widths."""
+  import jax.numpy as jnp
+  return jnp.argsort(jnp.where(valid, -_finite_norms(gnorm), jnp.inf), stable=True)
+
+
 def capacities_threshold(gnorm, valid, errors: Mapping[int, float], units: int,
-                         cost_per_unit: Mapping[int, int], budget: float, n: int):
+                         cost_per_unit: Mapping[int, int], budget: float, n: int, order=None):
   """Units per width by the paper's threshold rule, for any number of widths (traced).
 
   The rule (equal marginal gain per bit, with each width's measured error
@@ -566,6 +582,12 @@ def capacities_threshold(gnorm, valid, errors: Mapping[int, float], units: int,
   integers; units that tie at the switching multiplier then take the next
   width while the budget allows.
 
+  Args:
+    order: optional, :func:`descending_order` of ``(gnorm, valid)``, when the
+      caller has it: the statistics are then put in order by one gather
+      instead of a sort (the same values: the map from a norm to its F is
+      non-decreasing).
+
   Returns:
     int32 ``[len(errors)]``: units per width, ascending widths (0 off the hull).
   """
@@ -578,12 +600,15 @@ def capacities_threshold(gnorm, valid, errors: Mapping[int, float], units: int,
   hull = hull_widths(errors, cost_per_unit)
   if len(hull) == 1:
     return jnp.asarray([units if x == hull[0] else 0 for x in w], jnp.int32)
-  g = jnp.where(valid, jnp.asarray(gnorm, jnp.float32), 0.0)
-  g = jnp.where(jnp.isfinite(g), g, jnp.finfo(jnp.float32).max)
+  g = jnp.where(valid, _finite_norms(gnorm), 0.0)
   top = jnp.max(g)
   _, e = jnp.frexp(jnp.where(top > 0, top, 1.0))
   r = jnp.ldexp(g, -e).astype(jnp.bfloat16).astype(jnp.float32)
-  f = jnp.sort(r * r)[::-1].reshape(units, n)
+  if order is None:
+    f = jnp.sort(r * r)[::-1]
+  else:  # r * r is non-decreasing in g (>= 0), and 0 where not valid (last in order)
+    f = (r * r).at[order.astype(jnp.uint32)].get(mode="promise_in_bounds", unique_indices=True)
+  f = f.reshape(units, n)
   unit_f = f[:, 0]
   for i in range(1, n):
     unit_f = unit_f + f[:, i]

@@ -399,12 +399,12 @@ class DynamiQ(Codec):
     _, resid = self._rows(x, bucket)
     with jax.named_scope("dynamiq/allocate"):
       valid = jnp.arange(total) < lay.supergroups
-      order = jnp.argsort(jnp.where(valid, -gnorm, jnp.inf), stable=True)
+      order = allocation.descending_order(gnorm, valid)
       chunks = _take_rows(resid, order.reshape(s, n).T)  # [n, s, 256]: one gather
       unit_bits = units_lib.unit_bytes(lay.plane_bits) * 8
       counts = allocation.capacities_threshold(
           gnorm, valid, self.width_errors(), s, {w: n * SUPERGROUP * w for w in self.widths},
-          n * lay.units * unit_bits, n)
+          n * lay.units * unit_bits, n, order=order)
       widths = units_lib.position_widths_general(counts, self.widths, s)
     return Plan(chunks, PerRoundAux(order, gmean, gnorm, widths, lay, bucket.implementation))
 
@@ -481,7 +481,9 @@ class DynamiQ(Codec):
     else:
       dec = jnp.concatenate([c.reshape(-1, SUPERGROUP) for c in decoded], axis=0)
     out = _take_rows(dec, _inverse(aux.order)) + aux.gmean[:, None]
-    return out.reshape(-1)[:bucket.d], None
+    # stored: otherwise XLA:CPU fuses every bucket's decode and gather into the one
+    # loop that concatenates the buckets (and casts), which it cannot vectorise
+    return fmt_lib.materialize(out.reshape(-1)[:bucket.d]), None
 
 
   def error_estimate(self, out, aux, bucket, partials):
