@@ -553,8 +553,10 @@ def materialize(value):
   own computation, so a loop that runs exactly once, from a start that XLA
   cannot fold to a constant (derived from the data), stores its result.
   Identity on values, so bit-exactness is unaffected whatever a compiler
-  does with it. Only the XLA reference uses it; on GPU the Pallas kernels
-  run by default and keep such values in registers.
+  does with it. The XLA reference uses it, and so does the DynamiQ codec for
+  each bucket's output (else XLA:CPU fuses every bucket's final decode into
+  the loop that concatenates the buckets); on GPU the Pallas kernels run by
+  default and keep such values in registers.
 
   The loop is XLA:CPU's workaround only: it is chosen by the platform being
   lowered for (``jax.lax.platform_dependent``), and a lowering for any
