@@ -373,9 +373,8 @@ class DynamiQ(Codec):
     gmean, gnorm = stats[:, 0], stats[:, 1]
     _, resid = self._rows(x, bucket)
     with jax.named_scope("dynamiq/allocate"):
-      idx = jnp.arange(total)
-      order = jnp.argsort(jnp.where(idx < lay.supergroups, -gnorm, jnp.inf), stable=True)
-      rows = _take_rows(resid, order)
+      order = allocation.descending_order(gnorm, jnp.arange(total) < lay.supergroups)
+      rows = allocation.permute(resid, order)
       chunks, offset = [], 0
       for _, cap in lay.capacities:
         chunks.append(rows[offset:offset + cap].reshape(n, cap // n, SUPERGROUP))
@@ -400,7 +399,7 @@ class DynamiQ(Codec):
     with jax.named_scope("dynamiq/allocate"):
       valid = jnp.arange(total) < lay.supergroups
       order = allocation.descending_order(gnorm, valid)
-      chunks = _take_rows(resid, order.reshape(s, n).T)  # [n, s, 256]: one gather
+      chunks = allocation.permute(resid, order.reshape(s, n).T)  # [n, s, 256]: one gather
       unit_bits = units_lib.unit_bytes(lay.plane_bits) * 8
       counts = allocation.capacities_threshold(
           gnorm, valid, self.width_errors(), s, {w: n * SUPERGROUP * w for w in self.widths},
@@ -480,7 +479,7 @@ class DynamiQ(Codec):
       dec = decoded.transpose(1, 0, 2).reshape(-1, SUPERGROUP)
     else:
       dec = jnp.concatenate([c.reshape(-1, SUPERGROUP) for c in decoded], axis=0)
-    out = _take_rows(dec, _inverse(aux.order)) + aux.gmean[:, None]
+    out = allocation.permute(dec, _inverse(aux.order)) + aux.gmean[:, None]
     # stored: otherwise XLA:CPU fuses every bucket's decode and gather into the one
     # loop that concatenates the buckets (and casts), which it cannot vectorise
     return fmt_lib.materialize(out.reshape(-1)[:bucket.d]), None
@@ -648,12 +647,6 @@ def _code_bits(lay: DynamiQLayout, narrowest: int) -> float:
   total = lay.n * lay.units * units_lib.unit_bytes(lay.plane_bits) * 8
   padding = (lay.padded_supergroups - lay.supergroups) * narrowest * SUPERGROUP
   return (total - padding) / lay.d
-
-
-def _take_rows(a, idx):
-  """``a[idx]`` for a permutation's indices (always in range): an unsigned gather
-  without jnp's negative-index and out-of-range fill code per element."""
-  return a.at[idx.astype(jnp.uint32)].get(mode="promise_in_bounds", unique_indices=True)
 
 
 def _inverse(order):
