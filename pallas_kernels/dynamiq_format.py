@@ -74,6 +74,7 @@ __all__ = [
     "decompress_accumulate_reference",
     "decompress_accumulate_recompress_reference",
     "materialize",
+    "take_in_range",
     "pack_codes",
     "unpack_codes",
     "ceil_to_bf16",
@@ -538,6 +539,15 @@ def decompress_accumulate_reference(payload, x, fmt: Format):
   """``decompress(payload) + x`` in float32."""
   _check_chunk(x, "x")
   return decompress_reference(payload, fmt) + x.astype(jnp.float32)
+
+
+def take_in_range(a, idx):
+  """``a[idx]`` for indices known to be in range (an encoder's codes, a
+  permutation): an unsigned gather without jnp's negative-index and
+  out-of-range fill code, which XLA:CPU would otherwise evaluate per element.
+  (An out-of-range index would read a clamped entry, never outside ``a``:
+  XLA's gather clamps.)"""
+  return jnp.asarray(a).at[jnp.asarray(idx).astype(jnp.uint32)].get(mode="promise_in_bounds")
 
 
 def materialize(value):

@@ -464,12 +464,10 @@ def _fetch(unit_bytes_, widths, plane_bits: int = 2):
 
 
 def _table(t):
-  """``j -> t[j]`` for indices known to be in range (the encoder makes them so): an
-  unsigned gather without jnp's negative-index and out-of-range fill code, which
-  XLA:CPU would otherwise evaluate per coordinate. (An out-of-range index would
-  read a clamped entry, never outside ``t``: XLA's gather clamps.)"""
+  """``j -> t[j]`` for the encoder's in-range indices
+  (:func:`~pallas_kernels.dynamiq_format.take_in_range`)."""
   t = jnp.asarray(t)
-  return lambda j: t.at[j.astype(jnp.uint32)].get(mode="promise_in_bounds")
+  return lambda j: F.take_in_range(t, j)
 
 
 def _lookup(tabs):

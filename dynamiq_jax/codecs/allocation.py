@@ -559,13 +559,6 @@ def _finite_norms(gnorm):
   return jnp.where(jnp.isfinite(g), g, jnp.finfo(jnp.float32).max)
 
 
-def permute(a, idx):
-  """``a[idx]`` for indices of a permutation (always in range): an unsigned gather
-  without jnp's negative-index and out-of-range fill code per element."""
-  import jax.numpy as jnp
-  return a.at[idx.astype(jnp.uint32)].get(mode="promise_in_bounds", unique_indices=True)
-
-
 def descending_order(gnorm, valid):
   """The permutation that sorts super-groups by norm, largest first, ties by
   index, the ones not ``valid`` (padding) last: the order in which the
@@ -614,7 +607,8 @@ def capacities_threshold(gnorm, valid, errors: Mapping[int, float], units: int,
   if order is None:
     f = jnp.sort(r * r)[::-1]
   else:  # r * r is non-decreasing in g (>= 0), and 0 where not valid (last in order)
-    f = permute(r * r, order)
+    from pallas_kernels import dynamiq_format as fmt_lib
+    f = fmt_lib.take_in_range(r * r, order)
   f = f.reshape(units, n)
   unit_f = f[:, 0]
   for i in range(1, n):

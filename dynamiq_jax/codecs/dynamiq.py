@@ -374,7 +374,7 @@ class DynamiQ(Codec):
     _, resid = self._rows(x, bucket)
     with jax.named_scope("dynamiq/allocate"):
       order = allocation.descending_order(gnorm, jnp.arange(total) < lay.supergroups)
-      rows = allocation.permute(resid, order)
+      rows = fmt_lib.take_in_range(resid, order)
       chunks, offset = [], 0
       for _, cap in lay.capacities:
         chunks.append(rows[offset:offset + cap].reshape(n, cap // n, SUPERGROUP))
@@ -399,7 +399,7 @@ class DynamiQ(Codec):
     with jax.named_scope("dynamiq/allocate"):
       valid = jnp.arange(total) < lay.supergroups
       order = allocation.descending_order(gnorm, valid)
-      chunks = allocation.permute(resid, order.reshape(s, n).T)  # [n, s, 256]: one gather
+      chunks = fmt_lib.take_in_range(resid, order.reshape(s, n).T)  # [n, s, 256]: one gather
       unit_bits = units_lib.unit_bytes(lay.plane_bits) * 8
       counts = allocation.capacities_threshold(
           gnorm, valid, self.width_errors(), s, {w: n * SUPERGROUP * w for w in self.widths},
@@ -479,7 +479,7 @@ class DynamiQ(Codec):
       dec = decoded.transpose(1, 0, 2).reshape(-1, SUPERGROUP)
     else:
       dec = jnp.concatenate([c.reshape(-1, SUPERGROUP) for c in decoded], axis=0)
-    out = allocation.permute(dec, _inverse(aux.order)) + aux.gmean[:, None]
+    out = fmt_lib.take_in_range(dec, _inverse(aux.order)) + aux.gmean[:, None]
     # stored: otherwise XLA:CPU fuses every bucket's decode and gather into the one
     # loop that concatenates the buckets (and casts), which it cannot vectorise
     return fmt_lib.materialize(out.reshape(-1)[:bucket.d]), None
