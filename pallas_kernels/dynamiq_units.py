@@ -210,9 +210,14 @@ def _fma(a, b, c):
   return a * b + c
 
 
+def _lt_mask(a, b):
+  """int32 -1 where ``a < b`` (ordered: false for NaN), else 0: one ``set.lt`` on a GPU."""
+  return -(a < b).astype(jnp.int32)
+
+
 def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.log2,
                       floor_int=_floor_int, fma=_fma, group_store=None, levels=None,
-                      lbase=None):
+                      lbase=None, lt_mask=_lt_mask):
   """Stochastically rounds ``a / s`` (in [0, 1]) to a level index in [0, R] with
   the width's constants as arrays broadcast against ``a`` (``base`` indexes
   the concatenated tables; ``pairs(i)`` is :attr:`_Tables.pairs`, the bf16
@@ -263,9 +268,9 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
     step = a >= m
     o = jnp.where(step, levels(lbase + g + 2), levels(lbase + g)) * s  # exact
     lo = jnp.where(step, m, o)
-    hi = jnp.where(step, o, m)
-    up = u_scaled * (hi - lo) < (a - lo) * np.float32(q)
-    return g + step.astype(jnp.int32) + up.astype(jnp.int32)
+    # hi - lo = |o - m| (round-to-nearest is symmetric): no select for hi
+    up = lt_mask(u_scaled * jnp.abs(o - m), (a - lo) * np.float32(q))
+    return g + step.astype(jnp.int32) - up
   w0 = pairs(base + g)  # lam_g, lam_(g+1)
   step = a >= _pair_hi(w0) * s  # exact
   w = jnp.where(step, pairs(base + g + 1), w0)
@@ -278,7 +283,8 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
 def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata: int,
                      scale_rounding="up", store=None, log2=jnp.log2, group_idx=None,
                      draw_group=None, lane=None, mulhi=F.rng.mulhi, floor_int=_floor_int,
-                     fma=_fma, group_store=None, levels=None, div=None, scales=None):
+                     fma=_fma, group_store=None, levels=None, div=None, scales=None,
+                     lt_mask=_lt_mask):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
@@ -323,7 +329,7 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
     one = dict(tabs=tabs, pairs=pairs, keys=keys, rank=rank, strata=strata,
                scale_rounding=scale_rounding, store=store, log2=log2, mulhi=mulhi,
                floor_int=floor_int, fma=fma, group_store=group_store, levels=levels,
-               scales=(k, unit, s))
+               scales=(k, unit, s), lt_mask=lt_mask)
     codes = tuple(encode_block_var(v, widths, idx=i, group_idx=group_idx, draw_group=d, lane=l,
                                    **one)[0]
                   for v, i, d, l in zip(x, idx, draw_group, lane))
@@ -350,17 +356,25 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
   lvl = _round_levels_var(a, _trailing(gstore(s), x.ndim), pairs, per(tabs.pbase), r,
                           per(tabs.c1k), per(tabs.k), per(tabs.c2), u, q, log2, floor_int, fma,
                           group_store, levels,
-                          None if levels is None else per(tabs.lbase))
+                          None if levels is None else per(tabs.lbase), lt_mask)
   codes = (r + ((lvl ^ neg) - neg)).astype(jnp.uint32)  # r - lvl where x has its sign bit
   return codes, k.astype(jnp.uint8), unit
 
 
-def decode_block_var(codes, scale, widths, tabs: _Tables, *, lookup):
+def decode_block_var(codes, scale, widths, tabs: _Tables, *, lookup, addend=None, fma=_fma):
   """codes uint32 [S, G, 16] (or [S, G, CB, P]), decoded group scale f32 [S, G]
-  -> float32 shaped as codes; ``lookup(i) -> tabs.dec[i]``."""
+  -> float32 shaped as codes; ``lookup(i) -> tabs.dec[i]``.
+
+  ``addend`` (float32 shaped as codes): returns ``decode + addend`` as
+  ``fma(level, scale, addend)``; the product is exact (8 x 16 significant
+  bits), so a fused ``fma`` (a kernel's ``fma.rn.f32``) gives the same sum as a
+  multiply and an add, unless the product is subnormal."""
   per = lambda v: _trailing(_wsel(widths, v, tabs), codes.ndim)
   # the signed level of each code from one table (tabs.dec): -lam s = -(lam s)
-  return lookup(per(tabs.dbase) + codes.astype(jnp.int32)) * _trailing(scale, codes.ndim)
+  lam = lookup(per(tabs.dbase) + codes.astype(jnp.int32))
+  if addend is None:
+    return lam * _trailing(scale, codes.ndim)
+  return fma(lam, _trailing(scale, codes.ndim), addend)
 
 
 # ----------------------------------------------------------------------------

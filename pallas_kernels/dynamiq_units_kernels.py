@@ -237,15 +237,73 @@ def _store_dense(ref, v, cfg: _Config):
     ref[:, :, c, :] = half
 
 
-def _add(a, b):
-  if isinstance(a, tuple):
-    return tuple(x + y for x, y in zip(a, b))
-  return a + b
+# ----------------------------------------------------------------------------
+# Plane bytes <-> codes of one plane byte (8 codes, plane_bits=1), by bit
+# transposition: the 8 codes of up to 8 bits are an 8 x 8 bit matrix (code i,
+# bit p), the plane bytes its transpose (plane p, bit i). Held as words with
+# byte i = code i (two words: codes 0-3, 4-7), the transpose is three
+# exchanges of index bits (Hacker's Delight's transpose8): index bits 0 <-> 3
+# and 1 <-> 4 within each word (one delta swap each), 2 <-> 5 between the two
+# words (a nibble exchange). Codes of at most 4 bits fit one word, code i at
+# bit 8 (i % 4) + 4 (i // 4): its two swaps alone give byte p = plane p. Both
+# maps are involutions, so decode applies the same steps to the plane bytes.
+# About 2 instructions per code each way (a mask, multiply and shift per
+# plane and 4 codes before).
 
 
-def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: int, units: int):
+_SWAP_03, _SWAP_14 = (7, 0x00AA00AA), (14, 0x0000CCCC)
+
+
+def _delta_swap(x, d: int, mask: int):
+  """Exchanges the bits of ``x`` at ``mask`` with those ``d`` above them."""
+  t = (x ^ (x >> np.uint32(d))) & np.uint32(mask)
+  return x ^ t ^ (t << np.uint32(d))
+
+
+def _swaps(x):
+  return _delta_swap(_delta_swap(x, *_SWAP_03), *_SWAP_14)
+
+
+def _nibble_exchange(lo, hi):
+  """Index bit 2 <-> 5 of the 64-bit word ``(lo, hi)``: lo's high nibbles with hi's low ones."""
+  return ((lo & np.uint32(0x0F0F0F0F)) | ((hi << np.uint32(4)) & np.uint32(0xF0F0F0F0)),
+          ((lo >> np.uint32(4)) & np.uint32(0x0F0F0F0F)) | (hi & np.uint32(0xF0F0F0F0)))
+
+
+def _codes_to_planes(codes, planes: int):
+  """uint32 codes [..., 8] (below 2^planes) -> ``planes`` plane bytes, uint32 [...] each."""
+  lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, codes.ndim - 1)
+  if planes <= 4:
+    w = _swaps(jnp.sum(codes << (lane % 4 * 8 + lane // 4 * 4), axis=-1))
+    return [(w >> np.uint32(8 * p)) & np.uint32(0xFF) for p in range(planes)]
+  lo, hi = (_swaps(jnp.sum(jnp.where(lane // 4 == h, codes << (lane % 4 * 8), np.uint32(0)),
+                           axis=-1)) for h in range(2))
+  words = _nibble_exchange(lo, hi)
+  return [(words[p // 4] >> np.uint32(8 * (p % 4))) & np.uint32(0xFF) for p in range(planes)]
+
+
+def _planes_to_codes(plane_bytes, lane, planes: int):
+  """Inverse of :func:`_codes_to_planes`: plane bytes (uint32 [...], below 256; ``planes``
+  of them) -> codes uint32 [..., 8]; ``lane`` the codes' iota along the last axis."""
+  word = lambda ps: functools.reduce(
+      jnp.bitwise_or, [b << np.uint32(8 * (p % 4)) for p, b in ps])
+  if planes <= 4:
+    w = _swaps(word(enumerate(plane_bytes)))[..., None]
+    return (w >> (lane % 4 * 8 + lane // 4 * 4)) & np.uint32(0xF)
+  lo = _swaps(word(list(enumerate(plane_bytes))[:4]))
+  hi = _swaps(word(list(enumerate(plane_bytes))[4:]))
+  lo, hi = _nibble_exchange(lo, hi)
+  w = jnp.where(lane < 4, lo[..., None], hi[..., None])
+  return (w >> (lane % 4 * 8)) & np.uint32(0xFF)
+
+
+def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: int, units: int,
+                addend=None, interpret: bool = True):
   """Loads this program's scale records and planes; decodes: float32 [BLOCK, G, CB, P],
-  or its two halves [BLOCK, G, P] when :attr:`_Config.split`."""
+  or its two halves [BLOCK, G, P] when :attr:`_Config.split`. ``addend`` (as
+  :func:`_load_dense` gives): returns ``decode + addend``, each sum one
+  ``fma.rn.f32`` on a GPU (:func:`~pallas_kernels.dynamiq_units.decode_block_var`)."""
+  dec = functools.partial(U.decode_block_var, fma=U._fma if interpret else _fma)
   k_off, k_ok, u_off, u_ok = _scale_offsets(s_count, _hidden_one(ptab_ref, cfg))
   k = K._load_bytes(pay_ref, k_off, k_ok)
   unit = bf16.from_bytes(K._load_bytes(pay_ref, u_off, u_ok),
@@ -255,23 +313,19 @@ def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: in
   lookup = lambda j: jax.lax.bitcast_convert_type(tab_ref[j], jnp.float32)
   scale = F.hier_scale(k, unit)
   if cfg.split:
-    # As below, per half c: its plane byte (both halves' in one 16-bit load)
-    # spread into two words; code p is byte p % 4 of word p // 4.
+    # Per half c: its plane bytes (both halves' in one 16-bit load per plane)
+    # gathered into words, byte p = plane p, and transposed to the codes
+    # (:func:`_planes_to_codes`).
     half_shape = (shape[0], shape[1], shape[3])
     lane = jax.lax.broadcasted_iota(jnp.uint32, half_shape, 2)
-    words = [[jnp.zeros(shape[:2], jnp.uint32) for _ in range(2)] for _ in range(cfg.cb)]
+    bytes_ = [[] for _ in range(cfg.cb)]
     for p, (off, ok) in enumerate(planes):
       both = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)
       for c, b in enumerate(jax.lax.unstack(both, axis=2)):
-        for h, nib in enumerate((b & np.uint32(0xF), b >> np.uint32(4))):
-          words[c][h] = words[c][h] | (((nib * np.uint32(0x204081)) & np.uint32(0x01010101))
-                                       << np.uint32(p))
-    out = []
-    for c in range(cfg.cb):
-      word = jnp.where(lane < 4, words[c][0][..., None], words[c][1][..., None])
-      codes = (word >> ((lane & np.uint32(3)) * np.uint32(8))) & np.uint32(0xFF)
-      out.append(U.decode_block_var(codes, scale, widths, cfg.tabs, lookup=lookup))
-    return tuple(out)
+        bytes_[c].append(b)
+    return tuple(dec(_planes_to_codes(bytes_[c], lane, cfg.planes), scale, widths, cfg.tabs,
+                     lookup=lookup, addend=None if addend is None else addend[c])
+                 for c in range(cfg.cb))
   lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
   if cfg.plane_bits == 1:
     # Word-wise: each plane byte's two nibbles are spread to bit 0 of four
@@ -293,7 +347,7 @@ def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: in
     for p, (off, ok) in enumerate(planes):
       b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)[..., None]
       codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
-  return U.decode_block_var(codes, scale, widths, cfg.tabs, lookup=lookup)
+  return dec(codes, scale, widths, cfg.tabs, lookup=lookup, addend=addend)
 
 
 def _approx_log2(v):
@@ -337,6 +391,18 @@ def _div_approx(a, b):
   [out] = pltr.elementwise_inline_asm("div.approx.ftz.f32 $0, $1, $2;", args=[a, b],
                                       constraints="=f,f,f", pack=1,
                                       result_shape_dtypes=[jax.ShapeDtypeStruct.like(a)])
+  return out
+
+
+def _lt_mask(a, b):
+  """:func:`pallas_kernels.dynamiq_units._lt_mask` by the GPU's ``set.lt.u32.f32``
+  (an integer mask in one instruction; a comparison and a select otherwise)."""
+  from jax.experimental.pallas import triton as pltr
+  a, b = jnp.broadcast_arrays(a, b)
+  [out] = pltr.elementwise_inline_asm("set.lt.u32.f32 $0, $1, $2;", args=[a, b],
+                                      constraints="=r,f,f", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape,
+                                                                                jnp.int32)])
   return out
 
 
@@ -386,6 +452,7 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
                                       mulhi=F.rng.mulhi if interpret else _mulhi,
                                       floor_int=U._floor_int if interpret else _floor_int,
                                       fma=U._fma if interpret else _fma,
+                                      lt_mask=U._lt_mask if interpret else _lt_mask,
                                       div=None if interpret else _div_approx,
                                       levels=lambda j: jax.lax.bitcast_convert_type(
                                           tab_ref[cfg.levels_at + j], jnp.float32))
@@ -408,17 +475,12 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
             for h in range(shape[3] // 4)]
 
   if cfg.split:
-    half_words = [pack(c) for c in codes]
+    half_planes = [_codes_to_planes(c, cfg.planes) for c in codes]
   else:
     words = pack(codes)
   for p, (off, ok) in enumerate(_plane_offsets(cfg, widths, ptab_ref, s_count, units)):
     if cfg.split:  # one plane byte per half, stored together (16 bits)
-      halves = []
-      for words in half_words:
-        nib = [(((w >> np.uint32(p)) & np.uint32(0x01010101)) * np.uint32(0x10204080))
-               >> np.uint32(28) for w in words]
-        halves.append(nib[0] | (nib[1] << np.uint32(4)))
-      byte = jax.lax.stack(halves, axis=2)
+      byte = jax.lax.stack([h[p] for h in half_planes], axis=2)
     elif cfg.plane_bits == 1:
       nib = [(((w >> np.uint32(p)) & np.uint32(0x01010101)) * np.uint32(0x10204080))
              >> np.uint32(28) for w in words]
@@ -460,17 +522,17 @@ def _decompress_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_cou
 
 
 def _decompress_accumulate_kernel(ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg,
-                                  s_count, units):
-  _store_dense(out_ref, _add(_read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg,
-                                         s_count=s_count, units=units),
-                             _load_dense(x_ref, cfg)), cfg)
+                                  s_count, units, interpret):
+  _store_dense(out_ref, _read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg,
+                                    s_count=s_count, units=units,
+                                    addend=_load_dense(x_ref, cfg), interpret=interpret), cfg)
 
 
 def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg, s_count,
                 units, strata, interpret):
   widths = w_ref[...]
-  acc = _add(_read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
-                         units=units), _load_dense(x_ref, cfg))
+  acc = _read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count, units=units,
+                    addend=_load_dense(x_ref, cfg), interpret=interpret)
   _write_chunk(out_ref, acc, widths, keys_ref, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
                units=units, strata=strata, interpret=interpret, hop=True)
 
@@ -549,7 +611,7 @@ def _decompress_accumulate_call(payload, x, widths, *, cfg, units, interpret):
   s_count = widths.shape[0]
   tab = jnp.asarray(cfg.table())
   kernel = functools.partial(_decompress_accumulate_kernel, cfg=cfg, s_count=s_count,
-                             units=units)
+                             units=units, interpret=bool(interpret))
   out = K._call(kernel, cfg, s_count,
                 [K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(), K._ANY,
                  _dense_spec(cfg)],
