@@ -19,13 +19,16 @@ def round_nearest(v):
 
 
 def ceil(v):
-  """Smallest bfloat16-representable float32 >= ``v`` (for ``v >= 0``; NaN kept)."""
-  v = jnp.asarray(v, jnp.float32)
-  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
-  low = bits & jnp.uint32(0xFFFF)
-  up = (bits & jnp.uint32(0xFFFF0000)) + jnp.where(
-      low != 0, jnp.uint32(0x10000), jnp.uint32(0))
-  return jnp.where(jnp.isnan(v), v, jax.lax.bitcast_convert_type(up, jnp.float32))
+  """Smallest bfloat16-representable float32 >= ``v`` (for ``v >= 0``; a NaN gives a NaN).
+
+  ``(bits + 0xFFFF)`` truncated to bf16: one carry into the bf16 part exactly
+  when the low half is nonzero. NaNs are first brought to the quiet NaN
+  0x7FC00000 (an unsigned minimum that leaves every other value as it is), so
+  that no payload carries into the sign."""
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(v, jnp.float32), jnp.uint32)
+  bits = jnp.minimum(bits, jnp.uint32(0x7FC00000))
+  return jax.lax.bitcast_convert_type((bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000),
+                                      jnp.float32)
 
 
 def next_up(v):

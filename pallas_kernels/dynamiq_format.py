@@ -38,7 +38,7 @@ Format (one *super-group* = 256 consecutive coordinates, one code width
   (stratified) draw ``u = (pi(rank) + gamma) / q`` with the permutation
   ``pi`` shared by all ranks for the coordinate and ``gamma`` private
   (:func:`pallas_kernels.rng.stratum`). ``gamma`` has 16 bits, and one
-  hash per key and group of 8 coordinates feeds its 8 draws
+  hash per key and group of 16 coordinates feeds its 16 draws
   (:func:`_uniforms`): each draw is exactly uniform on its grid, so a
   quantisation's bias is below 2^-16 / q of its level gap (the probability
   of rounding up is ``ceil(p q 2^16) / (q 2^16)``).
@@ -245,12 +245,13 @@ UNIFORM_BITS = 16
 
 
 def _uniforms(idx, keys, rank, ranks: int, *, group_idx=None, lane=None, mulhi=rng.mulhi,
-              hash_store=None):
+              hash_store=None, fraction_of=None):
   """Per-element draws in units of ``2^-16``: ``pi(rank) 2^16 + gamma``, uniform
   on [0, q 2^16) (q = 1: ``gamma``), as uint32.
 
-  Element ``idx`` belongs to the group ``idx >> 3`` of 8 consecutive
-  elements, at ``lane = idx & 7``; one :func:`~pallas_kernels.rng.hash_index`
+  Element ``idx`` belongs to the group ``idx >> 4`` of 16 consecutive
+  elements (:data:`~pallas_kernels.rng.GROUP`), at ``lane = idx & 15``; one
+  :func:`~pallas_kernels.rng.group_hash`
   per group and key gives every lane its bits (:func:`~pallas_kernels.rng.lane_bits`):
   the private gamma is the top 16 bits under the rounding key ``(k0, k1)``,
   the shared stratum pi comes from the bits under ``(s0, s1)``
@@ -260,28 +261,44 @@ def _uniforms(idx, keys, rank, ranks: int, *, group_idx=None, lane=None, mulhi=r
 
   Args:
     idx: uint32 element indices.
-    group_idx, lane: ``idx >> 3`` and ``idx & 7`` when given (broadcastable
+    group_idx, lane: ``idx >> 4`` and ``idx & 15`` when given (broadcastable
       against each other; a kernel passes the group's index per group and
       static lanes).
     mulhi: :func:`pallas_kernels.rng.mulhi` or an equal implementation.
     hash_store: identity on values, applied to the groups' hashes (the XLA
       reference passes :func:`materialize` with per-group ``group_idx``, so
       that the fused rounding loop reads one hash per group instead of
-      recomputing it for each of the group's 8 elements).
+      recomputing it for each of the group's 16 elements).
+    fraction_of: the elements' :func:`sign_mask`, for a power-of-two q: returns
+      :func:`signed_draws`' draw ``v`` as the float32 ``w = -(1 + v / q)``
+      instead, built from its bits (``v`` is the mantissa's top ``log2 q``
+      bits; the shifts merge with the join of pi and gamma), so that ``w + 1
+      = -v / q`` exactly.
   """
   k0, k1, s0, s1 = keys
   if group_idx is None:
-    group_idx = idx >> np.uint32(3)
+    group_idx = idx >> np.uint32(rng.GROUP_SHIFT)
   if lane is None:
     lane = idx & np.uint32(rng.GROUP - 1)
   hstore = hash_store or (lambda v: v)
-  gamma = rng.lane_bits(hstore(rng.hash_index(k0, k1, group_idx)), lane) >> np.uint32(
-      32 - UNIFORM_BITS)
-  if ranks == 1:
-    return gamma
-  pi = rng.stratum(rng.lane_bits(hstore(rng.hash_index(s0, s1, group_idx)), lane), rank, ranks,
-                   mulhi=mulhi)
-  return (pi.astype(jnp.uint32) << np.uint32(UNIFORM_BITS)) | gamma
+  word = rng.lane_bits(hstore(rng.group_hash(k0, k1, group_idx)), lane)  # gamma: its top bits
+  pi = None
+  if ranks > 1:
+    pi = rng.stratum(rng.lane_bits(hstore(rng.group_hash(s0, s1, group_idx)), lane), rank,
+                     ranks, mulhi=mulhi).astype(jnp.uint32)
+  if fraction_of is None:
+    gamma = word >> np.uint32(32 - UNIFORM_BITS)
+    return gamma if pi is None else (pi << np.uint32(UNIFORM_BITS)) | gamma
+  q = rng.strata_count(ranks) * 2**UNIFORM_BITS
+  if q & (q - 1) or q > 1 << 23:
+    raise ValueError(f"fraction_of needs a power-of-two q <= 2^23, not {q=}")
+  shift = 23 - (q.bit_length() - 1)  # v at mantissa bits [shift, 23)
+  bits = word >> np.uint32(32 - UNIFORM_BITS - shift)  # gamma << shift, and lower bits
+  if pi is not None:
+    bits = bits | (pi << np.uint32(UNIFORM_BITS + shift))
+  field = np.uint32((q - 1) << shift)
+  bits = ((bits ^ fraction_of.astype(jnp.uint32)) & field) | np.uint32(0xBF800000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def sign_mask(x):

@@ -34,8 +34,11 @@ exact bracket as ``_round_levels`` and makes the same comparison, with the
 width's constants as per-super-group arrays and concatenated tables
 indexed at a per-super-group base: bracket pairs for the encode, signed
 levels per code for the decode). So with the same draws a super-group gets
-exactly the code the per-class format gives it (tested), and one code path
-serves every width (no per-class launches, no static capacities).
+exactly the level and value the per-class format gives it (tested), and one
+code path serves every width (no per-class launches, no static capacities).
+Codes differ from the per-class format's only in numbering: a negative level
+-l is code R - l, a positive one R + 1 + l (every code of w bits is used;
+:func:`encode_block_var`).
 
 Only hierarchical MEE scales with ``scale_rounding="up"`` or
 ``"stochastic"`` are supported (the codec's defaults).
@@ -132,8 +135,9 @@ class _Tables:
     # :func:`_round_levels_var` with ``levels``)
     self.lev = np.concatenate([np.concatenate([[0.0], t, t[-1:]]) for t in tabs]).astype(np.float32)
     self.lbase = np.array(base, np.int32) + 1 + 2 * np.arange(len(tabs), dtype=np.int32)
-    # dec[dbase + c]: the signed level of code c (the unused code 2^w - 1: 0)
-    dec = [np.concatenate([-t[:0:-1], t, [0.0]]).astype(np.float32) for t in tabs]
+    # dec[dbase + c]: the signed level of code c: -lam_(R-c) for c <= R (-lam_0
+    # = -0 at R), lam_(c-R-1) above (every code of w bits used; encode_block_var)
+    dec = [np.concatenate([-t[::-1], t]).astype(np.float32) for t in tabs]
     self.dec = np.concatenate(dec)
     self.dbase = np.cumsum([0] + [d.size for d in dec[:-1]]).astype(np.int32)
     self.base = np.array(base, np.int32)
@@ -210,6 +214,11 @@ def _fma(a, b, c):
   return a * b + c
 
 
+def _frac_mul(w, d):
+  """``(w + 1) d``, rounded once (``w + 1`` is exact for ``w`` in (-2, -1])."""
+  return (w + np.float32(1.0)) * d
+
+
 def _lt_mask(a, b):
   """int32 -1 where ``a < b`` (ordered: false for NaN), else 0: one ``set.lt`` on a GPU."""
   return -(a < b).astype(jnp.int32)
@@ -217,7 +226,8 @@ def _lt_mask(a, b):
 
 def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.log2,
                       floor_int=_floor_int, fma=_fma, group_store=None, levels=None,
-                      lbase=None, lt_mask=_lt_mask):
+                      lbase=None, lt_mask=_lt_mask, frac=None, frac_mul=_frac_mul,
+                      div=None):
   """Stochastically rounds ``a / s`` (in [0, 1]) to a level index in [0, R] with
   the width's constants as arrays broadcast against ``a`` (``base`` indexes
   the concatenated tables; ``pairs(i)`` is :attr:`_Tables.pairs`, the bf16
@@ -258,8 +268,12 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
   one instruction less per coordinate on a GPU (no bf16 halves to unpack, and
   the step's product is reused instead of recomputed)."""
   group_store = group_store or (lambda v: v)
-  f = jnp.where(s < np.float32(2.0**-64), np.float32(2.0**64), np.float32(1.0))
-  rc1 = group_store(c1k / (jnp.where(s > 0, s, 1.0) * f))  # per group
+  # f: 2^64 below 2^-64, 2^-64 above 2^64 (exact scalings): s f is then in
+  # [2^-85, 2^64], where c1k / (s f) is finite and an approximate ``div`` accurate
+  f = jnp.where(s < np.float32(2.0**-64), np.float32(2.0**64),
+                jnp.where(s > np.float32(2.0**64), np.float32(2.0**-64), np.float32(1.0)))
+  d = jnp.where(s > 0, s, 1.0) * f
+  rc1 = group_store(c1k / d if div is None else div(c1k, d))  # per group
   f = group_store(f)
   approx = log2(fma(a * f, rc1, k)) * c2  # log2(k (1 + t c1)) c2 = c2 log2(1 + t c1) - 1/2
   g = jnp.minimum(floor_int(approx), r - 1)  # >= -1: pairs(base - 1) = (0, lam_0)
@@ -269,22 +283,35 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
     o = jnp.where(step, levels(lbase + g + 2), levels(lbase + g)) * s  # exact
     lo = jnp.where(step, m, o)
     # hi - lo = |o - m| (round-to-nearest is symmetric): no select for hi
-    up = lt_mask(u_scaled * jnp.abs(o - m), (a - lo) * np.float32(q))
+    up = lt_mask(*_decision(u_scaled, frac, frac_mul, o - m, a - lo, q))
     return g + step.astype(jnp.int32) - up
   w0 = pairs(base + g)  # lam_g, lam_(g+1)
   step = a >= _pair_hi(w0) * s  # exact
   w = jnp.where(step, pairs(base + g + 1), w0)
   lo = _pair_lo(w) * s  # exact
   hi = _pair_hi(w) * s  # exact
-  up = u_scaled * (hi - lo) < (a - lo) * np.float32(q)
-  return g + step.astype(jnp.int32) + up.astype(jnp.int32)
+  up = lt_mask(*_decision(u_scaled, frac, frac_mul, hi - lo, a - lo, q))
+  return g + step.astype(jnp.int32) - up
+
+
+def _decision(u_scaled, frac, frac_mul, d, e, q):
+  """The two sides of the rounding decision ``u |d| < e q`` (round up iff the
+  first is less; ``d`` is the bracket's width up to its sign). With ``frac =
+  -(1 + u / q)`` (a power-of-two q): ``(u / q) |d| < e``, the same comparison
+  scaled by the exact 1 / q, and ``(frac + 1) d`` is one fused multiply-add
+  on a GPU (``frac_mul``: ``frac d + d``; its magnitude is ``(u / q) |d|``,
+  rounding being symmetric), with no integer-to-float conversion and no
+  multiply by q."""
+  if frac is not None:
+    return jnp.abs(frac_mul(frac, d)), e
+  return u_scaled * jnp.abs(d), e * np.float32(q)
 
 
 def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata: int,
                      scale_rounding="up", store=None, log2=jnp.log2, group_idx=None,
                      draw_group=None, lane=None, mulhi=F.rng.mulhi, floor_int=_floor_int,
                      fma=_fma, group_store=None, levels=None, div=None, scales=None,
-                     lt_mask=_lt_mask):
+                     lt_mask=_lt_mask, frac_mul=_frac_mul):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
@@ -298,8 +325,8 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
     log2: the base-2 log of the first guess of each level (any approximation
       within 2^-20 of it gives the same codes; :func:`_round_levels_var`).
     group_idx: ``idx >> 4`` per scale group (uint32 [S, G]), when given.
-    draw_group, lane: ``idx >> 3`` (broadcastable against ``x``) and ``idx &
-      7`` (each element's place in its group of 8 draws), when given: a
+    draw_group, lane: ``idx >> 4`` (broadcastable against ``x``) and ``idx &
+      15`` (each element's place in its group of 16 draws), when given: a
       kernel computes the group's hash once per group and the lanes are
       static positions.
     mulhi: :func:`pallas_kernels.rng.mulhi` or an equal implementation.
@@ -319,7 +346,8 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
     scales: ``(k, unit, s)`` already found (for the parts of a tuple ``x``).
 
   Returns:
-    ``(codes uint32 shaped as x in [0, 2^w - 2], k uint8 [S, G], unit f32 [S])``.
+    ``(codes uint32 shaped as x in [0, 2^w - 1] (R - lvl, or R + 1 + lvl), k uint8 [S, G],
+    unit f32 [S])``.
   """
   if isinstance(x, (tuple, list)):  # parts of each group: encoded one by one
     parts = [jnp.abs(v) for v in x]
@@ -329,7 +357,7 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
     one = dict(tabs=tabs, pairs=pairs, keys=keys, rank=rank, strata=strata,
                scale_rounding=scale_rounding, store=store, log2=log2, mulhi=mulhi,
                floor_int=floor_int, fma=fma, group_store=group_store, levels=levels,
-               scales=(k, unit, s), lt_mask=lt_mask)
+               scales=(k, unit, s), lt_mask=lt_mask, frac_mul=frac_mul, div=div)
     codes = tuple(encode_block_var(v, widths, idx=i, group_idx=group_idx, draw_group=d, lane=l,
                                    **one)[0]
                   for v, i, d, l in zip(x, idx, draw_group, lane))
@@ -344,20 +372,29 @@ def encode_block_var(x, widths, tabs: _Tables, *, pairs, idx, keys, rank, strata
   else:
     k, unit, s = scales
   q = F.rng.strata_count(strata) * 2**F.UNIFORM_BITS  # u is uniform on [0, q)
-  u = F._uniforms(idx, keys, rank, strata, group_idx=draw_group, lane=lane, mulhi=mulhi,
-                 hash_store=group_store if draw_group is not None else None)
   neg = F.sign_mask(x)
-  u = F.signed_draws(u, neg, q)
-  if store is not None:
-    u = store(u)
+  draws = functools.partial(F._uniforms, idx, keys, rank, strata, group_idx=draw_group,
+                            lane=lane, mulhi=mulhi,
+                            hash_store=group_store if draw_group is not None else None)
+  if q & (q - 1) == 0:  # the draw as 1 + u / q (_decision)
+    u, frac = None, draws(fraction_of=neg)
+    if store is not None:
+      frac = store(frac)
+  else:
+    u, frac = F.signed_draws(draws(), neg, q), None
+    if store is not None:
+      u = store(u)
   gstore = group_store or (lambda v: v)
   per = lambda v: _trailing(gstore(_wsel(widths, v, tabs)), x.ndim)
   r = per(tabs.r)
   lvl = _round_levels_var(a, _trailing(gstore(s), x.ndim), pairs, per(tabs.pbase), r,
                           per(tabs.c1k), per(tabs.k), per(tabs.c2), u, q, log2, floor_int, fma,
                           group_store, levels,
-                          None if levels is None else per(tabs.lbase), lt_mask)
-  codes = (r + ((lvl ^ neg) - neg)).astype(jnp.uint32)  # r - lvl where x has its sign bit
+                          None if levels is None else per(tabs.lbase), lt_mask, frac,
+                          frac_mul, div)
+  # code R + 1 + lvl, or R - lvl where x has its sign bit (lvl ^ -1 = -lvl - 1):
+  # one xor, no negation (the per-class format's R - lvl needs one more add)
+  codes = (r + 1 + (lvl ^ neg)).astype(jnp.uint32)
   return codes, k.astype(jnp.uint8), unit
 
 
@@ -506,14 +543,14 @@ def compress_units_reference(x, widths, units: int, *, eps, keys, rank=0, strata
   """
   tabs = _tables(eps, width_set)
   s_count = x.shape[0]
-  # [S, G, 2, 8]: each last axis is one group of 8 draws (idx >> 3), its lanes static
+  # [S, G, 1, 16]: each last axis is one group of 16 draws (idx >> 4), its lanes static
   xb = F.materialize(x.astype(jnp.float32).reshape(s_count, F.HIER_GROUP, -1, F.rng.GROUP))
   idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
   keys = tuple(jnp.asarray(k, jnp.uint32) for k in keys)
   codes, k, unit = encode_block_var(xb, widths, tabs, pairs=_pairs(tabs), idx=idx, keys=keys,
                                     rank=jnp.asarray(rank, jnp.int32), strata=strata,
                                     scale_rounding=scale_rounding, store=None,
-                                    draw_group=idx[..., :1] >> np.uint32(3),
+                                    draw_group=idx[..., :1] >> np.uint32(F.rng.GROUP_SHIFT),
                                     lane=np.arange(F.rng.GROUP, dtype=np.uint32),
                                     group_store=F.materialize)  # 8-12% less CPU time
   # Not stored (F.materialize) before the planes are cut: measured slower

@@ -30,31 +30,29 @@ the plane's bits of the ``P`` codes along the last axis, packed and unpacked
 without a reshape. With ``plane_bits=1`` the kernels load and store the two
 halves ``[:, :, cb, :]`` apart (:func:`_load_dense`), so that one thread
 holds a whole scale group.
-The payload stays flat uint8 in global memory (``memory_space=ANY``); each
+The payload stays flat in global memory (``memory_space=ANY``): uint8 where
+it is written, its uint16 view where it is read (:func:`_u16_payload`: one
+16-bit load per plane and scale group, the group's two plane bytes); each
 program loads / stores with computed offsets and masks: the 16 ``k_g`` bytes
 and 2 unit bytes of each scale record, and for each plane ``p`` (up to the
-widest of ``width_set``) its plane bytes at unit ``off_p + s``, where the
-super-group has that plane (``widths[s] // plane_bits > p``) and the unit is
-within the payload. The widths come in as a ``[BLOCK]`` block, the plane
-offsets as a small int32 input (``off_p``, then the units used). Compress
+widest of ``width_set``) its plane bytes at unit ``off_p + s`` where that
+unit is below ``off_(p+1)`` (:func:`_plane_offsets`). A plane byte's 8 codes
+and the plane bytes are bit transposes of each other (:func:`_codes_to_planes`).
+The widths come in as a ``[BLOCK]`` block, the plane offsets as a small int32
+input (``off_p``, then the units used, each at most ``units``). Compress
 also zeroes the unused units ``[used, units)``: program ``i`` zeroes its own
 static share of them, so every payload byte is written exactly once. The
 concatenated level table (padded to a power of two) is a small input
 gathered by level index.
 
-Compiled for sm_90a from a CPU host (``tests/test_gpu_compile_units.py``,
-bf16 inputs, ``BLOCK = 16``), ``ptxas -v`` reports 0 spill bytes for all
-eight kernels; registers, compress / decompress / decompress_accumulate /
-hop: 109 / 56 / 53 / 114 with ``plane_bits=1`` and width set (2, 3, 4, 5,
-6, 8), 154 / 48 / 56 / 126 with ``plane_bits=2`` and (2, 4, 8). Static SASS
-instructions per coordinate (``tools/sass_count.py``,
-``docs/results/kernels_sass.md``): 74 / 23 / 25 / 98 with that width set,
-75 for the hop when every super-group is at 4 bits (76 at 5 bits). Five
-operations have a GPU instruction inlined (``lg2.approx.ftz.f32`` and
-``fma.rn.f32`` for the first guess of a level, ``cvt.rmi.s32.f32`` for its
-floor, ``div.approx.ftz.f32`` for the first guess of a scale's quotient,
-``mul.hi.u32`` for the stratum draw); interpret mode runs their jnp twins,
-which give the same codes. Not yet run on a GPU.
+``tests/test_gpu_compile_units.py`` compiles all eight kernels for sm_90a
+from a CPU host and checks that ``ptxas`` spills nothing;
+``tools/sass_count.py`` counts their SASS instructions
+(``docs/results/kernels_sass.md``). Some operations have a GPU instruction
+inlined (``_approx_log2``, ``_fma``, ``_floor_int``, ``_div_approx``,
+``_mulhi``, ``_lt_mask``, ``_prmt``, ``_byte``, ``_pair16``); interpret mode
+runs their jnp twins, which give the same codes (and the same sums: the
+fused multiply-adds round products that are exact). Not yet run on a GPU.
 
 Dispatch: :func:`pallas_kernels.dynamiq._dispatch`, the same as the
 per-class kernels (``implementation=None``: the kernels in a lowering for
@@ -94,9 +92,8 @@ BLOCK = 16
 """Super-groups per program: 32 coordinates per thread with 4 warps. Twice the
 per-class kernels' :data:`pallas_kernels.dynamiq.BLOCK`: each thread's fixed
 work (offsets, keys, table bases, the tail) is then shared by twice the
-coordinates (DAR at 4 bits: 88.1 -> 81.2 SASS instructions per coordinate,
-64 -> 96 registers, no spills; 32 super-groups: 79.6 at 167 registers). More
-registers per thread leave fewer warps per SM: only a GPU can weigh that."""
+coordinates, for more registers per thread (fewer warps per SM); only a GPU
+can weigh the two (``docs/results/kernels_sass.md``)."""
 
 _G = F.HIER_GROUP  # scale groups per super-group
 _PTAB = 16  # entries of the plane-offset input (off_p for p < 8, then the units used)
@@ -193,19 +190,27 @@ def _hidden_one(ptab_ref, cfg: _Config):
   return (ptab_ref[0] >= 0).astype(jnp.int32) if cfg.split else 1
 
 
-def _plane_offsets(cfg: _Config, widths, ptab_ref, s_count: int, units: int):
-  """Per plane p: (byte offsets [BLOCK, G, CB] of this program's plane-p bytes, mask)."""
+def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False):
+  """Per plane p: (byte offsets [BLOCK, G, CB] of this program's plane-p bytes, mask);
+  ``words``: offsets [BLOCK, G] of each group's 16-bit word of plane bytes
+  (``plane_bits=1``: one byte per half) in the payload's uint16 view.
+
+  Plane p of super-group ``sg`` is unit ``off_p + sg`` where ``sg < count_p``,
+  i.e. where that unit is below ``off_(p+1)`` (one comparison: with widths
+  widest first these are the super-groups that have plane p, and the
+  program's tail past ``s_count`` is excluded too, as ``count_p <= s_count``).
+  :func:`_plane_table` clamps the offsets to the payload's units, so that no
+  widths, valid or not, reach outside it."""
   block = BLOCK
-  shape = (block, _G, cfg.cb)
+  shape = (block, _G) if words else (block, _G, cfg.cb)
   sg = pl.program_id(0) * block + _iota(shape, 0)
-  byte = _iota(shape, 1) * cfg.cb + _iota(shape, 2)
-  has = (widths // cfg.plane_bits)[:, None, None]  # planes per super-group
-  live = sg < s_count
+  byte = _iota(shape, 1) * cfg.cb + (0 if words else _iota(shape, 2))
+  div = 2 if words else 1  # (plane_bits=1: the bytes g CB, CB = 2, are even)
   out = []
   for p in range(cfg.planes):
     unit = ptab_ref[p] + sg
-    out.append((s_count * U.SCALE_BYTES + unit * cfg.unit_bytes + byte,
-                live & (has > p) & (unit < units)))
+    out.append((s_count * (U.SCALE_BYTES // div) + unit * (cfg.unit_bytes // div) + byte // div,
+                unit < ptab_ref[p + 1]))
   return out
 
 
@@ -276,78 +281,157 @@ def _codes_to_planes(codes, planes: int):
   if planes <= 4:
     w = _swaps(jnp.sum(codes << (lane % 4 * 8 + lane // 4 * 4), axis=-1))
     return [(w >> np.uint32(8 * p)) & np.uint32(0xFF) for p in range(planes)]
-  lo, hi = (_swaps(jnp.sum(jnp.where(lane // 4 == h, codes << (lane % 4 * 8), np.uint32(0)),
-                           axis=-1)) for h in range(2))
-  words = _nibble_exchange(lo, hi)
+  lo, hi = (jnp.sum(jnp.where(lane // 4 == h, codes << (lane % 4 * 8), np.uint32(0)), axis=-1)
+            for h in range(2))
+  if planes == 5:  # planes 0-3 from the low nibbles, plane 4 by one multiply (_PLANE4)
+    w = _swaps(_nibble_exchange(lo, hi)[0])
+    top = ((((lo >> np.uint32(4)) & np.uint32(0x01010101)) | (hi & np.uint32(0x10101010)))
+           * np.uint32(_PLANE4)) >> np.uint32(21)
+    return [(w >> np.uint32(8 * p)) & np.uint32(0xFF) for p in range(4)] + [
+        top & np.uint32(0xFF)]
+  words = _nibble_exchange(_swaps(lo), _swaps(hi))
   return [(words[p // 4] >> np.uint32(8 * (p % 4))) & np.uint32(0xFF) for p in range(planes)]
 
 
-def _planes_to_codes(plane_bytes, lane, planes: int):
-  """Inverse of :func:`_codes_to_planes`: plane bytes (uint32 [...], below 256; ``planes``
-  of them) -> codes uint32 [..., 8]; ``lane`` the codes' iota along the last axis."""
-  word = lambda ps: functools.reduce(
-      jnp.bitwise_or, [b << np.uint32(8 * (p % 4)) for p, b in ps])
-  if planes <= 4:
-    w = _swaps(word(enumerate(plane_bytes)))[..., None]
-    return (w >> (lane % 4 * 8 + lane // 4 * 4)) & np.uint32(0xF)
-  lo = _swaps(word(list(enumerate(plane_bytes))[:4]))
-  hi = _swaps(word(list(enumerate(plane_bytes))[4:]))
-  lo, hi = _nibble_exchange(lo, hi)
+# Bit 4 of the codes: at bits 8 k of (lo >> 4) for code k < 4, at 8 k + 4 of hi
+# for code 4 + k. Times 2^0 + 2^7 + 2^14 + 2^21 every partial product lands on
+# its own bit (8 k + 7 m, 8 k + 4 + 7 m; no carries), code i's at bit 21 + i.
+# Its inverse spreads a nibble's bits i to bits 8 i (n * _PLANE4 & 0x01010101:
+# partial products at i + 7 m, all distinct for i < 4, multiples of 8 only for
+# m = i).
+_PLANE4 = 0x00204081
+
+
+def _planes_to_codes(words, lane, planes: int, interpret: bool):
+  """Inverse of :func:`_codes_to_planes`: ``words[h]`` (uint32 [...]) holds planes
+  ``4 h + [0, 4)`` (byte p % 4 = plane p, zero past ``planes``) -> codes uint32
+  [..., 8]; ``lane`` the codes' iota along the last axis. Code i is then
+  byte i % 4 of the codes' word lo (i < 4) or hi, one ``prmt`` each."""
+  if planes <= 5:
+    w = _swaps(words[0])
+    lo, hi = w & np.uint32(0x0F0F0F0F), (w >> np.uint32(4)) & np.uint32(0x0F0F0F0F)
+    if planes == 5:  # plane 4's bits i to bit 4 of byte i % 4 of lo (i < 4) or hi
+      b4 = words[1]
+      lo = lo | (((b4 & np.uint32(0xF)) * np.uint32(_PLANE4 << 4)) & np.uint32(0x10101010))
+      hi = hi | (((b4 >> np.uint32(4)) * np.uint32(_PLANE4 << 4)) & np.uint32(0x10101010))
+  else:
+    lo, hi = _nibble_exchange(_swaps(words[0]), _swaps(words[1]))
   w = jnp.where(lane < 4, lo[..., None], hi[..., None])
-  return (w >> (lane % 4 * 8)) & np.uint32(0xFF)
+  return _byte(w, lane % 4, interpret)
 
 
-def _read_chunk(pay_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: int, units: int,
-                addend=None, interpret: bool = True):
-  """Loads this program's scale records and planes; decodes: float32 [BLOCK, G, CB, P],
+def _byte(w, i, interpret: bool):
+  """Byte ``i`` (uint32 array of 0..3, constant per element) of ``w``, zero-extended:
+  one ``prmt`` (selector ``0x444i``: byte i, then zero bytes)."""
+  if interpret:
+    return (w >> (i * 8)) & np.uint32(0xFF)
+  from jax.experimental.pallas import triton as pltr
+  w32, sel = (jax.lax.bitcast_convert_type(v, jnp.int32) for v in (w, i | np.uint32(0x4440)))
+  [out] = pltr.elementwise_inline_asm("prmt.b32 $0, $1, 0, $2;", args=[w32, sel],
+                                      constraints="=r,r,r", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(w32)])
+  return jax.lax.bitcast_convert_type(out, jnp.uint32)
+
+
+def _u16_payload(payload):
+  """The payload (even length) as uint16 words, little-endian: the decoding
+  kernels' view of it (one 16-bit load per plane and group, one per unit)."""
+  return jax.lax.bitcast_convert_type(payload.reshape(-1, 2), jnp.uint16)
+
+
+def _load_u16(ref16, byte_off, ok):
+  """uint32 [..]: the 16-bit words at even byte offsets (0 where masked)."""
+  return K._load_bytes(ref16, byte_off >> 1, ok).astype(jnp.uint32)
+
+
+def _load_u8(ref16, byte_off, ok):
+  """uint32 [..]: the bytes at any byte offsets, from their 16-bit words."""
+  return (_load_u16(ref16, byte_off, ok) >> ((byte_off & 1) * 8).astype(jnp.uint32)) & 0xFF
+
+
+def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: int,
+                units: int, interpret: bool, addend=None):
+  """Loads this program's scale records and planes (``pay16_ref``: the payload as
+  uint16 words, :func:`_u16_payload`); decodes: float32 [BLOCK, G, CB, P],
   or its two halves [BLOCK, G, P] when :attr:`_Config.split`. ``addend`` (as
   :func:`_load_dense` gives): returns ``decode + addend``, each sum one
   ``fma.rn.f32`` on a GPU (:func:`~pallas_kernels.dynamiq_units.decode_block_var`)."""
   dec = functools.partial(U.decode_block_var, fma=U._fma if interpret else _fma)
   k_off, k_ok, u_off, u_ok = _scale_offsets(s_count, _hidden_one(ptab_ref, cfg))
-  k = K._load_bytes(pay_ref, k_off, k_ok)
-  unit = bf16.from_bytes(K._load_bytes(pay_ref, u_off, u_ok),
-                         K._load_bytes(pay_ref, u_off + 1, u_ok))
+  k = _load_u8(pay16_ref, k_off, k_ok)
+  unit = jax.lax.bitcast_convert_type(_load_u16(pay16_ref, u_off, u_ok) << np.uint32(16),
+                                      jnp.float32)
   shape = cfg.block(BLOCK)
-  planes = _plane_offsets(cfg, widths, ptab_ref, s_count, units)
+  planes = _plane_offsets(cfg, ptab_ref, s_count)
   lookup = lambda j: jax.lax.bitcast_convert_type(tab_ref[j], jnp.float32)
   scale = F.hier_scale(k, unit)
   if cfg.split:
-    # Per half c: its plane bytes (both halves' in one 16-bit load per plane)
-    # gathered into words, byte p = plane p, and transposed to the codes
-    # (:func:`_planes_to_codes`).
+    # Per plane one 16-bit word per group: its byte c is half c's plane byte.
+    # Four planes' words make two words per half (byte p = plane p), which
+    # are transposed to the codes (:func:`_planes_to_codes`).
     half_shape = (shape[0], shape[1], shape[3])
     lane = jax.lax.broadcasted_iota(jnp.uint32, half_shape, 2)
-    bytes_ = [[] for _ in range(cfg.cb)]
-    for p, (off, ok) in enumerate(planes):
-      both = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)
-      for c, b in enumerate(jax.lax.unstack(both, axis=2)):
-        bytes_[c].append(b)
-    return tuple(dec(_planes_to_codes(bytes_[c], lane, cfg.planes), scale, widths, cfg.tabs,
+    pw = [K._load_bytes(pay16_ref, off, ok) for off, ok in  # uint16
+          _plane_offsets(cfg, ptab_ref, s_count, words=True)]
+    pw += [None] * (-len(pw) % 4)
+    halves = [[], []]
+    for q in range(0, len(pw), 4):  # planes q..q+3
+      a = _pair16(pw[q], pw[q + 1], interpret)
+      b = _pair16(pw[q + 2], pw[q + 3], interpret)
+      halves[0].append(_prmt(a, b, 0x6420, interpret))
+      halves[1].append(_prmt(a, b, 0x7531, interpret))
+    return tuple(dec(_planes_to_codes(halves[c], lane, cfg.planes, interpret), scale, widths,
+                     cfg.tabs,
                      lookup=lookup, addend=None if addend is None else addend[c])
                  for c in range(cfg.cb))
   lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
-  if cfg.plane_bits == 1:
-    # Word-wise: each plane byte's two nibbles are spread to bit 0 of four
-    # bytes by one multiply ((n * 0x204081) & 0x01010101: bit c lands at 8 c,
-    # the other partial products at distinct bits below 25, so no carries),
-    # and shifted to bit p; code c is then byte c % 4 of the low / high word.
-    words = [jnp.zeros(shape[:3], jnp.uint32), jnp.zeros(shape[:3], jnp.uint32)]
-    for p, (off, ok) in enumerate(planes):
-      b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)
-      for h, nib in enumerate((b & np.uint32(0xF), b >> np.uint32(4))):
-        words[h] = words[h] | (((nib * np.uint32(0x204081)) & np.uint32(0x01010101))
-                               << np.uint32(p))
-    word = jnp.where(lane < 4, words[0][..., None], words[1][..., None])
-    codes = (word >> ((lane & np.uint32(3)) * np.uint32(8))) & np.uint32(0xFF)
-  else:
-    shifts = lane * np.uint32(cfg.plane_bits)
-    mask = np.uint32((1 << cfg.plane_bits) - 1)
-    codes = jnp.zeros(shape, jnp.uint32)
-    for p, (off, ok) in enumerate(planes):
-      b = K._load_bytes(pay_ref, off, ok).astype(jnp.uint32)[..., None]
-      codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
+  shifts = lane * np.uint32(cfg.plane_bits)
+  mask = np.uint32((1 << cfg.plane_bits) - 1)
+  codes = jnp.zeros(shape, jnp.uint32)
+  for p, (off, ok) in enumerate(planes):
+    b = _load_u8(pay16_ref, off, ok)[..., None]
+    codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
   return dec(codes, scale, widths, cfg.tabs, lookup=lookup, addend=addend)
+
+
+def _pair16(lo, hi, interpret: bool):
+  """``lo | hi << 16`` (uint32) of two uint16 words (None: zero): one ``mov.b32``
+  of the two 16-bit registers (a ``prmt``; no zero extensions)."""
+  if lo is None and hi is None:
+    return None
+  if lo is None or hi is None:
+    return (lo.astype(jnp.uint32) if hi is None else hi.astype(jnp.uint32) << np.uint32(16))
+  if interpret:
+    return lo.astype(jnp.uint32) | (hi.astype(jnp.uint32) << np.uint32(16))
+  from jax.experimental.pallas import triton as pltr
+  lo, hi = (jax.lax.bitcast_convert_type(v, jnp.int16) for v in (lo, hi))
+  [out] = pltr.elementwise_inline_asm("mov.b32 $0, {$1, $2};", args=[lo, hi],
+                                      constraints="=r,h,h", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape,
+                                                                                jnp.int32)])
+  return jax.lax.bitcast_convert_type(out, jnp.uint32)
+
+
+def _prmt(a, b, sel: int, interpret: bool):
+  """The bytes of ``(a, b)`` (bytes 0-3 of a, 4-7 of b) chosen by the four
+  nibbles of ``sel`` (low nibble: byte 0): the GPU's ``prmt.b32``, one
+  instruction."""
+  if b is None:
+    b = jnp.zeros_like(a)
+  if interpret:
+    out = jnp.zeros_like(a)
+    for i in range(4):
+      src = (sel >> (4 * i)) & 7
+      byte = ((a if src < 4 else b) >> np.uint32(8 * (src % 4))) & np.uint32(0xFF)
+      out = out | (byte << np.uint32(8 * i))
+    return out
+  from jax.experimental.pallas import triton as pltr
+  a32 = jax.lax.bitcast_convert_type(a, jnp.int32)
+  b32 = jax.lax.bitcast_convert_type(b, jnp.int32)
+  [out] = pltr.elementwise_inline_asm(f"prmt.b32 $0, $1, $2, {sel:#x};", args=[a32, b32],
+                                      constraints="=r,r,r", pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(a32)])
+  return jax.lax.bitcast_convert_type(out, jnp.uint32)
 
 
 def _approx_log2(v):
@@ -399,11 +483,18 @@ def _lt_mask(a, b):
   (an integer mask in one instruction; a comparison and a select otherwise)."""
   from jax.experimental.pallas import triton as pltr
   a, b = jnp.broadcast_arrays(a, b)
-  [out] = pltr.elementwise_inline_asm("set.lt.u32.f32 $0, $1, $2;", args=[a, b],
+  [out] = pltr.elementwise_inline_asm("{ .reg .b32 t; sub.rn.f32 t, $1, $2; "
+                                      "shr.s32 $0, t, 31; }", args=[a, b],
                                       constraints="=r,f,f", pack=1,
                                       result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape,
                                                                                 jnp.int32)])
   return out
+
+
+def _frac_mul(w, d):
+  """:func:`pallas_kernels.dynamiq_units._frac_mul` as one ``fma.rn.f32``: ``w d + d``
+  rounded once is ``(w + 1) d`` rounded once."""
+  return _fma(w, d, d)
 
 
 def _fma(a, b, c):
@@ -430,18 +521,17 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
     p_iota = _iota(half_shape, 2)
     idx = tuple((group_idx[..., None] * _G + c * shape[3] + p_iota).astype(jnp.uint32)
                 for c in range(cfg.cb))
-    # one plane byte (8 codes) per half: its draws' group idx >> 3 and lanes idx & 7
-    draw_group = tuple((group_idx * np.uint32(cfg.cb) + np.uint32(c))[..., None]
-                       for c in range(cfg.cb))
-    lane = (p_iota.astype(jnp.uint32),) * cfg.cb
+    # the draws' group (idx >> 4) is the scale group, held by one thread: one
+    # hash per key for both halves; lanes idx & 15 = c P + p, static
+    draw_group = (group_idx[..., None],) * cfg.cb
+    lane = tuple((p_iota + c * shape[3]).astype(jnp.uint32) for c in range(cfg.cb))
   else:
     idx = ((pl.program_id(0) * block + _iota(shape, 0)) * F.SUPERGROUP + _iota(shape, 1) * _G
            + _iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
-    # the draws' groups of 8 (idx >> 3) per plane byte, and each code's lane (idx & 7):
-    # with P = 8 codes per plane byte, lane = the static position in the byte
-    first = (group_idx[..., None] * _G + _iota(shape[:3], 2) * shape[3]).astype(jnp.uint32)
-    draw_group = (first >> np.uint32(3))[..., None]
-    lane = ((_iota(shape, 2) * shape[3] + _iota(shape, 3)) & 7).astype(jnp.uint32)
+    # the draws' group (idx >> 4) is the scale group; each code's lane (idx & 15)
+    # is its static position in the group
+    draw_group = group_idx[..., None, None]
+    lane = (_iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
   keys, rank = _keys(keys_ref)
   codes, k, unit = U.encode_block_var(x, widths, cfg.tabs, pairs=None,
                                       idx=idx,
@@ -453,40 +543,39 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
                                       floor_int=U._floor_int if interpret else _floor_int,
                                       fma=U._fma if interpret else _fma,
                                       lt_mask=U._lt_mask if interpret else _lt_mask,
+                                      frac_mul=U._frac_mul if interpret else _frac_mul,
                                       div=None if interpret else _div_approx,
                                       levels=lambda j: jax.lax.bitcast_convert_type(
                                           tab_ref[cfg.levels_at + j], jnp.float32))
   # hidden in the hop (DAR -1.1 / -5.7 at 4 / 5 bits), not in compress (+0.9 there)
-  k_off, k_ok, u_off, u_ok = _scale_offsets(s_count, _hidden_one(ptab_ref, cfg) if hop else 1)
+  one = _hidden_one(ptab_ref, cfg) if hop else 1
+  k_off, k_ok, _, _ = _scale_offsets(s_count, one)
   K._store_bytes(out_ref, k_off, k, k_ok)
-  bits = jax.lax.bitcast_convert_type(unit, jnp.uint32) >> 16
-  K._store_bytes(out_ref, u_off, (bits & 0xFF).astype(jnp.uint8), u_ok)
-  K._store_bytes(out_ref, u_off + 1, (bits >> 8).astype(jnp.uint8), u_ok)
-  # Word-wise planes: the codes of a plane byte (8 or 4) go into uint32 words,
-  # four codes (one byte each) per word; a plane's bits are then gathered
-  # from a word by one mask and one multiply (partial products at distinct
-  # bits, so no carries): 1-bit planes, bits 0, 8, 16, 24 times 0x10204080
-  # land at bits 28..31; 2-bit planes, fields at 0, 8, 16, 24 times
-  # 0x01041040 land at bits 24..31.
-  def pack(codes):  # -> words of 4 codes [..., P / 4] (disjoint bit fields)
-    lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, codes.ndim - 1)
-    byte_of = (lane & np.uint32(3)) * np.uint32(8)
-    return [jnp.sum(jnp.where(lane // 4 == h, codes << byte_of, np.uint32(0)), axis=-1)
-            for h in range(shape[3] // 4)]
-
-  if cfg.split:
+  # The unit from the thread of each super-group's group 0, in the groups'
+  # layout: stored from the per-super-group vector, Triton would first move it
+  # to another layout through shared memory (three barriers). The other
+  # groups' (masked) offsets are their own k bytes, already written: interpret
+  # mode's masked store rewrites what is there, and must not race the unit's.
+  bits = jnp.broadcast_to((jax.lax.bitcast_convert_type(unit, jnp.uint32) >> 16)[:, None],
+                          k_off.shape)
+  first = _iota(k_off.shape, 1) == 0
+  u_ok = k_ok & first
+  for i in range(2):  # sg 18 + 16 + i
+    K._store_bytes(out_ref, k_off + first.astype(jnp.int32) * (_G + i),
+                   ((bits >> (8 * i)) & 0xFF).astype(jnp.uint8), u_ok)
+  if cfg.split:  # 1-bit planes: bit transposition of each half's 8 codes
     half_planes = [_codes_to_planes(c, cfg.planes) for c in codes]
   else:
-    words = pack(codes)
-  for p, (off, ok) in enumerate(_plane_offsets(cfg, widths, ptab_ref, s_count, units)):
+    # 2-bit planes: the 4 codes of a plane byte in one uint32 word (a byte
+    # each); a plane's fields at bits 0, 8, 16, 24 times 0x01041040 land at
+    # bits 24..31 (partial products at distinct bits, so no carries).
+    lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, codes.ndim - 1)
+    word = jnp.sum(codes << (lane * np.uint32(8)), axis=-1)
+  for p, (off, ok) in enumerate(_plane_offsets(cfg, ptab_ref, s_count)):
     if cfg.split:  # one plane byte per half, stored together (16 bits)
       byte = jax.lax.stack([h[p] for h in half_planes], axis=2)
-    elif cfg.plane_bits == 1:
-      nib = [(((w >> np.uint32(p)) & np.uint32(0x01010101)) * np.uint32(0x10204080))
-             >> np.uint32(28) for w in words]
-      byte = nib[0] | (nib[1] << np.uint32(4))
     else:
-      byte = ((((words[0] >> np.uint32(2 * p)) & np.uint32(0x03030303))
+      byte = ((((word >> np.uint32(2 * p)) & np.uint32(0x03030303))
                * np.uint32(0x01041040)) >> np.uint32(24))
     K._store_bytes(out_ref, off, byte.astype(jnp.uint8), ok)
   # Unused units [used, units): program i zeroes [used + i T, used + (i + 1) T).
@@ -516,9 +605,10 @@ def _compress_kernel(keys_ref, ptab_ref, tab_ref, w_ref, x_ref, out_ref, *, cfg,
                cfg=cfg, s_count=s_count, units=units, strata=strata, interpret=interpret)
 
 
-def _decompress_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, units):
+def _decompress_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, units,
+                       interpret):
   _store_dense(out_ref, _read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg,
-                                    s_count=s_count, units=units), cfg)
+                                    s_count=s_count, units=units, interpret=interpret), cfg)
 
 
 def _decompress_accumulate_kernel(ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg,
@@ -541,14 +631,16 @@ def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, 
 # pallas_call wrappers (one launch each).
 
 
-def _plane_table(widths, plane_bits: int):
-  """int32 [16]: ``off_p`` (first unit of plane p) for p < 8, the units used after."""
+def _plane_table(widths, plane_bits: int, units: int):
+  """int32 [16]: ``off_p`` (first unit of plane p) for p < 8, the units used after
+  (``off_(p+1)`` ends plane p), each at most ``units``."""
   planes = 8 // plane_bits
   counts = jnp.sum((widths[None, :] // plane_bits
                     > jnp.arange(planes, dtype=jnp.int32)[:, None]).astype(jnp.int32), axis=1)
   ends = jnp.cumsum(counts)
   offs = ends - counts
-  return jnp.concatenate([offs, jnp.broadcast_to(ends[-1], (_PTAB - planes,))]).astype(jnp.int32)
+  table = jnp.concatenate([offs, jnp.broadcast_to(ends[-1], (_PTAB - planes,))])
+  return jnp.minimum(table, units).astype(jnp.int32)
 
 
 def _payload_call(kernel, cfg, s_count, units, in_specs, interpret, name, fill, *args):
@@ -589,7 +681,7 @@ def _compress_call(x, widths, karr, *, cfg, units, strata, interpret, fill=None)
                        [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
                         _dense_spec(cfg)],
                        interpret, _name("compress", cfg), fill,
-                       karr, _plane_table(widths, cfg.plane_bits), tab, widths,
+                       karr, _plane_table(widths, cfg.plane_bits, units), tab, widths,
                        x.reshape(cfg.block(s_count)))
 
 
@@ -597,12 +689,14 @@ def _compress_call(x, widths, karr, *, cfg, units, strata, interpret, fill=None)
 def _decompress_call(payload, widths, *, cfg, units, interpret):
   s_count = widths.shape[0]
   tab = jnp.asarray(cfg.table())
-  kernel = functools.partial(_decompress_kernel, cfg=cfg, s_count=s_count, units=units)
+  kernel = functools.partial(_decompress_kernel, cfg=cfg, s_count=s_count, units=units,
+                             interpret=bool(interpret))
   out = K._call(kernel, cfg, s_count,
                 [K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(), K._ANY],
                 jax.ShapeDtypeStruct(cfg.block(s_count), jnp.float32), _dense_spec(cfg),
                 interpret, _name("decompress", cfg),
-                _plane_table(widths, cfg.plane_bits), tab, widths, payload, block=BLOCK)
+                _plane_table(widths, cfg.plane_bits, units), tab, widths, _u16_payload(payload),
+                block=BLOCK)
   return out.reshape(s_count, F.SUPERGROUP)
 
 
@@ -617,7 +711,7 @@ def _decompress_accumulate_call(payload, x, widths, *, cfg, units, interpret):
                  _dense_spec(cfg)],
                 jax.ShapeDtypeStruct(cfg.block(s_count), jnp.float32), _dense_spec(cfg),
                 interpret, _name("decompress_accumulate", cfg),
-                _plane_table(widths, cfg.plane_bits), tab, widths, payload,
+                _plane_table(widths, cfg.plane_bits, units), tab, widths, _u16_payload(payload),
                 x.reshape(cfg.block(s_count)), block=BLOCK)
   return out.reshape(s_count, F.SUPERGROUP)
 
@@ -632,7 +726,8 @@ def _dar_call(payload, x, widths, karr, *, cfg, units, strata, interpret, fill=N
                        [K._whole(8), K._whole(_PTAB), K._whole(tab.shape[0]), _widths_spec(),
                         K._ANY, _dense_spec(cfg)],
                        interpret, _name("decompress_accumulate_recompress", cfg), fill,
-                       karr, _plane_table(widths, cfg.plane_bits), tab, widths, payload,
+                       karr, _plane_table(widths, cfg.plane_bits, units), tab, widths,
+                       _u16_payload(payload),
                        x.reshape(cfg.block(s_count)))
 
 

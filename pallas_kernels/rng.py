@@ -27,6 +27,7 @@ __all__ = [
     "mix32",
     "derive_key",
     "hash_index",
+    "group_hash",
     "uniform24",
     "uniform_int",
     "GROUP",
@@ -119,6 +120,19 @@ def hash_index(k0, k1, index):
   return mix32(h + _u32(k1))
 
 
+def group_hash(k0, k1, group):
+  """32 random bits for a group of :data:`GROUP` coordinates under key (k0, k1):
+  one lowbias32 round of the keyed counter, ``mix32((group ^ k0) + k1)``.
+
+  DynamiQ's draws (:func:`lane_bits` spreads it to the group's coordinates).
+  Half of :func:`hash_index`'s two rounds, for the kernels' instruction count:
+  every draw is still exactly uniform (a bijection of a uniformly keyed
+  counter), and the error statistics of the codec are those of the two-round
+  hash within their noise (``docs/results/kernels_sass.md``: vNMSE, the bias
+  of the all-reduce, correlated against independent rounding)."""
+  return mix32((_u32(group) ^ _u32(k0)) + _u32(k1))
+
+
 def uniform24(h):
   """Maps 32 hash bits to a float32 uniform on [0, 1) with 24-bit resolution (exact)."""
   return (_u32(h) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
@@ -142,10 +156,17 @@ def uniform_int(h, n: int):
   return ((hi + (lo >> 12)) >> 12).astype(jnp.int32)
 
 
-GROUP = 8
-"""Coordinates per hash of the grouped draws (:func:`lane_bits`)."""
+GROUP = 16
+"""Coordinates per hash of the grouped draws (:func:`lane_bits`): DynamiQ's
+scale group."""
 
-_LANE_SEED = 0x632BE5AB
+GROUP_SHIFT = GROUP.bit_length() - 1
+"""``idx >> GROUP_SHIFT`` is the group of element ``idx``."""
+
+# The seed of the lanes' multipliers: of 3000 random seeds, the one whose 16
+# multipliers have the longest shortest lattice vector over all their pairs
+# (2^14.05; the seed 0x632BE5AB of the earlier 8 lanes gives 2^11.9 for 16).
+_LANE_SEED = 0xEE6AF9B6
 
 
 def lane_bits(h, lane):
@@ -153,16 +174,16 @@ def lane_bits(h, lane):
   hash is ``h``: ``h * K(lane)`` modulo 2**32 with odd constants ``K(lane) =
   mix32(lane + c) | 1``.
 
-  One :func:`hash_index` per group of 8 coordinates instead of one per
+  One :func:`hash_index` per group of 16 coordinates instead of one per
   coordinate (a kernel computes ``K`` at compile time: ``lane`` is a static
   position in the thread's registers). Multiplication by an odd constant is
   a bijection of the 32-bit words, so with ``h`` uniform each coordinate's
   word is *exactly* uniform, and any bit field of it too: every marginal
   draw (what unbiasedness needs) is exact. Two coordinates of one group see
   ``h K_i`` and ``h K_j``: as ``h`` varies the pair lies on a 2-D lattice
-  whose shortest vector is at least 2^13.6 for every pair of these
+  whose shortest vector is at least 2^14.0 for every pair of these
   constants (ideal: 2^16.1; checked in ``tests/test_format.py``), i.e. on
-  lines at most 2^-13.6 apart in the unit square, so any pair statistic
+  lines at most 2^-14.0 apart in the unit square, so any pair statistic
   (the correlation of two rounding errors, hence the error of a sum) is
   that of independent draws to within about that spacing."""
   k = mix32(_u32(lane) + jnp.uint32(_LANE_SEED)) | jnp.uint32(1)

@@ -65,7 +65,27 @@ CASES = [
     (2, WS3, "up", 8, 11, jnp.bfloat16, "mixed", 3),
     pytest.param((2, WS3, "stochastic", 1, 20, jnp.float32, "0", 1), marks=SLOW),  # all 2-bit
     (2, WS3, "up", 1, 5, jnp.float32, "mixed", -3),  # too few units: truncated
+    # the kernels' own transpositions for codes of at most 4 and of 5 bits
+    (1, (2, 3, 4), "stochastic", 8, 12, jnp.bfloat16, "mixed", 1),
+    (1, (3, 5), "up", 8, 9, jnp.float32, "mixed", 0),
 ]
+
+
+@pytest.mark.parametrize("planes", range(1, 9))
+def test_plane_transposition_is_the_reference_layout(planes):
+  """_codes_to_planes / _planes_to_codes (the kernels' bit transpositions, in
+  their interpret-mode form) give the reference's plane bytes
+  (dynamiq_units._planes) for codes of ``planes`` bits, and back."""
+  r = np.random.default_rng(planes)
+  codes = r.integers(0, 2**planes, (64, 8)).astype(np.uint32)
+  ref = np.asarray(U._planes(jnp.asarray(np.tile(codes, (1, 32))), plane_bits=1))[:, :planes, 0]
+  got = UK._codes_to_planes(jnp.asarray(codes), planes)
+  np.testing.assert_array_equal(np.stack([np.asarray(b) for b in got], 1), ref)
+  words = [sum(jnp.asarray(ref[:, p]).astype(jnp.uint32) << (8 * (p % 4))
+               for p in range(h, min(h + 4, planes))) if h < planes else None
+           for h in (0, 4)]
+  lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, 1)
+  np.testing.assert_array_equal(UK._planes_to_codes(words, lane, planes, True), codes)
 
 
 def _case_id(c):
