@@ -1,7 +1,7 @@
 """Static SASS cost of the unit-packed DynamiQ kernels on an H100 (sm_90a), without a GPU.
 
     python tools/sass_count.py                    # table on stdout
-    python tools/sass_count.py --json docs/results/kernels_sass.json --md docs/results/kernels_sass.md
+    python tools/sass_count.py --json docs/results/kernels_sass.json --before OLD.json  # and a before / after table
 
 For each configuration (``plane_bits`` and width set) a child process
 compiles the four kernels of :mod:`pallas_kernels.dynamiq_units_kernels`

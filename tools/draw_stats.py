@@ -1,0 +1,51 @@
+"""Error statistics of DynamiQ's rounding draws: what a change of the draws must keep.
+
+    python tools/draw_stats.py        # one JSON line; about 2 minutes on 2 cores
+
+Run it before and after a change to the random draws (``pallas_kernels.rng``,
+``dynamiq_format._uniforms``) and compare: DynamiQ 5b on the authors'
+synthetic data (``tests/test_dynamiq.py``'s helpers, n = 8):
+
+* ``vnmse_<family>_<data seed>``: vNMSE of the ring all-reduce, mean over 4
+  rounding seeds (the authors' simulator's figures are in
+  docs/spec REFERENCE_VNMSE);
+* ``ratio_corr_ind_<family>``: correlated over independent rounding;
+* over 1024 rounding keys (heavy family, d = 2^14): ``bias_share_corr``,
+  the squared bias of the correlated all-reduce as a share of its mean
+  squared error; ``ind_bias_z``, the independent all-reduce's summed bias in
+  standard errors (|z| < 3 for an unbiased one); ``mse_corr_over_ind``.
+"""
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+
+def main():
+  import numpy as np
+  from test_dynamiq import TestAccuracy, _vnmse
+  from dynamiq_jax.codecs import DynamiQ
+
+  out = {}
+  seeds = (0, 1, 2, 3)
+  for family in ("iid", "heavy"):
+    for data_seed in (0, 1):
+      out[f"vnmse_{family}_{data_seed}"] = _vnmse(DynamiQ(bits=5.0), family, data_seed, seeds)
+    ind = _vnmse(DynamiQ(bits=5.0, correlated=False), family, 0, seeds)
+    out[f"ratio_corr_ind_{family}"] = out[f"vnmse_{family}_0"] / ind
+  y, ref = TestAccuracy._many_keys(DynamiQ(bits=5), 1024)
+  mse = np.mean(np.sum((y - ref) ** 2, 1))
+  out["bias_share_corr"] = np.sum((y.mean(0) - ref) ** 2) / mse
+  y_ind, _ = TestAccuracy._many_keys(DynamiQ(bits=5, correlated=False), 1024)
+  err = y_ind.mean(0) - ref
+  out["ind_bias_z"] = np.sum(err) / np.sqrt(np.sum(y_ind.var(0, ddof=1) / y_ind.shape[0]))
+  out["mse_corr_over_ind"] = mse / np.mean(np.sum((y_ind - ref) ** 2, 1))
+  print(json.dumps({k: round(float(v), 6) for k, v in out.items()}))
+
+
+if __name__ == "__main__":
+  main()
