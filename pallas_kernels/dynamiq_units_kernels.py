@@ -72,7 +72,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import bf16
 from pallas_kernels import dynamiq as K
 from pallas_kernels import dynamiq_format as F
 from pallas_kernels import dynamiq_units as U
