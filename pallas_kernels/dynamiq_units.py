@@ -220,7 +220,8 @@ def _frac_mul(w, d):
 
 
 def _lt_mask(a, b):
-  """int32 -1 where ``a < b`` (ordered: false for NaN), else 0: one ``set.lt`` on a GPU."""
+  """int32 -1 where ``a < b`` (ordered: false for NaN), else 0 (the kernels: the sign of
+  ``a - b``, no predicate)."""
   return -(a < b).astype(jnp.int32)
 
 
@@ -248,8 +249,9 @@ def _round_levels_var(a, s, pairs, base, r, c1k, k, c2, u_scaled, q, log2=jnp.lo
   width's, and the comparison with ``lam_0 s = 0`` moves it to 0). At ``g = R - 1`` and ``a = s`` the bracket becomes
   ``[lam_R, lam_R]`` and the value stays at ``R``, as ``[lam_(R-1), lam_R]``
   with certain rounding up gives. The guess is cheap: ``c1 / s`` once per
-  group (``s < 2^-64`` scaled by ``2^64`` first, exact, so that it stays
-  finite), then per coordinate a multiply, a multiply-add, a base-2 log (one
+  group (an ``s`` below 2^-64 or above 2^64 scaled by 2^64 or 2^-64 first,
+  exact, so that it stays finite and ``div``, a kernel's approximate
+  division, accurate), then per coordinate a multiply, a multiply-add, a base-2 log (one
   MUFU instruction on a GPU) and a multiply (the offset is folded into the
   log's argument: ``c1k = c1 k``, ``k = 2^(-1/2 / c2)``); ``log2`` and the division may
   be approximations (the kernels pass ``lg2.approx.f32``), ``fma`` fused or

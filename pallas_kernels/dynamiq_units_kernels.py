@@ -478,8 +478,10 @@ def _div_approx(a, b):
 
 
 def _lt_mask(a, b):
-  """:func:`pallas_kernels.dynamiq_units._lt_mask` by the GPU's ``set.lt.u32.f32``
-  (an integer mask in one instruction; a comparison and a select otherwise)."""
+  """:func:`pallas_kernels.dynamiq_units._lt_mask` as the sign of ``a - b``
+  (``sub.rn.f32``, ``shr.s32``): the same mask for every input (the difference
+  of two distinct floats is never zero with subnormals kept, a NaN is not
+  negative on a GPU), and no predicate for ``ptxas`` to keep alive."""
   from jax.experimental.pallas import triton as pltr
   a, b = jnp.broadcast_arrays(a, b)
   [out] = pltr.elementwise_inline_asm("{ .reg .b32 t; sub.rn.f32 t, $1, $2; "

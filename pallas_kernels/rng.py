@@ -174,7 +174,7 @@ def lane_bits(h, lane):
   hash is ``h``: ``h * K(lane)`` modulo 2**32 with odd constants ``K(lane) =
   mix32(lane + c) | 1``.
 
-  One :func:`hash_index` per group of 16 coordinates instead of one per
+  One :func:`group_hash` per group of 16 coordinates instead of a hash per
   coordinate (a kernel computes ``K`` at compile time: ``lane`` is a static
   position in the thread's registers). Multiplication by an odd constant is
   a bijection of the 32-bit words, so with ``h`` uniform each coordinate's
