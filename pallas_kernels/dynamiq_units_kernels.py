@@ -170,6 +170,20 @@ def _iota(shape, dim):
   return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+def _asm(text: str, constraints: str, dtype, *args):
+  """One PTX instruction (or block) per element of the broadcast ``args``:
+  Triton's inline assembly, the result of ``dtype``. Unsigned ints go in and
+  out as their signless int32 bits (``"r"``)."""
+  from jax.experimental.pallas import triton as pltr
+  args = [jax.lax.bitcast_convert_type(a, jnp.int32) if a.dtype == jnp.uint32 else a
+          for a in jnp.broadcast_arrays(*args)]
+  out_dtype = jnp.int32 if dtype == jnp.uint32 else dtype
+  [out] = pltr.elementwise_inline_asm(text, args=args, constraints=constraints, pack=1,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape,
+                                                                                out_dtype)])
+  return jax.lax.bitcast_convert_type(out, jnp.uint32) if dtype == jnp.uint32 else out
+
+
 def _scale_offsets(s_count: int, one=1):
   """Offsets of this program's scale records: k bytes [BLOCK, G], unit [BLOCK], masks."""
   block = BLOCK
@@ -324,12 +338,7 @@ def _byte(w, i, interpret: bool):
   one ``prmt`` (selector ``0x444i``: byte i, then zero bytes)."""
   if interpret:
     return (w >> (i * 8)) & np.uint32(0xFF)
-  from jax.experimental.pallas import triton as pltr
-  w32, sel = (jax.lax.bitcast_convert_type(v, jnp.int32) for v in (w, i | np.uint32(0x4440)))
-  [out] = pltr.elementwise_inline_asm("prmt.b32 $0, $1, 0, $2;", args=[w32, sel],
-                                      constraints="=r,r,r", pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(w32)])
-  return jax.lax.bitcast_convert_type(out, jnp.uint32)
+  return _asm("prmt.b32 $0, $1, 0, $2;", "=r,r,r", jnp.uint32, w, i | np.uint32(0x4440))
 
 
 def _u16_payload(payload):
@@ -361,7 +370,6 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
   unit = jax.lax.bitcast_convert_type(_load_u16(pay16_ref, u_off, u_ok) << np.uint32(16),
                                       jnp.float32)
   shape = cfg.block(BLOCK)
-  planes = _plane_offsets(cfg, ptab_ref, s_count)
   lookup = lambda j: jax.lax.bitcast_convert_type(tab_ref[j], jnp.float32)
   scale = F.hier_scale(k, unit)
   if cfg.split:
@@ -387,7 +395,7 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
   shifts = lane * np.uint32(cfg.plane_bits)
   mask = np.uint32((1 << cfg.plane_bits) - 1)
   codes = jnp.zeros(shape, jnp.uint32)
-  for p, (off, ok) in enumerate(planes):
+  for p, (off, ok) in enumerate(_plane_offsets(cfg, ptab_ref, s_count)):
     b = _load_u8(pay16_ref, off, ok)[..., None]
     codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
   return dec(codes, scale, widths, cfg.tabs, lookup=lookup, addend=addend)
@@ -402,13 +410,8 @@ def _pair16(lo, hi, interpret: bool):
     return (lo.astype(jnp.uint32) if hi is None else hi.astype(jnp.uint32) << np.uint32(16))
   if interpret:
     return lo.astype(jnp.uint32) | (hi.astype(jnp.uint32) << np.uint32(16))
-  from jax.experimental.pallas import triton as pltr
   lo, hi = (jax.lax.bitcast_convert_type(v, jnp.int16) for v in (lo, hi))
-  [out] = pltr.elementwise_inline_asm("mov.b32 $0, {$1, $2};", args=[lo, hi],
-                                      constraints="=r,h,h", pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape,
-                                                                                jnp.int32)])
-  return jax.lax.bitcast_convert_type(out, jnp.uint32)
+  return _asm("mov.b32 $0, {$1, $2};", "=r,h,h", jnp.uint32, lo, hi)
 
 
 def _prmt(a, b, sel: int, interpret: bool):
@@ -424,13 +427,7 @@ def _prmt(a, b, sel: int, interpret: bool):
       byte = ((a if src < 4 else b) >> np.uint32(8 * (src % 4))) & np.uint32(0xFF)
       out = out | (byte << np.uint32(8 * i))
     return out
-  from jax.experimental.pallas import triton as pltr
-  a32 = jax.lax.bitcast_convert_type(a, jnp.int32)
-  b32 = jax.lax.bitcast_convert_type(b, jnp.int32)
-  [out] = pltr.elementwise_inline_asm(f"prmt.b32 $0, $1, $2, {sel:#x};", args=[a32, b32],
-                                      constraints="=r,r,r", pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(a32)])
-  return jax.lax.bitcast_convert_type(out, jnp.uint32)
+  return _asm(f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r", jnp.uint32, a, b)
 
 
 def _approx_log2(v):
@@ -439,42 +436,24 @@ def _approx_log2(v):
   without it ptxas wraps the MUFU in a subnormal test, a scaling and a
   correction (4 instructions); the argument here is at least ``k`` (about
   0.97), never subnormal, so flushing changes nothing."""
-  from jax.experimental.pallas import triton as pltr
-  [out] = pltr.elementwise_inline_asm("lg2.approx.ftz.f32 $0, $1;", args=[v], constraints="=f,f",
-                                      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct.like(v)])
-  return out
+  return _asm("lg2.approx.ftz.f32 $0, $1;", "=f,f", jnp.float32, v)
 
 
 def _mulhi(v, n: int):
   """:func:`pallas_kernels.rng.mulhi` by the GPU's ``mul.hi.u32`` (one instruction)."""
-  from jax.experimental.pallas import triton as pltr
-  v = jax.lax.bitcast_convert_type(v, jnp.int32)  # Triton's signless i32
-  [out] = pltr.elementwise_inline_asm(f"mul.hi.u32 $0, $1, {int(n)};", args=[v],
-                                      constraints="=r,r", pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(v)])
-  return jax.lax.bitcast_convert_type(out, jnp.uint32)
+  return _asm(f"mul.hi.u32 $0, $1, {int(n)};", "=r,r", jnp.uint32, v)
 
 
 def _floor_int(v):
   """:func:`pallas_kernels.dynamiq_units._floor_int` by the GPU's ``cvt.rmi.s32.f32``."""
-  from jax.experimental.pallas import triton as pltr
-  [out] = pltr.elementwise_inline_asm("cvt.rmi.s32.f32 $0, $1;", args=[v], constraints="=r,f",
-                                      pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape,
-                                                                                jnp.int32)])
-  return out
+  return _asm("cvt.rmi.s32.f32 $0, $1;", "=r,f", jnp.int32, v)
 
 
 def _div_approx(a, b):
   """``a / b`` by the GPU's ``div.approx.ftz.f32`` (a reciprocal and a multiply;
   2 ulp for ``|b|`` in [2^-126, 2^126]), for first guesses only: ``div.full.f32``
   (Triton's ``/``) adds range tests and scalings around them."""
-  from jax.experimental.pallas import triton as pltr
-  a, b = jnp.broadcast_arrays(a, b)
-  [out] = pltr.elementwise_inline_asm("div.approx.ftz.f32 $0, $1, $2;", args=[a, b],
-                                      constraints="=f,f,f", pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(a)])
-  return out
+  return _asm("div.approx.ftz.f32 $0, $1, $2;", "=f,f,f", jnp.float32, a, b)
 
 
 def _lt_mask(a, b):
@@ -482,14 +461,8 @@ def _lt_mask(a, b):
   (``sub.rn.f32``, ``shr.s32``): the same mask for every input (the difference
   of two distinct floats is never zero with subnormals kept, a NaN is not
   negative on a GPU), and no predicate for ``ptxas`` to keep alive."""
-  from jax.experimental.pallas import triton as pltr
-  a, b = jnp.broadcast_arrays(a, b)
-  [out] = pltr.elementwise_inline_asm("{ .reg .b32 t; sub.rn.f32 t, $1, $2; "
-                                      "shr.s32 $0, t, 31; }", args=[a, b],
-                                      constraints="=r,f,f", pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape,
-                                                                                jnp.int32)])
-  return out
+  return _asm("{ .reg .b32 t; sub.rn.f32 t, $1, $2; shr.s32 $0, t, 31; }", "=r,f,f",
+              jnp.int32, a, b)
 
 
 def _frac_mul(w, d):
@@ -499,13 +472,9 @@ def _frac_mul(w, d):
 
 
 def _fma(a, b, c):
-  """``a b + c`` by the GPU's ``fma.rn.f32`` (the first guess of the level only)."""
-  from jax.experimental.pallas import triton as pltr
-  a, b, c = jnp.broadcast_arrays(a, b, c)
-  [out] = pltr.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c],
-                                      constraints="=f,f,f,f", pack=1,
-                                      result_shape_dtypes=[jax.ShapeDtypeStruct.like(a)])
-  return out
+  """``a b + c`` by the GPU's ``fma.rn.f32``: the level's first guess, the decode's
+  ``level scale + x`` and the rounding decision's ``(w + 1) d``."""
+  return _asm("fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", jnp.float32, a, b, c)
 
 
 def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
