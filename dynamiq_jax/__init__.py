@@ -14,6 +14,7 @@ from dynamiq_jax import codecs
 from dynamiq_jax import schedules
 from dynamiq_jax.allreduce import AllReduceStats
 from dynamiq_jax.allreduce import allreduce
+from dynamiq_jax.allreduce import bucket_layout
 from dynamiq_jax.allreduce import init_codec_state
 from dynamiq_jax.allreduce import wire_stats
 from dynamiq_jax.registry import REDUCERS
@@ -51,6 +52,7 @@ __all__ = [
     "multiprocess",
     "AllReduceStats",
     "allreduce",
+    "bucket_layout",
     "init_codec_state",
     "wire_stats",
     "REDUCERS",

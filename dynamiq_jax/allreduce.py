@@ -1,13 +1,23 @@
 """``allreduce``: a compressed multi-hop all-reduce of a gradient pytree.
 
 Call it inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap`` over
-``axis_name``. The pytree is flattened into float32 buckets (any float
-leaves, any shapes), each bucket is all-reduced by the codec on the
-schedule, and the result is cut back into leaves of the original shapes and
-dtypes. Every rank ends with bit-identical values.
+``axis_name``. The leaves (any float dtypes, any shapes) are grouped into
+buckets of whole leaves in the order the backward pass produces them (the
+reverse of the pytree's leaf order, unless ``leaf_order`` says otherwise;
+:func:`bucket_layout`), a leaf larger than a bucket cut into bucket-sized
+pieces. Each bucket is all-reduced by the codec on the schedule on its own:
+its guard, metadata pass, payload ring and finish depend only on its own
+leaves, so the all-reduce of the last layers' gradients can start while the
+backward pass still computes the first layers'. The results are cut back
+into leaves of the original shapes and dtypes. Every rank ends with
+bit-identical values.
 
-One bucket, in order (:func:`_reduce_bucket`):
+One bucket, in order (:func:`_guard`, then :func:`_codec_pass`):
 
+0. the guard: one small all-reduce (max) agreeing on non-finite values and
+   on a power-of-two scale; it also carries a value of the previous
+   bucket's result, so the buckets' collectives run one bucket after
+   another, never merged by the compiler (:func:`_one_after_another`);
 1. ``codec.metadata(x)``: this rank's metadata, combined across ranks here
    (an exact ``pmax``, or a sum on the schedule with the codec the metadata
    names), so every rank holds the same global metadata;
@@ -30,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dynamiq_jax._sizes import ceil_div, round_up
 from dynamiq_jax.codecs.base import Bucket, Codec, Keys
 from dynamiq_jax.codecs.bf16 import Bf16
 from dynamiq_jax.schedules import hierarchical
@@ -38,14 +49,22 @@ from dynamiq_jax.schedules.executor import HopOps, execute
 from dynamiq_jax.schedules.plan import TreePlan, get_plan
 
 __all__ = [
-    "allreduce", "AllReduceStats", "wire_stats", "init_codec_state", "DEFAULT_BUCKET_SIZE",
-    "HIERARCHICAL",
+    "allreduce", "AllReduceStats", "wire_stats", "init_codec_state", "bucket_layout", "Segment",
+    "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "HIERARCHICAL",
 ]
 
 HIERARCHICAL = hierarchical.HIERARCHICAL
 
-DEFAULT_BUCKET_SIZE = 1 << 26
-"""Coordinates per bucket (256 MiB of float32 staging)."""
+DEFAULT_BUCKET_SIZE = 1 << 24
+"""The most coordinates in one bucket (64 MiB of float32; about 10 MiB on the wire at 5
+bits per coordinate). Chosen by measurement and a step-time model: docs/design.md
+(*Buckets and overlap*)."""
+
+DEFAULT_MAX_BUCKETS = 32
+"""The most buckets one all-reduce makes; larger gradients get larger buckets."""
+
+FIRST_BUCKET_FRACTION = 4
+"""The first bucket holds at most ``bucket_size // FIRST_BUCKET_FRACTION`` coordinates."""
 
 
 class AllReduceStats(NamedTuple):
@@ -112,17 +131,146 @@ def _check_varying(leaves, ctx: AxisContext):
           f"the shard_map with check_vma=False.")
 
 
-def _flatten(arrays):
-  """The leaves as one float32 vector (the buckets are slices of it)."""
-  return jnp.concatenate([a.reshape(-1).astype(jnp.float32) for a in arrays])
+class Segment(NamedTuple):
+  """Coordinates ``[start, stop)`` of leaf ``leaf`` (its row-major flattening)."""
+
+  leaf: int
+  start: int
+  stop: int
 
 
-def _unflatten(vec, arrays, treedef, cast: bool = True):
-  """Cuts ``vec`` back into leaves shaped like ``arrays`` (their dtypes if ``cast``)."""
-  pieces = jnp.split(vec, np.cumsum([a.size for a in arrays])[:-1])
-  leaves_out = [p.reshape(a.shape).astype(a.dtype if cast else jnp.float32)
-                for p, a in zip(pieces, arrays)]
-  return jax.tree_util.tree_unflatten(treedef, leaves_out)
+Layout = tuple  # tuple[tuple[Segment, ...], ...]: the segments of each bucket, in bucket order
+
+
+def _leaf_order(num: int, leaf_order) -> tuple[int, ...]:
+  if leaf_order is None or (isinstance(leaf_order, str) and leaf_order == "reverse"):
+    return tuple(range(num - 1, -1, -1))
+  if isinstance(leaf_order, str) and leaf_order == "forward":
+    return tuple(range(num))
+  fix = (f"Fix: pass a permutation of range({num}) (indices into jax.tree.leaves(grads), the "
+         f"leaf whose gradient the backward pass produces first comes first), or 'reverse' "
+         f"(the default: backward runs the layers in reverse) or 'forward'")
+  if isinstance(leaf_order, str):
+    raise ValueError(f"leaf_order={leaf_order!r} is not a leaf order. {fix}")
+  try:
+    order = tuple(int(i) for i in leaf_order)
+  except TypeError:
+    raise ValueError(f"leaf_order={leaf_order!r} is not a sequence of leaf indices. {fix}"
+                     ) from None
+  if sorted(order) != list(range(num)):
+    raise ValueError(f"leaf_order={leaf_order!r} does not name each of the tree's {num} "
+                     f"leaves exactly once. {fix}")
+  return order
+
+
+def bucket_layout(tree, *, codec=None, bucket_size: int = DEFAULT_BUCKET_SIZE,
+                  max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None) -> Layout:
+  """How :func:`allreduce` cuts ``tree`` into buckets.
+
+  Leaves are taken in ``leaf_order`` (default: reverse leaf order, the order
+  the backward pass produces them) and packed greedily into buckets of at
+  most ``bucket_size`` coordinates, the first of at most a quarter of that
+  (:data:`FIRST_BUCKET_FRACTION`; as PyTorch DDP's first bucket, so that the
+  wire starts early in the backward pass): a leaf that does not fit in the
+  open bucket starts the next one; a leaf larger than an empty bucket is cut
+  into pieces of the bucket's size, each a bucket of its own, and its
+  remainder packs like a leaf. Empty leaves take no place. Where that makes
+  more than ``max_buckets`` buckets, the bucket size grows (in multiples of
+  the codec's block) until it does not: each bucket is compiled on its own,
+  so compile time grows with their number.
+
+  Args:
+    tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``).
+    codec: the codec; ``bucket_size`` must be a multiple of its
+      ``granularity`` (so a cut leaf's pieces hold whole blocks).
+    bucket_size: the most coordinates in one bucket.
+    max_buckets: the most buckets (None: no limit).
+    leaf_order: ``None`` or ``"reverse"``, ``"forward"``, or a permutation of
+      ``range(len(jax.tree.leaves(tree)))`` (the first leaf produced first).
+
+  Returns:
+    One tuple of :class:`Segment` per bucket, buckets in the order they are
+    reduced (bucket ``b`` keys its random streams by ``b``).
+
+  Examples:
+    >>> import jax, dynamiq_jax as dq
+    >>> tree = {"a": jax.ShapeDtypeStruct((300,), "float32"),
+    ...         "b": jax.ShapeDtypeStruct((600,), "float32")}
+    >>> [[tuple(s) for s in b] for b in dq.bucket_layout(tree, bucket_size=512)]
+    [[(1, 0, 128)], [(1, 128, 600)], [(0, 0, 300)]]
+  """
+  unit = 1 if codec is None else codec.granularity
+  if codec is not None:
+    _check_codec(codec)
+  if not isinstance(bucket_size, (int, np.integer)) or bucket_size < 1 or bucket_size % unit:
+    name = "" if codec is None else f" for {type(codec).__name__}"
+    fixed = (max(unit, bucket_size - bucket_size % unit)
+             if isinstance(bucket_size, (int, np.integer)) else DEFAULT_BUCKET_SIZE)
+    raise ValueError(
+        f"{bucket_size=} must be a positive multiple of {unit}{name} (a large leaf is cut "
+        f"into bucket-sized pieces, which must hold whole blocks); e.g. bucket_size={fixed}")
+  if max_buckets is not None and (not isinstance(max_buckets, (int, np.integer))
+                                  or max_buckets < 1):
+    raise ValueError(f"{max_buckets=} must be a positive integer (or None: no limit)")
+  sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(tree)]
+  order = _leaf_order(len(sizes), leaf_order)
+  layout = _pack(sizes, order, int(bucket_size), unit)
+  while max_buckets is not None and len(layout) > max_buckets:
+    bucket_size = round_up(ceil_div(bucket_size * len(layout), max_buckets), unit)
+    layout = _pack(sizes, order, bucket_size, unit)
+  return layout
+
+
+def _pack(sizes, order, bucket_size: int, unit: int) -> Layout:
+  """Whole leaves in ``order`` into buckets (see :func:`bucket_layout`)."""
+  first = max(unit, bucket_size // FIRST_BUCKET_FRACTION // unit * unit)
+  buckets, current, fill = [], [], 0
+  for leaf in order:
+    start, size = 0, sizes[leaf]
+    while start < size:
+      capacity = first if not buckets else bucket_size
+      if size - start <= capacity - fill:  # the leaf (or what is left of it) fits
+        current.append(Segment(leaf, start, size))
+        fill, start = fill + size - start, size
+      elif current:  # it does not: the next bucket
+        buckets.append(tuple(current))
+        current, fill = [], 0
+      else:  # larger than an empty bucket: a piece of its own
+        buckets.append((Segment(leaf, start, start + capacity),))
+        start += capacity
+  if current:
+    buckets.append(tuple(current))
+  return tuple(buckets)
+
+
+def _bucket_sizes(layout: Layout) -> list[int]:
+  return [sum(s.stop - s.start for s in segs) for segs in layout]
+
+
+def _bucket_input(arrays, segs, n_divide: int | None):
+  """One bucket's coordinates as one float32 vector (divided by ``n_divide`` if given)."""
+  parts = [arrays[s.leaf].reshape(-1)[s.start:s.stop].astype(jnp.float32) for s in segs]
+  x = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+  return x / np.float32(n_divide) if n_divide else x
+
+
+def _assemble(outs, layout: Layout, arrays, treedef, cast: bool = True):
+  """Cuts each bucket's flat result back into leaves shaped like ``arrays``
+  (their dtypes if ``cast``, float32 otherwise)."""
+  pieces = [[] for _ in arrays]
+  for segs, out in zip(layout, outs):
+    offset = 0
+    for s in segs:
+      pieces[s.leaf].append(out[offset:offset + s.stop - s.start])
+      offset += s.stop - s.start
+  leaves = []
+  for a, ps in zip(arrays, pieces):
+    if not ps:
+      flat = jnp.zeros((0,), jnp.float32)
+    else:
+      flat = ps[0] if len(ps) == 1 else jnp.concatenate(ps)
+    leaves.append(flat.reshape(a.shape).astype(a.dtype if cast else jnp.float32))
+  return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _check_codec(codec):
@@ -132,40 +280,38 @@ def _check_codec(codec):
         f"or subclass dynamiq_jax.codecs.Codec (see its docstring for the contract)")
 
 
-def _bucket_bounds(total: int, bucket_size: int, codec):
-  _check_codec(codec)
-  unit = codec.granularity
-  if bucket_size < 1 or bucket_size % unit:
-    raise ValueError(
-        f"{bucket_size=} must be a positive multiple of {unit} for {type(codec).__name__} "
-        f"(its blocks must not straddle buckets); e.g. bucket_size="
-        f"{max(unit, bucket_size - bucket_size % unit)}")
-  return [(s, min(s + bucket_size, total)) for s in range(0, total, bucket_size)]
+def _report(sizes, codec, n: int) -> AllReduceStats:
+  """Wire accounting of buckets of ``sizes`` coordinates over ``n`` ranks."""
+  total = sum(sizes)
+  if total == 0:
+    return AllReduceStats(0.0, 0.0, 0)
+  if n == 1:  # nothing crosses a wire: the all-reduce is the identity
+    return AllReduceStats(0.0, 0.0, total)
+  bits = plain = 0
+  for d in sizes:
+    used = _bucket_codec(codec, d, n)
+    bits += used.wire_bits(d, n)
+    plain += d if used is not codec else 0
+  return AllReduceStats(bits / total, bits / 8 * 2 * (n - 1) / n, total, uncompressed=plain)
 
 
-def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE) -> AllReduceStats:
+def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
+               max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None
+               ) -> AllReduceStats:
   """Exact wire accounting of ``allreduce(tree, codec=codec)`` over ``n`` ranks.
 
   Args:
     tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``).
     codec: the codec.
     n: number of ranks.
-    bucket_size: as passed to :func:`allreduce`.
+    bucket_size, max_buckets, leaf_order: as passed to :func:`allreduce`.
 
   Returns:
     :class:`AllReduceStats` of Python numbers.
   """
-  total = _total(tree)
-  if total == 0:
-    return AllReduceStats(0.0, 0.0, 0)
-  if n == 1:  # nothing crosses a wire: the all-reduce is the identity
-    return AllReduceStats(0.0, 0.0, total)
-  bits = plain = 0
-  for s, e in _bucket_bounds(total, bucket_size, codec):
-    used = _bucket_codec(codec, e - s, n)
-    bits += used.wire_bits(e - s, n)
-    plain += (e - s) if used is not codec else 0
-  return AllReduceStats(bits / total, bits / 8 * 2 * (n - 1) / n, total, uncompressed=plain)
+  layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
+                         leaf_order=leaf_order)
+  return _report(_bucket_sizes(layout), codec, n)
 
 
 def _bucket_codec(codec, d: int, n: int):
@@ -173,24 +319,24 @@ def _bucket_codec(codec, d: int, n: int):
   return codec if codec.compresses(d, n) else Bf16()
 
 
-def _total(tree) -> int:
-  return sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(tree))
-
-
-def init_codec_state(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE):
+def init_codec_state(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
+                     max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None):
   """The codec's initial state for ``allreduce(tree)`` over ``n`` ranks (None if stateless).
 
-  Its structure and shapes do not depend on ``n``; only its values do.
+  One entry per bucket of :func:`bucket_layout`. Its structure and shapes do
+  not depend on ``n``; only its values do.
   """
   _check_codec(codec)
-  total = _total(tree)
-  if not codec.stateful or total == 0:
+  layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
+                         leaf_order=leaf_order)
+  if not codec.stateful or not layout:
     return None
-  return tuple(codec.init_state(e - s, n) for s, e in _bucket_bounds(total, bucket_size, codec))
+  return tuple(codec.init_state(d, n) for d in _bucket_sizes(layout))
 
 
 def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
               average: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
+              max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
               implementation: str | None = None, codec_state=None,
               return_own: bool = False):
   """Compressed all-reduce of a gradient pytree over ``axis_name``.
@@ -199,16 +345,25 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     tree: pytree of floating arrays (f32/bf16/f16, any shapes, scalars),
       this rank's gradients. Under ``shard_map(check_vma=True)`` they must be
       varying over ``axis_name``.
-    axis_name: the data-parallel axis (bound by shard_map, pmap or vmap).
+    axis_name: the data-parallel axis (bound by shard_map, pmap or vmap);
+      ``(slow, fast)`` for ``schedule="hierarchical"``.
     codec: e.g. ``codecs.DynamiQ(bits=5)`` or ``codecs.Bf16()``.
-    schedule: ``"ring"`` (or ``"butterfly"`` for power-of-two axes).
+    schedule: ``"ring"``, ``"butterfly"`` (power-of-two axes) or
+      ``"hierarchical"``.
     key: a ``jax.random`` key, identical on every rank (it seeds the shared
       rounding streams); fold the training step into it.
     average: return the mean over ranks (workers pre-divide by n) instead of
       the sum.
-    bucket_size: coordinates per bucket, a multiple of the codec's block
-      (``codec.granularity``, 256 for DynamiQ); larger trees are reduced
-      bucket by bucket.
+    bucket_size: the most coordinates in one bucket, a multiple of the
+      codec's block (``codec.granularity``, 256 for DynamiQ). Buckets are
+      made of whole leaves (:func:`bucket_layout`) and reduced one after
+      another, each on its own, so XLA can overlap one bucket's all-reduce
+      with the backward pass of the layers before it.
+    max_buckets: the most buckets (None: no limit); a gradient that would
+      need more gets larger buckets, bounding compile time.
+    leaf_order: the order the backward pass produces the leaves, which is
+      the order buckets fill: ``None``/``"reverse"`` (reverse leaf order),
+      ``"forward"``, or a permutation of leaf indices.
     implementation: ``None`` (Pallas kernels on GPU, the jnp reference
       elsewhere), ``"pallas"`` (kernels; interpreted off GPU) or ``"xla"``.
       Both give bit-identical results.
@@ -225,7 +380,8 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
 
   Raises:
     ValueError: unbound ``axis_name``; gradients already reduced by XLA
-      (not varying over the axis); a budget the codec cannot meet.
+      (not varying over the axis); a budget the codec cannot meet; a bad
+      ``bucket_size`` or ``leaf_order``.
     TypeError: a non-floating leaf (the message names its path).
 
   Examples:
@@ -237,75 +393,101 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     >>> bool(jnp.allclose(out[0], g.mean(0)))
     True
   """
-  if schedule in HIERARCHICAL:
-    return _hierarchical(tree, axis_name=axis_name, codec=codec, inner=HIERARCHICAL[schedule],
-                         key=key, average=average, bucket_size=bucket_size,
-                         implementation=implementation, codec_state=codec_state,
-                         return_own=return_own)
   _check_codec(codec)
+  hier = schedule in HIERARCHICAL
+  if hier:
+    slow, fast = _hierarchical_axes(axis_name, codec, codec_state, return_own)
   if return_own and not codec.reports_contribution:
     raise ValueError(
         f"{type(codec).__name__} cannot report a rank's own contribution "
         f"(reports_contribution=False), which error feedback needs; use a codec that "
         f"does, or error_feedback=False")
   leaves, treedef = _check_leaves(tree)
-  ctx = axis_context(axis_name)
+  ctx = axis_context((slow, fast) if hier else axis_name)
   _check_varying(leaves, ctx)
   arrays = [jnp.asarray(leaf) for _, leaf in leaves]
-  total = sum(a.size for a in arrays)
-  if total == 0:
+  layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
+                         leaf_order=leaf_order)
+  if not layout:
     return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0))
-  flat = _flatten(arrays)
-  if average:
-    flat = flat / np.float32(ctx.n)
-  out, stats, own_flat = _reduce_flat(flat, ctx=ctx, codec=codec, schedule=schedule, key=key,
-                                      bucket_size=bucket_size, implementation=implementation,
-                                      codec_state=codec_state, return_own=return_own)
+  divide = ctx.n if average else None
+  if hier:
+    return _hierarchical(arrays, treedef, layout, codec=codec, inner=HIERARCHICAL[schedule],
+                         slow=slow, fast=fast, key=key, divide=divide,
+                         implementation=implementation)
+  sizes = _bucket_sizes(layout)
+  states = codec_state
+  if states is None:
+    states = init_codec_state(tree, codec=codec, n=ctx.n, bucket_size=bucket_size,
+                              max_buckets=max_buckets, leaf_order=leaf_order)
+  states = states if states is not None else (None,) * len(layout)
+  if len(states) != len(layout):
+    raise ValueError(
+        f"codec_state holds {len(states)} buckets, the tree needs {len(layout)} (with "
+        f"bucket_size={bucket_size}, max_buckets={max_buckets}, leaf_order={leaf_order!r}): "
+        f"pass the state that the previous call with the same tree and bucketing returned")
+  xs = [_bucket_input(arrays, segs, divide) for segs in layout]
+  outs, new_states, owns, err = _reduce_buckets(
+      xs, ctx=ctx, codec=codec, schedule=schedule, key=key, implementation=implementation,
+      states=states, return_own=return_own)
+  report = _report(sizes, codec, ctx.n)
+  ref = sum(jnp.sum(o * o) for o in outs)
+  stats = AllReduceStats(
+      jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank),
+      jnp.int32(report.coords), codec_state=tuple(new_states) if codec.stateful else None,
+      uncompressed=jnp.int32(report.uncompressed),
+      error_estimate=jnp.float32(0) if ctx.n == 1 else _relative(err, ref))
   own = None
   if return_own:
-    own = _unflatten(own_flat * np.float32(ctx.n) if average else own_flat, arrays, treedef,
-                     cast=False)
-  return _unflatten(out, arrays, treedef), stats._replace(own=own)
+    owns = [o * np.float32(ctx.n) for o in owns] if average else owns
+    own = _assemble(owns, layout, arrays, treedef, cast=False)
+  return _assemble(outs, layout, arrays, treedef), stats._replace(own=own)
 
 
-def _reduce_flat(flat, *, ctx: AxisContext, codec, schedule, key, bucket_size, implementation,
-                 codec_state, return_own):
-  """All-reduces one flat float32 vector bucket by bucket -> (out, stats, own or None)."""
-  total = flat.shape[0]
-  report = wire_stats(flat, codec=codec, n=ctx.n, bucket_size=bucket_size)
-  bounds = _bucket_bounds(total, bucket_size, codec)
-  if codec_state is None:
-    codec_state = init_codec_state(flat, codec=codec, n=ctx.n, bucket_size=bucket_size)
-  states = codec_state if codec_state is not None else (None,) * len(bounds)
-  if len(states) != len(bounds):
-    raise ValueError(f"codec_state holds {len(states)} buckets, the tree needs {len(bounds)}")
+def _one_after_another(xs, reduce_one):
+  """``[reduce_one(b, x, after) for b, x in enumerate(xs)]``: each bucket's collectives
+  after the previous bucket's.
+
+  ``reduce_one(b, x, after)`` returns a tuple whose first element is bucket
+  b's result; ``after`` is one element of bucket b-1's result (None for the
+  first), which bucket b's first collective (its guard) carries along: so
+  bucket b's all-reduce starts once bucket b-1's has finished, and XLA
+  cannot combine collectives of different buckets. Its combiners would
+  otherwise merge, say, every bucket's guard into one all-reduce that waits
+  for the whole gradient, and no bucket would start before the backward
+  pass ends.
+  """
+  results = []
+  for b, x in enumerate(xs):
+    after = results[-1][0].reshape(-1)[0] if results else None
+    with jax.named_scope(f"allreduce/bucket{b}"):
+      results.append(reduce_one(b, x, after))
+  return results
+
+
+def _reduce_buckets(xs, *, ctx: AxisContext, codec, schedule, key, implementation, states,
+                    return_own):
+  """All-reduces each bucket's flat float32 vector on its own -> (outs, new states, owns,
+  summed estimated squared error)."""
   if ctx.n == 1:  # one rank: the mean is the input, bit for bit, whatever the codec
     get_plan(schedule, 1)  # still validates the schedule's name
-    return flat, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(total),
-                                codec_state=tuple(states) if codec.stateful else None,
-                                error_estimate=jnp.float32(0)), flat
+    return list(xs), list(states), list(xs), jnp.float32(0)
   plan = get_plan(schedule, ctx.n)
-  outs, new_states, owns, errs = [], [], [], []
-  for b, (s, e) in enumerate(bounds):
-    with jax.named_scope(f"allreduce/bucket{b}"):
-      bucket = Bucket(b, e - s, ctx.n, implementation)
-      keys = Keys.from_key(key, bucket=b, rank=ctx.rank())
-      used = _bucket_codec(codec, e - s, ctx.n)
-      out, new_state, own, err = _reduce_bucket(flat[s:e], used, bucket, states[b], keys, plan,
-                                                ctx, return_own)
-      new_state = states[b] if used is not codec else new_state
-    outs.append(out)
-    new_states.append(new_state)
-    owns.append(own)
-    errs.append(err)
-  out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-  own = (jnp.concatenate(owns) if len(owns) > 1 else owns[0]) if return_own else None
-  stats = AllReduceStats(
-      jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank), jnp.int32(total),
-      codec_state=tuple(new_states) if codec.stateful else None,
-      uncompressed=jnp.int32(report.uncompressed),
-      error_estimate=_relative(sum(errs), jnp.sum(out * out)))
-  return out, stats, own
+
+  def reduce_one(b, x, after):
+    d = x.shape[0]
+    used = _bucket_codec(codec, d, ctx.n)
+    with jax.named_scope("guard"):
+      nonfinite, x, scale = _guard(x, ctx, after)
+    out, new_state, own, err = _codec_pass(
+        x, used, Bucket(b, d, ctx.n, implementation), states[b],
+        Keys.from_key(key, bucket=b, rank=ctx.rank()), plan, ctx, return_own)
+    own = own / scale if return_own else None
+    return (_unguard(out, nonfinite, scale), states[b] if used is not codec else new_state,
+            own, err / (scale * scale))
+
+  outs, new_states, owns, errs = zip(*_one_after_another(xs, reduce_one))
+  return list(outs), list(new_states), list(owns), sum(errs)
 
 
 def _relative(err, ref):
@@ -348,33 +530,38 @@ SAFE_EXPONENT = 64
 residuals or rounding products can overflow float32 on finite inputs."""
 
 
-def _guard(x, ctx: AxisContext):
-  """Every rank's agreement on one bucket: (any rank non-finite, power-of-two scale).
+def _guard(x, ctx: AxisContext, after=None):
+  """Every rank's agreement on one bucket -> (any rank non-finite, guarded x, scale).
 
-  One small all-reduce (max) of two finite numbers per bucket, so it behaves
-  the same on every backend (no reliance on how a backend's max treats NaN).
+  One small all-reduce (max) of finite numbers per bucket, so it behaves the
+  same on every backend (no reliance on how a backend's max treats NaN): a
+  value that is NaN or infinite on any rank makes the whole bucket NaN on
+  every rank (:func:`_unguard`; the codec itself sees zeros there, so its
+  state stays finite), and finite inputs reach the codec scaled below
+  :data:`SAFE_EXPONENT` exactly (the scale is a power of two, 1 for usual
+  gradients). ``after``, a value of the previous bucket's result, rides
+  along as a finite flag: see :func:`_one_after_another`.
   """
   finite = jnp.isfinite(x)
-  amax = jnp.max(jnp.where(finite, jnp.abs(x), 0.0))
-  bad = jnp.any(~finite).astype(jnp.float32)
-  amax, bad = ctx.pmax((amax, bad))
+  votes = [jnp.max(jnp.where(finite, jnp.abs(x), 0.0)), jnp.any(~finite).astype(jnp.float32)]
+  if after is not None:
+    votes.append(jnp.isfinite(after).astype(jnp.float32))
+  agreed = ctx.pmax(jnp.stack(votes))
+  amax, bad = agreed[0], agreed[1]
   _, e = jnp.frexp(amax)  # amax < 2^e
   scale = jnp.ldexp(jnp.float32(1), jnp.minimum(SAFE_EXPONENT - e, 0))  # 1 unless huge
-  return bad > 0, finite, scale
+  return bad > 0, jnp.where(finite, x, 0.0) * scale, scale
 
 
-def _reduce_bucket(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
-                   ctx: AxisContext, return_own: bool):
-  """One bucket: guard, metadata pass, payload pass, finish -> (out, new state, own,
-  estimated squared error: NaN where the codec makes no estimate).
+def _unguard(out, nonfinite, scale):
+  """The codec's result in input units, NaN where :func:`_guard` found a non-finite value."""
+  return jnp.where(nonfinite, jnp.float32(jnp.nan), out / scale)
 
-  A value that is NaN or infinite on any rank makes the whole bucket NaN on
-  every rank (the codec itself sees zeros there, so its state stays finite);
-  finite inputs reach the codec scaled below :data:`SAFE_EXPONENT` exactly.
-  """
-  with jax.named_scope("guard"):
-    nonfinite, finite, scale = _guard(x, ctx)
-    x = jnp.where(finite, x, 0.0) * scale  # exact: a power of two, 1 for usual gradients
+
+def _codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
+                ctx: AxisContext, return_own: bool):
+  """One guarded bucket through the codec: metadata pass, payload pass, finish -> (out, new
+  state, own, estimated squared error: NaN where the codec makes no estimate)."""
   meta = codec.metadata(x, bucket, state)
   if meta is not None:
     with jax.named_scope("metadata"):
@@ -383,51 +570,64 @@ def _reduce_bucket(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: Tre
   decoded = execute(plan, ctx, p.chunks, _hop_ops(codec, p.aux, keys))
   out, new_state = codec.finish(decoded, p.aux, bucket, state)
   err = codec.error_estimate(out, p.aux, bucket, plan.partials())
-  err = jnp.float32(jnp.nan) if err is None else err / (scale * scale)
-  out = jnp.where(nonfinite, jnp.float32(jnp.nan), out / scale)
-  own = codec.contribution(x, p.aux, bucket) / scale if return_own else None
+  err = jnp.float32(jnp.nan) if err is None else err
+  own = codec.contribution(x, p.aux, bucket) if return_own else None
   return out, new_state, own, err
 
 
-def _hierarchical(tree, *, axis_name, codec, inner, key, average, bucket_size, implementation,
-                  codec_state, return_own):
-  """``schedule="hierarchical"``: see :mod:`dynamiq_jax.schedules.hierarchical`."""
+def _hierarchical_axes(axis_name, codec, codec_state, return_own):
+  """``(slow, fast)`` of ``schedule="hierarchical"``, or a ValueError saying the fix."""
   names = axis_names(axis_name)
   if len(names) != 2 or isinstance(axis_name, str):
     raise ValueError(
         f"schedule='hierarchical' needs axis_name=(slow, fast), e.g. ('host', 'local') for a "
         f"2-axis mesh; got axis_name={axis_name!r}. Fix: pass both mesh axes, slow first, or "
         f"use schedule='ring' for one axis")
-  _check_codec(codec)
   if return_own or codec_state is not None or codec.stateful:
     raise ValueError(
         f"schedule='hierarchical' supports stateless codecs without error feedback; "
         f"{codec!r} keeps state (or error feedback was asked for). Fix: use a flat schedule "
         f"('ring' or 'butterfly') over axis_name={tuple(names)!r} for this codec")
-  slow, fast = names
-  leaves, treedef = _check_leaves(tree)
-  fast_ctx, slow_ctx = axis_context(fast), axis_context(slow)
-  _check_varying(leaves, axis_context(tuple(names)))
-  arrays = [jnp.asarray(leaf) for _, leaf in leaves]
-  total = sum(a.size for a in arrays)
-  if total == 0:
-    return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0))
-  flat = _flatten(arrays)
-  if average:
-    flat = flat / np.float32(fast_ctx.n * slow_ctx.n)
+  return names
+
+
+def _hierarchical(arrays, treedef, layout: Layout, *, codec, inner, slow, fast, key, divide,
+                  implementation):
+  """``schedule="hierarchical"`` (see :mod:`dynamiq_jax.schedules.hierarchical`), bucket by
+  bucket: the fast axis reduce-scatters the bucket exactly, every fast rank all-reduces
+  its share of it with ``codec`` over the slow axis, and the fast axis all-gathers it."""
+  fast_ctx, slow_ctx, both_ctx = axis_context(fast), axis_context(slow), axis_context((slow, fast))
   unit = codec.granularity
-  shares = hierarchical.split_shares(flat, fast_ctx.n, unit)
-  owned = hierarchical.reduce_scatter_shares(fast_ctx, shares)  # share (r + 1) % size
+  plan = get_plan(inner, slow_ctx.n)
   key = jax.random.fold_in(key, jax.lax.axis_index(fast))  # fresh rounding per fast rank
-  reduced, stats, _ = _reduce_flat(owned, ctx=slow_ctx, codec=codec, schedule=inner, key=key,
-                                   bucket_size=bucket_size, implementation=implementation,
-                                   codec_state=None, return_own=False)
-  out = hierarchical.join_shares(hierarchical.all_gather_shares(fast_ctx, reduced), total, unit)
-  # each fast rank's share has its own estimate: weigh them by the shares' norms
-  ref = jnp.sum(reduced * reduced)
-  err, ref = fast_ctx.psum((stats.error_estimate * ref, ref))
-  # the slow axis's cost: every fast rank sends its share at the codec's bits per
+
+  def reduce_one(b, x, after):
+    with jax.named_scope("guard"):  # over both axes: the fast reduce-scatter is guarded too
+      nonfinite, x, scale = _guard(x, both_ctx, after)
+    with jax.named_scope("fast_reduce_scatter"):  # this rank owns share (r + 1) % size
+      owned = hierarchical.reduce_scatter_shares(
+          fast_ctx, hierarchical.split_shares(x, fast_ctx.n, unit))
+    m = owned.shape[0]
+    reduced, err = owned, jnp.float32(0)
+    if slow_ctx.n > 1:
+      reduced, _, _, err = _codec_pass(
+          owned, _bucket_codec(codec, m, slow_ctx.n), Bucket(b, m, slow_ctx.n, implementation),
+          None, Keys.from_key(key, bucket=b, rank=slow_ctx.rank()), plan, slow_ctx, False)
+    with jax.named_scope("fast_all_gather"):
+      out = hierarchical.join_shares(hierarchical.all_gather_shares(fast_ctx, reduced),
+                                     x.shape[0], unit)
+    unit_sq = scale * scale
+    return (_unguard(out, nonfinite, scale), err / unit_sq, jnp.sum(reduced * reduced) / unit_sq,
+            m)
+
+  xs = [_bucket_input(arrays, segs, divide) for segs in layout]
+  outs, errs, refs, shares = zip(*_one_after_another(xs, reduce_one))
+  # each fast rank's shares have their own estimate: weigh them by the shares' norms
+  err, ref = fast_ctx.psum((sum(errs), sum(refs)))
+  # the slow axis's cost: every fast rank sends its shares at the codec's bits per
   # coordinate (the exact float32 traffic inside the fast axis is not counted)
-  return _unflatten(out, arrays, treedef), AllReduceStats(
-      stats.bits_per_coord, stats.bytes_per_rank, jnp.int32(total),
-      error_estimate=_relative(err, ref))
+  report = _report(shares, codec, slow_ctx.n)
+  return _assemble(outs, layout, arrays, treedef), AllReduceStats(
+      jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank),
+      jnp.int32(sum(x.shape[0] for x in xs)), uncompressed=jnp.int32(report.uncompressed),
+      error_estimate=jnp.float32(0) if slow_ctx.n == 1 else _relative(err, ref))

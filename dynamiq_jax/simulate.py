@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.allreduce import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.allreduce import HIERARCHICAL
 from dynamiq_jax.allreduce import allreduce
 
@@ -27,16 +28,17 @@ SIM_HOST_AXIS = "dynamiq_sim_host"
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "schedule", "average", "bucket_size",
-                                             "implementation", "mesh_shape"))
-def _run(stacked, key, codec_state, *, codec, schedule, average, bucket_size, implementation,
-         mesh_shape):
+                                             "max_buckets", "leaf_order", "implementation",
+                                             "mesh_shape"))
+def _run(stacked, key, codec_state, *, codec, schedule, average, bucket_size, max_buckets,
+         leaf_order, implementation, mesh_shape):
   axis = (SIM_HOST_AXIS, SIM_AXIS) if mesh_shape else SIM_AXIS
 
   def one(tree):
     out, stats = allreduce(
         tree, axis_name=axis, codec=codec, schedule=schedule, key=key,
-        average=average, bucket_size=bucket_size, implementation=implementation,
-        codec_state=codec_state)
+        average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+        leaf_order=leaf_order, implementation=implementation, codec_state=codec_state)
     return out, stats.codec_state
 
   if mesh_shape:  # workers laid out [slow, fast]: nested vmaps bind both axes
@@ -50,7 +52,9 @@ def _run(stacked, key, codec_state, *, codec, schedule, average, bucket_size, im
 
 def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
              average: bool = True,
-             bucket_size: int = DEFAULT_BUCKET_SIZE, implementation: str | None = None,
+             bucket_size: int = DEFAULT_BUCKET_SIZE,
+             max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
+             implementation: str | None = None,
              codec_state=None, return_state: bool = False, mesh_shape=None):
   """All-reduces per-worker gradients stacked on axis 0, on one device.
 
@@ -64,7 +68,9 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
       the step (pass ``key=jax.random.fold_in(jax.random.key(seed), t)``).
     key: explicit rounding key, overriding ``seed``.
     average: mean (True) or sum (False).
-    bucket_size: coordinates per bucket.
+    bucket_size: the most coordinates in one bucket (as for
+      :func:`dynamiq_jax.allreduce`).
+    max_buckets, leaf_order: as for :func:`dynamiq_jax.allreduce`.
     implementation: as for :func:`dynamiq_jax.allreduce`.
     codec_state: a stateful codec's state from a previous call (None: fresh).
     return_state: also return the codec's state after this call, to carry
@@ -103,7 +109,10 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
                      f"mesh_shape=(slow, fast), e.g. (2, {lead[0] // 2})")
   if key is None:
     key = jax.random.key(seed)
+  if leaf_order is not None and not isinstance(leaf_order, str):
+    leaf_order = tuple(int(i) for i in leaf_order)  # hashable: a static argument
   out, state = _run(stacked, key, codec_state, codec=codec, schedule=schedule,
-                    average=average, bucket_size=bucket_size, implementation=implementation,
+                    average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+                    leaf_order=leaf_order, implementation=implementation,
                     mesh_shape=mesh_shape)
   return (out, state) if return_state else out

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.allreduce import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.allreduce import allreduce
 from dynamiq_jax.allreduce import init_codec_state
 from dynamiq_jax.codecs.dynamiq import DynamiQ
@@ -56,6 +57,8 @@ class CompressedPsumState(NamedTuple):
 def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                     average: bool = True, seed: int = 0,
                     bucket_size: int = DEFAULT_BUCKET_SIZE,
+                    max_buckets: int | None = DEFAULT_MAX_BUCKETS,
+                    leaf_order=None,
                     implementation: str | None = None,
                     error_feedback: bool = False,
                     ) -> optax.GradientTransformationExtraArgs:
@@ -77,7 +80,14 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     average: mean (True, like ``pmean``) or sum (False, like ``psum``).
     seed: seeds the rounding streams; step t uses
       ``jax.random.fold_in(jax.random.key(seed), t)``.
-    bucket_size: coordinates per bucket.
+    bucket_size: the most coordinates in one bucket: buckets of whole leaves,
+      each all-reduced on its own so that it can overlap with the backward
+      pass (:func:`dynamiq_jax.bucket_layout`).
+    max_buckets: the most buckets (None: no limit); larger gradients get
+      larger buckets, bounding compile time.
+    leaf_order: the order the backward pass produces the gradient's leaves
+      (the order buckets fill): ``None`` (reverse leaf order), ``"forward"``
+      or a permutation of leaf indices.
     implementation: ``None`` (Pallas kernels on GPU, the jnp reference
       elsewhere), ``"pallas"`` or ``"xla"``; bit-identical results.
     error_feedback: keep each rank's compression residual and add it to the
@@ -106,7 +116,8 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
         step=jnp.zeros([], jnp.int32),
         key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
         # structure only: the values depend on the axis size, set at step 0
-        codec_state=init_codec_state(params, codec=codec, n=1, bucket_size=bucket_size),
+        codec_state=init_codec_state(params, codec=codec, n=1, bucket_size=bucket_size,
+                                     max_buckets=max_buckets, leaf_order=leaf_order),
         residual=residual, error_estimate=jnp.zeros([], jnp.float32))
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -115,8 +126,8 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
     codec_state = state.codec_state
     if codec_state is not None:
-      fresh = init_codec_state(updates, codec=codec, n=n,
-                               bucket_size=bucket_size)
+      fresh = init_codec_state(updates, codec=codec, n=n, bucket_size=bucket_size,
+                               max_buckets=max_buckets, leaf_order=leaf_order)
       codec_state = jax.tree.map(lambda f, o: jnp.where(state.step == 0, f, o),
                                  fresh, codec_state)
     grads = updates
@@ -125,8 +136,8 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                            state.residual.tree)
     reduced, stats = allreduce(
         grads, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
-        average=average, bucket_size=bucket_size, implementation=implementation,
-        codec_state=codec_state, return_own=error_feedback)
+        average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+        leaf_order=leaf_order, implementation=implementation, codec_state=codec_state, return_own=error_feedback)
     residual = None
     if error_feedback:
       residual = PerRank(jax.tree.map(lambda p, c: (p - c)[None], grads, stats.own))

@@ -1,5 +1,7 @@
 """Flattening arbitrary gradient pytrees into buckets and back."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,3 +94,104 @@ def test_stats_report_bits_and_bytes():
   assert float(stats.bits_per_coord[0]) == pytest.approx(exact.bits_per_coord)
   assert exact.bits_per_coord <= 5.0
   assert exact.bytes_per_rank == pytest.approx(exact.bits_per_coord * 100_000 / 8 * 2 * 7 / 8)
+
+
+# -- buckets of whole leaves, in the order the backward pass produces them ----------------------
+
+
+def _layout(tree, **kw):
+  return [[tuple(s) for s in b] for b in dq.bucket_layout(tree, **kw)]
+
+
+def _shapes(*sizes):
+  return [jax.ShapeDtypeStruct((s,), jnp.float32) for s in sizes]
+
+
+def test_layout_packs_whole_leaves_in_reverse_order():
+  # leaves 0..3 of 300, 500, 200, 100 coordinates; buckets of at most 1200, the first 300
+  assert _layout(_shapes(300, 500, 200, 100), bucket_size=1200) == [
+      [(3, 0, 100), (2, 0, 200)],  # 500 does not fit the first bucket: it starts the next
+      [(1, 0, 500), (0, 0, 300)]]
+
+
+def test_layout_cuts_a_large_leaf_into_bucket_sized_pieces():
+  assert _layout(_shapes(100, 1300, 50), bucket_size=512) == [
+      [(2, 0, 50)],  # the first bucket: at most 512 // 4
+      [(1, 0, 512)], [(1, 512, 1024)],  # whole buckets of the large leaf
+      [(1, 1024, 1300), (0, 0, 100)]]  # its remainder packs like a leaf
+
+
+def test_layout_orders_and_their_errors():
+  tree = _shapes(10, 20, 30)
+  assert _layout(tree, bucket_size=1000, leaf_order="forward") == [
+      [(0, 0, 10), (1, 0, 20), (2, 0, 30)]]
+  assert _layout(tree, bucket_size=24, leaf_order=[1, 2, 0]) == [
+      [(1, 0, 6)], [(1, 6, 20)], [(2, 0, 24)], [(2, 24, 30), (0, 0, 10)]]
+  for bad in ([0, 1], [0, 1, 1], [0, 1, 3], "backward", 3):
+    with pytest.raises(ValueError, match=r"leaf_order=.*Fix: pass a permutation of range\(3\)"):
+      dq.bucket_layout(tree, leaf_order=bad)
+
+
+def test_layout_skips_empty_leaves_and_round_trips_them():
+  tree = {"a": jnp.zeros((N, 0, 3)), "b": jnp.ones((N, 5)), "c": jnp.zeros((N, 0))}
+  assert _layout(jax.tree.map(lambda x: x[0], tree), bucket_size=4) == [[(1, 0, 1)], [(1, 1, 5)]]
+  out = dq.simulate(tree, codec=F32(), bucket_size=4, average=False)
+  assert out["a"].shape == (N, 0, 3) and out["c"].shape == (N, 0)
+  np.testing.assert_array_equal(np.asarray(out["b"])[0], np.full(5, N, np.float32))
+
+
+def test_each_bucket_depends_only_on_its_own_leaves():
+  """Changing a leaf of one bucket leaves every other bucket's result bit for bit."""
+  rng = np.random.default_rng(3)
+  tree = {f"w{i}": jnp.asarray(rng.standard_normal((N, 2048 + 64 * i)), jnp.float32)
+          for i in range(4)}  # reverse order: w3, w2, w1, w0 -> one bucket each
+  kw = dict(codec=DynamiQ(bits=5), bucket_size=2304)
+  layout = dq.bucket_layout(jax.tree.map(lambda x: x[0], tree), **kw)
+  assert [[s.leaf for s in b] for b in layout] == [[3], [3], [2], [1], [0]]
+  base = dq.simulate(tree, **kw)
+  changed = dict(tree, w1=tree["w1"] * 3.0 + 1.0)
+  out = dq.simulate(changed, **kw)
+  for name in ("w0", "w2", "w3"):
+    np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(base[name]))
+  assert not np.array_equal(np.asarray(out["w1"]), np.asarray(base["w1"]))
+
+
+def test_leaf_order_changes_the_buckets_not_the_exact_sum():
+  rng = np.random.default_rng(4)
+  tree = [_dyadic(rng, (N, s), jnp.float32) for s in (700, 300, 900)]
+  for order in (None, "forward", [2, 0, 1]):
+    out = dq.simulate(tree, codec=F32(), average=False, bucket_size=1000, leaf_order=order)
+    for o, t in zip(out, tree):
+      np.testing.assert_array_equal(np.asarray(o)[0], np.asarray(t).sum(0))
+
+
+def test_wire_stats_and_codec_state_follow_the_layout():
+  tree = {"a": jax.ShapeDtypeStruct((5000,), jnp.float32),
+          "b": jax.ShapeDtypeStruct((3000,), jnp.float32)}
+  codec = dq.codecs.mxfp8()
+  layout = dq.bucket_layout(tree, codec=codec, bucket_size=4096)
+  state = dq.init_codec_state(tree, codec=codec, n=N, bucket_size=4096)
+  assert len(state) == len(layout) == 4
+  stats = dq.wire_stats(tree, codec=codec, n=N, bucket_size=4096)
+  sizes = [sum(s.stop - s.start for s in b) for b in layout]
+  assert sizes == [1024, 1976, 4096, 904]  # b cut by the first bucket; a by a whole one
+  bits = sum(codec.wire_bits(d, N) for d in sizes)
+  assert stats.bits_per_coord == pytest.approx(bits / 8000)
+
+
+def test_max_buckets_grows_the_buckets():
+  tree = _shapes(*([1000] * 40))
+  assert len(dq.bucket_layout(tree, bucket_size=1024, max_buckets=None)) == 41
+  layout = dq.bucket_layout(tree, bucket_size=1024, max_buckets=8)
+  assert len(layout) <= 8
+  covered = collections.Counter()
+  for b in layout:
+    for s in b:
+      covered[s.leaf] += s.stop - s.start
+  assert covered == {leaf: 1000 for leaf in range(40)}  # every coordinate, once
+  codec = DynamiQ()
+  big = dq.bucket_layout(_shapes(10_000_000), codec=codec, bucket_size=1 << 20, max_buckets=4)
+  assert len(big) <= 4 and big[-1][-1].stop == 10_000_000
+  assert all(s.stop % codec.granularity == 0 for b in big[:-1] for s in b)  # whole super-groups
+  with pytest.raises(ValueError, match="max_buckets=0 must be a positive integer"):
+    dq.bucket_layout(tree, max_buckets=0)

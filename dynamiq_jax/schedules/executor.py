@@ -14,9 +14,16 @@ Gather phase: an all-gather forwards every root's final payload unchanged
 with the same bytes — including each root, which adopts the decoded version
 of what it broadcast.
 
-Runs of alike steps (:meth:`TreePlan.segments`: the ring is one run, the
-butterfly two per tree level) execute as one ``fori_loop`` body each, so
-compile time grows with log n at most.
+Where to put the hops is a scheduling choice with bit-identical results.
+Unrolled (plans of up to :data:`UNROLL_MAX_STEPS` steps), every hop
+is an instruction of the enclosing computation, so XLA's scheduler can
+overlap its transfer with any independent work there: the backward pass of
+earlier layers, other buckets' codec kernels. A ``while`` loop runs as one
+unit on the compute stream, so a hop inside one overlaps only with work of
+the same loop body. Beyond that many steps, runs of alike steps
+(:meth:`TreePlan.segments`: the ring is one run, the butterfly two per tree
+level) execute as one ``fori_loop`` body each, so compile time grows with
+log n at most.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ import jax.numpy as jnp
 from dynamiq_jax.schedules.context import AxisContext
 from dynamiq_jax.schedules.plan import TreePlan
 
-__all__ = ["HopOps", "execute", "reduce_scatter", "all_gather"]
+__all__ = ["HopOps", "execute", "reduce_scatter", "all_gather", "UNROLL_MAX_STEPS"]
+
+UNROLL_MAX_STEPS = 16
+"""Plans of at most this many reduce steps (a ring of up to 17 ranks) run unrolled."""
 
 PyTree = Any
 
@@ -113,8 +123,9 @@ def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
           recv = ctx.ppermute(payload, _shift_perm(n, shift))
         return acc, recv
 
-      if length == 1:
-        acc, recv = step(start, (acc, recv))
+      if length == 1 or plan.steps <= UNROLL_MAX_STEPS:
+        for j in range(start, start + length):
+          acc, recv = step(j, (acc, recv))
       else:
         acc, recv = jax.lax.fori_loop(start, start + length, step, (acc, recv))
     c_root = mod(r - plan.root)
