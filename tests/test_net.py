@@ -31,7 +31,8 @@ def test_method_names():
   with pytest.raises(ValueError, match="not one of"):
     net.parse_method("zip/ring")
   assert net.tile_coords(8) == 4 << 20  # 8 MiB of bf16
-  assert net.tile_coords(0) == DEFAULT_BUCKET_SIZE  # @0: the whole gradient in one bucket
+  assert net.tile_coords(0) == net.ONE_BUCKET  # @0: the whole gradient in one bucket
+  assert net.ONE_BUCKET > DEFAULT_BUCKET_SIZE
   with pytest.raises(ValueError, match="tile 'big' is not a number"):
     net.parse_method("dynamiq/ring@big")
 

@@ -92,11 +92,14 @@ def parse_method(name: str):
   return "allreduce", dq.codec_from_name(codec_name), schedule, tile_mb
 
 
+ONE_BUCKET = 1 << 40
+"""A bucket size larger than any gradient here: the whole gradient in one bucket."""
+
+
 def tile_coords(tile_mb: float) -> int:
   """Bucket size in coordinates for tiles of ``tile_mb`` MiB of bf16 (0: one bucket)."""
-  from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
   if not tile_mb:
-    return DEFAULT_BUCKET_SIZE
+    return ONE_BUCKET
   return max(256, int(tile_mb * 2**20 / 2) // 256 * 256)
 
 
