@@ -197,3 +197,18 @@ def test_kernels_gpu_fails_without_a_gpu(tmp_path):
   with pytest.raises(SystemExit, match="no GPU") as err:
     kernels.main(["--gpu", "--tiny", "--out", str(tmp_path)])
   assert err.value.code != 0
+
+
+def test_overlap_tiny(tmp_path):
+  from dynamiq_jax.bench import overlap
+  if overlap.gpu_compile_missing():
+    pytest.skip(overlap.gpu_compile_missing())
+  payload = overlap.main(["--tiny", "--out", str(tmp_path)])
+  runs = payload["runs"]
+  assert set(runs) == {"pmean", "dynamiq@262144"}
+  assert runs["dynamiq@262144"]["buckets"] == 2
+  assert runs["pmean"]["collectives"] and runs["dynamiq@262144"]["collectives"]["collective-permute"] > 0
+  assert all(r["compile_s"] > 0 for r in runs.values())
+  assert all(0 < r["vs_best"] for r in payload["model"]["rows"])
+  with open(os.path.join(tmp_path, "overlap_tiny.json")) as f:
+    assert json.load(f)["runs"] == runs

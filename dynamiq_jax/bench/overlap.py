@@ -289,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--library", default=None,
                  help="compile against the dynamiq_jax at this directory (e.g. a worktree of "
                       "an older commit) instead of this one")
-  p.add_argument("--label", default=None, help="name of this run in the JSON (default: "
-                 "'library' or the --library path)")
+  p.add_argument("--label", default=None,
+                 help="writes overlap_<label>.json instead of overlap.json (e.g. 'before')")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   return p
@@ -341,13 +341,15 @@ def main(argv=None) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads the machine
   from dynamiq_jax.bench.common import command_line, machine, results_dir, write_json
 
-  if args.tiny:
-    args.layers, args.width, args.batch = 3, 512, 512
-    args.bucket_sizes = "262144"
+  if args.tiny:  # two layers of 65536 coordinates in two buckets (the first is a quarter)
+    args.layers, args.width, args.batch = 2, 256, 256
+    args.bucket_sizes = str(1 << 18)
   shape = {"layers": args.layers, "width": args.width, "batch": args.batch}
   sizes = [int(s) for s in args.bucket_sizes.split(",") if s]
-  specs = [("pmean", {"method": "pmean"}), ("dynamiq", {"method": "dynamiq"})]
-  if not args.library:  # the default with every hop in a while loop: what unrolling buys
+  specs = [("pmean", {"method": "pmean"})]
+  if not args.tiny:
+    specs.append(("dynamiq", {"method": "dynamiq"}))
+  if not (args.library or args.tiny):  # the default with its hops in loops: what unrolling buys
     specs.append(("dynamiq, hops in loops", {"method": "dynamiq", "unroll_max_steps": 0}))
   specs += [(f"dynamiq@{s}", {"method": "dynamiq", "options": {"bucket_size": s}})
             for s in sizes]
@@ -378,7 +380,8 @@ def main(argv=None) -> dict:
       "default_bucket_size": DEFAULT_BUCKET_SIZE if not args.library else None,
       "runs": runs, "model": {"note": MODEL_NOTE, "rows": model},
   }
-  name = "overlap_tiny.json" if args.tiny else f"overlap_{args.label or 'library'}.json"
+  name = ("overlap_tiny.json" if args.tiny else
+          f"overlap_{args.label}.json" if args.label else "overlap.json")
   path = write_json(os.path.join(results_dir(args.out), name), payload)
   print(f"\nwrote {path}\ncommand: {payload['command']}")
   return payload
