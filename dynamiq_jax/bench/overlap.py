@@ -13,8 +13,10 @@ layers (tanh) on a global batch of ``--batch`` rows: ``jax.grad`` inside
 the all-reduce, then SGD. The reductions compared:
 
 * ``pmean``: ``jax.lax.psum`` of the bf16 gradients (:func:`dynamiq_jax.baseline_psum`);
-* ``dynamiq@S``: ``compressed_psum(bucket_size=S)`` with the default codec
-  (``dynamiq`` alone: the library's default bucket size).
+* ``dynamiq``: ``compressed_psum()``, the defaults; ``dynamiq@S`` with
+  ``bucket_size=S``; two ablations of the default: its hops in ``while``
+  loops (``UNROLL_MAX_STEPS = 0``) and its buckets not tied one after
+  another (``unordered``).
 
 In the scheduled GPU program (the entry computation of the optimized HLO)
 it counts the backward GEMMs (GEMM fusions and cuBLAS calls whose source is
@@ -24,11 +26,10 @@ data is on the wire. It also counts the codec's kernels of one bucket that
 run inside the windows of another bucket's collectives, the collectives by
 kind, and the lowering and compile seconds (wall) of the step.
 
-The second table models the step time of a stated training job against the
+The second table models the step time of stated training jobs against the
 bucket size (:func:`model_step`): what each bucket adds in hops of fixed
 latency against how much of the all-reduce hides behind the backward pass.
-It is a model, labelled as such; the compile seconds per bucket beside it
-are measured.
+It is a model, labelled as such.
 
 ``--library PATH`` compiles against the ``dynamiq_jax`` at ``PATH`` (e.g. a
 worktree of an older commit), to compare before and after; options the
@@ -81,6 +82,13 @@ def _child(spec: dict, out: str) -> None:
   if "unroll_max_steps" in spec:  # the executor's threshold, for the unroll comparison
     from dynamiq_jax.schedules import executor
     executor.UNROLL_MAX_STEPS = spec["unroll_max_steps"]
+  if spec.get("unordered"):  # ablation: buckets not tied one after another
+    from dynamiq_jax import allreduce as allreduce_module
+
+    def unordered(xs, reduce_one):
+      return [reduce_one(b, x, None) for b, x in enumerate(xs)]
+
+    allreduce_module._one_after_another = unordered
   topology = topologies.get_topology_desc(
       topology_name="h100", platform="cuda", target_config=H100_CONFIG.read_text(),
       topology=f"1x1x{DEVICES}")
@@ -137,7 +145,9 @@ def compile_step(spec: dict, library: str | None = None) -> tuple[str, dict]:
   Args:
     spec: ``{"method": "pmean" | "dynamiq", "options": {...compressed_psum kwargs},
       "layers": L, "width": W, "batch": B}``, optionally ``"unroll_max_steps"`` (the
-      schedule executor's :data:`~dynamiq_jax.schedules.executor.UNROLL_MAX_STEPS`).
+      schedule executor's :data:`~dynamiq_jax.schedules.executor.UNROLL_MAX_STEPS`) and
+      ``"unordered": True`` (buckets not tied one after another: the ablation of
+      ``allreduce``'s ordering).
     library: a directory holding the ``dynamiq_jax`` to compile against
       (None: this one).
   """
@@ -283,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--layers", type=int, default=12, help="MLP layers")
   p.add_argument("--width", type=int, default=2048, help="MLP width (square float32 layers)")
   p.add_argument("--batch", type=int, default=2048, help="global batch (rows)")
-  p.add_argument("--bucket-sizes", default="1048576,2097152,4194304,8388608,16777216,67108864",
+  p.add_argument("--bucket-sizes", default="4194304,8388608,33554432,67108864",
                  help="comma-separated bucket sizes (coordinates) to compile DynamiQ with, "
                       "besides the library's default")
   p.add_argument("--library", default=None,
@@ -349,8 +359,9 @@ def main(argv=None) -> dict:
   specs = [("pmean", {"method": "pmean"})]
   if not args.tiny:
     specs.append(("dynamiq", {"method": "dynamiq"}))
-  if not (args.library or args.tiny):  # the default with its hops in loops: what unrolling buys
+  if not (args.library or args.tiny):  # ablations of the default: what each part buys
     specs.append(("dynamiq, hops in loops", {"method": "dynamiq", "unroll_max_steps": 0}))
+    specs.append(("dynamiq, unordered", {"method": "dynamiq", "unordered": True}))
   specs += [(f"dynamiq@{s}", {"method": "dynamiq", "options": {"bucket_size": s}})
             for s in sizes]
   runs = {}
@@ -359,7 +370,8 @@ def main(argv=None) -> dict:
   for label, spec in specs:
     hlo, times = compile_step({**spec, **shape}, library=args.library)
     counts = schedule_counts(hlo)
-    runs[label] = {**counts, **times, "options": spec.get("options", {})}
+    runs[label] = {**counts, **times, "options": spec.get("options", {}),
+                   "load_avg_1min": round(os.getloadavg()[0], 2)}  # a shared machine's noise
     print(f"{label:<24} {counts['backward_gemms_in_windows']:>10} of {counts['backward_gemms']:<8}"
           f" {counts['codec_ops_in_other_buckets_windows']:>10} of {counts['codec_ops']:<10}"
           f" {sum(counts['collectives'].values()):>12} {times['compile_s']:>10.1f}"
