@@ -29,8 +29,9 @@ the same on jax 0.10.2 and 0.12:
   :func:`executions` (how many times each computation runs per step, from
   the call graph and the while loops' known trip counts, so a count does
   not depend on how XLA peels or unrolls a loop), :func:`per_step`,
-  :func:`kernel_name`, :func:`is_payload_hop`, :func:`is_gemm` and :func:`async_windows`
-  (what the schedule places between an asynchronous start and its done).
+  :func:`kernel_name`, :func:`is_payload_hop`, :func:`is_gemm` and
+  :func:`async_windows` (what the schedule places between an asynchronous
+  start and its done).
 
 Run as a script it is the child (``--child``); nothing else.
 """
@@ -51,10 +52,12 @@ import tempfile
 import time
 
 __all__ = [
-    "ROOT", "TARGET_CONFIG", "TRITON", "PTX_FLAGS", "H100_KIND", "missing", "ptxas",
-    "h100", "gpu_target", "abstract_h100_mesh", "h100_devices", "h100_mesh", "Build", "compile_in_child", "ptxas_report", "Instruction", "Computation",
-    "parse_hlo", "executions", "per_step", "kernel_name", "is_payload_hop", "is_gemm",
-    "Window", "async_windows",
+    "ROOT", "TARGET_CONFIG", "TRITON", "PTX_FLAGS", "H100_KIND",
+    "missing", "ptxas",
+    "h100", "gpu_target", "abstract_h100_mesh", "h100_devices", "h100_mesh",
+    "Build", "compile_in_child", "ptxas_report",
+    "Instruction", "Computation", "parse_hlo", "executions", "per_step",
+    "kernel_name", "is_payload_hop", "is_gemm", "Window", "async_windows",
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -433,7 +436,9 @@ def is_gemm(ins: Instruction, comps: dict[str, Computation]) -> bool:
   fusion (``gemm_fusion_*``, ``kind=kCustom``, or any other) whose computation holds a
   ``dot``."""
   if ins.opcode == "custom-call":
-    return re.search(r'custom_call_target="__cublas\$(lt\$)?(gemm|matmul)', ins.attributes) is not None
+    target = re.search(r'custom_call_target="([^"]*)"', ins.attributes)
+    cublas = r"__cublas\$(lt\$)?(gemm|matmul)"
+    return target is not None and re.match(cublas, target.group(1)) is not None
   if ins.opcode not in ("fusion", "fusion-start"):
     return False
   called = re.search(r"\bcalls=%?([\w.\-]+)", ins.attributes)
