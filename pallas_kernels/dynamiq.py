@@ -33,7 +33,8 @@ by level index.
 GPU backend: Triton-lowered ``pallas_call`` (``triton.CompilerParams``), the
 default, because it is the only Pallas GPU backend that lowers these kernels.
 Mosaic GPU (what a ``pallas_call`` without compiler params lowers to for
-``cuda``; jax 0.10.2 deprecates that route in favour of ``plgpu.kernel``)
+``cuda`` on jax 0.10.2, which deprecates that route in favour of
+``plgpu.kernel``; from jax 0.11 ``pallas_call`` has no Mosaic GPU lowering)
 fails on jax 0.10.2, checked on a CPU machine by lowering for the ``cuda``
 platform: first, ``NotImplementedError: Only copies transferring a number of
 bytes divisible by the warpgroup size are supported. Got bytes=32 but
@@ -49,8 +50,12 @@ copies); the level-table lookups (``lam_ref[j]``, recorded earlier as
 constant levels would avoid those). Mosaic GPU therefore needs a new record
 layout (e.g. codes, scales and units in separate 128-byte-aligned planes), not
 a port. jax >= 0.11 deprecates the Triton backend and warns at every Triton
-lowering; that DeprecationWarning, and only it, is filtered where a kernel is
-traced for a GPU (:func:`_quiet_triton_deprecation`). ``python -m
+lowering; that DeprecationWarning, and only it, is filtered by the kernels'
+entry points whenever they build a Triton (not interpreted) kernel
+(:func:`_triton_entry`). jax >= 0.11 also compiles a Triton kernel for the
+GPU of the abstract mesh in context, or else of the default device, and no
+longer assumes one: lowering for a GPU from a CPU host takes an abstract
+GPU device (docs/guide.md). ``python -m
 dynamiq_jax.bench.kernels`` measures the Triton kernels against the unfused
 XLA reference and the device's copy bandwidth
 (``docs/results/kernels_<device>.json``).
@@ -332,6 +337,22 @@ def _dar_call(payload, x, keys, lam, *, fmt, strata, interpret):
   return out.reshape(s_count, fmt.record_bytes)
 
 
+def _triton_entry(kernel):
+  """Decorates a kernel's entry point: a call that builds the Triton kernel
+  (``interpret=False``) quiets jax's Triton deprecation
+  (:func:`_quiet_triton_deprecation`). The entry point runs on every trace of
+  the caller's program, unlike the jitted launch below it, whose trace jax
+  caches."""
+
+  @functools.wraps(kernel)
+  def entry(*args, interpret=False, **kwargs):
+    if not interpret:
+      _quiet_triton_deprecation()
+    return kernel(*args, interpret=interpret, **kwargs)
+
+  return entry
+
+
 # ----------------------------------------------------------------------------
 # vmap: pallas_call's own batching would add a grid axis under our flat
 # record offsets, so batching is defined here. Decoding merges the batch into
@@ -367,6 +388,7 @@ def _map_batch_rule(fn):
   return rule
 
 
+@_triton_entry
 def compress_pallas(x, fmt: F.Format, *, keys, rank=0, strata: int = 1, interpret=False):
   """Kernel version of :func:`~pallas_kernels.dynamiq_format.compress_reference`."""
   _check(x=x)
@@ -380,6 +402,7 @@ def compress_pallas(x, fmt: F.Format, *, keys, rank=0, strata: int = 1, interpre
   return op(x, _keys_array(keys, rank))
 
 
+@_triton_entry
 def decompress_pallas(payload, fmt: F.Format, *, interpret=False):
   """Kernel version of :func:`~pallas_kernels.dynamiq_format.decompress_reference`."""
   _check(payload=payload, fmt=fmt)
@@ -392,6 +415,7 @@ def decompress_pallas(payload, fmt: F.Format, *, interpret=False):
   return op(payload)
 
 
+@_triton_entry
 def decompress_accumulate_pallas(payload, x, fmt: F.Format, *, interpret=False):
   """Kernel version of ``decompress_reference(payload) + x``."""
   _check(x=x, payload=payload, fmt=fmt)
@@ -405,6 +429,7 @@ def decompress_accumulate_pallas(payload, x, fmt: F.Format, *, interpret=False):
   return op(payload, x)
 
 
+@_triton_entry
 def decompress_accumulate_recompress_pallas(payload, x, fmt: F.Format, *, keys, rank=0,
                                             strata: int = 1, interpret=False):
   """Kernel version of the fused ring hop."""
@@ -447,11 +472,13 @@ def _quiet_triton_deprecation():
 
   jax >= 0.11 warns at every lowering of a Triton ``pallas_call`` that the
   backend "will be removed". The kernels are Triton on purpose (Mosaic GPU
-  cannot lower them yet, see the module docstring), and the warning is
-  raised when the caller's jit compiles, outside any frame of this module,
-  so it is filtered here, where a kernel is traced for a GPU: by its exact
-  start and category, never other warnings. Installed again on each use
-  because ``warnings.catch_warnings`` (pytest, user code) restores filters.
+  cannot lower them yet, see the module docstring). The warning is raised
+  when the caller's program is lowered, outside any frame of this package,
+  so the filter goes in at the last frame of ours before that: by the
+  warning's exact start and category, never other warnings. Installed again
+  on each use because ``warnings.catch_warnings`` (pytest, user code)
+  restores filters on exit; a program traced inside one such block and
+  lowered after it can still show the warning.
   """
   warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
@@ -470,6 +497,20 @@ def _local_gpus():
     return jax.devices("gpu")
   except RuntimeError:
     return []
+
+
+def _targets_another_gpu(gpu) -> bool:
+  """Whether the program is being lowered for a GPU of another kind than ``gpu``.
+
+  jax >= 0.11 compiles a Pallas GPU kernel for the GPU of the abstract mesh
+  in context (``jax.sharding.use_abstract_mesh``, or a ``shard_map`` over a
+  mesh of GPUs) and reads a kind that differs from the local device's as a
+  deliberate ahead-of-time target; compiling the kernel on ``gpu`` would then
+  say nothing about the target.
+  """
+  target = jax.sharding.get_abstract_mesh().abstract_device
+  return (target is not None and target.platform in ("gpu", *GPU_PLATFORMS)
+          and target.device_kind != gpu.device_kind)
 
 
 def _split(args, kwargs):
@@ -501,7 +542,6 @@ def _compile_alone(kernel, device, args, kwargs):
     return kernel(*a, **kw, interpret=False)
 
   with warnings.catch_warnings():
-    _quiet_triton_deprecation()
     jax.jit(alone).lower(*structs).compile()
 
 
@@ -510,13 +550,16 @@ def _kernel_compiles(op, kernel, args, kwargs) -> bool:
 
   Checked once per (op, static arguments (format, strata, ...), operand
   shapes and dtypes) by
-  compiling the kernel alone; on failure one :class:`KernelFallbackWarning`
-  names the kernel, the error and how to force either path. Without a local
-  GPU (a deviceless or AOT compile from a CPU host) there is nothing to
-  compile against, and the kernels stay in the program.
+  compiling the kernel alone, in the caller's context (the abstract mesh that
+  the caller's lowering will read too); on failure one
+  :class:`KernelFallbackWarning` names the kernel, the error and how to force
+  either path. Without a local GPU (a deviceless or AOT compile from a CPU
+  host), or when the program is lowered for a GPU of another kind
+  (:func:`_targets_another_gpu`), there is nothing to compile against, and
+  the kernels stay in the program.
   """
   gpus = _local_gpus()
-  if not gpus:
+  if not gpus or _targets_another_gpu(gpus[0]):
     return True
   operands, _ = _split(args, kwargs)
   types = tuple(f"{jnp.result_type(v)}{list(np.shape(v))}" for v in operands)
@@ -553,7 +596,6 @@ def _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs):
 
 def _gpu_path(op, kernel, reference, interpret, args, kwargs):
   """The program for a GPU lowering under ``implementation=None``."""
-  _quiet_triton_deprecation()
   if interpret or _kernel_compiles(op, kernel, args, kwargs):
     return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
   return reference(*args, **kwargs)
@@ -577,12 +619,9 @@ def _dispatch(op, kernel, reference, implementation, interpret, *args, **kwargs)
     return reference(*args, **kwargs)
   if implementation == "pallas":
     if interpret is not None:
-      if not interpret:
-        _quiet_triton_deprecation()
       return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
 
     def on_gpu():
-      _quiet_triton_deprecation()
       return _kernel_or_fallback(op, kernel, reference, False, args, kwargs)
 
     def off_gpu():

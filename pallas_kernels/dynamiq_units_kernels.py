@@ -735,6 +735,7 @@ def _widths(widths):
 # not merge into one chunk.
 
 
+@K._triton_entry
 def compress_units_pallas(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
                           scale_rounding="up", plane_bits: int = U.PLANE_BITS,
                           width_set=U.WIDTH_SET, interpret=False):
@@ -752,6 +753,7 @@ def compress_units_pallas(x, widths, units: int, *, eps, keys, rank=0, strata: i
   return op(x, widths, K._keys_array(keys, rank))
 
 
+@K._triton_entry
 def decompress_units_pallas(payload, widths, units: int, *, eps, plane_bits: int = U.PLANE_BITS,
                             width_set=U.WIDTH_SET, interpret=False):
   """Kernel version of :func:`~pallas_kernels.dynamiq_units.decompress_units_reference`."""
@@ -767,6 +769,7 @@ def decompress_units_pallas(payload, widths, units: int, *, eps, plane_bits: int
   return op(payload, widths)
 
 
+@K._triton_entry
 def decompress_accumulate_units_pallas(payload, x, widths, units: int, *, eps,
                                        plane_bits: int = U.PLANE_BITS, width_set=U.WIDTH_SET,
                                        interpret=False):
@@ -784,6 +787,7 @@ def decompress_accumulate_units_pallas(payload, x, widths, units: int, *, eps,
   return op(payload, x, widths)
 
 
+@K._triton_entry
 def decompress_accumulate_recompress_units_pallas(payload, x, widths, units: int, *, eps, keys,
                                                   rank=0, strata: int = 1, scale_rounding="up",
                                                   plane_bits: int = U.PLANE_BITS,

@@ -39,6 +39,20 @@ def rows_identical(stacked) -> bool:
   return True
 
 
+def lower_for(platform: str, jitted, *args) -> str:
+  """``jitted`` traced with ``args`` and lowered for ``platform``, as StableHLO text.
+
+  For ``"cuda"`` the lowering is for an abstract H100 (``gpu_compile_tools.gpu_target``):
+  jax >= 0.11 compiles Pallas GPU kernels for the abstract mesh's GPU and has none on a
+  CPU host.
+  """
+  import gpu_compile_tools as T
+  if platform != "cuda":
+    return jitted.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  with T.gpu_target():
+    return jitted.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
 @functools.lru_cache(maxsize=None)
 def model_data(dataset, n, d, seed):
   from dynamiq_jax.bench.reference import paper_model_gradients

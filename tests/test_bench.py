@@ -83,6 +83,7 @@ def test_kernels_tiny(tmp_path):
   with open(os.path.join(tmp_path, name)) as f:
     saved = json.load(f)
   assert saved["backend_lowering"]["triton"] == "lowers"
+  assert saved["backend_lowering"]["mosaic_gpu"] != "lowers"  # test_kernel_dispatch says why
 
 
 def test_vnmse_rejects_bad_options_before_measuring(tmp_path):

@@ -31,18 +31,46 @@ def _rows(seed, rows=2048):
   return jnp.asarray(v)
 
 
+def _frexp_flushes_subnormals() -> bool:
+  """jax 0.12's ``jnp.frexp`` / ``jnp.ldexp`` flush subnormal inputs to signed zero
+  (documented there); jax 0.10.2's do not."""
+  return float(jnp.frexp(jnp.float32(2.0**-140))[0]) == 0.0
+
+
 def test_ldexp_and_row_norm_match_jnp():
-  """On finite, zero, subnormal, huge and non-finite values, and shifts both ways."""
+  """On finite, zero, subnormal, huge and non-finite values, and shifts both ways.
+
+  ``row_norm`` shifts by minus the exponent of its row's largest magnitude,
+  from -128 to 125 (a row whose largest magnitude is subnormal is not
+  shifted: XLA:CPU compares a subnormal with zero as zero); there
+  ``_ldexp`` equals ``jnp.ldexp`` bit for bit on every jax version. Beyond
+  that (+-140 on every element) too, except on a jax whose ``jnp.frexp``
+  flushes subnormals to zero (0.12; 0.10.2 reads every subnormal as
+  0.5 * 2**-149): a subnormal shifted up by more than 128 is then
+  ``jnp.ldexp``'s signed zero and ``_ldexp``'s NaN (its flushed mantissa 0
+  times 2**(k-1) = inf).
+  """
+  flushes = _frexp_flushes_subnormals()
+  met = set()  # which of the cases above occurred
   for seed in range(4):
     r = _rows(seed)
     m = jnp.max(jnp.abs(r), axis=-1)
     _, e = jnp.frexp(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
+    assert -128 <= int(jnp.min(-e)) and int(jnp.max(-e)) <= 125  # row_norm's shifts
+    bits = np.asarray(r).view(np.uint32)
+    subnormal = ((bits >> 23) & 0xFF == 0) & (bits & 0x7FFFFF != 0)  # numpy: XLA:CPU flushes
     for k in (-e[:, None], e[:, None], jnp.full(r.shape, 140, jnp.int32),
               jnp.full(r.shape, -140, jnp.int32)):
-      want = jax.jit(jnp.ldexp)(r, k)
-      got = jax.jit(_exact._ldexp)(r, k)
-      np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
-                                    np.asarray(want).view(np.uint32))
+      want = np.asarray(jax.jit(jnp.ldexp)(r, k))
+      got = np.asarray(jax.jit(_exact._ldexp)(r, k))
+      shift = np.broadcast_to(np.asarray(k), r.shape)
+      beyond = flushes & subnormal & (shift > 128)
+      np.testing.assert_array_equal(got[~beyond].view(np.uint32), want[~beyond].view(np.uint32))
+      assert np.isnan(got[beyond]).all()
+      assert (want[beyond] == 0).all()
+      assert (np.signbit(want[beyond]) == np.signbit(np.asarray(r)[beyond])).all()
+      met |= {"subnormal"} if subnormal.any() else set()
+      met |= {"beyond"} if beyond.any() else set()
 
     def slow(r):  # row_norm as it was written with jnp.ldexp
       m = jnp.max(jnp.abs(r), axis=-1)
@@ -54,3 +82,4 @@ def test_ldexp_and_row_norm_match_jnp():
 
     np.testing.assert_array_equal(np.asarray(jax.jit(_exact.row_norm)(r)).view(np.uint32),
                                   np.asarray(jax.jit(slow)(r)).view(np.uint32))
+  assert met == ({"subnormal", "beyond"} if flushes else {"subnormal"})

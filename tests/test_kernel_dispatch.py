@@ -1,5 +1,9 @@
 """Kernel dispatch: the fallback when a kernel does not compile, and jax's Triton warning."""
 
+import os
+import subprocess
+import sys
+import types
 import warnings
 
 import jax
@@ -7,9 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dynamiq_jax as dq
+from dynamiq_jax.codecs import DynamiQ
 from pallas_kernels import dynamiq as K
 from pallas_kernels import dynamiq_format as F
 from pallas_kernels import rng
+
+import gpu_compile_tools as T
+from _helpers import lower_for
 
 FMT = F.Format(bits=4)
 TRITON = "__gpu$xla.gpu.triton"
@@ -25,9 +34,14 @@ def _x(seed, s=11):
                      .astype(np.float32))
 
 
-def _cuda_text(f, *args):
-  """The program lowered for cuda, from a fresh trace (jit caches traces per function)."""
-  return jax.jit(lambda *a: f(*a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+def _cuda_text(f, *args, target=True):
+  """The program lowered for cuda, from a fresh trace (jit caches traces per function),
+  for an abstract H100 (``target=False``: no GPU in context; jax >= 0.11 then cannot
+  lower a Triton kernel on this CPU host)."""
+  jitted = jax.jit(lambda *a: f(*a))
+  if target:
+    return lower_for("cuda", jitted, *args)
+  return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.fixture
@@ -40,8 +54,15 @@ def fresh():
 @pytest.fixture
 def cpu_as_local_gpu(monkeypatch, fresh):
   """The probe's "local GPU" is a CPU device: compiling a kernel for it fails for real
-  (Pallas compiles only in interpret mode on CPU)."""
+  (Pallas compiles only in interpret mode on CPU). Lower with ``target=False``: an
+  abstract GPU in context would be another kind, which the probe leaves alone."""
   monkeypatch.setattr(K, "_local_gpus", lambda: jax.devices("cpu")[:1])
+
+
+@pytest.fixture
+def h100_as_local_gpu(monkeypatch, fresh):
+  """The probe's "local GPU" is an H100, the kind of the abstract GPU lowered for."""
+  monkeypatch.setattr(K, "_local_gpus", lambda: [types.SimpleNamespace(device_kind=T.H100_KIND)])
 
 
 def _compress(x):
@@ -53,8 +74,8 @@ class TestCompileFallback:
   def test_a_kernel_that_fails_to_compile_falls_back_with_one_warning(self, cpu_as_local_gpu):
     x = _x(0)
     with pytest.warns(K.KernelFallbackWarning) as record:
-      text = _cuda_text(_compress, x)
-      _cuda_text(_compress, x)  # same kernel and operands: no second warning
+      text = _cuda_text(_compress, x, target=False)
+      _cuda_text(_compress, x, target=False)  # same kernel and operands: no second warning
     assert TRITON not in text  # the GPU program runs the reference
     assert "stablehlo.while" not in text  # without XLA:CPU's workaround
     assert len(record) == 1
@@ -73,9 +94,8 @@ class TestCompileFallback:
     ref = F.decompress_accumulate_recompress_reference(p, x, FMT, **kw)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
-  def test_a_kernel_that_compiles_stays(self, monkeypatch, fresh):
+  def test_a_kernel_that_compiles_stays(self, monkeypatch, h100_as_local_gpu):
     compiled = []
-    monkeypatch.setattr(K, "_local_gpus", lambda: jax.devices("cpu")[:1])
     monkeypatch.setattr(K, "_compile_alone", lambda kernel, device, args, kw: compiled.append(1))
     with warnings.catch_warnings():
       warnings.simplefilter("error", K.KernelFallbackWarning)
@@ -88,7 +108,8 @@ class TestCompileFallback:
     monkeypatch.setattr(K, "_compile_alone", lambda *a: pytest.fail("probed without a GPU"))
     assert _cuda_text(_compress, _x(0)).count(TRITON) == 1
 
-  def test_forced_paths_skip_the_probe(self, cpu_as_local_gpu):
+  def test_forced_paths_skip_the_probe(self, monkeypatch, h100_as_local_gpu):
+    monkeypatch.setattr(K, "_compile_alone", lambda *a: pytest.fail("probed a forced path"))
     with warnings.catch_warnings():
       warnings.simplefilter("error", K.KernelFallbackWarning)
       forced = _cuda_text(lambda x: K.compress(x, FMT, keys=_keys(0), implementation="pallas"),
@@ -96,6 +117,39 @@ class TestCompileFallback:
       ref = _cuda_text(lambda x: K.compress(x, FMT, keys=_keys(0), implementation="xla"), _x(0))
     assert forced.count(TRITON) == 1
     assert TRITON not in ref
+
+  def test_a_gpu_of_another_kind_is_not_probed(self, monkeypatch, fresh):
+    """Lowering for an H100 on a host whose GPU is another kind (ahead of time): compiling
+    on the local GPU says nothing about the target, so the kernels stay unprobed."""
+    monkeypatch.setattr(K, "_local_gpus",
+                        lambda: [types.SimpleNamespace(device_kind="NVIDIA A100-SXM4-40GB")])
+    monkeypatch.setattr(K, "_compile_alone", lambda *a: pytest.fail("probed another GPU"))
+    assert _cuda_text(_compress, _x(0)).count(TRITON) == 1
+
+  @pytest.mark.skipif(T.missing() is not None, reason=str(T.missing()))
+  def test_the_probe_compiles_in_the_callers_context(self, monkeypatch, fresh):
+    """A compile-only H100 (``jax.experimental.topologies``) as the local GPU: the probe
+    really compiles each kernel for it, at top level and inside a ``shard_map`` trace
+    over H100s, in the abstract mesh the caller's lowering reads (jax >= 0.11)."""
+    [device] = T.h100_devices(1)
+    monkeypatch.setattr(K, "_local_gpus", lambda: [device])
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", K.KernelFallbackWarning)
+      assert _cuda_text(_compress, _x(0)).count(TRITON) == 1
+      assert len(K._probed) == 1
+      mesh = T.abstract_h100_mesh((8,), ("data",))
+      g = jax.ShapeDtypeStruct((8, 1 << 16), jnp.float32,
+                               sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
+
+      def body(x):
+        return dq.allreduce(x[0], axis_name="data", codec=DynamiQ(bits=5),
+                            key=jax.random.key(4))[0][None]
+
+      step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("data"),
+                                   out_specs=jax.P("data"), check_vma=True))
+      text = step.trace(g).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON) >= 3
+    assert len(K._probed) >= 4 and all(v is None for v in K._probed.values())
 
 
 def test_jax_triton_deprecation_is_ignored_and_only_it():
@@ -109,21 +163,61 @@ def test_jax_triton_deprecation_is_ignored_and_only_it():
     warnings.warn("The Pallas Triton backend is deprecated", UserWarning)
 
 
+_STRICT_LOWERING = """
+import warnings
+import jax, jax.numpy as jnp, numpy as np
+from pallas_kernels import dynamiq as K, dynamiq_format as F, dynamiq_units_kernels as UK
+import gpu_compile_tools as T
+keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
+x = jax.ShapeDtypeStruct((11, 256), jnp.float32)
+w = jax.ShapeDtypeStruct((11,), jnp.int32)
+programs = [lambda x, w: K.compress(x, F.Format(bits=4), keys=keys),
+            lambda x, w: K.compress(x, F.Format(bits=4), keys=keys, implementation="pallas"),
+            lambda x, w: K.compress_pallas(x, F.Format(bits=4), keys=keys),
+            lambda x, w: UK.compress_units(x, w, 20, eps={4: 0.18}, keys=keys, width_set=(4,))]
+for program in programs:
+  for _ in range(2):  # the second time the kernel's own jitted launch is a cached trace
+    with warnings.catch_warnings(), T.gpu_target():  # restores the filters on exit
+      text = jax.jit(program).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert T.TRITON in text
+print("lowered", len(programs) * 2)
+"""
+
+
+def test_gpu_lowerings_raise_no_deprecation_warning():
+  """``python -W error::DeprecationWarning``: lowering the kernels for a GPU (by dispatch,
+  forced, and directly) raises nothing, each time in a fresh ``catch_warnings`` block."""
+  res = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c",
+                        _STRICT_LOWERING], capture_output=True, text=True, cwd=T.ROOT,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                           [str(T.ROOT), str(T.ROOT / "tests")]), "JAX_PLATFORMS": "cpu"})
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert "lowered 8" in res.stdout
+
+
 def test_mosaic_gpu_cannot_lower_the_kernels_yet(monkeypatch):
   """The measurement behind Triton being the default (module docstring of
-  pallas_kernels.dynamiq): without Triton compiler params a ``pallas_call`` lowers
-  with Mosaic GPU, which rejects these kernels. If this starts failing, Mosaic GPU
-  has learnt something: measure it again."""
-  monkeypatch.setattr(K, "_compiler_params", lambda interpret: None)
+  pallas_kernels.dynamiq): a ``pallas_call`` with Mosaic GPU compiler params rejects
+  these kernels on jax 0.10.2; from jax 0.11 ``pallas_call`` has no Mosaic GPU
+  lowering at all (Mosaic GPU kernels are written with ``plgpu.kernel``, and a
+  ``pallas_call`` without compiler params lowers with Triton). If this starts
+  failing, Mosaic GPU has learnt something: measure it again."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  monkeypatch.setattr(K, "_compiler_params", lambda interpret: plgpu.CompilerParams())
   # _decompress_call is a module-level jit: drop traces made with Triton params
-  # by other tests before, and those made here with none after.
+  # by other tests before, and those made here with Mosaic's after.
   K._decompress_call.clear_cache()
   # jax 0.10.2 also deprecates pallas_call for Mosaic GPU (in favour of plgpu.kernel):
   # expected here, where Mosaic GPU is tried on purpose.
   warnings.filterwarnings("ignore", "Using ``pl.pallas_call`` for Mosaic GPU", DeprecationWarning)
   p = jax.ShapeDtypeStruct((37, FMT.record_bytes), jnp.uint8)
   try:
-    with pytest.raises(NotImplementedError, match="divisible by the warpgroup size"):
-      _cuda_text(lambda p: K.decompress_pallas(p, FMT), p)
+    if jax.__version_info__ < (0, 11):
+      with pytest.raises(NotImplementedError, match="divisible by the warpgroup size"):
+        _cuda_text(lambda p: K.decompress_pallas(p, FMT), p)
+    else:
+      with pytest.raises(AssertionError) as err:  # no lowering rule for these params
+        _cuda_text(lambda p: K.decompress_pallas(p, FMT), p)
+      assert err.traceback[-1].name == "gpu_lowering"
   finally:
     K._decompress_call.clear_cache()

@@ -13,7 +13,8 @@ from pallas_kernels import dynamiq as K
 from pallas_kernels import dynamiq_format as F
 from pallas_kernels import rng
 
-from _helpers import model_data, per_rank, rows_identical
+import gpu_compile_tools as T
+from _helpers import lower_for, model_data, per_rank, rows_identical
 
 EPS = {2: 0.23, 4: 0.18, 8: 0.10}
 FORMATS = [
@@ -139,11 +140,13 @@ def test_ring_with_kernels_equals_xla_on_8_devices(mesh):
   _same(ker, ref)
 
 
-def test_kernels_lower_inside_shard_map_with_check_vma(mesh):
-  """As ``dq.data_parallel_step`` runs them (``check_vma=True``), lowered for cuda:
-  each pallas_call must declare how its output varies over the mesh, or tracing
-  fails. (Interpret mode cannot run there on jax 0.10.2: its interpreter indexes
-  a varying ref with an invarying index and check_vma rejects that.)"""
+def test_kernels_lower_inside_shard_map_with_check_vma():
+  """As ``dq.data_parallel_step`` runs them (``check_vma=True``), lowered for cuda
+  over a mesh of (abstract) H100s: each pallas_call must declare how its output
+  varies over the mesh, or tracing fails. (Interpret mode cannot run there on jax
+  0.10.2: its interpreter indexes a varying ref with an invarying index and
+  check_vma rejects that.)"""
+  mesh = T.abstract_h100_mesh((8,), ("data",))
   g = jax.ShapeDtypeStruct((8, 1 << 16), jnp.float32,  # large enough to be compressed
                            sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
 
@@ -168,7 +171,7 @@ class TestDispatch:
                                                           implementation=implementation)
       p = jax.ShapeDtypeStruct((S, fmt.record_bytes), jnp.uint8)
       x = jax.ShapeDtypeStruct((S, 256), jnp.float32)
-      return jax.jit(f).trace(p, x).lower(lowering_platforms=(platform,)).as_text()
+      return lower_for(platform, jax.jit(f), p, x)
 
     triton = "__gpu$xla.gpu.triton"
     assert lowered(None, "cuda").count(triton) == 1
@@ -217,5 +220,5 @@ def test_lowers_for_gpu_with_triton(bits):
          (lambda p, x: K.decompress_accumulate_recompress_pallas(p, x, fmt, keys=_keys(0),
                                                                   strata=8), (p, x))]
   for f, args in fns:
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for("cuda", jax.jit(f), *args)
     assert "triton" in text

@@ -88,3 +88,16 @@ def test_network_figures_are_the_measured_ones():
           (1000.0, "mxfp8/ring")]
   for got, (rate, method) in zip(m.groups(), want):
     assert float(got) == pytest.approx(speedup[(rate, 64.0, method)], abs=0.005), (rate, method)
+
+
+def test_the_tested_versions_agree():
+  """pyproject's jax range, the version .ci/run pins for its oldest run, and the README's
+  set-up line name the same ends."""
+  low, cap = re.search(r'"jax>=([\d.]+),<([\d.]+)"',
+                       (ROOT / "pyproject.toml").read_text()).groups()
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert re.search(r"^OLDEST_JAX=([\d.]+)", ci, re.M).group(1) == low
+  oldest, newest = re.search(r"Python 3\.11 \(jax ([\d.]+)\) and 3\.13 \(jax ([\d.]+)\)",
+                             README).groups()
+  version = lambda v: tuple(int(p) for p in v.split("."))
+  assert oldest == low and version(low) <= version(newest) < version(cap)

@@ -12,6 +12,9 @@ from pallas_kernels import dynamiq_units as U
 from pallas_kernels import dynamiq_units_kernels as UK
 from pallas_kernels import rng
 
+import gpu_compile_tools as T
+from _helpers import lower_for
+
 EPS = {2: 0.23, 4: 0.18, 8: 0.10}
 WS6 = (2, 3, 4, 5, 6, 8)
 WS3 = (2, 4, 8)
@@ -194,7 +197,7 @@ class TestDispatch:
         implementation=implementation)
     args = (jax.ShapeDtypeStruct((U.payload_bytes(s, units, pb),), jnp.uint8),
             jax.ShapeDtypeStruct((s, 256), jnp.float32), jax.ShapeDtypeStruct((s,), jnp.int32))
-    return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return lower_for(platform, jax.jit(f), *args)
 
   def test_default_is_chosen_by_the_lowering_platform(self):
     assert self._lowered(None, "cuda").count(TRITON) == 1
@@ -255,14 +258,15 @@ def test_lowers_for_gpu_with_triton(plane_bits, width_set):
              p, x, w, units, keys=_keys(0), strata=8, scale_rounding="stochastic", **geo),
           (p, x, w), "decompress_accumulate_recompress")]
   for f, args, name in fns:
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for("cuda", jax.jit(f), *args)
     assert text.count(TRITON) == 1, name
     assert f"dynamiq_units_{name}_p{plane_bits}" in text
 
 
-def test_kernels_lower_inside_shard_map_with_check_vma(mesh):
-  """Inside ``jax.shard_map(check_vma=True)`` each pallas_call declares how its
-  output varies over the mesh (dynamiq._typed_like), or tracing fails."""
+def test_kernels_lower_inside_shard_map_with_check_vma():
+  """Inside ``jax.shard_map(check_vma=True)`` over (abstract) H100s each pallas_call
+  declares how its output varies over the mesh (dynamiq._typed_like), or tracing fails."""
+  mesh = T.abstract_h100_mesh((8,), ("data",))
   s, units = 8, 30
   sharded = lambda shape, dtype: jax.ShapeDtypeStruct(
       (8,) + shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))

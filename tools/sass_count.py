@@ -8,7 +8,8 @@ compiles the four kernels of :mod:`pallas_kernels.dynamiq_units_kernels`
 alone for one H100 (the recipe of ``tests/test_gpu_compile_units.py``: a
 compile-only topology from ``tests/data/h100_sxm.txtpb``, bf16 local
 values, a chunk of 37 super-groups, ``strata=8`` as on an 8-rank ring,
-``XLA_FLAGS=--xla_dump_to``). This script then assembles each dumped PTX
+``XLA_FLAGS=--xla_dump_to ... --xla_dump_emitter_re=ptx``, which XLA 0.12
+needs to write the PTX). This script then assembles each dumped PTX
 file with ``ptxas -v --gpu-name=sm_90a -o x.cubin`` (registers and spill
 bytes from its report) and reads the cubin's ELF with pyelftools: the
 kernel's code is the section ``.text.<kernel>``, and every sm_90 SASS
@@ -76,18 +77,15 @@ def _compile_child(dump: str, config: str) -> None:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.experimental import topologies
 
-  import test_gpu_compile as G
+  import gpu_compile_tools as T
   from pallas_kernels import dynamiq as K
   from pallas_kernels import dynamiq_format as F
   from pallas_kernels import dynamiq_units as U
   from pallas_kernels import dynamiq_units_kernels as UK
 
-  topology = topologies.get_topology_desc(
-      topology_name="h100", platform="cuda", target_config=G.TARGET_CONFIG.read_text(),
-      topology="1x1x1")
-  sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])
+  [device] = T.h100_devices(1)
+  sharding = jax.sharding.SingleDeviceSharding(device)
   keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
   s = 37
   if config == "per_class_b4":
@@ -95,7 +93,8 @@ def _compile_child(dump: str, config: str) -> None:
     x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
     p = jax.ShapeDtypeStruct((s, fmt.record_bytes), jnp.uint8, sharding=sharding)
     f = lambda p, x: K.decompress_accumulate_recompress_pallas(p, x, fmt, keys=keys, strata=8)
-    jax.jit(f).trace(p, x).lower().compile()
+    with T.gpu_target(device):  # jax >= 0.11 reads the GPU from the abstract mesh
+      jax.jit(f).trace(p, x).lower().compile()
     return
   pb, ws = CONFIGS[config]
   units = s * max(ws) // pb // 2  # about half the widest: every plane is live somewhere
@@ -109,7 +108,8 @@ def _compile_child(dump: str, config: str) -> None:
          (lambda p, x, w: UK.decompress_accumulate_recompress_units_pallas(
              p, x, w, units, keys=keys, strata=8, **geo), (p, x, w))]
   for f, args in fns:
-    jax.jit(f).trace(*args).lower().compile()
+    with T.gpu_target(device):
+      jax.jit(f).trace(*args).lower().compile()
 
 
 def _text_instructions(cubin: pathlib.Path) -> dict[str, dict[str, int]]:
@@ -151,12 +151,13 @@ def _has_backward_branch(ptx: str, kernel: str) -> bool:
 
 def measure(config: str) -> dict[str, dict]:
   """Compiles ``config``'s kernels in a child and returns ``{kernel: report}``."""
-  import test_gpu_compile as G
+  import gpu_compile_tools as T
 
-  ptxas = G._ptxas()
+  ptxas = T.ptxas()
   with tempfile.TemporaryDirectory() as dump:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}",
+                                 *T.PTX_FLAGS]).strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
     env["JAX_PLATFORMS"] = "cpu"  # no driver; the topology API uses the plugin's compiler
     res = subprocess.run([sys.executable, __file__, "--child", dump, config], env=env,
@@ -278,9 +279,9 @@ def main(argv=None):
   if args.child:
     _compile_child(*args.child)
     return
-  import test_gpu_compile as G
-  if G._missing():
-    sys.exit(f"cannot run: {G._missing()}")
+  import gpu_compile_tools as T
+  if T.missing():
+    sys.exit(f"cannot run: {T.missing()}")
   report = table(args.configs.split(",") if args.configs else None)
   if any(r["loops"] for r in report["rows"]):
     print("warning: a kernel has a loop; its static count is not its per-coordinate cost")

@@ -93,12 +93,34 @@ def _parse(argv):
   return build_parser().parse_args(argv)
 
 
-def backend_check() -> dict:
-  """Whether each Pallas GPU backend lowers a level-table gather (cuda target)."""
+H100 = ("NVIDIA H100 80GB HBM3", 132)
+"""(device_kind, cores) of the abstract GPU that :func:`backend_check` lowers for without one."""
+
+
+def backend_check() -> tuple[str, dict]:
+  """Whether each Pallas GPU backend lowers a level-table gather (cuda target).
+
+  Lowered for this process's first GPU, or else for an abstract H100: jax >=
+  0.11 compiles a Pallas GPU kernel for the GPU of the abstract mesh in
+  context and assumes none on a CPU host (jax 0.10.2 assumed compute
+  capability 9.0). Mosaic GPU is asked for through ``pallas_call`` with its
+  compiler params, jax 0.10.2's route (deprecated there in favour of
+  ``plgpu.kernel``); from jax 0.11 ``pallas_call`` has no Mosaic GPU
+  lowering, and the error it raises is what is recorded. Each backend's own
+  deprecation warning is ignored here, where it is tried on purpose.
+
+  Returns:
+    (the device kind lowered for, {backend: "lowers" or the error}).
+  """
+  import warnings
+
   import jax
   import jax.numpy as jnp
   from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental.pallas import triton as pltr
+
+  from pallas_kernels.dynamiq import TRITON_DEPRECATION
 
   def kernel(tab_ref, idx_ref, o_ref):
     o_ref[...] = tab_ref[idx_ref[...]]
@@ -109,17 +131,32 @@ def backend_check() -> dict:
         in_specs=[pl.BlockSpec(tab.shape, lambda i: (0,)), pl.BlockSpec(idx.shape, lambda i: (0, 0))],
         out_specs=pl.BlockSpec(idx.shape, lambda i: (0, 0)), compiler_params=params)(tab, idx)
 
+  auto = (jax.sharding.AxisType.Auto,)
+  try:
+    mesh = jax.sharding.Mesh(np.array(jax.devices("gpu")[:1]), ("gpu",),
+                             axis_types=auto).abstract_mesh
+  except RuntimeError:  # no GPU backend
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu",), axis_types=auto,
+                                     abstract_device=jax.sharding.AbstractDevice(
+                                         device_kind=H100[0], num_cores=H100[1],
+                                         platform="gpu"))
   tab = jax.ShapeDtypeStruct((128,), jnp.float32)
   idx = jax.ShapeDtypeStruct((8, 256), jnp.int32)
   out = {}
   for name, params in (("triton", pltr.CompilerParams(num_warps=4, num_stages=1)),
-                       ("mosaic_gpu", None)):
+                       ("mosaic_gpu", plgpu.CompilerParams())):
     try:
-      jax.jit(lambda t, i: call(t, i, params)).trace(tab, idx).lower(lowering_platforms=("cuda",))
+      with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.filterwarnings("ignore", TRITON_DEPRECATION, DeprecationWarning)
+        warnings.filterwarnings("ignore", "Using ``pl.pallas_call`` for Mosaic GPU",
+                                DeprecationWarning)
+        jax.jit(lambda t, i: call(t, i, params)).trace(tab, idx).lower(
+            lowering_platforms=("cuda",))
       out[name] = "lowers"
     except Exception as e:  # report whatever the lowering says
-      out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-  return out
+      first = (str(e).splitlines() or [""])[0][:200]
+      out[name] = f"{type(e).__name__}: {first}" if first else type(e).__name__
+  return mesh.abstract_device.device_kind, out
 
 
 def _timer(reps: int, repeats: int):
@@ -308,15 +345,16 @@ def main(argv=None):
     print(f"{r['bits']:>4} {r['coords']:>10} {r['op']:<34} {r['seconds'] * 1e3:>10.3f} "
           f"{r['gbs']:>8.1f} {r['fraction_of_copy']:>6.1%} {x['seconds'] * 1e3:>9.3f} "
           f"{r['speedup_vs_xla']:>10.2f}")
-  backends = backend_check()
-  print("Pallas GPU backends, level-table gather lowering for cuda:",
+  target, backends = backend_check()
+  print(f"Pallas GPU backends, level-table gather lowering for cuda ({target}):",
         ", ".join(f"{k}: {v}" for k, v in backends.items()))
   out = common.results_dir(args.out)
   name = re.sub(r"[^A-Za-z0-9]+", "_", kind).strip("_").lower() or "device"
   path = common.write_json(os.path.join(out, f"kernels_{name}{'_tiny' if args.tiny else ''}.json"), {
       "command": common.command_line(), "machine": common.machine(), "device_kind": kind,
       "local_dtype": args.dtype, "copy_gbs": copy_gbs, "reps": args.reps,
-      "repeats": args.repeats, "backend_lowering": backends, "results": rows})
+      "repeats": args.repeats, "backend_lowering": backends,
+      "backend_lowering_target": target, "results": rows})
   print(f"wrote {path}")
   return rows
 
