@@ -35,7 +35,7 @@ from dynamiq_jax.codecs.bf16 import Bf16
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context, axis_names, varying_axes
 from dynamiq_jax.schedules.executor import HopOps, execute
-from dynamiq_jax.schedules.plan import TreePlan, get_plan
+from dynamiq_jax.schedules.plan import TreePlan, get_plan, ring_bytes_per_rank
 
 __all__ = [
     "allreduce", "AllReduceStats", "wire_stats", "init_codec_state", "DEFAULT_BUCKET_SIZE",
@@ -165,7 +165,7 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE) -
     used = _bucket_codec(codec, e - s, n)
     bits += used.wire_bits(e - s, n)
     plain += (e - s) if used is not codec else 0
-  return AllReduceStats(bits / total, bits / 8 * 2 * (n - 1) / n, total, uncompressed=plain)
+  return AllReduceStats(bits / total, ring_bytes_per_rank(bits / 8, n), total, uncompressed=plain)
 
 
 def _bucket_codec(codec, d: int, n: int):

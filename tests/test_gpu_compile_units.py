@@ -2,7 +2,7 @@
 
 Compile-only, as :mod:`test_gpu_compile` (whose machinery this reuses): a
 child process describes one H100 with ``jax.experimental.topologies``,
-compiles each kernel of :mod:`pallas_kernels.dynamiq_units_kernels` alone
+compiles each kernel of :mod:`pallas_kernels.dynamiq_triton` alone
 (``plane_bits`` 1 with the width set (2, 3, 4, 5, 6, 8), and 2 with (2, 4,
 8); bf16 inputs, a chunk of 37 super-groups) with
 ``XLA_FLAGS=--xla_dump_to=...``, and this test runs ``ptxas -v
@@ -23,8 +23,7 @@ import tempfile
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import test_gpu_compile as G  # noqa: E402
+import test_gpu_compile as G
 
 KERNELS = [f"dynamiq_units_{op}_p{pb}" for pb in (1, 2)
            for op in ("compress", "decompress", "decompress_accumulate",
@@ -38,11 +37,11 @@ def _compile_kernels(dump: str, block: int | None) -> None:
   import numpy as np
   from jax.experimental import topologies
 
-  from pallas_kernels import dynamiq_units as U
-  from pallas_kernels import dynamiq_units_kernels as UK
+  from pallas_kernels import dynamiq_reference as R
+  from pallas_kernels import dynamiq_triton as T
 
   if block is not None:
-    UK.BLOCK = block  # read when the kernels are traced, below
+    T.BLOCK = block  # read when the kernels are traced, below
 
   topology = topologies.get_topology_desc(
       topology_name="h100", platform="cuda", target_config=G.TARGET_CONFIG.read_text(),
@@ -55,13 +54,13 @@ def _compile_kernels(dump: str, block: int | None) -> None:
     geo = dict(eps=eps, plane_bits=pb, width_set=ws)
     x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
     w = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=sharding)
-    p = jax.ShapeDtypeStruct((U.payload_bytes(s, units, pb),), jnp.uint8, sharding=sharding)
-    fns = [(lambda x, w: UK.compress_units_pallas(x, w, units, keys=keys, strata=8, **geo),
+    p = jax.ShapeDtypeStruct((R.payload_bytes(s, units, pb),), jnp.uint8, sharding=sharding)
+    fns = [(lambda x, w: T.compress_pallas(x, w, units, keys=keys, strata=8, **geo),
             (x, w)),
-           (lambda p, w: UK.decompress_units_pallas(p, w, units, **geo), (p, w)),
-           (lambda p, x, w: UK.decompress_accumulate_units_pallas(p, x, w, units, **geo),
+           (lambda p, w: T.decompress_pallas(p, w, units, **geo), (p, w)),
+           (lambda p, x, w: T.decompress_accumulate_pallas(p, x, w, units, **geo),
             (p, x, w)),
-           (lambda p, x, w: UK.decompress_accumulate_recompress_units_pallas(
+           (lambda p, x, w: T.decompress_accumulate_recompress_pallas(
                p, x, w, units, keys=keys, strata=8, **geo), (p, x, w))]
     for f, args in fns:
       jax.jit(f).trace(*args).lower().compile()
