@@ -13,9 +13,9 @@ leaves a relative MSE ``c_w``, raising a position of statistic F from ``a``
 to ``b`` bits saves ``F (c_a - c_b)`` for ``b - a`` bits per coordinate, so
 equal gain per bit means ``T_{a,b} = lam (b - a) / (c_a - c_b)``, with
 ``lam`` the smallest multiplier whose widths fit the budget. The paper uses
-the model ``c_w = 4^-w``; this module uses each width's *measured* ``c_w``
-(:func:`level_error`): the ternary 2-bit quantiser is 54x worse than 4 bits,
-not 16x (docs/design.md, *How it works*).
+the model ``c_w = 4^-w``; this module uses each width's own ``c_w``
+(:func:`level_error`), far from that model for the ternary 2-bit quantiser
+(docs/design.md, *How it works*, has the numbers).
 """
 
 from __future__ import annotations
