@@ -26,8 +26,11 @@ lowering; that DeprecationWarning, and only it, is filtered where a kernel
 is traced for a GPU (:func:`_quiet_triton_deprecation`).
 
 Also here, for every kernel wrapper: :func:`typed_like` (a ``pallas_call``'s
-output type inside ``shard_map(check_vma=True)``) and :func:`map_batch_rule`
+output type inside ``shard_map(check_vma=True)``) and :func:`map_over_batch`
 (``vmap`` as a map over the batch).
+
+It takes one kernel per operation (the Triton backend's); a second GPU
+backend would give it one kernel per backend to choose among.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ class KernelFallbackWarning(RuntimeWarning):
   """A kernel did not compile on this GPU; the XLA reference runs instead."""
 
 
-_probed: dict = {}  # (op, fmt, strata, operand types) -> error text, or None if it compiled
+_probed: dict = {}  # (op, static args, operand types, GPU) -> error text, or None if it compiled
 
 
 def _check_implementation(implementation: Implementation):

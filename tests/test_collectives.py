@@ -187,10 +187,12 @@ class TestErrors:
   def test_bad_codec_arguments(self):
     with pytest.raises(ValueError, match=r"widths=\(1, 4\)"):
       DynamiQ(widths=(1, 4))
-    with pytest.raises(ValueError, match="widths=()"):
+    with pytest.raises(ValueError, match=r"widths=\(\)"):
       DynamiQ(widths=())
     with pytest.raises(TypeError, match="widths='248'"):
       DynamiQ(widths="248")
+    with pytest.raises(TypeError, match=r"widths=\(2.5, 4\)"):
+      DynamiQ(widths=(2.5, 4))
     with pytest.raises(ValueError, match="scale_rounding='down'"):
       DynamiQ(scale_rounding="down")
     with pytest.raises(ValueError, match="eps="):

@@ -164,10 +164,12 @@ class DynamiQ(Codec):
     set_ = functools.partial(object.__setattr__, self)
     if not (isinstance(self.bits, (int, float)) and np.isfinite(self.bits) and self.bits > 0):
       raise ValueError(f"bits={self.bits!r} must be a positive number of bits per coordinate")
-    try:
-      widths = tuple(sorted(set(int(w) for w in self.widths)))
-    except (TypeError, ValueError):
-      raise TypeError(f"widths={self.widths!r} must be code widths, e.g. (2, 4, 8)") from None
+    given = np.asarray(self.widths, dtype=object)
+    if isinstance(self.widths, str) or given.ndim != 1 or not all(
+        isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in given):
+      raise TypeError(f"widths={self.widths!r} must be a sequence of int code widths, "
+                      f"e.g. (2, 4, 8)")
+    widths = tuple(sorted(set(int(w) for w in self.widths)))
     if not widths or any(not 2 <= w <= 8 for w in widths):
       raise ValueError(f"widths={self.widths!r} must be a non-empty subset of 2..8")
     if self.scale_rounding not in ("up", "stochastic"):
