@@ -46,7 +46,7 @@ from dynamiq_jax.codecs.bf16 import Bf16
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context, axis_names, varying_axes
 from dynamiq_jax.schedules.executor import HopOps, execute
-from dynamiq_jax.schedules.plan import TreePlan, get_plan
+from dynamiq_jax.schedules.plan import TreePlan, get_plan, ring_bytes_per_rank
 
 __all__ = [
     "allreduce", "AllReduceStats", "wire_stats", "init_codec_state", "bucket_layout", "Segment",
@@ -292,7 +292,7 @@ def _report(sizes, codec, n: int) -> AllReduceStats:
     used = _bucket_codec(codec, d, n)
     bits += used.wire_bits(d, n)
     plain += d if used is not codec else 0
-  return AllReduceStats(bits / total, bits / 8 * 2 * (n - 1) / n, total, uncompressed=plain)
+  return AllReduceStats(bits / total, ring_bytes_per_rank(bits / 8, n), total, uncompressed=plain)
 
 
 def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,

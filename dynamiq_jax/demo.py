@@ -64,6 +64,7 @@ def main(argv=None):
   from tqdm.auto import tqdm
 
   import dynamiq_jax as dq
+  from dynamiq_jax.schedules import ring_bytes_per_rank
 
   n = args.devices
   if jax.device_count() < n:
@@ -130,7 +131,7 @@ def main(argv=None):
     acc = float(np.mean(np.argmax(np.asarray(eval_logits(params, x_te)), -1) == y_te))
     if codec is None:
       d = sum(a.size for a in jax.tree.leaves(grads_like))
-      bits, sent = 16.0, 2.0 * d * 2 * (n - 1) / n
+      bits, sent = 16.0, ring_bytes_per_rank(2.0 * d, n)
     else:
       report = dq.wire_stats(grads_like, codec=codec, n=n)
       bits, sent = report.bits_per_coord, report.bytes_per_rank

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynamiq_jax.train import SyncedStep
-from dynamiq_jax.train import _is_per_rank
+from dynamiq_jax.train import is_per_rank
 from dynamiq_jax.train import as_varying
 from dynamiq_jax.train import resolve_sync_every
 
@@ -55,8 +55,8 @@ def _per_rank_prefixes(optimizer: nnx.Optimizer, prefix: tuple) -> list[tuple]:
   """State paths of the optimizer's per-rank (:class:`~dynamiq_jax.PerRank`) subtrees."""
   found = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(
-      optimizer.opt_state, is_leaf=_is_per_rank)[0]:
-    if _is_per_rank(leaf):
+      optimizer.opt_state, is_leaf=is_per_rank)[0]:
+    if is_per_rank(leaf):
       found.append(prefix + ("opt_state",) + tuple(_raw_key(k) for k in path))
   return found
 

@@ -23,7 +23,7 @@ from dynamiq_jax.schedules.context import axis_size
 
 __all__ = [
     "as_varying", "baseline_psum", "data_parallel_init", "data_parallel_step",
-    "DataParallelStep", "SyncedStep", "CPU_SYNC_EVERY", "resolve_sync_every",
+    "DataParallelStep", "SyncedStep", "CPU_SYNC_EVERY", "resolve_sync_every", "is_per_rank",
 ]
 
 
@@ -66,7 +66,9 @@ def baseline_psum(axis_name="data", *, dtype=jnp.bfloat16, average: bool = True
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _is_per_rank(x):
+def is_per_rank(x):
+  """Whether ``x`` is a :class:`~dynamiq_jax.transform.PerRank` part of an optimizer
+  state (one value per rank, e.g. the error-feedback residual)."""
   from dynamiq_jax.transform import PerRank
   return isinstance(x, PerRank)
 
@@ -74,8 +76,8 @@ def _is_per_rank(x):
 def _state_specs(opt_state, axis_name):
   """P(axis) for per-rank (error-feedback) leaves, P() for everything else."""
   return jax.tree.map(
-      lambda x: jax.tree.map(lambda _: P(axis_name), x) if _is_per_rank(x) else P(),
-      opt_state, is_leaf=_is_per_rank)
+      lambda x: jax.tree.map(lambda _: P(axis_name), x) if is_per_rank(x) else P(),
+      opt_state, is_leaf=is_per_rank)
 
 
 def data_parallel_init(tx: optax.GradientTransformation, params, *, mesh, axis_name="data"):
@@ -91,11 +93,11 @@ def data_parallel_init(tx: optax.GradientTransformation, params, *, mesh, axis_n
   split = NamedSharding(mesh, P(axis_name))
 
   def place(x):
-    if _is_per_rank(x):
+    if is_per_rank(x):
       return jax.tree.map(lambda a: jax.device_put(jnp.repeat(a, n, axis=0), split), x)
     return jax.device_put(x, repl)
 
-  return jax.tree.map(place, state, is_leaf=_is_per_rank)
+  return jax.tree.map(place, state, is_leaf=is_per_rank)
 
 
 def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
@@ -225,7 +227,7 @@ class DataParallelStep(SyncedStep):
     self._built = {}
 
   def __call__(self, params, opt_state, batch):
-    structure = jax.tree.structure(opt_state, is_leaf=_is_per_rank)
+    structure = jax.tree.structure(opt_state, is_leaf=is_per_rank)
     if structure not in self._built:
       self._built[structure] = self._build(opt_state)
     self.jitted = self._built[structure]

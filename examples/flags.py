@@ -48,12 +48,6 @@ class ExampleConfig:
   checkpoint_every: int = flag(0, "checkpoint every this many steps and at the end "
                                "(0: no checkpoints)")
   progress: bool = flag(True, "show a progress bar")
-  calibrate: bool = flag(False, "DynamiQ only, for comparisons: static class capacities "
-                         "(allocation='static') fitted to this run's first-batch gradients, "
-                         "instead of the default per-round allocation; other codecs ignore it")
-  # Set by calibrate(), not a flag: the fitted ``profile=`` option of the codec.
-  calibrated_profile: tuple | None = dataclasses.field(default=None,
-                                                       metadata={"flag": False})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +99,6 @@ def build_parser(default: ExampleConfig, *, prog: str | None = None,
   parser = argparse.ArgumentParser(prog=prog, description=description,
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   for field in dataclasses.fields(default):
-    if field.metadata.get("flag") is False:
-      continue  # derived during the run (e.g. calibrated_profile), not set by hand
     value = getattr(default, field.name)
     names = [f"--{field.name}"]
     if "_" in field.name:

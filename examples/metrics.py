@@ -120,9 +120,7 @@ def print_summary(metrics: dict) -> None:
   parts = [f"{k}={v:.4f}" for k, v in final.items() if isinstance(v, float)]
   bits = wire["bits_per_coord"]
   reducer = metrics["reducer"]
-  options = "".join(
-      f" {k}=" + (f"<{len(v)} log2 F quantiles> (calibrated)" if k == "profile" else str(v))
-      for k, v in reducer["options"].items())
+  options = "".join(f" {k}={v}" for k, v in reducer["options"].items())
   print(f"{metrics['example']}: {reducer['name']}{options} ({reducer['schedule']}) on "
         f"{metrics['devices']['count']} {metrics['devices']['platform']} devices, "
         f"{metrics['steps']} steps")

@@ -2,39 +2,15 @@
 
 The package's helper holds the model and its ``nnx.Optimizer`` as one state
 pytree on a data-parallel mesh and builds the ``jax.shard_map`` step; this
-module adds what only the examples need: :func:`calibrate` (static DynamiQ
-capacities for comparisons) and :func:`train_loop` (the examples' loop with
-evaluation, checkpoints and metrics history).
+module adds what only the examples need: :func:`train_loop` (the examples'
+loop with evaluation, checkpoints and metrics history).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
-from flax import nnx
-
 from dynamiq_jax.nnx import DataParallel
 from . import flags
 from . import loop
-from . import reduction
-
-
-def calibrate(config, model: nnx.Module, loss_fn: Callable, batch, n: int):
-  """:func:`examples.reduction.calibrate` for an NNX model, before ``DataParallel.create``.
-
-  Args:
-    config: the run's settings.
-    model: the freshly initialised model.
-    loss_fn: ``loss_fn(model, batch) -> mean loss``.
-    batch: the first global batch.
-    n: the number of ranks.
-
-  Returns:
-    The config with the fitted capacities (or unchanged; see
-    :func:`examples.reduction.calibrate`).
-  """
-  grad = nnx.jit(nnx.grad(loss_fn))
-  return reduction.calibrate(config, lambda shard: grad(model, shard), batch, n)
 
 
 def train_loop(dp: DataParallel, config: flags.ExampleConfig, loss_fn, *, batch_fn, eval_fn,

@@ -1,10 +1,9 @@
-"""The examples' gradient all-reduce: the codec's options, calibration, the optimizer, the wire."""
+"""The examples' gradient all-reduce: the codec's options, the optimizer, the wire."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -35,68 +34,17 @@ def reducer_options(config: ExampleConfig) -> dict:
   Raises:
     ValueError: if the codec takes whole bits and ``config.bits`` is not whole.
   """
-  options = {}
-  if config.calibrated_profile is not None:
-    options["allocation"] = "static"
-    options["widths"] = STATIC_WIDTHS
-    options["profile"] = tuple(float(v) for v in config.calibrated_profile)
   if config.bits is None:
-    return options
+    return {}
   field = _bits_field(config.codec)
   if field is None:
-    return options
+    return {}
   kind = str(getattr(field, "type", getattr(field, "annotation", "")))
   if "int" in kind and "float" not in kind:
     if not float(config.bits).is_integer():
       raise ValueError(f"codec {config.codec!r} takes whole bits; got bits={config.bits}")
-    return {"bits": int(config.bits), **options}
-  return {"bits": config.bits, **options}
-
-
-STATIC_WIDTHS = (2, 4, 8)
-
-
-def calibrate(config: ExampleConfig, grad_fn: Callable[[Any], Any], batch, n: int):
-  """``config`` with static DynamiQ capacities fitted to the first batch's per-rank gradients.
-
-  For comparisons only: the default DynamiQ chooses its widths from every
-  round's statistics and needs no calibration. With ``allocation='static'``
-  each width class gets a fixed share of the super-groups, and
-  ``DynamiQ.calibrate`` records the shares of these gradients (a profile of
-  super-group norms). This runs before training, on the initial
-  parameters and the run's first batch split as the ranks will split it, so
-  a run restored from a checkpoint gets the same capacities again.
-
-  Args:
-    config: the run's settings; nothing happens unless ``config.calibrate``
-      is set and the codec has a ``calibrate`` method (DynamiQ).
-    grad_fn: ``grad_fn(rank_batch) -> gradient pytree`` at the initial
-      parameters.
-    batch: the first global batch (pytree of arrays whose leading axis is
-      the global batch; device arrays are fetched to the host).
-    n: the number of ranks.
-
-  Returns:
-    ``dataclasses.replace(config, calibrated_profile=...)``, or ``config``
-    unchanged when there is nothing to calibrate.
-  """
-  if not config.calibrate or config.calibrated_profile is not None:
-    return config
-  codec = make_codec(config)
-  if not isinstance(codec, dq.codecs.DynamiQ):
-    return config  # other codecs, and the psum-* reducers (no codec), have nothing to fit
-  codec = dataclasses.replace(codec, allocation="static", widths=STATIC_WIDTHS)
-  host = jax.device_get(batch)
-  size = len(jax.tree.leaves(host)[0])
-  if size % n:
-    raise ValueError(f"the first batch has {size} examples, not a multiple of the {n} ranks")
-  per_rank = []
-  for r in range(n):
-    shard = jax.tree.map(lambda a: a[r * size // n:(r + 1) * size // n], host)
-    per_rank.append(np.concatenate([np.asarray(g, np.float32).ravel()
-                                    for g in jax.tree.leaves(grad_fn(shard))]))
-  fitted = codec.calibrate(np.stack(per_rank))
-  return dataclasses.replace(config, calibrated_profile=fitted.profile)
+    return {"bits": int(config.bits)}
+  return {"bits": config.bits}
 
 
 def make_reducer(config: ExampleConfig, axis_name: str = "data"):

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import enum
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "Stream",
     "mix32",
     "derive_key",
+    "key_operand",
     "hash_index",
     "group_hash",
     "uniform24",
@@ -35,6 +38,9 @@ __all__ = [
     "mulhi",
     "strata_count",
     "stratum",
+    "UNIFORM_BITS",
+    "uniforms",
+    "signed_draws",
 ]
 
 
@@ -112,6 +118,14 @@ def derive_key(*words):
     k0 = mix32(k0 ^ w)
     k1 = mix32(k1 + w * jnp.uint32(_GOLDEN) + k0)
   return k0, mix32(k1 ^ (k0 >> 7))
+
+
+def key_operand(keys, rank):
+  """uint32 [8]: ``keys`` (four uint32 scalars), ``rank``, zeros: one small
+  kernel operand holding a hop's random keys."""
+  k = [jnp.asarray(v).astype(jnp.uint32) for v in keys]
+  r = jnp.asarray(rank).astype(jnp.uint32)
+  return jnp.stack(k + [r, jnp.uint32(0), jnp.uint32(0), jnp.uint32(0)])
 
 
 def hash_index(k0, k1, index):
@@ -318,3 +332,72 @@ def stratum(h, rank, n: int, *, mulhi=mulhi):
     alpha = mulhi(h, q - 1) + jnp.uint32(1)
     beta = mulhi(mix32(h), q) if q <= 1 << 16 else mix32(h) % jnp.uint32(q)
   return ((alpha * i + beta) % jnp.uint32(q)).astype(jnp.int32)
+
+
+UNIFORM_BITS = 16
+"""Resolution of each element's private uniform gamma (:func:`uniforms`)."""
+
+
+# ----------------------------------------------------------------------------
+# DynamiQ's rounding draws (pallas_kernels.dynamiq_block).
+
+
+def uniforms(keys, rank, ranks: int, *, group, lane, mulhi=mulhi, hash_store=None,
+             fraction_of=None):
+  """Per-element draws in units of ``2^-16``: ``pi(rank) 2^16 + gamma``, uniform
+  on [0, q 2^16) (q = 1: ``gamma``), as uint32.
+
+  Element ``idx`` belongs to the draw group ``idx >> 4`` of 16 consecutive
+  elements (:data:`GROUP`), at ``lane = idx & 15``; one :func:`group_hash`
+  per group and key gives every lane its bits (:func:`lane_bits`): the
+  private gamma is the top 16 bits under the rounding key ``(k0, k1)``, the
+  shared stratum pi comes from the bits under ``(s0, s1)`` (:func:`stratum`).
+
+  Args:
+    keys: ``(k0, k1, s0, s1)`` uint32 scalars.
+    rank: int32 scalar (used when ``ranks > 1``).
+    ranks: 1 (independent draws) or the number of ranks sharing strata.
+    group, lane: uint32 ``idx >> 4`` and ``idx & 15``, broadcastable against
+      each other (a kernel passes the group's index per group and static lanes).
+    mulhi: :func:`mulhi` or an equal implementation.
+    hash_store: identity on values, applied to the groups' hashes (the XLA
+      reference's :func:`~pallas_kernels.dynamiq_reference.materialize`, so
+      that the fused rounding loop reads one hash per group instead of
+      recomputing it for each of the group's 16 elements).
+    fraction_of: the elements' sign mask (int32 -1 where the sign bit is set),
+      for a power-of-two q: returns :func:`signed_draws`' draw ``v`` as the
+      float32 ``w = -(1 + v / q)`` instead, built from its bits, so that ``w +
+      1 = -v / q`` exactly.
+  """
+  k0, k1, s0, s1 = keys
+  hstore = hash_store or (lambda v: v)
+  word = lane_bits(hstore(group_hash(k0, k1, group)), lane)  # gamma: its top bits
+  pi = None
+  if ranks > 1:
+    pi = stratum(lane_bits(hstore(group_hash(s0, s1, group)), lane), rank, ranks,
+                 mulhi=mulhi).astype(jnp.uint32)
+  if fraction_of is None:
+    gamma = word >> np.uint32(32 - UNIFORM_BITS)
+    return gamma if pi is None else (pi << np.uint32(UNIFORM_BITS)) | gamma
+  q = strata_count(ranks) * 2**UNIFORM_BITS
+  if q & (q - 1) or q > 1 << 23:
+    raise ValueError(f"fraction_of needs a power-of-two q <= 2^23, not {q=}")
+  shift = 23 - (q.bit_length() - 1)  # v at mantissa bits [shift, 23)
+  bits = word >> np.uint32(32 - UNIFORM_BITS - shift)  # gamma << shift, and lower bits
+  if pi is not None:
+    bits = bits | (pi << np.uint32(UNIFORM_BITS + shift))
+  field = np.uint32((q - 1) << shift)
+  bits = ((bits ^ fraction_of.astype(jnp.uint32)) & field) | np.uint32(0xBF800000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def signed_draws(u, neg, q: int):
+  """The draws of the signed-domain rounding, float32: ``u`` (uint32 on [0, q),
+  :func:`uniforms`) where ``neg`` (the sign mask) is 0 and ``q - 1 - u``
+  where it is -1 (still uniform on the grid [0, q))."""
+  m = neg.astype(jnp.uint32)
+  if q & (q - 1) == 0:
+    v = u ^ (m & np.uint32(q - 1))
+  else:
+    v = (u ^ m) + (m & np.uint32(q))
+  return v.astype(jnp.float32)

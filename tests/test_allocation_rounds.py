@@ -1,11 +1,13 @@
-"""Per-round class capacities from the global statistics (allocation.capacities_from_stats)."""
+"""The default's allocation: widths per chunk position from the global statistics
+(allocation.capacities_threshold), against the exact whole-position optimum."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dynamiq_jax.codecs import DynamiQ, allocation
+from dynamiq_jax.codecs import allocation
+from pallas_kernels import dynamiq_block as B
 
 
 def _exact_error(norms, counts, widths, errors, n):
@@ -33,70 +35,31 @@ def _norms(kind, m, rng):
   return np.exp(3.0 * rng.standard_normal(m))  # "wide"
 
 
-@pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "wide"])
-@pytest.mark.parametrize("n,units", [(8, 4), (8, 128), (64, 3), (2, 700)])
-def test_matches_exact_optimum_and_best_capacities(kind, n, units):
-  rng = np.random.default_rng(units * 7 + n)
-  codec = DynamiQ(bits=5, allocation="static")  # the {2, 4, 8} per-class records
-  errors = codec.width_errors()
-  widths = sorted(errors)
-  m = units * n
-  d = m * 256
-  rec = {w: codec.format(w).record_bytes * 8 for w in widths}
-  cost = {w: n * rec[w] for w in widths}
-  budget = 5.0 * d - 32 * m
-  norms = np.asarray(jnp.asarray(_norms(kind, m, rng), jnp.float32).astype(jnp.bfloat16)
-                     .astype(jnp.float32))
-  got = np.asarray(allocation.capacities_from_stats(
-      jnp.asarray(norms), jnp.ones(m, bool), errors, units, cost, budget, n))
-  assert got.sum() == units
-  assert sum(int(k) * cost[w] for w, k in zip(widths, got)) <= budget
-  menu = allocation.split_menu(widths, units, cost, budget)
-  errs = [_exact_error(norms, row, widths, errors, n) for row in menu]
-  mine = _exact_error(norms, got, widths, errors, n)
-  assert mine <= min(errs) * (1 + 1e-4) + 1e-12
-  prof = allocation.profile_from_norms(np.where(norms > 0, norms, 1e-30), points=min(m, 4096))
-  ref = allocation.best_capacities(prof, errors, units, cost, budget)
-  ref_err = _exact_error(norms, [ref[w] for w in widths], widths, errors, n)
-  assert mine <= ref_err * (1 + 1e-4) + 1e-12
-
-
-def test_same_under_vmap_and_jit():
-  rng = np.random.default_rng(0)
-  n, units = 8, 64
-  codec = DynamiQ(bits=5, allocation="static")  # the {2, 4, 8} per-class records
-  errors = codec.width_errors()
-  cost = {w: n * codec.format(w).record_bytes * 8 for w in errors}
-  m = n * units
-  g = jnp.asarray(_norms("paper", m, rng), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
-  f = lambda x: allocation.capacities_from_stats(x, jnp.ones(m, bool), errors, units, cost,
-                                                 5.0 * m * 256 - 32 * m, n)
-  a = np.asarray(f(g))
-  b = np.asarray(jax.jit(f)(g))
-  c = np.asarray(jax.vmap(f)(jnp.stack([g] * 3)))
-  assert (a == b).all() and (c == a).all()
-
-
-def test_padding_and_zero_and_inf():
-  n, units = 4, 8
-  codec = DynamiQ(bits=5, allocation="static")  # the {2, 4, 8} per-class records
-  errors = codec.width_errors()
-  cost = {w: n * codec.format(w).record_bytes * 8 for w in errors}
-  budget = 5.0 * n * units * 256 - 32 * n * units
-  for g in [np.zeros(n * units), np.full(n * units, np.inf), np.r_[np.ones(5), np.zeros(27)]]:
-    got = np.asarray(allocation.capacities_from_stats(
-        jnp.asarray(g, jnp.float32), jnp.arange(n * units) < 30, errors, units, cost, budget, n))
-    assert got.sum() == units
-    assert sum(int(k) * cost[w] for w, k in zip(sorted(errors), got)) <= budget
+def split_menu(widths, positions: int, cost, budget: float) -> np.ndarray:
+  """The oracle: every whole-position split worth considering under the budget, for
+  at most 3 widths. For each count of the widest width, the middle one takes as
+  many positions as the budget allows (each one more lowers the expected error),
+  the narrowest the rest. int64 ``[K, len(widths)]``, ascending widths."""
+  w = sorted(widths)
+  assert len(w) <= 3 and positions * cost[w[0]] <= budget
+  if len(w) == 1:
+    return np.array([[positions]], np.int64)
+  hi, mid, lo = w[-1], w[1], w[0]
+  k_hi = np.arange(positions + 1) if len(w) == 3 else np.zeros(1, np.int64)
+  rest = positions - k_hi
+  spare = budget - k_hi * cost[hi] - rest * cost[lo]
+  k_mid = np.minimum(rest, np.floor(spare / (cost[mid] - cost[lo])))
+  ok = k_mid >= 0
+  k_hi, k_mid = k_hi[ok], k_mid[ok].astype(np.int64)
+  cols = [positions - k_hi - k_mid, k_mid] + ([k_hi] if len(w) == 3 else [])
+  return np.stack(cols, axis=1).astype(np.int64)
 
 
 def _fine_errors(widths):
-  from pallas_kernels import dynamiq_units as U
-  from pallas_kernels import dynamiq_format as F
   out = {}
   x = np.random.default_rng(12345).standard_normal((1024, 256))
   for w in widths:
-    lam = F._level_table(w, "mee", U.eps_for(w, {2: 0.23, 4: 0.18, 8: 0.10})).astype(np.float64)
+    lam = B.level_table(w, B.eps_for(w, {2: 0.23, 4: 0.18, 8: 0.10})).astype(np.float64)
     a = np.abs(x).reshape(1024, 16, -1)
     s = a.max(-1, keepdims=True) / lam[-1]
     t = a / s
@@ -125,7 +88,7 @@ def test_threshold_rule_near_optimal(kind, widths):
   assert spent <= budget
   mine = _exact_error(norms, got, widths, errors, n)
   if len(widths) == 3:  # against the exact whole-unit optimum
-    menu = allocation.split_menu(widths, units, cost, budget)
+    menu = split_menu(widths, units, cost, budget)
     best = min(_exact_error(norms, row, widths, errors, n) for row in menu)
     assert mine <= best * 1.02 + 1e-12
   # the multiplier and the tie fill leave less than one upgrade step unspent
@@ -159,3 +122,31 @@ def test_threshold_rule_same_with_the_plans_order(kind):
 
   sort, gather = both(g)
   assert (np.asarray(sort) == np.asarray(gather)).all(), (sort, gather)
+
+
+def test_same_under_vmap_and_jit():
+  """simulate runs the allocation under vmap: every rank must get the same counts."""
+  rng = np.random.default_rng(0)
+  n, units, widths = 8, 64, (2, 3, 4, 5, 6, 8)
+  errors = _fine_errors(widths)
+  cost = {w: n * (256 * w + 144) for w in widths}
+  m = n * units
+  g = jnp.asarray(_norms("paper", m, rng), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+  f = lambda x: allocation.capacities_threshold(x, jnp.ones(m, bool), errors, units, cost,
+                                                5.0 * m * 256 - 32 * m, n)
+  a = np.asarray(f(g))
+  b = np.asarray(jax.jit(f)(g))
+  c = np.asarray(jax.vmap(f)(jnp.stack([g] * 3)))
+  assert (a == b).all() and (c == a).all()
+
+
+def test_padding_and_zero_and_inf():
+  n, units, widths = 4, 8, (2, 4, 8)
+  errors = _fine_errors(widths)
+  cost = {w: n * (256 * w + 144) for w in widths}
+  budget = 5.0 * n * units * 256 - 32 * n * units
+  for g in [np.zeros(n * units), np.full(n * units, np.inf), np.r_[np.ones(5), np.zeros(27)]]:
+    got = np.asarray(allocation.capacities_threshold(
+        jnp.asarray(g, jnp.float32), jnp.arange(n * units) < 30, errors, units, cost, budget, n))
+    assert got.sum() == units
+    assert sum(int(k) * cost[w] for w, k in zip(sorted(errors), got)) <= budget

@@ -96,7 +96,7 @@ class TestDynamiQParity:
       assert a.shape == np.shape(b) and a.dtype == jnp.asarray(b).dtype
 
   OTHER = [DynamiQ(bits=4, correlated=False),
-           DynamiQ(bits=6, levels="uniform", hierarchical=False, allocation="static"),
+           DynamiQ(bits=6, widths=(2, 4, 8), scale_rounding="stochastic"),
            DynamiQ(centre=False)]
 
   @pytest.mark.parametrize("codec", [OTHER[0]] + [pytest.param(c, marks=pytest.mark.slow)
@@ -185,22 +185,26 @@ class TestErrors:
       dq.simulate({"flag": np.ones((N, 3), bool)}, codec=F32())
 
   def test_bad_codec_arguments(self):
-    with pytest.raises(ValueError, match="widths"):
-      DynamiQ(widths=(3, 4), allocation="static")
-    with pytest.raises(ValueError, match="widths"):
+    with pytest.raises(ValueError, match=r"widths=\(1, 4\)"):
       DynamiQ(widths=(1, 4))
-    with pytest.raises(ValueError, match="allocation='static' for those"):
-      DynamiQ(levels="uniform")
-    with pytest.raises(ValueError, match="needs no calibration"):
-      DynamiQ().calibrate(np.ones((2, 256), np.float32))
+    with pytest.raises(ValueError, match=r"widths=\(\)"):
+      DynamiQ(widths=())
+    with pytest.raises(TypeError, match="widths='248'"):
+      DynamiQ(widths="248")
+    with pytest.raises(TypeError, match=r"widths=\(2.5, 4\)"):
+      DynamiQ(widths=(2.5, 4))
+    with pytest.raises(ValueError, match="scale_rounding='down'"):
+      DynamiQ(scale_rounding="down")
+    with pytest.raises(ValueError, match="eps="):
+      DynamiQ(eps={4: 1.5})
+    with pytest.raises(TypeError, match="eps="):
+      DynamiQ(eps={4: "x"})
+    with pytest.raises(TypeError, match="no allocation=.*drop the argument"):
+      DynamiQ(allocation="static")
+    with pytest.raises(TypeError, match="no fractions=, levels="):
+      DynamiQ(levels="uniform", fractions={4: 1.0})
     with pytest.raises(ValueError, match="bits=-1"):
       DynamiQ(bits=-1)
-    with pytest.raises(ValueError, match="sum to"):
-      DynamiQ(fractions={2: 0.5, 4: 0.2, 8: 0.2}, allocation="static")
-    with pytest.raises(ValueError, match="either profile= or fractions="):
-      DynamiQ(profile=(0.0, 1.0), fractions={4: 1.0}, allocation="static")
-    with pytest.raises(ValueError, match="non-decreasing log2 F quantiles"):
-      DynamiQ(profile=(3.0, 1.0), allocation="static")
     with pytest.raises(ValueError, match="schedule='tree'"):
       dq.simulate(np.ones((N, 4), np.float32), codec=F32(), schedule="tree")
 

@@ -1,24 +1,22 @@
-"""Outputs unchanged where no change was meant: digests of tools/digests.py's cases.
+"""Outputs unchanged where no change was meant: digests of tests/digests.py's cases.
 
 ``tests/data/digests.json`` records, for every codec x schedule x
 implementation, a hash of ``simulate``'s outputs on fixed data. A few
-representative cases run here; ``python tools/digests.py compare
+representative cases run here; ``python tests/digests.py compare
 tests/data/digests.json --all`` runs all of them. A change that is meant to
-alter a codec's outputs re-records the file (``tools/digests.py record``)
+alter a codec's outputs re-records the file (``tests/digests.py record``)
 and says so in its commit.
 """
 
 import json
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import digests  # noqa: E402
+import digests
 
-CASES = ["dynamiq5/ring/xla", "dynamiq5/hierarchical/xla", "mxfp4/ring/xla",
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = ["dynamiq5_per_round/ring/xla", "dynamiq5_per_round/hierarchical/xla", "mxfp4/ring/xla",
          "omnireduce/error_feedback/xla", "thc16/butterfly/xla", "bf16/ring/xla"]
 
 

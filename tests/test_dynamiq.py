@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 import dynamiq_jax as dq
 from dynamiq_jax.schedules import AxisContext
-from dynamiq_jax.bench.reference import AUTHORS_ALL_IN_BITS, REFERENCE, vnmse
-from dynamiq_jax.codecs import DynamiQ, allocation
+from dynamiq_jax.bench.reference import AUTHORS_ALL_IN_BITS, REFERENCE, allreduce_over_keys
+from dynamiq_jax.bench.reference import simulated_vnmse, vnmse
+from dynamiq_jax.codecs import DynamiQ
 
 from _helpers import model_data, rows_identical
 
@@ -22,8 +23,7 @@ D = 1 << 20
 
 @functools.lru_cache(maxsize=None)
 def _vnmse_one(codec, dataset, data_seed, seed):
-  g = model_data(dataset, N, D, data_seed)
-  return vnmse(np.asarray(dq.simulate(g, codec=codec, seed=seed))[0], g)
+  return simulated_vnmse(codec, model_data(dataset, N, D, data_seed), seed)
 
 
 def _vnmse(codec, dataset, data_seed, seeds=(0, 1)):
@@ -32,34 +32,19 @@ def _vnmse(codec, dataset, data_seed, seeds=(0, 1)):
 
 class TestBudget:
 
-  @settings(max_examples=60, deadline=None)
-  @given(d=st.integers(10_000, 5_000_000), n=st.sampled_from([1, 2, 3, 4, 8, 16, 64]),
-         bits=st.floats(2.9, 9.0), variable=st.booleans(), hier=st.booleans())
-  def test_layout_never_exceeds_budget(self, d, n, bits, variable, hier):
-    codec = DynamiQ(bits=bits, variable_width=variable, hierarchical=hier, allocation="static")
-    try:
-      lay = codec.layout(d, n)
-    except ValueError as e:
-      assert "cannot meet its budget" in str(e)
-      return
-    assert lay.bits_per_coord <= bits
-    assert all(cap % n == 0 for _, cap in lay.capacities)
-    assert sum(cap for _, cap in lay.capacities) == lay.padded_supergroups >= -(-d // 256)
-    assert lay.wire_bits == codec.wire_bits(d, n)
-
   def test_default_spends_the_five_bits(self):
     lay = DynamiQ().layout(D, N)
     assert 4.99 < lay.bits_per_coord <= 5.0
-    assert lay.units > 0 and lay.plane_bits == 1  # per round: widths 2..8 in 1-bit planes
-    lay = DynamiQ(allocation="static").layout(D, N)
+    assert lay.units > 0 and lay.plane_bits == 1  # widths 2..8 in 1-bit planes
+    lay = DynamiQ(widths=(2, 4, 8)).layout(D, N)
     assert 4.99 < lay.bits_per_coord <= 5.0
-    assert dict(lay.capacities).keys() == {2, 4, 8}
+    assert lay.plane_bits == 2  # even widths: 2-bit planes
 
   @settings(max_examples=60, deadline=None)
   @given(d=st.integers(2_000, 5_000_000), n=st.sampled_from([1, 2, 3, 4, 8, 16, 64]),
          bits=st.floats(2.9, 9.0), widths=st.sampled_from([(2, 4, 8), (2, 3, 4, 5, 6, 8),
                                                            (3, 5), (2,)]))
-  def test_per_round_layout_never_exceeds_budget(self, d, n, bits, widths):
+  def test_layout_never_exceeds_budget(self, d, n, bits, widths):
     codec = DynamiQ(bits=bits, widths=widths)
     try:
       lay = codec.layout(d, n)
@@ -72,9 +57,8 @@ class TestBudget:
     assert s * min(widths) <= lay.units * lay.plane_bits <= s * max(widths)
 
   @pytest.mark.parametrize("codec", [
-      DynamiQ(), DynamiQ(bits=4.2, widths=(2, 4, 8)), DynamiQ(allocation="static"),
-      DynamiQ(bits=3.5, hierarchical=False, allocation="static"),
-      DynamiQ(variable_width=False, bits=4.7, allocation="static")])
+      DynamiQ(), DynamiQ(bits=4.2, widths=(2, 4, 8)), DynamiQ(bits=3.5, widths=(2, 3)),
+      DynamiQ(bits=5, widths=(4,))])
   @pytest.mark.parametrize("d,n", [(100_000, 8), (65_536, 4), (300_001, 3)])
   def test_wire_bits_equal_the_bytes_actually_sent(self, codec, d, n, monkeypatch):
     """Record every payload the schedule sends; compare with wire_bits."""
@@ -91,69 +75,10 @@ class TestBudget:
       return dq.allreduce(x, axis_name="i", codec=codec, key=jax.random.key(0))[0]
 
     jax.eval_shape(jax.vmap(one, axis_name="i"), jax.ShapeDtypeStruct((n, d), jnp.float32))
-    assert len(sent) == 2  # one payload shape per pass: statistics, classes
+    assert len(sent) == 2  # one payload shape per pass: statistics, chunk payloads
     assert 8 * n * sum(sent) == codec.wire_bits(d, n)
     stats = dq.wire_stats(jnp.zeros(d), codec=codec, n=n)
     assert stats.bytes_per_rank == 2 * (n - 1) * sum(sent)
-
-
-class TestCapacities:
-  """Whole-unit class capacities (codecs.allocation.best_capacities)."""
-
-  @settings(max_examples=40, deadline=None)
-  @given(units=st.integers(1, 40), spread=st.floats(0.5, 20.0), slack=st.floats(0.0, 1.0),
-         seed=st.integers(0, 2**31 - 1))
-  def test_best_split_beats_every_other_split_that_fits(self, units, spread, slack, seed):
-    rng = np.random.default_rng(seed)
-    norms = np.exp(spread * rng.standard_normal(500))
-    profile = allocation.profile_from_norms(norms)
-    errors = DynamiQ(allocation="static").width_errors()
-    cost = {2: 82 * 8, 4: 146 * 8, 8: 274 * 8}
-    budget = units * (cost[2] + slack * (cost[8] - cost[2]))
-    got = allocation.best_capacities(profile, errors, units, cost, budget)
-    assert sum(got.values()) == units and sum(got[w] * cost[w] for w in got) <= budget
-    share = allocation._top_share(profile)
-
-    def err(k8, k4):
-      s8, s84 = share(k8 / units), share((k8 + k4) / units)
-      return errors[8] * s8 + errors[4] * (s84 - s8) + errors[2] * (1 - s84)
-
-    brute = min(err(k8, k4) for k8 in range(units + 1) for k4 in range(units + 1 - k8)
-                if k8 * cost[8] + k4 * cost[4] + (units - k8 - k4) * cost[2] <= budget)
-    assert err(got[8], got[4]) <= brute * (1 + 1e-12)
-
-  def test_many_units_follow_the_threshold_rule(self):
-    codec = DynamiQ(allocation="static")
-    lay = codec.layout(D, N)
-    units = lay.padded_supergroups // N
-    for w, cap in lay.capacities:
-      assert abs(cap / lay.padded_supergroups - codec.default_fractions()[w]) <= 2 / units
-
-  def test_few_units_lower_the_error_of_rounded_fractions(self):
-    """Rounding the default fractions to 4 units left 0.8 bit unspent and
-    sent a quarter of the vector at 2 bits; the best split does better."""
-    n, d = 16, 1 << 14  # 4 super-groups per ring chunk
-    codec = DynamiQ(allocation="static")
-    rounded = DynamiQ(allocation="static", fractions=codec.default_fractions())
-    assert rounded.layout(d, n).bits_per_coord < 4.2 < codec.layout(d, n).bits_per_coord <= 5
-    err = {c: np.mean([vnmse(np.asarray(dq.simulate(g, codec=c, seed=0))[0], g)
-                       for g in (model_data("iid", n, d, s) for s in (0, 1))])
-           for c in (codec, rounded)}
-    assert err[codec] < 0.75 * err[rounded]
-
-  def test_calibrate_records_the_profile_of_the_norms(self):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 256 * 64)) * np.repeat(np.exp(3 * rng.standard_normal(64)), 256)
-    codec = DynamiQ(allocation="static").calibrate(x)
-    assert codec.fractions is None and len(codec.profile) == allocation.PROFILE_POINTS
-    centred = x.reshape(4, 64, 256) - x.reshape(4, 64, 256).mean(-1, keepdims=True)
-    norms = np.sqrt((centred**2).sum((0, 2)))
-    assert codec.profile == allocation.profile_from_norms(norms)
-    assert np.isclose(codec.profile[0], 2 * np.log2(norms.min()), atol=0.5)
-    assert np.isclose(codec.profile[-1], 2 * np.log2(norms.max()), atol=0.5)
-    assert "profile=<256 log2 F quantiles" in repr(codec)
-    # a wide spread of norms buys 8 bits for the top and 2 for the bottom
-    assert codec.default_fractions()[8] > 0.1 and codec.default_fractions()[2] > 0.1
 
 
 class TestAccuracy:
@@ -185,15 +110,7 @@ class TestAccuracy:
   @staticmethod
   @functools.lru_cache(maxsize=None)  # both tests below use the independent rounding's draws
   def _many_keys(codec, draws=1024):
-    g = model_data("heavy", N, 1 << 14, 3)
-
-    def one(key):
-      f = lambda x: dq.allreduce(x, axis_name="i", codec=codec, key=key)[0]
-      return jax.vmap(f, axis_name="i")(g)[0]
-
-    keys = jax.random.split(jax.random.key(7), draws)
-    y = np.asarray(jax.jit(jax.lax.map, static_argnums=0)(one, keys), np.float64)
-    return y, g.astype(np.float64).mean(0)
+    return allreduce_over_keys(codec, model_data("heavy", N, 1 << 14, 3), draws)
 
   def test_allreduce_is_unbiased_with_independent_rounding(self):
     """Mean over 1024 rounding keys of the full ring equals the exact mean."""
@@ -276,7 +193,7 @@ class TestEdgeValues:
     g = g.reshape(N, -1)
     zero = (g == 0).all(0)
     for centre in (True, False):
-      codec = DynamiQ(centre=centre, allocation="static").calibrate(g)  # flat norms: no 2-bit class
+      codec = DynamiQ(centre=centre)
       out = np.asarray(dq.simulate(g, codec=codec, seed=1))
       assert rows_identical(out)
       moved = int(np.count_nonzero(out[0][zero]))

@@ -104,37 +104,6 @@ def test_every_registered_reducer_can_be_built_from_flags():
       reduction.reducer_options(digits_config.get_config(codec="globalqsgd", bits=4.5))
 
 
-def test_calibrate_fits_the_codec_to_the_per_rank_gradients():
-  rng = np.random.default_rng(0)
-  x = rng.standard_normal((16, 4096)).astype(np.float32) * np.exp(rng.normal(size=4096) * 2)
-  grad_fn = lambda shard: {"g": shard.mean(0), "h": shard[:, :100].max(0)}
-  config = digits_config.get_config(codec="dynamiq", bits=4, calibrate=True)
-  fitted = reduction.calibrate(config, grad_fn, x, 4)
-  # the same as calibrating the codec by hand on the four ranks' gradients
-  by_hand = [np.concatenate([g.ravel() for g in grad_fn(x[4 * r:4 * r + 4]).values()])
-             for r in range(4)]
-  static = dq.codecs.DynamiQ(bits=4, allocation="static")
-  assert fitted.calibrated_profile == static.calibrate(np.stack(by_hand)).profile
-  assert reduction.reducer_options(fitted) == {
-      "bits": 4, "allocation": "static", "widths": (2, 4, 8),
-      "profile": fitted.calibrated_profile}
-  # these gradients are not the paper's model: the fitted codec shares the bits differently
-  codec = dq.codec_from_name(fitted.codec, **reduction.reducer_options(fitted))
-  assert codec.default_fractions() != static.default_fractions()
-  assert reduction.calibrate(fitted, grad_fn, x, 4) is fitted  # already calibrated
-  for unchanged in (dataclasses.replace(config, calibrate=False),
-                    digits_config.get_config(codec="psum-bf16"),
-                    digits_config.get_config(codec="mxfp8")):
-    assert reduction.calibrate(unchanged, grad_fn, x, 4) is unchanged
-  with pytest.raises(ValueError, match="not a multiple of the 3 ranks"):
-    reduction.calibrate(config, grad_fn, x, 3)
-  # off by default (per-round allocation needs none); the fitted shares are not a flag
-  assert digits_config.get_config(codec="dynamiq").calibrate is False
-  assert flags.parse_flags(config, ["--no-calibrate"]).calibrate is False
-  with pytest.raises(SystemExit):
-    flags.parse_flags(config, ["--calibrated_profile", "1"])
-
-
 def test_wire_report_counts_what_each_rank_sends():
   params = {"w": np.zeros((300, 400), np.float32)}
   bf16 = reduction.wire_report(digits_config.get_config(codec="psum-bf16"), params, 8)
@@ -192,9 +161,7 @@ def test_nnx_digits_main(tmp_path):
   assert metrics["devices"]["count"] == 4
   options = metrics["reducer"]["options"]
   assert options["bits"] == 4.0
-  # per-round allocation (the default): nothing fitted beforehand
-  assert "profile" not in options
-  assert "allocation='per_round'" in metrics["reducer"]["codec"]
+  assert options == {"bits": 4.0}
   assert metrics["reducer"]["schedule"] == "butterfly"
   assert metrics["reducer"]["codec"].startswith("DynamiQ(bits=4.0")
   assert 3.5 < metrics["wire"]["bits_per_coord"] <= 4.0

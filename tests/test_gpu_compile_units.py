@@ -3,7 +3,7 @@
 Compile-only, as :mod:`test_gpu_compile`, with the same machinery
 (:mod:`gpu_compile_tools`): a child process takes one compile-only H100 of
 ``jax.experimental.topologies``, compiles each kernel of
-:mod:`pallas_kernels.dynamiq_units_kernels` alone for it (``plane_bits`` 1
+:mod:`pallas_kernels.dynamiq_triton` alone for it (``plane_bits`` 1
 with the width set (2, 3, 4, 5, 6, 8), and 2 with (2, 4, 8); bf16 inputs, a
 chunk of 37 super-groups) inside :func:`gpu_compile_tools.gpu_target` (a
 program on no mesh; jax >= 0.11 reads the GPU from the abstract mesh),
@@ -33,11 +33,11 @@ def compile_kernels(block: int | None = None):
   import jax.numpy as jnp
   import numpy as np
 
-  from pallas_kernels import dynamiq_units as U
-  from pallas_kernels import dynamiq_units_kernels as UK
+  from pallas_kernels import dynamiq_reference as R
+  from pallas_kernels import dynamiq_triton as K
 
   if block is not None:
-    UK.BLOCK = block  # read when the kernels are traced, below
+    K.BLOCK = block  # read when the kernels are traced, below
 
   [device] = T.h100_devices(1)
   sharding = jax.sharding.SingleDeviceSharding(device)
@@ -49,13 +49,13 @@ def compile_kernels(block: int | None = None):
     geo = dict(eps=eps, plane_bits=pb, width_set=ws)
     x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
     w = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=sharding)
-    p = jax.ShapeDtypeStruct((U.payload_bytes(s, units, pb),), jnp.uint8, sharding=sharding)
-    fns = [(lambda x, w: UK.compress_units_pallas(x, w, units, keys=keys, strata=8, **geo),
+    p = jax.ShapeDtypeStruct((R.payload_bytes(s, units, pb),), jnp.uint8, sharding=sharding)
+    fns = [(lambda x, w: K.compress_pallas(x, w, units, keys=keys, strata=8, **geo),
             (x, w)),
-           (lambda p, w: UK.decompress_units_pallas(p, w, units, **geo), (p, w)),
-           (lambda p, x, w: UK.decompress_accumulate_units_pallas(p, x, w, units, **geo),
+           (lambda p, w: K.decompress_pallas(p, w, units, **geo), (p, w)),
+           (lambda p, x, w: K.decompress_accumulate_pallas(p, x, w, units, **geo),
             (p, x, w)),
-           (lambda p, x, w: UK.decompress_accumulate_recompress_units_pallas(
+           (lambda p, x, w: K.decompress_accumulate_recompress_pallas(
                p, x, w, units, keys=keys, strata=8, **geo), (p, x, w))]
     for f, args in fns:
       with T.gpu_target(device):

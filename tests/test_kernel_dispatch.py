@@ -13,14 +13,16 @@ import pytest
 
 import dynamiq_jax as dq
 from dynamiq_jax.codecs import DynamiQ
+from pallas_kernels import dispatch as D
 from pallas_kernels import dynamiq as K
-from pallas_kernels import dynamiq_format as F
+from pallas_kernels import dynamiq_reference as R
+from pallas_kernels import dynamiq_triton as T
 from pallas_kernels import rng
 
-import gpu_compile_tools as T
+import gpu_compile_tools as GT
 from _helpers import lower_for
 
-FMT = F.Format(bits=4)
+EPS = {2: 0.23, 4: 0.18, 8: 0.10}
 TRITON = "__gpu$xla.gpu.triton"
 
 
@@ -32,6 +34,13 @@ def _x(seed, s=11):
   r = np.random.default_rng(seed)
   return jnp.asarray((r.standard_normal((s, 256)) * np.exp(r.normal(0, 3, (s, 1))))
                      .astype(np.float32))
+
+
+def _w(s=11):
+  return jnp.full((s,), 4, jnp.int32)
+
+
+UNITS = 44  # 11 super-groups of 4 one-bit planes
 
 
 def _cuda_text(f, *args, target=True):
@@ -46,9 +55,9 @@ def _cuda_text(f, *args, target=True):
 
 @pytest.fixture
 def fresh():
-  K._probed.clear()
+  D._probed.clear()
   yield
-  K._probed.clear()
+  D._probed.clear()
 
 
 @pytest.fixture
@@ -56,24 +65,25 @@ def cpu_as_local_gpu(monkeypatch, fresh):
   """The probe's "local GPU" is a CPU device: compiling a kernel for it fails for real
   (Pallas compiles only in interpret mode on CPU). Lower with ``target=False``: an
   abstract GPU in context would be another kind, which the probe leaves alone."""
-  monkeypatch.setattr(K, "_local_gpus", lambda: jax.devices("cpu")[:1])
+  monkeypatch.setattr(D, "_local_gpus", lambda: jax.devices("cpu")[:1])
 
 
 @pytest.fixture
 def h100_as_local_gpu(monkeypatch, fresh):
   """The probe's "local GPU" is an H100, the kind of the abstract GPU lowered for."""
-  monkeypatch.setattr(K, "_local_gpus", lambda: [types.SimpleNamespace(device_kind=T.H100_KIND)])
+  monkeypatch.setattr(D, "_local_gpus",
+                      lambda: [types.SimpleNamespace(device_kind=GT.H100_KIND)])
 
 
 def _compress(x):
-  return K.compress(x, FMT, keys=_keys(0), rank=3, strata=8)
+  return K.compress(x, _w(), UNITS, eps=EPS, keys=_keys(0), rank=3, strata=8)
 
 
 class TestCompileFallback:
 
   def test_a_kernel_that_fails_to_compile_falls_back_with_one_warning(self, cpu_as_local_gpu):
     x = _x(0)
-    with pytest.warns(K.KernelFallbackWarning) as record:
+    with pytest.warns(D.KernelFallbackWarning) as record:
       text = _cuda_text(_compress, x, target=False)
       _cuda_text(_compress, x, target=False)  # same kernel and operands: no second warning
     assert TRITON not in text  # the GPU program runs the reference
@@ -85,59 +95,62 @@ class TestCompileFallback:
       assert part in msg, (part, msg)
 
   def test_the_fallback_is_the_reference_bit_for_bit(self, cpu_as_local_gpu):
-    x, p = _x(1), K.compress(_x(2), FMT, keys=_keys(2), implementation="xla")
-    kw = dict(keys=_keys(1), rank=3, strata=8)
-    with pytest.warns(K.KernelFallbackWarning, match="decompress_accumulate_recompress"):
-      out = K._gpu_path("decompress_accumulate_recompress",
-                        K.decompress_accumulate_recompress_pallas,
-                        F.decompress_accumulate_recompress_reference, False, (p, x, FMT), kw)
-    ref = F.decompress_accumulate_recompress_reference(p, x, FMT, **kw)
+    x = _x(1)
+    p = K.compress(_x(2), _w(), UNITS, eps=EPS, keys=_keys(2), implementation="xla")
+    kw = dict(eps=tuple(EPS.items()), keys=_keys(1), rank=3, strata=8)
+    with pytest.warns(D.KernelFallbackWarning, match="decompress_accumulate_recompress"):
+      out = D._gpu_path("decompress_accumulate_recompress",
+                        T.decompress_accumulate_recompress_pallas,
+                        R.decompress_accumulate_recompress_reference, False,
+                        (p, x, _w(), UNITS), kw)
+    ref = R.decompress_accumulate_recompress_reference(p, x, _w(), UNITS, **kw)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
   def test_a_kernel_that_compiles_stays(self, monkeypatch, h100_as_local_gpu):
     compiled = []
-    monkeypatch.setattr(K, "_compile_alone", lambda kernel, device, args, kw: compiled.append(1))
+    monkeypatch.setattr(D, "_compile_alone", lambda kernel, device, args, kw: compiled.append(1))
     with warnings.catch_warnings():
-      warnings.simplefilter("error", K.KernelFallbackWarning)
+      warnings.simplefilter("error", D.KernelFallbackWarning)
       text = _cuda_text(_compress, _x(0))
       _cuda_text(_compress, _x(0))
     assert text.count(TRITON) == 1
     assert compiled == [1]  # probed once per kernel and operand types
 
   def test_no_local_gpu_keeps_the_kernels_without_probing(self, monkeypatch, fresh):
-    monkeypatch.setattr(K, "_compile_alone", lambda *a: pytest.fail("probed without a GPU"))
+    monkeypatch.setattr(D, "_compile_alone", lambda *a: pytest.fail("probed without a GPU"))
     assert _cuda_text(_compress, _x(0)).count(TRITON) == 1
 
   def test_forced_paths_skip_the_probe(self, monkeypatch, h100_as_local_gpu):
-    monkeypatch.setattr(K, "_compile_alone", lambda *a: pytest.fail("probed a forced path"))
+    monkeypatch.setattr(D, "_compile_alone", lambda *a: pytest.fail("probed a forced path"))
     with warnings.catch_warnings():
-      warnings.simplefilter("error", K.KernelFallbackWarning)
-      forced = _cuda_text(lambda x: K.compress(x, FMT, keys=_keys(0), implementation="pallas"),
-                          _x(0))
-      ref = _cuda_text(lambda x: K.compress(x, FMT, keys=_keys(0), implementation="xla"), _x(0))
+      warnings.simplefilter("error", D.KernelFallbackWarning)
+      forced = _cuda_text(lambda x: K.compress(x, _w(), UNITS, eps=EPS, keys=_keys(0),
+                                               implementation="pallas"), _x(0))
+      ref = _cuda_text(lambda x: K.compress(x, _w(), UNITS, eps=EPS, keys=_keys(0),
+                                            implementation="xla"), _x(0))
     assert forced.count(TRITON) == 1
     assert TRITON not in ref
 
   def test_a_gpu_of_another_kind_is_not_probed(self, monkeypatch, fresh):
     """Lowering for an H100 on a host whose GPU is another kind (ahead of time): compiling
     on the local GPU says nothing about the target, so the kernels stay unprobed."""
-    monkeypatch.setattr(K, "_local_gpus",
+    monkeypatch.setattr(D, "_local_gpus",
                         lambda: [types.SimpleNamespace(device_kind="NVIDIA A100-SXM4-40GB")])
-    monkeypatch.setattr(K, "_compile_alone", lambda *a: pytest.fail("probed another GPU"))
+    monkeypatch.setattr(D, "_compile_alone", lambda *a: pytest.fail("probed another GPU"))
     assert _cuda_text(_compress, _x(0)).count(TRITON) == 1
 
-  @pytest.mark.skipif(T.missing() is not None, reason=str(T.missing()))
+  @pytest.mark.skipif(GT.missing() is not None, reason=str(GT.missing()))
   def test_the_probe_compiles_in_the_callers_context(self, monkeypatch, fresh):
     """A compile-only H100 (``jax.experimental.topologies``) as the local GPU: the probe
     really compiles each kernel for it, at top level and inside a ``shard_map`` trace
     over H100s, in the abstract mesh the caller's lowering reads (jax >= 0.11)."""
-    [device] = T.h100_devices(1)
-    monkeypatch.setattr(K, "_local_gpus", lambda: [device])
+    [device] = GT.h100_devices(1)
+    monkeypatch.setattr(D, "_local_gpus", lambda: [device])
     with warnings.catch_warnings():
-      warnings.simplefilter("error", K.KernelFallbackWarning)
+      warnings.simplefilter("error", D.KernelFallbackWarning)
       assert _cuda_text(_compress, _x(0)).count(TRITON) == 1
-      assert len(K._probed) == 1
-      mesh = T.abstract_h100_mesh((8,), ("data",))
+      assert len(D._probed) == 1
+      mesh = GT.abstract_h100_mesh((8,), ("data",))
       g = jax.ShapeDtypeStruct((8, 1 << 16), jnp.float32,
                                sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
 
@@ -149,7 +162,7 @@ class TestCompileFallback:
                                    out_specs=jax.P("data"), check_vma=True))
       text = step.trace(g).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(TRITON) >= 3
-    assert len(K._probed) >= 4 and all(v is None for v in K._probed.values())
+    assert len(D._probed) >= 4 and all(v is None for v in D._probed.values())
 
 
 def test_jax_triton_deprecation_is_ignored_and_only_it():
@@ -166,19 +179,21 @@ def test_jax_triton_deprecation_is_ignored_and_only_it():
 _STRICT_LOWERING = """
 import warnings
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels import dynamiq as K, dynamiq_format as F, dynamiq_units_kernels as UK
+from pallas_kernels import dynamiq as K, dynamiq_reference as R, dynamiq_triton as KT
 import gpu_compile_tools as T
 keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
+geo = dict(eps={4: 0.18}, width_set=(4,))
 x = jax.ShapeDtypeStruct((11, 256), jnp.float32)
 w = jax.ShapeDtypeStruct((11,), jnp.int32)
-programs = [lambda x, w: K.compress(x, F.Format(bits=4), keys=keys),
-            lambda x, w: K.compress(x, F.Format(bits=4), keys=keys, implementation="pallas"),
-            lambda x, w: K.compress_pallas(x, F.Format(bits=4), keys=keys),
-            lambda x, w: UK.compress_units(x, w, 20, eps={4: 0.18}, keys=keys, width_set=(4,))]
+p = jax.ShapeDtypeStruct((R.payload_bytes(11, 44),), jnp.uint8)
+programs = [lambda x, w, p: K.compress(x, w, 44, keys=keys, **geo),
+            lambda x, w, p: K.compress(x, w, 44, keys=keys, implementation="pallas", **geo),
+            lambda x, w, p: KT.compress_pallas(x, w, 44, keys=keys, **geo),
+            lambda x, w, p: K.decompress_accumulate_recompress(p, x, w, 44, keys=keys, **geo)]
 for program in programs:
   for _ in range(2):  # the second time the kernel's own jitted launch is a cached trace
     with warnings.catch_warnings(), T.gpu_target():  # restores the filters on exit
-      text = jax.jit(program).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+      text = jax.jit(program).trace(x, w, p).lower(lowering_platforms=("cuda",)).as_text()
     assert T.TRITON in text
 print("lowered", len(programs) * 2)
 """
@@ -188,36 +203,38 @@ def test_gpu_lowerings_raise_no_deprecation_warning():
   """``python -W error::DeprecationWarning``: lowering the kernels for a GPU (by dispatch,
   forced, and directly) raises nothing, each time in a fresh ``catch_warnings`` block."""
   res = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c",
-                        _STRICT_LOWERING], capture_output=True, text=True, cwd=T.ROOT,
+                        _STRICT_LOWERING], capture_output=True, text=True, cwd=GT.ROOT,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                           [str(T.ROOT), str(T.ROOT / "tests")]), "JAX_PLATFORMS": "cpu"})
+                           [str(GT.ROOT), str(GT.ROOT / "tests")]), "JAX_PLATFORMS": "cpu"})
   assert res.returncode == 0, res.stderr[-3000:]
   assert "lowered 8" in res.stdout
 
 
 def test_mosaic_gpu_cannot_lower_the_kernels_yet(monkeypatch):
-  """The measurement behind Triton being the default (module docstring of
-  pallas_kernels.dynamiq): a ``pallas_call`` with Mosaic GPU compiler params rejects
-  these kernels on jax 0.10.2; from jax 0.11 ``pallas_call`` has no Mosaic GPU
-  lowering at all (Mosaic GPU kernels are written with ``plgpu.kernel``, and a
-  ``pallas_call`` without compiler params lowers with Triton). If this starts
-  failing, Mosaic GPU has learnt something: measure it again."""
+  """The measurement behind Triton being the default (docs/design.md): a
+  ``pallas_call`` with Mosaic GPU compiler params rejects these kernels on jax
+  0.10.2; from jax 0.11 ``pallas_call`` has no Mosaic GPU lowering at all (Mosaic
+  GPU kernels are written with ``plgpu.kernel``, and a ``pallas_call`` without
+  compiler params lowers with Triton). If this starts failing, Mosaic GPU has
+  learnt something: measure it again."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  monkeypatch.setattr(K, "_compiler_params", lambda interpret: plgpu.CompilerParams())
-  # _decompress_call is a module-level jit: drop traces made with Triton params
-  # by other tests before, and those made here with Mosaic's after.
-  K._decompress_call.clear_cache()
+  monkeypatch.setattr(T, "_compiler_params", lambda interpret: plgpu.CompilerParams())
+  # _launch is a module-level jit: drop traces made with Triton params by other
+  # tests before, and those made here with Mosaic's after.
+  T._launch.clear_cache()
   # jax 0.10.2 also deprecates pallas_call for Mosaic GPU (in favour of plgpu.kernel):
   # expected here, where Mosaic GPU is tried on purpose.
   warnings.filterwarnings("ignore", "Using ``pl.pallas_call`` for Mosaic GPU", DeprecationWarning)
-  p = jax.ShapeDtypeStruct((37, FMT.record_bytes), jnp.uint8)
+  p = jax.ShapeDtypeStruct((R.payload_bytes(37, 150),), jnp.uint8)
+  w = jax.ShapeDtypeStruct((37,), jnp.int32)
+  decompress = lambda p, w: T.decompress_pallas(p, w, 150, eps=EPS)
   try:
     if jax.__version_info__ < (0, 11):
       with pytest.raises(NotImplementedError, match="divisible by the warpgroup size"):
-        _cuda_text(lambda p: K.decompress_pallas(p, FMT), p)
+        _cuda_text(decompress, p, w)
     else:
       with pytest.raises(AssertionError) as err:  # no lowering rule for these params
-        _cuda_text(lambda p: K.decompress_pallas(p, FMT), p)
+        _cuda_text(decompress, p, w)
       assert err.traceback[-1].name == "gpu_lowering"
   finally:
-    K._decompress_call.clear_cache()
+    T._launch.clear_cache()

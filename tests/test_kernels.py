@@ -1,4 +1,7 @@
-"""Pallas kernels (interpret mode on CPU) against the jnp reference, bit for bit."""
+"""DynamiQ's Pallas kernels (pallas_kernels.dynamiq_triton) against their jnp
+reference (pallas_kernels.dynamiq_reference), bit for bit, in interpret mode; their
+dispatch (pallas_kernels.dynamiq); their lowering for cuda (the Pallas->Triton
+lowering runs on this CPU machine)."""
 
 import logging
 
@@ -9,25 +12,19 @@ import pytest
 
 import dynamiq_jax as dq
 from dynamiq_jax.codecs import DynamiQ
+from pallas_kernels import dispatch as D
 from pallas_kernels import dynamiq as K
-from pallas_kernels import dynamiq_format as F
+from pallas_kernels import dynamiq_reference as R
+from pallas_kernels import dynamiq_triton as T
 from pallas_kernels import rng
 
-import gpu_compile_tools as T
+import gpu_compile_tools as GT
 from _helpers import lower_for, model_data, per_rank, rows_identical
 
 EPS = {2: 0.23, 4: 0.18, 8: 0.10}
-FORMATS = [
-    F.Format(bits=b, levels=lv, eps=EPS[b], hierarchical=h, scale_rounding=sr)
-    for b in (2, 4, 8)
-    for lv, h, sr in (("mee", True, "up"), ("mee", True, "stochastic"), ("uniform", True, "up"),
-                      ("mee", False, "up"), ("uniform", False, "up"))
-]
-S = 11  # not a multiple of the kernel's block (8 super-groups): one partial block
-
-
-def _ids(f):
-  return f"b{f.bits}-{f.levels}-{'hier' if f.hierarchical else 'flat'}-{f.scale_rounding}"
+WS6 = (2, 3, 4, 5, 6, 8)
+WS3 = (2, 4, 8)
+TRITON = "__gpu$xla.gpu.triton"
 
 
 def _keys(seed):
@@ -36,11 +33,28 @@ def _keys(seed):
   return (k0, k1, s0, s1)
 
 
-def _x(seed, dtype=jnp.float32, s=S):
+def _x(seed, s, dtype=jnp.float32):
   r = np.random.default_rng(seed)
   x = r.standard_normal((s, 256)) * np.exp(r.normal(0, 3, (s, 1)))
-  x[0, :16] = 0.0
+  x[0, :16] = 0.0  # a zero scale group
+  if s > 2:
+    x[2] = 0.0  # a zero super-group
   return jnp.asarray(x.astype(np.float32), dtype)
+
+
+def _widths(seed, s, width_set, kind):
+  """int32 [s], widest first: every width of the set ("mixed", random counts) or one."""
+  r = np.random.default_rng(seed)
+  if kind == "mixed":
+    w = np.concatenate([list(width_set), r.choice(width_set, max(s - len(width_set), 0))])[:s]
+  else:
+    w = np.full(s, width_set[int(kind)] if kind.isdigit() else max(width_set))
+  return jnp.asarray(np.sort(w)[::-1].copy(), jnp.int32)
+
+
+def _units(widths, plane_bits, room):
+  """Units used by ``widths`` plus ``room`` (negative: a payload too small, truncated)."""
+  return max(int(np.sum(np.asarray(widths) // plane_bits)) + room, 0)
 
 
 def _same(a, b):
@@ -49,45 +63,84 @@ def _same(a, b):
   np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-def _tier(f):
-  """The default run keeps each width's default format (hierarchical MEE, rounding up) and
-  one of each other variant; the rest run in .ci/run-slow."""
-  keep = (f.levels, f.hierarchical, f.scale_rounding) == ("mee", True, "up") or (
-      f.bits == 4 and (f.levels, f.hierarchical, f.scale_rounding) != ("mee", True, "up"))
-  return f if keep else pytest.param(f, marks=pytest.mark.slow)
+# (plane_bits, width_set, scale_rounding, strata, S, dtype, widths, room)
+SLOW = pytest.mark.slow  # .ci/run-slow: the default tier keeps one case per plane width
+CASES = [
+    pytest.param((1, WS6, "up", 1, 11, jnp.float32, "mixed", 5), marks=SLOW),
+    (1, WS6, "stochastic", 8, 20, jnp.bfloat16, "mixed", 0),  # the default codec's
+    pytest.param((1, WS6, "up", 8, 3, jnp.float32, "1", 2), marks=SLOW),  # all 3-bit
+    pytest.param((1, WS3, "up", 8, 13, jnp.bfloat16, "mixed", 40), marks=SLOW),  # unused units
+    pytest.param((1, WS3, "stochastic", 1, 9, jnp.float32, "max", 0), marks=SLOW),  # all 8-bit
+    (2, WS3, "up", 8, 11, jnp.bfloat16, "mixed", 3),
+    pytest.param((2, WS3, "stochastic", 1, 20, jnp.float32, "0", 1), marks=SLOW),  # all 2-bit
+    (2, WS3, "up", 1, 5, jnp.float32, "mixed", -3),  # too few units: truncated
+    # the kernels' own transpositions for codes of at most 4 and of 5 bits
+    (1, (2, 3, 4), "stochastic", 8, 12, jnp.bfloat16, "mixed", 1),
+    (1, (3, 5), "up", 8, 9, jnp.float32, "mixed", 0),
+]
 
 
-@pytest.mark.parametrize("fmt", [_tier(f) for f in FORMATS], ids=_ids)
-def test_all_four_kernels_equal_the_reference(fmt):
-  x = _x(fmt.bits)
-  strata = 1 if fmt.levels == "uniform" else 8
-  p_ref = F.compress_reference(x, fmt, keys=_keys(1), rank=5, strata=strata)
-  _same(K.compress_pallas(x, fmt, keys=_keys(1), rank=5, strata=strata, interpret=True), p_ref)
-  _same(K.decompress_pallas(p_ref, fmt, interpret=True), F.decompress_reference(p_ref, fmt))
-  _same(K.decompress_accumulate_pallas(p_ref, x, fmt, interpret=True),
-        F.decompress_accumulate_reference(p_ref, x, fmt))
-  _same(K.decompress_accumulate_recompress_pallas(p_ref, x, fmt, keys=_keys(2), rank=3,
-                                                   strata=8, interpret=True),
-        F.decompress_accumulate_recompress_reference(p_ref, x, fmt, keys=_keys(2), rank=3,
-                                                     strata=8))
+@pytest.mark.parametrize("planes", range(1, 9))
+def test_plane_transposition_is_the_reference_layout(planes):
+  """codes_to_planes / planes_to_codes (the kernels' bit transpositions, in
+  their interpret-mode form) give the reference's plane bytes
+  (dynamiq_reference.plane_bytes) for codes of ``planes`` bits, and back."""
+  r = np.random.default_rng(planes)
+  codes = r.integers(0, 2**planes, (64, 8)).astype(np.uint32)
+  ref = np.asarray(R.plane_bytes(jnp.asarray(np.tile(codes, (1, 32))), plane_bits=1))[:, :planes, 0]
+  got = R.codes_to_planes(jnp.asarray(codes), planes)
+  np.testing.assert_array_equal(np.stack([np.asarray(b) for b in got], 1), ref)
+  words = [sum(jnp.asarray(ref[:, p]).astype(jnp.uint32) << (8 * (p % 4))
+               for p in range(h, min(h + 4, planes))) if h < planes else None
+           for h in (0, 4)]
+  lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, 1)
+  np.testing.assert_array_equal(R.planes_to_codes(words, lane, planes), codes)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("s", [1, 8, pytest.param(19, marks=pytest.mark.slow)])
-def test_low_precision_inputs_and_sizes(dtype, s):
-  fmt = F.Format(bits=4)
-  x = _x(3, dtype, s)
-  p = F.compress_reference(x, fmt, keys=_keys(3), rank=1, strata=4)
-  _same(K.compress_pallas(x, fmt, keys=_keys(3), rank=1, strata=4, interpret=True), p)
-  _same(K.decompress_accumulate_recompress_pallas(p, x, fmt, keys=_keys(4), strata=4,
-                                                   interpret=True),
-        F.decompress_accumulate_recompress_reference(p, x, fmt, keys=_keys(4), strata=4))
+def _case_id(c):
+  pb, ws, sr, strata, s, dtype, kind, room = c
+  return (f"p{pb}-w{''.join(map(str, ws))}-{sr}-strata{strata}-S{s}-{jnp.dtype(dtype).name}"
+          f"-{kind}-room{room}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_all_four_kernels_equal_the_reference(case):
+  pb, ws, sr, strata, s, dtype, kind, room = case
+  x = _x(s, s, dtype)
+  widths = _widths(s, s, ws, kind)
+  units = _units(widths, pb, room)
+  geo = dict(eps=EPS, plane_bits=pb, width_set=ws)
+  enc = dict(keys=_keys(1), rank=5, strata=strata, scale_rounding=sr)
+  p_ref = R.compress_reference(x, widths, units, **enc, **geo)
+  assert p_ref.shape == (R.payload_bytes(s, units, pb),)
+  _same(T.compress_pallas(x, widths, units, **enc, **geo, interpret=True), p_ref)
+  _same(T.decompress_pallas(p_ref, widths, units, **geo, interpret=True),
+        R.decompress_reference(p_ref, widths, units, **geo))
+  _same(T.decompress_accumulate_pallas(p_ref, x, widths, units, **geo, interpret=True),
+        R.decompress_accumulate_reference(p_ref, x, widths, units, **geo))
+  enc2 = dict(enc, keys=_keys(2), rank=3)
+  _same(T.decompress_accumulate_recompress_pallas(p_ref, x, widths, units, **enc2, **geo,
+                                                  interpret=True),
+        R.decompress_accumulate_recompress_reference(p_ref, x, widths, units, **enc2, **geo))
+
+
+def test_unused_units_are_zero_and_values_round_trip():
+  s, pb = 10, 1
+  x = _x(3, s)
+  widths = _widths(3, s, WS6, "mixed")
+  used = _units(widths, pb, 0)
+  p = T.compress_pallas(x, widths, used + 7, eps=EPS, keys=_keys(3), interpret=True)
+  assert not np.asarray(p[R.payload_bytes(s, used, pb):]).any()
+  assert R.payload_bytes(s, used, pb) == sum(32 * int(w) + 18 for w in np.asarray(widths))
+  y = np.asarray(T.decompress_pallas(p, widths, used + 7, eps=EPS, interpret=True))
+  rel = np.linalg.norm(y - np.asarray(x)) / np.linalg.norm(np.asarray(x))
+  assert rel < 1.0, rel  # a lossy but sane reconstruction (2..8 bits)
 
 
 @pytest.mark.parametrize("case", ["zeros", "nan", "inf", "1e30", "1e-30"])
 def test_edge_values_as_in_the_reference(case):
-  fmt = F.Format(bits=8)
-  x = np.array(_x(5))
+  s = 9
+  x = np.array(_x(5, s))
   if case == "zeros":
     x[:] = 0
   elif case == "nan":
@@ -97,25 +150,40 @@ def test_edge_values_as_in_the_reference(case):
   else:
     x = x / np.abs(x).max() * float(case)
   x = jnp.asarray(x)
-  p_ref = F.compress_reference(x, fmt, keys=_keys(6))
-  p_ker = K.compress_pallas(x, fmt, keys=_keys(6), interpret=True)
+  widths = _widths(5, s, WS6, "mixed")
+  units = _units(widths, 1, 0)
+  geo = dict(eps=EPS, width_set=WS6)
+  p_ref = R.compress_reference(x, widths, units, keys=_keys(6), **geo)
+  p_ker = T.compress_pallas(x, widths, units, keys=_keys(6), **geo, interpret=True)
   _same(p_ker, p_ref)
-  y = K.decompress_pallas(p_ker, fmt, interpret=True)
-  _same(y, F.decompress_reference(p_ref, fmt))
-  if case in ("zeros",):
+  y = T.decompress_pallas(p_ker, widths, units, **geo, interpret=True)
+  _same(y, R.decompress_reference(p_ref, widths, units, **geo))
+  if case == "zeros":
     np.testing.assert_array_equal(np.asarray(y), 0.0)
   if case in ("1e30", "1e-30"):
     assert np.all(np.isfinite(np.asarray(y)))
 
 
+def test_float16_and_one_supergroup():
+  x = _x(3, 1, jnp.float16)
+  widths = jnp.asarray([5], jnp.int32)
+  geo = dict(eps=EPS, keys=_keys(3), rank=1, strata=4)
+  p = R.compress_reference(x, widths, 5, **geo)
+  _same(T.compress_pallas(x, widths, 5, **geo, interpret=True), p)
+  _same(T.decompress_accumulate_recompress_pallas(p, x, widths, 5, **geo, interpret=True),
+        R.decompress_accumulate_recompress_reference(p, x, widths, 5, **geo))
+
+
 def test_unbiased_through_the_kernels():
-  fmt = F.Format(bits=4)
-  x = _x(7, s=4)
-  draws = 512
+  s, draws = 4, 512
+  x = _x(7, s)
+  widths = jnp.asarray([5, 4, 3, 2], jnp.int32)
+  units = _units(widths, 1, 0)
 
   def one(seed):
-    p = K.compress_pallas(x, fmt, keys=_keys(seed), rank=2, strata=8, interpret=True)
-    return K.decompress_pallas(p, fmt, interpret=True)
+    p = T.compress_pallas(x, widths, units, eps=EPS, keys=_keys(seed), rank=2, strata=8,
+                          interpret=True)
+    return T.decompress_pallas(p, widths, units, eps=EPS, interpret=True)
 
   y = np.asarray(jax.jit(jax.vmap(one))(jnp.arange(draws)), np.float64)
   xs = np.asarray(x, np.float64)
@@ -123,6 +191,59 @@ def test_unbiased_through_the_kernels():
   for w in (np.ones_like(xs), np.sign(xs)):
     z = np.sum(w * err, 1) / np.sqrt(np.sum(var, 1) / draws + 1e-300)
     assert np.max(np.abs(z)) < 5.0, z
+
+
+@pytest.mark.parametrize("plane_bits,width_set,room", [(1, WS6, 9), (2, WS3, 2), (1, WS3, -2)])
+def test_every_payload_byte_is_written(plane_bits, width_set, room):
+  """Interpret mode starts an output buffer at zero, which would hide an unwritten
+  byte (the unused units); here the buffer starts at 0xA5 instead."""
+  s = 13
+  x = _x(8, s)
+  widths = _widths(8, s, width_set, "mixed")
+  units = _units(widths, plane_bits, room)
+  ref = R.compress_reference(x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
+                             plane_bits=plane_bits, width_set=width_set)
+  geo = dict(eps=EPS, keys=_keys(8), rank=2, strata=8, plane_bits=plane_bits,
+             width_set=width_set, interpret=True, fill=0xA5)
+  _same(T.compress_pallas(x, widths, units, **geo), ref)
+  _same(T.decompress_accumulate_recompress_pallas(ref, x, widths, units, **geo),
+        R.decompress_accumulate_recompress_reference(
+            ref, x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
+            plane_bits=plane_bits, width_set=width_set))
+
+
+@pytest.mark.slow  # .ci/run-slow
+def test_vmap_maps_the_kernels_over_a_batch():
+  """Batched x, keys and widths (each batch element its own chunk); the unbatched
+  payload case is covered by broadcasting in the rule."""
+  s, pb, b = 6, 1, 2
+  geo = dict(eps=EPS, plane_bits=pb, width_set=WS6)
+  xs = jnp.stack([_x(10 + i, s) for i in range(b)])
+  ws = jnp.stack([_widths(10 + i, s, WS6, "mixed") for i in range(b)])
+  units = max(_units(w, pb, 2) for w in ws)
+  seeds = jnp.arange(b, dtype=jnp.uint32)
+
+  def enc(x, w, seed, impl):
+    keys = tuple(k + seed for k in _keys(4))
+    return impl(x, w, units, keys=keys, rank=1, strata=8, **geo)
+
+  ker = lambda *a, **k: T.compress_pallas(*a, **k, interpret=True)
+  p = jax.vmap(lambda x, w, sd: enc(x, w, sd, ker))(xs, ws, seeds)
+  p_ref = jax.vmap(lambda x, w, sd: enc(x, w, sd, R.compress_reference))(xs, ws, seeds)
+  _same(p, p_ref)
+  for i in range(b):  # and each element is the unbatched result
+    _same(p[i], R.compress_reference(xs[i], ws[i], units, keys=tuple(
+        k + seeds[i] for k in _keys(4)), rank=1, strata=8, **geo))
+  dec = jax.vmap(lambda p, w: T.decompress_pallas(p, w, units, **geo, interpret=True))
+  _same(dec(p, ws), jax.vmap(lambda p, w: R.decompress_reference(p, w, units, **geo))(p, ws))
+  acc = jax.vmap(lambda p, x: T.decompress_accumulate_pallas(p, x, ws[0], units, **geo,
+                                                                    interpret=True))
+  _same(acc(p, xs), jax.vmap(lambda p, x: R.decompress_accumulate_reference(
+      p, x, ws[0], units, **geo))(p, xs))
+  hop = lambda impl: jax.vmap(lambda p, x, w: impl(p, x, w, units, keys=_keys(5), strata=8, **geo))
+  _same(hop(lambda *a, **k: T.decompress_accumulate_recompress_pallas(
+      *a, **k, interpret=True))(p, xs, ws),
+        hop(R.decompress_accumulate_recompress_reference)(p, xs, ws))
 
 
 @pytest.mark.slow  # two ring compiles, one in interpret mode; each kernel's parity: above
@@ -140,13 +261,12 @@ def test_ring_with_kernels_equals_xla_on_8_devices(mesh):
   _same(ker, ref)
 
 
-def test_kernels_lower_inside_shard_map_with_check_vma():
+def test_allreduce_lowers_inside_shard_map_with_check_vma():
   """As ``dq.data_parallel_step`` runs them (``check_vma=True``), lowered for cuda
-  over a mesh of (abstract) H100s: each pallas_call must declare how its output
-  varies over the mesh, or tracing fails. (Interpret mode cannot run there on jax
-  0.10.2: its interpreter indexes a varying ref with an invarying index and
-  check_vma rejects that.)"""
-  mesh = T.abstract_h100_mesh((8,), ("data",))
+  over a mesh of (abstract) H100s. (Interpret mode cannot run there on jax 0.10.2:
+  its interpreter indexes a varying ref with an invarying index and check_vma
+  rejects that.)"""
+  mesh = GT.abstract_h100_mesh((8,), ("data",))
   g = jax.ShapeDtypeStruct((8, 1 << 16), jnp.float32,  # large enough to be compressed
                            sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
 
@@ -156,69 +276,120 @@ def test_kernels_lower_inside_shard_map_with_check_vma():
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data"),
                             check_vma=True))
-  text = f.trace(g).lower(lowering_platforms=("cuda",)).as_text()
-  assert "__gpu$xla.gpu.triton" in text
+  assert TRITON in f.trace(g).lower(lowering_platforms=("cuda",)).as_text()
 
 
 class TestDispatch:
 
+  def _lowered(self, implementation, platform, pb=1):
+    s, units = 11, 30
+    ws = WS6 if pb == 1 else WS3
+    f = lambda p, x, w: K.decompress_accumulate_recompress(
+        p, x, w, units, eps=EPS, keys=_keys(0), plane_bits=pb, width_set=ws,
+        implementation=implementation)
+    args = (jax.ShapeDtypeStruct((R.payload_bytes(s, units, pb),), jnp.uint8),
+            jax.ShapeDtypeStruct((s, 256), jnp.float32), jax.ShapeDtypeStruct((s,), jnp.int32))
+    return lower_for(platform, jax.jit(f), *args)
+
   def test_default_is_chosen_by_the_lowering_platform(self):
-    """Kernels in a lowering for cuda, the reference for cpu, whatever the host's backend."""
-    fmt = F.Format(bits=4)
+    assert self._lowered(None, "cuda").count(TRITON) == 1
+    assert "stablehlo.while" not in self._lowered(None, "cuda")  # no XLA:CPU workaround on GPU
+    cpu = self._lowered(None, "cpu")
+    assert TRITON not in cpu and "stablehlo.while" in cpu  # the reference's materialize
+    assert TRITON not in self._lowered("xla", "cuda")
+    assert self._lowered("pallas", "cuda", pb=2).count(TRITON) == 1
+    assert TRITON not in self._lowered("pallas", "cpu")  # interpreted
 
-    def lowered(implementation, platform):
-      f = lambda p, x: K.decompress_accumulate_recompress(p, x, fmt, keys=_keys(0),
-                                                          implementation=implementation)
-      p = jax.ShapeDtypeStruct((S, fmt.record_bytes), jnp.uint8)
-      x = jax.ShapeDtypeStruct((S, 256), jnp.float32)
-      return lower_for(platform, jax.jit(f), p, x)
+  def test_public_names_equal_the_reference_on_cpu(self):
+    s, pb = 9, 1
+    x = _x(6, s, jnp.bfloat16)
+    w = _widths(6, s, WS6, "mixed")
+    units = _units(w, pb, 1)
+    eps_tuple = tuple(EPS.items())
+    ref = R.compress_reference(x, w, units, eps=EPS, keys=_keys(6), strata=8)
+    for impl in (None, "xla", "pallas"):
+      p = jax.jit(lambda x, w: K.compress(x, w, units, eps=eps_tuple, keys=_keys(6),
+                                                 strata=8, implementation=impl))(x, w)
+      _same(p, ref)
+    y_ref = R.decompress_reference(ref, w, units, eps=EPS)
+    _same(K.decompress(ref, w, units, eps=EPS), y_ref)
+    _same(K.decompress(ref, w, units, eps=EPS, implementation="pallas"), y_ref)
+    _same(K.decompress_accumulate(ref, x, w, units, eps=EPS, implementation="pallas"),
+          R.decompress_accumulate_reference(ref, x, w, units, eps=EPS))
 
-    triton = "__gpu$xla.gpu.triton"
-    assert lowered(None, "cuda").count(triton) == 1
-    assert "stablehlo.while" not in lowered(None, "cuda")  # no XLA:CPU workaround on GPU
-    assert triton not in lowered(None, "cpu")
-    assert "stablehlo.while" in lowered(None, "cpu")  # the reference's materialize
-    assert triton not in lowered("xla", "cuda")
-    assert "stablehlo.while" not in lowered("xla", "cuda")
-    assert lowered("pallas", "cuda").count(triton) == 1
-    assert triton not in lowered("pallas", "cpu")  # interpreted
-
-  def test_default_runs_the_reference_on_cpu(self):
-    fmt = F.Format(bits=4)
-    x = _x(0)
-    ref = F.compress_reference(x, fmt, keys=_keys(0))
-    _same(K.compress(x, fmt, keys=_keys(0)), ref)
-    _same(jax.jit(lambda x: K.compress(x, fmt, keys=_keys(0)))(x), ref)
-    _same(jax.jit(lambda x: K.compress(x, fmt, keys=_keys(0), implementation="pallas"))(x), ref)
+  def test_odd_widths_with_two_bit_planes_fall_back_to_the_reference(self):
+    s = 4
+    x = _x(7, s)
+    w = _widths(7, s, WS6, "mixed")
+    geo = dict(eps=EPS, plane_bits=2, width_set=WS6)
+    with pytest.raises(NotImplementedError, match="odd widths"):
+      T.compress_pallas(x, w, 12, keys=_keys(7), **geo, interpret=True)
+    _same(K.compress(x, w, 12, keys=_keys(7), **geo, implementation="pallas"),
+          R.compress_reference(x, w, 12, keys=_keys(7), **geo))
 
   def test_bad_implementation(self):
     with pytest.raises(ValueError, match="implementation='cuda'"):
-      K.decompress(jnp.zeros((1, 146), jnp.uint8), F.Format(bits=4), implementation="cuda")
+      K.decompress(jnp.zeros((82,), jnp.uint8), jnp.full((1,), 2, jnp.int32), 2, eps=EPS,
+                   implementation="cuda")
 
   def test_unsupported_input_falls_back_and_says_so_once(self, caplog):
-    fmt = F.Format(bits=4)
-    x = _x(8).astype(jnp.float8_e4m3fn)
-    K._warned.clear()
+    x = _x(8, 3).astype(jnp.float8_e4m3fn)
+    w = _widths(8, 3, WS6, "mixed")
+    D._warned.clear()
     with caplog.at_level(logging.WARNING, logger="dynamiq_jax"):
-      a = K.compress(x, fmt, keys=_keys(0), implementation="pallas")
-      b = K.compress(x, fmt, keys=_keys(0), implementation="pallas")
-    _same(a, F.compress_reference(x, fmt, keys=_keys(0)))
+      a = K.compress(x, w, 12, eps=EPS, keys=_keys(0), implementation="pallas")
+      b = K.compress(x, w, 12, eps=EPS, keys=_keys(0), implementation="pallas")
+    _same(a, R.compress_reference(x, w, 12, eps=EPS, keys=_keys(0)))
     _same(a, b)
     msgs = [r.getMessage() for r in caplog.records if "float8" in r.getMessage()]
     assert len(msgs) == 1 and "using the XLA reference" in msgs[0]
 
+  def test_bad_payload_size_names_the_fix(self):
+    with pytest.raises(ValueError, match=r"payload_bytes\(4, 3, 1\)"):
+      K.decompress(jnp.zeros((10,), jnp.uint8), jnp.full((4,), 2, jnp.int32), 3, eps=EPS,
+                          implementation="pallas")
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_lowers_for_gpu_with_triton(bits):
-  """Lowering for the cuda platform runs the Pallas->Triton lowering on this CPU machine."""
-  fmt = F.Format(bits=bits)
-  x = jax.ShapeDtypeStruct((37, 256), jnp.bfloat16)
-  p = jax.ShapeDtypeStruct((37, fmt.record_bytes), jnp.uint8)
-  fns = [(lambda x: K.compress_pallas(x, fmt, keys=_keys(0), strata=8), (x,)),
-         (lambda p: K.decompress_pallas(p, fmt), (p,)),
-         (lambda p, x: K.decompress_accumulate_pallas(p, x, fmt), (p, x)),
-         (lambda p, x: K.decompress_accumulate_recompress_pallas(p, x, fmt, keys=_keys(0),
-                                                                  strata=8), (p, x))]
-  for f, args in fns:
+
+@pytest.mark.parametrize("plane_bits,width_set", [(1, WS6), (2, WS3)])
+def test_lowers_for_gpu_with_triton(plane_bits, width_set):
+  """Each unit kernel lowers for cuda (Pallas -> Triton) on this CPU machine."""
+  s, units = 37, 150
+  geo = dict(eps=EPS, plane_bits=plane_bits, width_set=width_set)
+  x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((s,), jnp.int32)
+  p = jax.ShapeDtypeStruct((R.payload_bytes(s, units, plane_bits),), jnp.uint8)
+  fns = [(lambda x, w: T.compress_pallas(x, w, units, keys=_keys(0), strata=8, **geo),
+          (x, w), "compress"),
+         (lambda p, w: T.decompress_pallas(p, w, units, **geo), (p, w), "decompress"),
+         (lambda p, x, w: T.decompress_accumulate_pallas(p, x, w, units, **geo),
+          (p, x, w), "decompress_accumulate"),
+         (lambda p, x, w: T.decompress_accumulate_recompress_pallas(
+             p, x, w, units, keys=_keys(0), strata=8, scale_rounding="stochastic", **geo),
+          (p, x, w), "decompress_accumulate_recompress")]
+  for f, args, name in fns:
     text = lower_for("cuda", jax.jit(f), *args)
-    assert "triton" in text
+    assert text.count(TRITON) == 1, name
+    assert f"dynamiq_units_{name}_p{plane_bits}" in text
+
+
+def test_kernels_lower_inside_shard_map_with_check_vma():
+  """Inside ``jax.shard_map(check_vma=True)`` over (abstract) H100s each pallas_call
+  declares how its output varies over the mesh (dispatch.typed_like), or tracing fails."""
+  mesh = GT.abstract_h100_mesh((8,), ("data",))
+  s, units = 8, 30
+  sharded = lambda shape, dtype: jax.ShapeDtypeStruct(
+      (8,) + shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
+
+  def body(x, w):
+    x, w = x[0], w[0]
+    p = K.compress(x, w, units, eps=EPS, keys=_keys(0), rank=jax.lax.axis_index("data"),
+                          strata=8, implementation="pallas")
+    p = K.decompress_accumulate_recompress(p, x, w, units, eps=EPS, keys=_keys(1),
+                                                  strata=8, implementation="pallas")
+    return K.decompress_accumulate(p, x, w, units, eps=EPS, implementation="pallas")[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("data"), jax.P("data")),
+                            out_specs=jax.P("data"), check_vma=True))
+  text = f.trace(sharded((s, 256), jnp.float32),
+                 sharded((s,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count(TRITON) == 3

@@ -45,7 +45,7 @@ def main():
   v = np.mean([np.pad(snaps[s].mean(0), (0, pad)).astype(np.float64) ** 2 for s in steps], 0)
   w = 1.0 / np.maximum(v, np.percentile(v[v > 0], 1))
   codecs = {
-      "DynamiQ 5b (calibrated on this snapshot)": C.DynamiQ(bits=5).calibrate(gp),
+      "DynamiQ 5b": C.DynamiQ(bits=5),
       "MXFP8": C.MX(element="e4m3"),
       "MXFP6": C.MX(element="e3m2"),
       "MXFP4": C.MX(element="e2m1"),

@@ -1,8 +1,8 @@
 """Trace, lower and compile time of one all-reduce under ``vmap``, against n.
 
 A one-off check for docs/results.md (*Compile time*): the default DynamiQ
-(widths chosen every round) against the static-capacity codec and MXFP8, at
-n = 8 and 64 simulated ranks and d = 2^20 coordinates per rank, one bucket::
+(widths chosen every round) against MXFP8, at n = 8 and 64 simulated ranks
+and d = 2^20 coordinates per rank, one bucket::
 
     python tools/compile_time.py [--d 1048576] [--ns 8,64]
 
@@ -31,7 +31,6 @@ def main(argv=None):
   args = p.parse_args(argv)
   print(json.dumps(common.machine()))
   codecs = {"DynamiQ 5b": dq.codecs.DynamiQ(bits=5),
-            "DynamiQ 5b static": dq.codecs.DynamiQ(bits=5, allocation="static"),
             "MXFP8": dq.codecs.mxfp8()}
   for n in map(int, args.ns.split(",")):
     x = jax.ShapeDtypeStruct((n, args.d), jnp.float32)

@@ -3,8 +3,9 @@
     python tools/draw_stats.py        # one JSON line; about 2 minutes on 2 cores
 
 Run it before and after a change to the random draws (``pallas_kernels.rng``,
-``dynamiq_format._uniforms``) and compare: DynamiQ 5b on the authors'
-synthetic data (``tests/test_dynamiq.py``'s helpers, n = 8):
+``dynamiq_block.uniforms``) and compare: DynamiQ 5b on the authors'
+synthetic data (the measurements of ``tests/test_dynamiq.py``, from
+:mod:`dynamiq_jax.bench.reference`; n = 8):
 
 * ``vnmse_<family>_<data seed>``: vNMSE of the ring all-reduce, mean over 4
   rounding seeds (the authors' simulator's figures are in
@@ -17,17 +18,26 @@ synthetic data (``tests/test_dynamiq.py``'s helpers, n = 8):
 """
 
 import json
-import pathlib
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+N, D = 8, 1 << 20  # tests/test_dynamiq.py's
+
+
+def _vnmse(codec, family, data_seed, seeds):
+  import numpy as np
+
+  from dynamiq_jax.bench.reference import paper_model_gradients, simulated_vnmse
+  g = paper_model_gradients(family, N, D, data_seed)
+  return float(np.mean([simulated_vnmse(codec, g, s) for s in seeds]))
+
+
+def _many_keys(codec, draws):
+  from dynamiq_jax.bench.reference import allreduce_over_keys, paper_model_gradients
+  return allreduce_over_keys(codec, paper_model_gradients("heavy", N, 1 << 14, 3), draws)
 
 
 def main():
   import numpy as np
-  from test_dynamiq import TestAccuracy, _vnmse
+
   from dynamiq_jax.codecs import DynamiQ
 
   out = {}
@@ -37,10 +47,10 @@ def main():
       out[f"vnmse_{family}_{data_seed}"] = _vnmse(DynamiQ(bits=5.0), family, data_seed, seeds)
     ind = _vnmse(DynamiQ(bits=5.0, correlated=False), family, 0, seeds)
     out[f"ratio_corr_ind_{family}"] = out[f"vnmse_{family}_0"] / ind
-  y, ref = TestAccuracy._many_keys(DynamiQ(bits=5), 1024)
+  y, ref = _many_keys(DynamiQ(bits=5), 1024)
   mse = np.mean(np.sum((y - ref) ** 2, 1))
   out["bias_share_corr"] = np.sum((y.mean(0) - ref) ** 2) / mse
-  y_ind, _ = TestAccuracy._many_keys(DynamiQ(bits=5, correlated=False), 1024)
+  y_ind, _ = _many_keys(DynamiQ(bits=5, correlated=False), 1024)
   err = y_ind.mean(0) - ref
   out["ind_bias_z"] = np.sum(err) / np.sqrt(np.sum(y_ind.var(0, ddof=1) / y_ind.shape[0]))
   out["mse_corr_over_ind"] = mse / np.mean(np.sum((y_ind - ref) ** 2, 1))

@@ -1,15 +1,16 @@
-"""Static SASS cost of the unit-packed DynamiQ kernels on an H100 (sm_90a), without a GPU.
+"""Static SASS cost of DynamiQ's Pallas kernels on an H100 (sm_90a), without a GPU.
 
     python tools/sass_count.py                    # table on stdout
     python tools/sass_count.py --json docs/results/kernels_sass.json --before OLD.json  # and a before / after table
 
 For each configuration (``plane_bits`` and width set) a child process
-compiles the four kernels of :mod:`pallas_kernels.dynamiq_units_kernels`
+compiles the four kernels of :mod:`pallas_kernels.dynamiq_triton`
 alone for one H100 (the recipe of ``tests/test_gpu_compile_units.py``: a
 compile-only topology from ``tests/data/h100_sxm.txtpb``, bf16 local
 values, a chunk of 37 super-groups, ``strata=8`` as on an 8-rank ring,
 ``XLA_FLAGS=--xla_dump_to ... --xla_dump_emitter_re=ptx``, which XLA 0.12
-needs to write the PTX). This script then assembles each dumped PTX
+needs to write the PTX; lowered inside the abstract mesh of that device,
+which jax >= 0.11 reads the GPU from). This script then assembles each dumped PTX
 file with ``ptxas -v --gpu-name=sm_90a -o x.cubin`` (registers and spill
 bytes from its report) and reads the cubin's ELF with pyelftools: the
 kernel's code is the section ``.text.<kernel>``, and every sm_90 SASS
@@ -25,33 +26,32 @@ so no disassembler is needed. (To see the instructions themselves,
 Per coordinate: the kernels are straight-line code (Triton unrolls the whole
 block; this script checks that the PTX has no backward branch), so every
 thread runs each static instruction once (predicated-off ones still issue),
-for ``BLOCK * 256 / (32 num_warps)`` coordinates (4096 / 128 = 32 with the
-unit kernels' ``BLOCK = 16`` and 4 warps; 16 for the per-class kernel's
-``BLOCK = 8``). Thread-instructions per coordinate are then ``static / 32``
-(``/ 16``); the issue's bound uses the same unit (190 per coordinate
--> 1.7e11 coordinates/s, i.e. 3.3e13 thread-instructions/s: 132 SMs x 4
-schedulers x 32 lanes x 1.98 GHz, one warp instruction per scheduler per
-clock).
+for ``BLOCK * 256 / (32 num_warps)`` coordinates (4096 / 128 = 32 with
+``BLOCK = 16`` and 4 warps). Thread-instructions per coordinate are then
+``static / 32``; the bound uses the same unit (3.3e13 thread-instructions/s:
+132 SMs x 4 schedulers x 32 lanes x 1.98 GHz, one warp instruction per
+scheduler per clock).
 
-The old per-class DAR kernel at 4 bits (``pallas_kernels.dynamiq``,
-``dynamiq_decompress_accumulate_recompress_b4``, the issue's ``dar_b4``) is
-counted too, as a calibration of the method against the issue's figure.
+The compile-only H100 (``tests/data/h100_sxm.txtpb``) and ``ptxas`` are
+those of ``tests/test_gpu_compile.py`` (the ``gpu-compile`` extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+TARGET_CONFIG = ROOT / "tests" / "data" / "h100_sxm.txtpb"
+PTX_FLAGS = ("--xla_dump_emitter_re=ptx",)  # with --xla_dump_to: XLA writes each module's PTX
 
 OPS = ("compress", "decompress", "decompress_accumulate", "decompress_accumulate_recompress")
 SHORT = {"compress": "compress", "decompress": "decompress",
@@ -77,38 +77,34 @@ def _compile_child(dump: str, config: str) -> None:
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from jax.experimental import topologies
 
-  import gpu_compile_tools as T
-  from pallas_kernels import dynamiq as K
-  from pallas_kernels import dynamiq_format as F
-  from pallas_kernels import dynamiq_units as U
-  from pallas_kernels import dynamiq_units_kernels as UK
+  from pallas_kernels import dynamiq_reference as R
+  from pallas_kernels import dynamiq_triton as T
 
-  [device] = T.h100_devices(1)
+  topology = topologies.get_topology_desc(
+      topology_name="h100", platform="cuda", target_config=TARGET_CONFIG.read_text(),
+      topology="1x1x1")
+  [device] = topology.devices
   sharding = jax.sharding.SingleDeviceSharding(device)
+  # jax >= 0.11 compiles a Pallas GPU kernel for the GPU of the abstract mesh in context.
+  target = jax.sharding.Mesh(np.array([device]), ("gpu",),
+                             axis_types=(jax.sharding.AxisType.Auto,)).abstract_mesh
   keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
   s = 37
-  if config == "per_class_b4":
-    fmt = F.Format(bits=4)
-    x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
-    p = jax.ShapeDtypeStruct((s, fmt.record_bytes), jnp.uint8, sharding=sharding)
-    f = lambda p, x: K.decompress_accumulate_recompress_pallas(p, x, fmt, keys=keys, strata=8)
-    with T.gpu_target(device):  # jax >= 0.11 reads the GPU from the abstract mesh
-      jax.jit(f).trace(p, x).lower().compile()
-    return
   pb, ws = CONFIGS[config]
   units = s * max(ws) // pb // 2  # about half the widest: every plane is live somewhere
   geo = dict(eps={2: 0.23, 4: 0.18, 8: 0.10}, plane_bits=pb, width_set=ws)
   x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
   w = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=sharding)
-  p = jax.ShapeDtypeStruct((U.payload_bytes(s, units, pb),), jnp.uint8, sharding=sharding)
-  fns = [(lambda x, w: UK.compress_units_pallas(x, w, units, keys=keys, strata=8, **geo), (x, w)),
-         (lambda p, w: UK.decompress_units_pallas(p, w, units, **geo), (p, w)),
-         (lambda p, x, w: UK.decompress_accumulate_units_pallas(p, x, w, units, **geo), (p, x, w)),
-         (lambda p, x, w: UK.decompress_accumulate_recompress_units_pallas(
+  p = jax.ShapeDtypeStruct((R.payload_bytes(s, units, pb),), jnp.uint8, sharding=sharding)
+  fns = [(lambda x, w: T.compress_pallas(x, w, units, keys=keys, strata=8, **geo), (x, w)),
+         (lambda p, w: T.decompress_pallas(p, w, units, **geo), (p, w)),
+         (lambda p, x, w: T.decompress_accumulate_pallas(p, x, w, units, **geo), (p, x, w)),
+         (lambda p, x, w: T.decompress_accumulate_recompress_pallas(
              p, x, w, units, keys=keys, strata=8, **geo), (p, x, w))]
   for f, args in fns:
-    with T.gpu_target(device):
+    with jax.sharding.use_abstract_mesh(target):
       jax.jit(f).trace(*args).lower().compile()
 
 
@@ -149,15 +145,22 @@ def _has_backward_branch(ptx: str, kernel: str) -> bool:
   return False
 
 
+def _ptxas() -> str | None:
+  """The ``ptxas`` of the gpu-compile extra (nvidia-cuda-nvcc-cu12), or on PATH."""
+  spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+  for base in (spec.submodule_search_locations or []) if spec else []:
+    if pathlib.Path(base, "bin", "ptxas").exists():
+      return str(pathlib.Path(base, "bin", "ptxas"))
+  return shutil.which("ptxas")
+
+
 def measure(config: str) -> dict[str, dict]:
   """Compiles ``config``'s kernels in a child and returns ``{kernel: report}``."""
-  import gpu_compile_tools as T
-
-  ptxas = T.ptxas()
+  ptxas = _ptxas()
   with tempfile.TemporaryDirectory() as dump:
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}",
-                                 *T.PTX_FLAGS]).strip()
+                                 *PTX_FLAGS]).strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
     env["JAX_PLATFORMS"] = "cpu"  # no driver; the topology API uses the plugin's compiler
     res = subprocess.run([sys.executable, __file__, "--child", dump, config], env=env,
@@ -185,35 +188,32 @@ def measure(config: str) -> dict[str, dict]:
   return out
 
 
-def _dar_bytes_per_coord(width: int, local_bytes: int = 2, widths_input: bool = True) -> float:
+def _dar_bytes_per_coord(width: int, local_bytes: int = 2) -> float:
   """DAR's HBM traffic per coordinate at one width, from the kernel's operands:
   the payload read and written (``width`` code bits plus the 18-byte scale
   record per 256 coordinates), the local values read (bf16: 2 bytes) and the
-  unit kernels' int32 width per super-group (4 / 256 bytes); the level and
-  plane-offset tables are a few hundred bytes per launch (not counted)."""
+  int32 width per super-group (4 / 256 bytes); the level and plane-offset
+  tables are a few hundred bytes per launch (not counted)."""
   payload = (32 * width + 18) / 256
-  return 2 * payload + local_bytes + (4 / 256 if widths_input else 0.0)
+  return 2 * payload + local_bytes + 4 / 256
 
 
 def table(configs=None) -> dict:
   """Measures every configuration; returns the JSON-able report."""
-  from pallas_kernels import dynamiq as K
-  from pallas_kernels import dynamiq_units_kernels as UK
+  from pallas_kernels import dynamiq_triton as T
 
-  configs = configs or list(CONFIGS) + ["per_class_b4"]
-  per_thread = lambda block: block * 256 // (32 * NUM_WARPS)
-  coords_per_thread = per_thread(UK.BLOCK)  # the unit kernels'; per_class_b4: K.BLOCK's
+  configs = configs or list(CONFIGS)
+  cpt = T.BLOCK * 256 // (32 * NUM_WARPS)  # coordinates per thread
   rows = []
   for config in configs:
     for name, r in sorted(measure(config).items()):
-      cpt = per_thread(K.BLOCK if config == "per_class_b4" else UK.BLOCK)
       per = r["instructions"] / cpt
       row = {"config": config, "kernel": name, **r, "coords_per_thread": cpt,
              "instructions_per_coord": round(per, 2),
              "static_bound_coords_per_s": INSTR_PER_S / per}
       if "recompress" in name:
-        width = {"default": 4, "w4": 4, "w5": 5, "p2": 4, "per_class_b4": 4}[config]
-        bpc = _dar_bytes_per_coord(width, widths_input=config != "per_class_b4")
+        width = {"default": 4, "w4": 4, "w5": 5, "p2": 4}[config]
+        bpc = _dar_bytes_per_coord(width)
         roof = HBM_BYTES_PER_S / bpc
         row.update(bytes_per_coord=round(bpc, 4), roofline_coords_per_s=roof,
                    fraction_of_roofline=round(INSTR_PER_S / per / roof, 3))
@@ -221,9 +221,7 @@ def table(configs=None) -> dict:
   rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                        capture_output=True, text=True).stdout.strip()
   return {"command": "python tools/sass_count.py " + " ".join(sys.argv[1:]), "source": rev,
-          "block_supergroups": UK.BLOCK, "block_supergroups_per_class": K.BLOCK,
-          "num_warps": NUM_WARPS,
-          "coords_per_thread": coords_per_thread,
+          "block_supergroups": T.BLOCK, "num_warps": NUM_WARPS, "coords_per_thread": cpt,
           "model": {"thread_instructions_per_s": INSTR_PER_S,
                     "terms": f"{SMS} SMs x {SCHEDULERS} schedulers x {LANES} lanes x "
                              f"{CLOCK_HZ / 1e9} GHz", "hbm_bytes_per_s": HBM_BYTES_PER_S},
@@ -271,7 +269,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--child", nargs=2, metavar=("DUMP_DIR", "CONFIG"), help=argparse.SUPPRESS)
   p.add_argument("--configs", default=None,
-                 help=f"comma-separated, of {sorted(CONFIGS)} and per_class_b4 (default: all)")
+                 help=f"comma-separated, of {sorted(CONFIGS)} (default: all)")
   p.add_argument("--json", default=None, help="write the report here")
   p.add_argument("--before", default=None,
                  help="a report written earlier: print a before / after table against it")
@@ -279,9 +277,9 @@ def main(argv=None):
   if args.child:
     _compile_child(*args.child)
     return
-  import gpu_compile_tools as T
-  if T.missing():
-    sys.exit(f"cannot run: {T.missing()}")
+  if importlib.util.find_spec("jax_cuda12_plugin") is None or _ptxas() is None:
+    sys.exit("cannot run: the gpu-compile extra (XLA's GPU compiler, ptxas) is not installed: "
+             "pip install -e '.[gpu-compile]'")
   report = table(args.configs.split(",") if args.configs else None)
   if any(r["loops"] for r in report["rows"]):
     print("warning: a kernel has a loop; its static count is not its per-coordinate cost")

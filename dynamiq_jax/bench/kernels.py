@@ -1,51 +1,43 @@
-"""Kernel benchmark: DynamiQ's hop operations, Pallas vs the unfused XLA reference.
+"""Kernel benchmark: DynamiQ's hop kernels, Pallas vs the unfused XLA reference.
 
-    python -m dynamiq_jax.bench.kernels                  # on a GPU: 2^20 .. 2^28 coordinates
-    python -m dynamiq_jax.bench.kernels --tiny           # smoke test (CPU: interpret mode)
-    python -m dynamiq_jax.bench.kernels --gpu            # the default codec's unit kernels,
-                                                         # GPU only: docs/results/kernels_gpu.json
-    python -m dynamiq_jax.bench.kernels --units --tiny   # the same at a tiny size anywhere
+    python -m dynamiq_jax.bench.kernels --gpu     # GPU only: docs/results/kernels_gpu.json
+    python -m dynamiq_jax.bench.kernels --tiny    # anywhere (CPU: interpret mode), a smoke test
 
-``--gpu`` (or ``--units``) times the unit-packed kernels of the default
-per-round codec (:mod:`pallas_kernels.dynamiq_units_kernels`: compress,
-decompress and the ring hop decompress-accumulate-recompress, "DAR"; width
-set (2, 3, 4, 5, 6, 8), 1-bit planes, ``strata=8``), each on a chunk whose
-super-groups all have one width (``--unit-widths``, default 4 and 5), against
-the XLA reference of the same operation and against a plain copy; it reports
-GB/s of minimal traffic and coordinates per second, names the device
-(``jax.devices()[0].device_kind``) and writes
-``docs/results/kernels_gpu.json``. Without a GPU ``--gpu`` exits with status
-1 and a message that says so (``--units`` runs in interpret mode instead).
+Times the kernels of the default codec (:mod:`pallas_kernels.dynamiq`:
+compress, decompress and the ring hop decompress-accumulate-recompress,
+"DAR"; width set (2, 3, 4, 5, 6, 8), 1-bit planes, ``strata=8``), each on a
+chunk whose super-groups all have one width (``--widths``, default 4 and 5),
+against the XLA reference of the same operation and against a plain copy;
+it reports GB/s of minimal traffic and coordinates per second, names the
+device (``jax.devices()[0].device_kind``) and writes
+``docs/results/kernels_gpu.json`` (``kernels_interpret.json`` off GPU).
+With ``--gpu`` and no GPU it exits with status 1 and a message that says so.
 
-For every size, code width and operation it times the Pallas kernel and the
-jnp reference compiled by XLA, each after a warm-up, as the median over
-repeats of ``reps`` back-to-back launches inside one jitted loop (the loop
-index is tied to the inputs with an optimisation barrier so that XLA cannot
-hoist the work), synchronised before the host clock is read. Achieved GB/s
-count the *minimal* bytes of each operation — payload in + local values in
-+ payload out (decoded float32 out for the decompressing ones) — and are set
-against the device's copy bandwidth measured in the same run (read + write
-of a large float32 array).
+For every size, width and operation it times the Pallas kernel and the jnp
+reference compiled by XLA, each after a warm-up, as the median over repeats
+of ``reps`` back-to-back launches inside one jitted loop (the loop index is
+tied to the inputs with an optimisation barrier so that XLA cannot hoist the
+work), synchronised before the host clock is read. Achieved GB/s count the
+*minimal* bytes of each operation — payload in + local values in + payload
+out (decoded float32 out for decompress) — and are set against the device's
+copy bandwidth measured in the same run (read + write of a large float32
+array).
 
-It also records which Pallas GPU backends can lower the format's table
-gather (the capability that decided Triton over Mosaic GPU; see
-``pallas_kernels/dynamiq.py``). Writes ``docs/results/kernels_<device>.json``.
+It also records which Pallas GPU backends can lower a level-table gather
+(the capability that decided Triton over Mosaic GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import time
 
-import numpy as np
-
 __all__ = ["main"]
 
-OPS = ("compress", "decompress", "decompress_accumulate", "decompress_accumulate_recompress")
+OPS = ("compress", "decompress_accumulate_recompress", "decompress")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,18 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--log2-sizes", default="20,22,24,26,28",
                  help="comma-separated log2 of coordinates per call")
-  p.add_argument("--bits", default="2,4,8", help="comma-separated code widths to time")
+  p.add_argument("--widths", default="4,5", help="code widths of the chunks timed")
   p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                  help="dtype of the local values")
   p.add_argument("--reps", type=int, default=20, help="launches per timed loop")
   p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is kept")
   p.add_argument("--tiny", action="store_true", help="smoke-test sizes (CI)")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
-  p.add_argument("--gpu", action="store_true",
-                 help="benchmark the default codec's unit kernels on the GPU (fails without one)")
-  p.add_argument("--units", action="store_true",
-                 help="benchmark the unit kernels on any backend (CPU: interpret mode)")
-  p.add_argument("--unit-widths", default="4,5", help="code widths of the --gpu/--units chunks")
+  p.add_argument("--gpu", action="store_true", help="fail unless a GPU runs the kernels")
   return p
 
 
@@ -116,11 +104,12 @@ def backend_check() -> tuple[str, dict]:
 
   import jax
   import jax.numpy as jnp
+  import numpy as np
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental.pallas import triton as pltr
 
-  from pallas_kernels.dynamiq import TRITON_DEPRECATION
+  from pallas_kernels.dynamiq_triton import TRITON_DEPRECATION
 
   def kernel(tab_ref, idx_ref, o_ref):
     o_ref[...] = tab_ref[idx_ref[...]]
@@ -190,27 +179,24 @@ def _timer(reps: int, repeats: int):
   return timed
 
 
-UNIT_OPS = ("compress", "decompress_accumulate_recompress", "decompress")
-
-
-def units_main(args):
-  """The ``--gpu`` / ``--units`` benchmark: the default codec's unit kernels."""
+def main(argv=None):
+  args = _parse(argv)
   import jax
   import jax.numpy as jnp
 
   from dynamiq_jax.bench import common
   from dynamiq_jax.codecs.dynamiq import DEFAULT_EPS
-  from pallas_kernels import dynamiq_units as U
-  from pallas_kernels import dynamiq_units_kernels as UK
+  from pallas_kernels import dynamiq as K
+  from pallas_kernels import dynamiq_reference as R
   from pallas_kernels import rng
 
   on_gpu = jax.default_backend() == "gpu"
   if args.gpu and not on_gpu:
     sys.exit(f"no GPU: jax's default backend is {jax.default_backend()!r} "
              f"(devices: {jax.devices()}); run --gpu on a machine with a CUDA GPU, or "
-             "--units --tiny for an interpret-mode smoke test")
+             "without --gpu for an interpret-mode run (--tiny: a smoke test)")
   sizes, dtype, kind, timed, copy_gbs = _setup(args)
-  geo = dict(eps=DEFAULT_EPS, plane_bits=U.PLANE_BITS, width_set=U.WIDTH_SET)
+  geo = dict(eps=DEFAULT_EPS, plane_bits=R.PLANE_BITS, width_set=R.WIDTH_SET)
   interpret = None if on_gpu else True
 
   def keys_of(i):
@@ -218,13 +204,13 @@ def units_main(args):
     return (a, b, b, a)
 
   rows = []
-  for width in [int(w) for w in args.unit_widths.split(",")]:
+  for width in [int(w) for w in args.widths.split(",")]:
     for size in sizes:
       s_count = size // 256
-      units = s_count * width // U.PLANE_BITS
+      units = s_count * width // R.PLANE_BITS
       widths = jnp.full((s_count,), width, jnp.int32)
       x = jax.random.normal(jax.random.key(0), (s_count, 256), jnp.float32).astype(dtype)
-      payload = U.compress_units_reference(x, widths, units, keys=keys_of(0), strata=8, **geo)
+      payload = R.compress_reference(x, widths, units, keys=keys_of(0), strata=8, **geo)
       pay_b, x_b = payload.size, x.size * dtype.itemsize
       minimal = {"compress": x_b + pay_b, "decompress": pay_b + size * 4,
                  "decompress_accumulate_recompress": 2 * pay_b + x_b,
@@ -234,17 +220,17 @@ def units_main(args):
       rows.append({"width": width, "coords": size, "op": "copy", "impl": "xla", "seconds": sec,
                    "minimal_bytes": minimal["copy"], "gbs": minimal["copy"] / sec / 1e9,
                    "coords_per_s": size / sec})
-      for op in UNIT_OPS:
+      for op in OPS:
         for impl in ("pallas", "xla"):
           kw = dict(implementation=impl, interpret=interpret if impl == "pallas" else None, **geo)
           if op == "compress":
-            f = lambda i, x: UK.compress_units(x, widths, units, keys=keys_of(i), strata=8, **kw)
+            f = lambda i, x: K.compress(x, widths, units, keys=keys_of(i), strata=8, **kw)
             operands = (x,)
           elif op == "decompress":
-            f = lambda i, p: UK.decompress_units(p, widths, units, **kw)
+            f = lambda i, p: K.decompress(p, widths, units, **kw)
             operands = (payload,)
           else:
-            f = lambda i, p, x: UK.decompress_accumulate_recompress_units(
+            f = lambda i, p, x: K.decompress_accumulate_recompress(
                 p, x, widths, units, keys=keys_of(i), strata=8, **kw)
             operands = (payload, x)
           sec = timed(f, *operands)
@@ -252,7 +238,8 @@ def units_main(args):
                        "minimal_bytes": minimal[op], "gbs": minimal[op] / sec / 1e9,
                        "coords_per_s": size / sec,
                        "fraction_of_copy": minimal[op] / sec / 1e9 / copy_gbs})
-  print(f"\nDynamiQ unit kernels (default per-round codec) on {kind} ({jax.default_backend()}, "
+  target, backends = backend_check()
+  print(f"\nDynamiQ kernels on {kind} ({jax.default_backend()}, "
         f"jax {jax.__version__}); local values {args.dtype}; copy bandwidth {copy_gbs:.1f} GB/s")
   if not on_gpu:
     print("no GPU: Pallas runs in interpret mode; these numbers only show that the benchmark runs")
@@ -261,100 +248,15 @@ def units_main(args):
     print(f"{r['width']:>2} {r['coords']:>10} {r['op']:<34} {r['impl']:<7} "
           f"{r['seconds'] * 1e3:>9.3f} {r['gbs']:>8.1f} {r['coords_per_s']:>10.3e}")
   out = common.results_dir(args.out)
-  name = "kernels_gpu" if on_gpu else "kernels_units"
+  print(f"Pallas GPU backends, level-table gather lowering for cuda ({target}):",
+        ", ".join(f"{k}: {v}" for k, v in backends.items()))
+  name = "kernels_gpu" if on_gpu else "kernels_interpret"
   path = common.write_json(os.path.join(out, f"{name}{'_tiny' if args.tiny else ''}.json"), {
       "command": common.command_line(), "machine": common.machine(), "device_kind": kind,
       "backend": jax.default_backend(), "interpret": not on_gpu, "local_dtype": args.dtype,
-      "width_set": list(U.WIDTH_SET), "plane_bits": U.PLANE_BITS, "strata": 8,
-      "copy_gbs": copy_gbs, "reps": args.reps, "repeats": args.repeats, "results": rows})
-  print(f"wrote {path}")
-  return rows
-
-
-def main(argv=None):
-  args = _parse(argv)
-  if args.gpu or args.units:
-    return units_main(args)
-  import jax
-  import jax.numpy as jnp
-
-  from dynamiq_jax.bench import common
-  from pallas_kernels import dynamiq as K
-  from pallas_kernels import dynamiq_format as F
-  from pallas_kernels import rng
-
-  on_gpu = jax.default_backend() == "gpu"
-  sizes, dtype, kind, timed, copy_gbs = _setup(args)
-  widths = [int(b) for b in args.bits.split(",")]
-
-  rows = []
-  for bits in widths:
-    fmt = F.Format(bits=bits)
-    for size in sizes:
-      s_count = size // 256
-      x = jax.random.normal(jax.random.key(0), (s_count, 256), jnp.float32).astype(dtype)
-      k0, k1 = rng.derive_key(1, 2)
-      payload = F.compress_reference(x, fmt, keys=(k0, k1, k0, k1))
-      pay_b = payload.size
-      x_b = x.size * dtype.itemsize
-      dec_b = size * 4
-      minimal = {"compress": x_b + pay_b, "decompress": pay_b + dec_b,
-                 "decompress_accumulate": pay_b + x_b + dec_b,
-                 "decompress_accumulate_recompress": 2 * pay_b + x_b}
-      for op in OPS:
-        for impl in ("pallas", "xla"):
-          interpret = None if on_gpu else True
-
-          def keys_of(i):
-            a, b = rng.derive_key(i, 7)
-            return (a, b, b, a)
-
-          kw = dict(implementation=impl, interpret=interpret if impl == "pallas" else None)
-          if op == "compress":
-            f = lambda i, x: K.compress(x, fmt, keys=keys_of(i), strata=8, **kw)
-            operands = (x,)
-          elif op == "decompress":
-            f = lambda i, p: K.decompress(p, fmt, **kw)
-            operands = (payload,)
-          elif op == "decompress_accumulate":
-            f = lambda i, p, x: K.decompress_accumulate(p, x, fmt, **kw)
-            operands = (payload, x)
-          else:
-            f = lambda i, p, x: K.decompress_accumulate_recompress(p, x, fmt, keys=keys_of(i),
-                                                                   strata=8, **kw)
-            operands = (payload, x)
-          sec = timed(f, *operands)
-          rows.append({"bits": bits, "coords": size, "op": op, "impl": impl,
-                       "seconds": sec, "minimal_bytes": minimal[op],
-                       "gbs": minimal[op] / sec / 1e9,
-                       "fraction_of_copy": minimal[op] / sec / 1e9 / copy_gbs})
-
-  print(f"\nDynamiQ kernels on {kind} ({jax.default_backend()}, jax {jax.__version__}); local "
-        f"values {args.dtype}; copy bandwidth {copy_gbs:.1f} GB/s (read+write, float32)")
-  if not on_gpu:
-    print("no GPU: Pallas runs in interpret mode; these numbers only show that the "
-          "benchmark runs")
-  print(f"{'bits':>4} {'coords':>10} {'op':<34} {'pallas ms':>10} {'GB/s':>8} {'%copy':>6} "
-        f"{'xla ms':>9} {'xla/pallas':>10}")
-  for r in rows:
-    if r["impl"] != "pallas":
-      continue
-    x = next(q for q in rows if q["impl"] == "xla" and q["op"] == r["op"]
-             and q["bits"] == r["bits"] and q["coords"] == r["coords"])
-    r["speedup_vs_xla"] = x["seconds"] / r["seconds"]
-    print(f"{r['bits']:>4} {r['coords']:>10} {r['op']:<34} {r['seconds'] * 1e3:>10.3f} "
-          f"{r['gbs']:>8.1f} {r['fraction_of_copy']:>6.1%} {x['seconds'] * 1e3:>9.3f} "
-          f"{r['speedup_vs_xla']:>10.2f}")
-  target, backends = backend_check()
-  print(f"Pallas GPU backends, level-table gather lowering for cuda ({target}):",
-        ", ".join(f"{k}: {v}" for k, v in backends.items()))
-  out = common.results_dir(args.out)
-  name = re.sub(r"[^A-Za-z0-9]+", "_", kind).strip("_").lower() or "device"
-  path = common.write_json(os.path.join(out, f"kernels_{name}{'_tiny' if args.tiny else ''}.json"), {
-      "command": common.command_line(), "machine": common.machine(), "device_kind": kind,
-      "local_dtype": args.dtype, "copy_gbs": copy_gbs, "reps": args.reps,
-      "repeats": args.repeats, "backend_lowering": backends,
-      "backend_lowering_target": target, "results": rows})
+      "width_set": list(R.WIDTH_SET), "plane_bits": R.PLANE_BITS, "strata": 8,
+      "copy_gbs": copy_gbs, "reps": args.reps, "repeats": args.repeats,
+      "backend_lowering": backends, "backend_lowering_target": target, "results": rows})
   print(f"wrote {path}")
   return rows
 

@@ -110,12 +110,13 @@ def _plan(method: str, cfg: dict, d: int, n: int):
   import jax.numpy as jnp
 
   import dynamiq_jax as dq
+  from dynamiq_jax.schedules import ring_bytes_per_rank
 
   kind, codec, schedule, tile_mb = parse_method(method)
   tile = tile_coords(cfg["tile_mb"] if tile_mb is None else tile_mb)
   if kind == "psum":  # XLA's all-reduce, taken as a ring of the dtype
     dtype = jnp.float32 if codec == "psum-f32" else jnp.bfloat16
-    return kind, dtype, schedule, tile, 2 * (n - 1) / n * d * jnp.dtype(dtype).itemsize
+    return kind, dtype, schedule, tile, ring_bytes_per_rank(d * jnp.dtype(dtype).itemsize, n)
   wire = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32), codec=codec, n=n,
                        bucket_size=tile).bytes_per_rank
   return kind, codec, schedule, tile, wire

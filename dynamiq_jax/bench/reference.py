@@ -26,7 +26,7 @@ from dynamiq_jax.synthetic import paper_model_gradients
 
 __all__ = [
     "paper_model_gradients", "REFERENCE", "AUTHORS_ALL_IN_BITS", "AUTHORS_STATS_BITS",
-    "AUTHORS_WIRE_BITS", "vnmse",
+    "AUTHORS_WIRE_BITS", "vnmse", "simulated_vnmse", "allreduce_over_keys",
 ]
 
 AUTHORS_ALL_IN_BITS = 5.1
@@ -48,6 +48,34 @@ def vnmse(estimate, workers) -> float:
   ref = np.asarray(workers, np.float64).mean(0)
   err = np.asarray(estimate, np.float64) - ref
   return float(np.sum(err * err) / np.sum(ref * ref))
+
+
+def simulated_vnmse(codec, workers, seed: int) -> float:
+  """vNMSE of rank 0's result of :func:`dynamiq_jax.simulate` on ``workers`` [n, d]
+  with rounding seed ``seed``."""
+  import dynamiq_jax as dq
+  return vnmse(np.asarray(dq.simulate(workers, codec=codec, seed=seed))[0], workers)
+
+
+def allreduce_over_keys(codec, workers, draws: int, key_seed: int = 7):
+  """Rank 0's ring all-reduce of ``workers`` [n, d] under ``draws`` random keys.
+
+  Returns:
+    ``(float64 [draws, d] results, float64 [d] exact mean)``: the spread of
+    the results over keys is the rounding's (its mean against the exact mean:
+    its bias).
+  """
+  import jax
+
+  import dynamiq_jax as dq
+
+  def one(key):
+    f = lambda x: dq.allreduce(x, axis_name="i", codec=codec, key=key)[0]
+    return jax.vmap(f, axis_name="i")(workers)[0]
+
+  keys = jax.random.split(jax.random.key(key_seed), draws)
+  y = np.asarray(jax.jit(jax.lax.map, static_argnums=0)(one, keys), np.float64)
+  return y, np.asarray(workers, np.float64).mean(0)
 
 
 REFERENCE = {

@@ -5,18 +5,15 @@
 
 Table 1, n = 8 workers, ring, 5 bits all-in: vNMSE of
 
-* ``DynamiQ 5b``: the default codec (widths chosen every round from the
+* ``default``: the default codec (widths 2..8 chosen every round from the
   global statistics);
-* ``static``: the static-capacity codec (``allocation="static"``), whose
-  class capacities come from the paper's gradient model;
-* ``static calibrated``: the same, calibrated offline on that very data
-  (``DynamiQ(allocation="static").calibrate(g)``): the best a static split
-  can do;
+* ``widths 2/4/8``: the same with the paper's widths;
 * ``MXFP8`` (8.5 bits) for scale,
 
 on the four families of :mod:`dynamiq_jax.bench.families` and on the word-
-and byte-LM gradient snapshots of :mod:`dynamiq_jax.bench.vnmse` (cached),
-with the ratio of the default to the calibrated static codec.
+and byte-LM gradient snapshots of :mod:`dynamiq_jax.bench.vnmse` (cached).
+(``docs/results/robustness.json`` also holds, from an earlier run, the
+static-capacity codec this replaced.)
 
 Table 2 and ``robustness_size.png``: the default codec's vNMSE and bits per
 coordinate against the bucket size d (64 ... 2^20) at n = 8 on two
@@ -76,7 +73,7 @@ def main(argv=None):
   sizes = (64, 2049, 8192) if args.tiny else SIZES
   size_families = ["dense"] if args.tiny else args.size_families.split(",")
   seeds = 1 if args.tiny else args.seeds
-  default, static = DynamiQ(bits=bits), DynamiQ(bits=bits, allocation="static")
+  default = DynamiQ(bits=bits)
 
   data = {(f, 0): family(f, n, d, 0) for f in FAMILIES}
   if not args.no_real:
@@ -89,19 +86,13 @@ def main(argv=None):
   t0 = time.time()
   for (name, step), g in data.items():
     row = {"data": name if name in FAMILIES else f"{name}@{step}", "d": int(g.shape[1])}
-    codecs = {"default": default, "static": static, "mxfp8": mxfp8()}
-    try:
-      codecs["static calibrated"] = static.calibrate(g)
-    except ValueError as e:  # a budget the static layout cannot meet
-      row["static calibrated"] = None
-      row["static calibrated error"] = str(e)
+    codecs = {"default": default, "widths 2/4/8": DynamiQ(bits=bits, widths=(2, 4, 8)),
+              "mxfp8": mxfp8()}
     for label, codec in codecs.items():
       try:
         row[label] = measure(codec, g, seeds=seeds)
       except ValueError as e:
         row[label], row[f"{label} error"] = None, str(e)
-    cal = row.get("static calibrated")
-    row["default / calibrated"] = row["default"] / cal if cal and row["default"] else None
     rows.append(row)
     print(_row(row), flush=True)
   table_seconds = time.time() - t0
@@ -142,10 +133,8 @@ def _fmt(v):
 
 
 def _row(r):
-  ratio = r["default / calibrated"]
-  return (f"{r['data']:>14}  default {_fmt(r['default'])}  static {_fmt(r['static'])}  "
-          f"static calibrated {_fmt(r.get('static calibrated'))}  MXFP8 {_fmt(r['mxfp8'])}  "
-          f"default/calibrated {'-' if ratio is None else f'{ratio:.2f}'}")
+  return (f"{r['data']:>14}  default {_fmt(r['default'])}  "
+          f"widths 2/4/8 {_fmt(r['widths 2/4/8'])}  MXFP8 {_fmt(r['mxfp8'])}")
 
 
 def _plot(sweep, path, n, bits):

@@ -167,6 +167,7 @@ def wire(cfg: dict, label: str) -> dict:
 
   import dynamiq_jax as dq
   from dynamiq_jax.bench import lm
+  from dynamiq_jax.schedules import ring_bytes_per_rank
 
   model = nnx.eval_shape(lambda: lm.CharTransformer(lm.LMConfig(**cfg["model"]), seed=0))
   d = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -174,8 +175,8 @@ def wire(cfg: dict, label: str) -> dict:
   _, name, options = _codec(label)
   if name.startswith("psum-"):  # XLA's all-reduce, taken as a ring of the dtype
     bits = 8 * jnp.dtype(jnp.bfloat16 if name == "psum-bf16" else jnp.float32).itemsize
-    return {"params": d, "bits_per_coord": float(bits), "bytes_per_rank": bits / 8 * d * 2 *
-            (n - 1) / n}
+    return {"params": d, "bits_per_coord": float(bits),
+            "bytes_per_rank": ring_bytes_per_rank(bits / 8 * d, n)}
   st = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32),
                      codec=dq.codec_from_name(name, **options), n=n)
   return {"params": d, "bits_per_coord": float(st.bits_per_coord),

@@ -139,7 +139,6 @@ def codec_table():
   return [
       ("DynamiQ 5b", DynamiQ(bits=5.0), "DynamiQ-5b hier+corr (ring)",
        "DynamiQ-5b hier+corr (butterfly)"),
-      ("DynamiQ 5b static", DynamiQ(bits=5.0, allocation="static"), None, None),
       ("MXFP8", MX(element="e4m3"), "MXFP8 (ring)", "MXFP8 (butterfly)"),
       ("MXFP6", MX(element="e3m2"), "MXFP6 (ring)", None),
       ("MXFP4", MX(element="e2m1"), "MXFP4 (ring, mu converged)", None),
@@ -153,18 +152,15 @@ def codec_table():
 
 
 def ladder():
-  """The paper's Table-6 ablation ladder, rung by rung, at 5 bits."""
+  """An ablation ladder in the manner of the paper's Table 6, at 5 bits, rung by rung:
+  the rungs the codec's options express (MEE levels and hierarchical scales
+  are always on)."""
   from dynamiq_jax.codecs import DynamiQ
-  base = dict(bits=5.0, allocation="static")
   return [
-      ("uniform", DynamiQ(levels="uniform", variable_width=False, hierarchical=False,
-                          correlated=False, **base)),
-      ("+ non-uniform (MEE)", DynamiQ(variable_width=False, hierarchical=False,
-                                      correlated=False, **base)),
-      ("+ variable bit width", DynamiQ(hierarchical=False, correlated=False, **base)),
-      ("+ hierarchical scales", DynamiQ(correlated=False, **base)),
-      ("+ correlated rounding", DynamiQ(**base)),
-      ("+ per-round widths 2..8", DynamiQ(bits=5.0)),
+      ("one width (4 bits)", DynamiQ(bits=5.0, widths=(4,), correlated=False)),
+      ("+ widths 2, 4, 8", DynamiQ(bits=5.0, widths=(2, 4, 8), correlated=False)),
+      ("+ correlated rounding", DynamiQ(bits=5.0, widths=(2, 4, 8))),
+      ("+ widths 2..8", DynamiQ(bits=5.0)),
   ]
 
 
@@ -191,7 +187,7 @@ def main(argv=None):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import dynamiq_jax as dq
   from dynamiq_jax.bench.reference import AUTHORS_ALL_IN_BITS, REFERENCE, paper_model_gradients
-  from dynamiq_jax.codecs import DynamiQ, MX
+  from dynamiq_jax.codecs import DynamiQ
   from dynamiq_jax.codecs.dynamiq import SUPERGROUP
   from tqdm.auto import tqdm
 
@@ -236,17 +232,9 @@ def main(argv=None):
   datasets3 = [k for k in data if k[0] in ("iid", "heavy") or k[0].startswith("lm")]
   if args.tiny:  # one synthetic and one real dataset, ring only: every code path, little time
     datasets3 = [("iid", 0)] + [k for k in datasets3 if k == ("lm-word", last)]
-  calibrated = {}  # per LM: DynamiQ 5b fitted once to its first snapshot
   for name, codec, ring_key, bfly_key in codec_table():
     for ds in datasets3:
       jobs.append(("table3", name, codec, ds, "ring", ring_key))
-      if name == "DynamiQ 5b static" and ds[0].startswith("lm"):
-        # Static capacities fitted once to the first snapshot and kept for the later
-        # steps (what the examples' --calibrate does): the offline alternative to
-        # the default per-round allocation.
-        if ds[0] not in calibrated:
-          calibrated[ds[0]] = codec.calibrate(data[(ds[0], lm_steps[0])])
-        jobs.append(("table3", "DynamiQ 5b static cal@0", calibrated[ds[0]], ds, "ring", None))
       if ds[0] in ("iid", "heavy") and bfly_key and not args.tiny:
         jobs.append(("table3", name, codec, ds, "butterfly", bfly_key))
   for seed in (0, 1) if not args.tiny else ():
@@ -311,8 +299,6 @@ def main(argv=None):
     bits = dq.wire_stats(g[0], codec=codec, n=n).bits_per_coord
     authors = ref(ds[0], key, ds[1]) if ds[0] in ("iid", "heavy") else None
     results.append({"table": table, "codec": name, "dataset": ds[0], "step_or_seed": ds[1],
-                    "profile": getattr(codec, "profile", None),
-                    "class_shares": _class_shares(codec, g.shape[1], g.shape[0]),
                     "schedule": schedule, "n": int(g.shape[0]), "bits_per_coord": bits, "vnmse": v,
                     "authors": authors, "ratio_to_authors": v / authors if authors else None})
     save(False)
@@ -350,8 +336,7 @@ def main(argv=None):
                       "reason": str(e)[:200]})
     else:
       scaling.append({"dataset": ds, "codec": name, "n": k, "d": int(g.shape[1]), "vnmse": v,
-                      "bits_per_coord": bits,
-                      "class_shares": _class_shares(codec, g.shape[1], k)})
+                      "bits_per_coord": bits})
     save(False)
 
   _print(results, scaling, n, args, info, stats)
@@ -363,15 +348,6 @@ def main(argv=None):
 
 def _fmt(v):
   return "-" if v is None else f"{v:.3e}"
-
-
-def _class_shares(codec, d, n):
-  """``{width: share of super-groups}`` that a DynamiQ codec uses for this bucket."""
-  from dynamiq_jax.codecs import DynamiQ
-  if not isinstance(codec, DynamiQ) or codec.allocation == "per_round":
-    return None  # per-round shares change every round
-  lay = codec.layout(d, n)
-  return {str(w): cap / lay.padded_supergroups for w, cap in lay.capacities}
 
 
 def _print(results, scaling, n, args, info, stats):
@@ -411,7 +387,7 @@ def _print(results, scaling, n, args, info, stats):
     cell = {r["codec"]: r["vnmse"] for r in t3 if (r["dataset"], r["step_or_seed"],
                                                    r["schedule"]) == (ds, s, sch)}
     ratios = ", ".join(f"/ {name}: {cell['MXFP8'] / cell[name]:.2f}x"
-                       for name in ("DynamiQ 5b", "DynamiQ 5b static cal@0") if name in cell)
+                       for name in ("DynamiQ 5b",) if name in cell)
     print(f"  MXFP8 on {ds}{'@' + str(s) if ds.startswith('lm') else ''} {ratios} "
           f"(paper, real LLM gradients: 2.5-3.1x)")
   print("\n(4) budget sweep, ring")

@@ -35,7 +35,7 @@ import numpy as np
 
 from dynamiq_jax.codecs.base import Codec, Metadata, Plan, ceil_div, pad_to, round_up
 from dynamiq_jax.codecs.minifloat import ELEMENTS, pack_bits, unpack_bits
-from pallas_kernels.dynamiq_format import ceil_to_bf16
+from pallas_kernels import bf16
 
 __all__ = ["MX", "mxfp8", "mxfp6", "mxfp4"]
 
@@ -141,7 +141,7 @@ class MX(Codec):
     m, _ = self._blocks(bucket.d, bucket.n)
     xb = self._padded(x, bucket)
     with jax.named_scope("mx/block_max"):
-      return Metadata(ceil_to_bf16(jnp.max(jnp.abs(xb[:m]), axis=-1)), combine="max")
+      return Metadata(bf16.ceil(jnp.max(jnp.abs(xb[:m]), axis=-1)), combine="max")
 
   def _padded(self, x, bucket):
     _, padded = self._blocks(bucket.d, bucket.n)
@@ -156,7 +156,7 @@ class MX(Codec):
       return Plan(xb.reshape(n, padded // n, self.block))
     mu = self.init_state(bucket.d, n) if state is None else state
     amax = jnp.pad(meta, (0, padded - meta.shape[0]))
-    scale = ceil_to_bf16(amax / mu)  # bf16: block max -> at most mu
+    scale = bf16.ceil(amax / mu)  # bf16: block max -> at most mu
     safe = jnp.where(scale > 0, scale, 1.0)[:, None]
     scaled = jnp.where(scale[:, None] > 0, xb / safe, 0.0)
     return Plan(scaled.reshape(n, padded // n, self.block), MXAux(scale, mu))

@@ -15,6 +15,7 @@ from dynamiq_jax.schedules.hierarchical import HIERARCHICAL
 from dynamiq_jax.schedules.plan import TreePlan
 from dynamiq_jax.schedules.plan import butterfly_plan
 from dynamiq_jax.schedules.plan import get_plan
+from dynamiq_jax.schedules.plan import ring_bytes_per_rank
 from dynamiq_jax.schedules.plan import ring_plan
 
 __all__ = [
@@ -29,5 +30,6 @@ __all__ = [
     "TreePlan",
     "butterfly_plan",
     "get_plan",
+    "ring_bytes_per_rank",
     "ring_plan",
 ]

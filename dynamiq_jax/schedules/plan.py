@@ -199,3 +199,10 @@ def get_plan(schedule: str, n: int) -> TreePlan:
         f"schedule={schedule!r} is not one of {sorted(_PLANS)} (or 'hierarchical', "
         f"'hierarchical-butterfly' with axis_name=(slow, fast))") from None
   return make(n)
+
+
+def ring_bytes_per_rank(total_bytes, n: int):
+  """Bytes each rank sends in one all-reduce of ``total_bytes`` over ``n`` ranks: a
+  chunk of ``total_bytes / n`` per hop for the ``2 (n - 1)`` hops of a ring
+  (reduce-scatter, then all-gather); the butterfly's tree plans send as many."""
+  return total_bytes * 2 * (n - 1) / n

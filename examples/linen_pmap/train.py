@@ -56,23 +56,12 @@ class CNN(nn.Module):
     return nn.Dense(10)(nn.relu(nn.Dense(self.hidden)(x)))
 
 
-def create_train_state(config: Config, rng, first_batch=None,
-                       n: int = 1) -> tuple[train_state.TrainState, Config]:
-  """Parameters, and the optimizer whose first transform all-reduces over ``AXIS``.
-
-  With ``first_batch`` (global ``(images, labels)``), the codec is first
-  with ``--calibrate``, static capacities fitted to its per-rank gradients at the initial parameters
-  (:func:`examples.reduction.calibrate`); the config that was used comes back
-  beside the state.
-  """
+def create_train_state(config: Config, rng) -> train_state.TrainState:
+  """Parameters, and the optimizer whose first transform all-reduces over ``AXIS``."""
   model = CNN(features=config.features, hidden=config.hidden)
   params = model.init(rng, jnp.zeros((1, 8, 8, 1), jnp.float32))["params"]
-  if first_batch is not None:
-    grad = jax.jit(jax.grad(functools.partial(loss_fn, model.apply)))
-    config = reduction.calibrate(config, lambda b: grad(params, *b), first_batch, n)
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=reduction.make_optimizer(config, AXIS))
-  return state, config
+  return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                       tx=reduction.make_optimizer(config, AXIS))
 
 
 def loss_fn(apply_fn, params, images, labels):
@@ -116,9 +105,7 @@ def train_and_evaluate(config: Config) -> dict:
   data = datasets.load_digits(config.test_fraction)
 
   batches = datasets.EpochBatches(len(data.y_train), config.batch_size, config.seed)
-  first = batches.indices(0)
-  state, config = create_train_state(config, jax.random.key(config.seed),
-                                     (data.x_train[first], data.y_train[first]), n)
+  state = create_train_state(config, jax.random.key(config.seed))
   params = param_shapes(state.params)
   # One copy of the state per device, stacked on a leading axis: the pmap way.
   # Naming the mesh axis like pmap's gives the copies the sharding the step

@@ -32,7 +32,6 @@ from ..devices import param_shapes
 from ..devices import setup
 from ..devices import shard_batch
 from ..metrics import run_metrics
-from ..nnx_parallel import calibrate
 from ..nnx_parallel import train_loop
 
 VOCAB = 256  # bytes
@@ -128,7 +127,6 @@ def train_and_evaluate(config: Config) -> dict:
 
   model = CharTransformer(config, rngs=nnx.Rngs(config.seed))
   params = param_shapes(nnx.state(model, nnx.Param))
-  config = calibrate(config, model, loss_fn, batch_fn(0), n)
   dp = DataParallel.create(model, make_optimizer(config), mesh=mesh)
   evaluate = dp.eval_step(per_example)
   (x_eval, y_eval), weights = pad_to_multiple(

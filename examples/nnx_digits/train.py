@@ -28,7 +28,6 @@ from ..devices import setup
 from ..devices import shard_batch
 from ..devices import weighted_mean
 from ..metrics import run_metrics
-from ..nnx_parallel import calibrate
 from ..nnx_parallel import train_loop
 
 
@@ -87,7 +86,6 @@ def train_and_evaluate(config: Config) -> dict:
 
   model = CNN(features=config.features, hidden=config.hidden, rngs=nnx.Rngs(config.seed))
   params = param_shapes(nnx.state(model, nnx.Param))
-  config = calibrate(config, model, loss_fn, batch_fn(0), n)
   dp = DataParallel.create(model, reduction.make_optimizer(config), mesh=mesh)
   evaluate = dp.eval_step(per_example)
   (x_test, y_test), weights = pad_to_multiple([data.x_test, data.y_test], n)

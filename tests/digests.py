@@ -3,12 +3,13 @@
 A refactoring that must not change what the library computes records the
 digests before the change and compares after it::
 
-    python tools/digests.py record tests/data/digests.json   # at the starting commit
-    python tools/digests.py compare tests/data/digests.json  # after the change
+    python tests/digests.py record tests/data/digests.json   # at the starting commit
+    python tests/digests.py compare tests/data/digests.json  # after the change
 
 ``tests/test_digests.py`` runs the comparison (for the fast cases; ``--all``
 includes the Pallas interpret-mode runs). A change that is *meant* to alter
 outputs re-records the file and says in its commit which digests changed.
+(``add`` records only the cases the file lacks.)
 
 Each case runs :func:`dynamiq_jax.simulate` (the distributed code under
 ``vmap``) for two rounds, carrying the codec state, on a pytree of mixed
@@ -44,17 +45,7 @@ def _data(seed=0):
 def _codecs():
   from dynamiq_jax import codecs as C
   return {
-      # static class capacities (the codec's default until per-round allocation)
-      "dynamiq5": C.DynamiQ(bits=5, allocation="static"),
-      "dynamiq4": C.DynamiQ(bits=4, allocation="static"),
-      "dynamiq6_indep_stoch": C.DynamiQ(bits=6, correlated=False, scale_rounding="stochastic",
-                                        allocation="static"),
-      "dynamiq5_uniform_flat": C.DynamiQ(bits=5.5, levels="uniform", hierarchical=False,
-                                         allocation="static"),
-      "dynamiq5_fixedwidth": C.DynamiQ(bits=5, variable_width=False, allocation="static"),
-      "dynamiq5_fractions_nocentre": C.DynamiQ(bits=5, fractions={8: 0.2, 4: 0.5, 2: 0.3},
-                                              centre=False, allocation="static"),
-      # per-round allocation (the default)
+      # (the "_per_round" names are those recorded when DynamiQ had a second variant)
       "dynamiq5_per_round": C.DynamiQ(bits=5),
       "dynamiq4_per_round": C.DynamiQ(bits=4),
       "dynamiq6_per_round_indep_stoch": C.DynamiQ(bits=6, correlated=False,

@@ -1,0 +1,504 @@
+"""DynamiQ's block arithmetic: levels, scales, draws and rounding of a block of super-groups.
+
+One function of arrays, shared by the Pallas kernels and the pure-jnp
+reference, so that on the same inputs they give the same bits: the kernels
+(:mod:`pallas_kernels.dynamiq_triton`) and the reference
+(:mod:`pallas_kernels.dynamiq_reference`) differ only in how they move bytes
+and in the instructions of :class:`BlockOps` (each an exact twin of the
+reference's, or an approximation used only for a first guess). Nothing here
+knows a backend.
+
+The format (the paper's §3.3), per *super-group* of 256 consecutive
+coordinates at its own code width ``w`` in ``width_set`` (a subset of 2..8):
+
+* Symmetric MEE levels ``±lam[l]``, ``l = 0..R``, ``R = 2**(w-1) - 1``:
+  ``lam[l] = ((1 + 2 eps^2)^l - 1) / ((1 + 2 eps^2)^R - 1)`` (top level 1),
+  each rounded to bfloat16 once, so that a decoded value ``lam * k * V`` (8
+  x 8 x 8 significant bits) is exact in float32 and no compiler contraction
+  into a fused multiply-add can change it. Level -l is code ``R - l``,
+  level l is code ``R + 1 + l``: all ``2**w`` codes are used.
+* Hierarchical scales: 16 scale groups of 16 coordinates. ``V`` is the
+  bfloat16 *super-group scale*, rounded up from ``max|x| / 255``; each group
+  has a uint8 ``k``, and its decoded scale is ``k V``. ``scale_rounding="up"``
+  (the authors' kernel) takes ``k = ceil(gmax / V)`` and normalises by the
+  decoded scale, so no element is clamped; ``"stochastic"`` (the paper's
+  text) normalises by the group max rounded up to bf16 and rounds ``k``
+  stochastically so that ``E[k V]`` equals it. Both are unbiased.
+* Element rounding is unbiased in the value domain, in the *signed* lattice:
+  the value goes to the level above (towards +inf) iff ``u < p``, ``p`` its
+  distance from the level below over the gap, so a negative value is rounded
+  by ``1 - u`` in magnitude. ``u`` comes from :mod:`pallas_kernels.rng`: with
+  ``strata = n > 1`` it is the correlated (stratified) draw ``(pi(rank) +
+  gamma) / q`` with the permutation ``pi`` shared by all ranks and ``gamma``
+  private (:func:`pallas_kernels.rng.stratum`). ``gamma`` has 16 bits; one
+  hash per key and group of 16 coordinates feeds its 16 draws
+  (:func:`pallas_kernels.rng.uniforms`), each exactly uniform on its grid.
+* The rounding is division-free and exact (:func:`round_levels`): the level
+  bracket is found with exact products ``lam_j s``, the decision compares
+  exact products too, and only a first guess uses a log or a division.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_dtypes import bfloat16
+
+from pallas_kernels import bf16
+from pallas_kernels import rng
+
+__all__ = [
+    "SUPERGROUP", "GROUP", "GUESS_OFFSET", "level_table", "eps_for", "LevelTables",
+    "level_tables", "BlockOps", "REFERENCE_OPS", "sign_mask", "ceil_quotient",
+    "floor_quotient", "scales", "decoded_scale", "WidthConsts", "round_levels", "encode_block",
+    "decode_block",
+]
+
+SUPERGROUP = 256
+"""Coordinates per super-group: one code width, one super-group scale."""
+GROUP = 16
+"""Coordinates per scale group (one uint8 ``k``)."""
+GUESS_OFFSET = 0.5
+"""Levels subtracted from the first guess of :func:`round_levels`."""
+_K_MAX = 255  # largest group multiplier k
+
+
+# ----------------------------------------------------------------------------
+# Levels.
+
+
+@functools.lru_cache(maxsize=None)
+def level_table(bits: int, eps: float) -> np.ndarray:
+  """MEE level magnitudes ``lam[0..R]`` of a ``bits``-wide code, as bf16-exact float32."""
+  r = 2 ** (bits - 1) - 1
+  idx = np.arange(r + 1, dtype=np.float64)
+  if r == 1:
+    lam = idx / r
+  else:
+    q = 1.0 + 2.0 * eps * eps
+    lam = (q**idx - 1.0) / (q**r - 1.0)
+  lam = lam.astype(np.float32).astype(bfloat16).astype(np.float32)
+  if not np.all(np.diff(lam) > 0):
+    raise ValueError(
+        f"eps={eps} gives {bits}-bit MEE levels that coincide at bfloat16 "
+        "precision; use a larger eps")
+  lam.setflags(write=False)
+  return lam
+
+
+def eps_for(width: int, eps: dict[int, float]) -> float:
+  """MEE eps of a width: given, or interpolated linearly between given widths
+  (0.23 below the smallest given width)."""
+  if width in eps:
+    return float(eps[width])
+  ws = sorted(eps)
+  lo = max([w for w in ws if w < width], default=None)
+  hi = min([w for w in ws if w > width], default=None)
+  if lo is None or hi is None:
+    return float(eps[lo if hi is None else hi]) if (lo or hi) else 0.23
+  return float(eps[lo] + (eps[hi] - eps[lo]) * (width - lo) / (hi - lo))
+
+
+class LevelTables:
+  """Concatenated level tables and per-width rounding constants of a width set (static).
+
+  Attributes:
+    widths: the sorted width set.
+    table: float32, every width's ``lam[0..R]`` in turn, from ``base``.
+    pairs: int32, ``lam_l`` (bf16 bits, low half) and ``lam_(l+1)`` (high
+      half), ``lam_(R+1) = lam_R``, from ``pbase``; entry ``pbase - 1`` is ``(0,
+      lam_0)``, so that a guess of -1 needs no clamp.
+    lev: float32 ``lam_l`` for ``l`` in [-1, R + 1] from ``lbase - 1``
+      (``lam_(-1) = 0``, read by a guess of -1 and never used; ``lam_(R+1) =
+      lam_R``).
+    dec: float32, the signed level of each code: ``-lam_(R-c)`` for ``c <= R``,
+      ``lam_(c-R-1)`` above, from ``dbase``.
+    r, c1, c2, k, c1k: per width ``R``, ``(1 + 2 eps^2)^R - 1``, ``1 /
+      log2(1 + 2 eps^2)``, ``2^(-GUESS_OFFSET / c2)`` and ``c1 k`` (the first
+      guess of :func:`round_levels`; ternary widths: 1).
+  """
+
+  def __init__(self, eps: dict[int, float], widths):
+    tabs, base, r, c1, c2 = [], [], [], [], []
+    off = 0
+    self.widths = tuple(sorted(widths))
+    for w in self.widths:
+      e = eps_for(w, eps)
+      rr = 2 ** (w - 1) - 1
+      t = level_table(w, e)
+      tabs.append(t)
+      base.append(off)
+      off += t.size
+      r.append(rr)
+      if rr == 1:  # ternary: j = 0 whatever the guess (clipped to r - 1 = 0)
+        c1.append(1.0)
+        c2.append(1.0)
+      else:
+        qq = 1.0 + 2.0 * e**2
+        c1.append(np.float32(qq**rr - 1.0))
+        c2.append(np.float32(1.0 / np.log2(qq)))
+    self.table = np.concatenate(tabs).astype(np.float32)
+    bits = [(t.view(np.uint32) >> 16) for t in tabs]
+    self.pairs = np.concatenate([np.concatenate([[0], b | (np.append(b[1:], b[-1]) << 16)])
+                                 for b in bits]).astype(np.uint32).view(np.int32)
+    self.pbase = np.array(base, np.int32) + 1 + np.arange(len(tabs), dtype=np.int32)
+    self.lev = np.concatenate([np.concatenate([[0.0], t, t[-1:]]) for t in tabs]).astype(np.float32)
+    self.lbase = np.array(base, np.int32) + 1 + 2 * np.arange(len(tabs), dtype=np.int32)
+    dec = [np.concatenate([-t[::-1], t]).astype(np.float32) for t in tabs]
+    self.dec = np.concatenate(dec)
+    self.dbase = np.cumsum([0] + [d.size for d in dec[:-1]]).astype(np.int32)
+    self.base = np.array(base, np.int32)
+    self.r = np.array(r, np.int32)
+    self.c1 = np.array(c1, np.float32)
+    self.c2 = np.array(c2, np.float32)
+    self.k = np.exp2(-GUESS_OFFSET / self.c2.astype(np.float64)).astype(np.float32)
+    self.c1k = (self.c1.astype(np.float64) * self.k).astype(np.float32)
+
+  def select(self, widths, values):
+    """Per-super-group constant ``values[index of width]`` (the smallest width's for a
+    width outside the set): a select chain over the static width set, not a
+    gather, so that the same code runs in a kernel."""
+    out = jnp.full(widths.shape, values[0], values.dtype)
+    for i, w in enumerate(self.widths[1:], start=1):
+      out = jnp.where(widths == w, values[i], out)
+    return out
+
+
+def level_tables(eps, widths) -> LevelTables:
+  """:class:`LevelTables` of ``eps`` (a dict or ``(width, eps)`` pairs) and ``widths``."""
+  return LevelTables(dict(eps), widths)
+
+
+def _trailing(v, ndim: int):
+  """``v`` with unit axes appended up to ``ndim`` (broadcasts against a block)."""
+  return v[(...,) + (None,) * (ndim - v.ndim)]
+
+
+# ----------------------------------------------------------------------------
+# The instructions a kernel may replace.
+
+
+def _floor_int(v):
+  """``floor(v)`` as int32 (NaN -> 0, saturating)."""
+  return jnp.floor(v).astype(jnp.int32)
+
+
+def _fma(a, b, c):
+  return a * b + c
+
+
+def _frac_mul(w, d):
+  """``(w + 1) d``, rounded once (``w + 1`` is exact for ``w`` in (-2, -1])."""
+  return (w + np.float32(1.0)) * d
+
+
+def _lt_mask(a, b):
+  """int32 -1 where ``a < b`` (ordered: false for NaN), else 0."""
+  return -(a < b).astype(jnp.int32)
+
+
+class BlockOps(NamedTuple):
+  """The operations of the block arithmetic that a kernel may implement by one GPU
+  instruction each (:data:`REFERENCE_OPS`: the jnp ones).
+
+  ``floor_int``, ``lt_mask``, ``frac_mul`` and ``mulhi`` must equal the
+  reference's on every input; ``fma`` may be fused or not (every sum it
+  feeds has an exact product, except the first guess); ``log2`` and ``div``
+  feed only first guesses, so any approximation within 2^-20 (``log2``) or a
+  few ulp for divisors in [2^-126, 2^126] (``div``; None: exact ``/``, whose
+  operands are then not rescaled) gives the same codes.
+  """
+
+  log2: Callable = jnp.log2
+  floor_int: Callable = _floor_int
+  fma: Callable = _fma
+  lt_mask: Callable = _lt_mask
+  frac_mul: Callable = _frac_mul
+  div: Callable | None = None
+  mulhi: Callable = rng.mulhi
+
+
+REFERENCE_OPS = BlockOps()
+"""The jnp operations (the reference's, and the kernels' in interpret mode)."""
+
+
+# ----------------------------------------------------------------------------
+# Signs.
+
+
+def sign_mask(x):
+  """int32 -1 where ``x`` has its sign bit set (negative values, -0.0), else 0."""
+  return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) >> 31
+
+
+# ----------------------------------------------------------------------------
+# Scales.
+
+
+def _recip_up(c: float) -> np.float32:
+  """float32 reciprocal of c, rounded up."""
+  r = np.float32(1.0 / c)
+  return r if float(r) * c >= 1.0 else np.nextafter(r, np.float32(np.inf))
+
+
+def _ceil_div_bf16(v, c: float):
+  """Smallest bf16-exact w >= v / c (c a small integer constant), without division."""
+  w = bf16.ceil(v * _recip_up(c))
+  return jnp.where(w * np.float32(c) < v, bf16.next_up(w), w)  # exact product
+
+
+def _guess_operands(v, d, div):
+  """``(v, d, div)`` for a quotient guess: with an approximate ``div`` a ``d``
+  below 2^-64 and its ``v`` are scaled by 2^64 first (exact; the quotients
+  here are at most about 255, so ``v`` stays finite)."""
+  if div is None:
+    return v, d, jnp.divide
+  f = jnp.where(d < np.float32(2.0**-64), np.float32(2.0**64), np.float32(1.0))
+  return v * f, d * f, div
+
+
+def ceil_quotient(v, d, kmax, div=None):
+  """ceil(v / d) clipped to [0, kmax], for d with <= 16 significant bits; exact
+  (``div``: any division within a few ulp, for the first guess only)."""
+  gv, gd, div = _guess_operands(v, d, div)
+  k = jnp.clip(jnp.ceil(div(gv, jnp.where(gd > 0, gd, 1.0))), 0, kmax)  # guess
+  k = jnp.where((k > 0) & ((k - 1) * d >= v), k - 1, k)  # exact products
+  return jnp.where((k < kmax) & (k * d < v), k + 1, k)
+
+
+def floor_quotient(v, d, kmax, div=None):
+  """floor(v / d) clipped to [0, kmax], for d with <= 16 significant bits; exact
+  (``div`` as for :func:`ceil_quotient`)."""
+  gv, gd, div = _guess_operands(v, d, div)
+  k = jnp.clip(jnp.floor(div(gv, jnp.where(gd > 0, gd, 1.0))), 0, kmax)  # guess
+  k = jnp.where((k > 0) & (k * d > v), k - 1, k)
+  return jnp.where((k < kmax) & ((k + 1) * d <= v), k + 1, k)
+
+
+def scales(a, scale_rounding: str, keys, group_idx, div=None, gmax=None):
+  """a = |x| [S, G, ...] -> (k f32 [S, G], super-group scale f32 [S], element scale s [S, G]).
+
+  ``"up"``: ``k = ceil(gmax / V)``; elements are normalised by the decoded
+  scale ``s = k V`` (so ``a <= s``). ``"stochastic"``: the group max rounded
+  up to bf16, ``g``, normalises the elements and ``k`` is rounded
+  stochastically with ``E[k V] = g`` (its draw: :data:`~pallas_kernels.rng.Stream.DYNAMIQ_SCALE`
+  at ``group_idx``). Both unbiased. ``div``: an approximate division for the
+  quotients' first guesses (the same results). ``gmax``: the group maxima
+  [S, G] when the caller has them (``a`` is then not read).
+  """
+  top = np.float32(1.0)
+  if gmax is None:
+    gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
+  if scale_rounding == "up":
+    sg_scale = _ceil_div_bf16(jnp.max(gmax, axis=-1), float(top) * _K_MAX)
+    live = sg_scale > 0
+    vt = sg_scale[:, None] * top  # exact
+    k = ceil_quotient(gmax, vt, _K_MAX, div)
+    s = k * sg_scale[:, None]  # exact: 8 x 8 significant bits
+  else:
+    g = _ceil_div_bf16(gmax, float(top))  # bf16-exact, g top >= gmax
+    sg_scale = _ceil_div_bf16(jnp.max(g, axis=-1), _K_MAX)
+    live = sg_scale > 0
+    v1 = sg_scale[:, None]
+    kf = floor_quotient(g, v1, _K_MAX, div)
+    k0, k1, _, _ = keys
+    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
+    # P(k = kf + 1) = (g - kf V) / V, decided as u V < g - kf V (exact products)
+    k = kf + ((u * v1 < g - kf * v1) & (kf < _K_MAX)).astype(jnp.float32)
+    s = g
+  k = jnp.where(live[:, None], k, 0.0)
+  return k, sg_scale, s
+
+
+def decoded_scale(k, sg_scale):
+  """Decoded group scale ``k V`` [S, G] (exact)."""
+  return k.astype(jnp.float32) * sg_scale[:, None]
+
+
+# ----------------------------------------------------------------------------
+# Rounding.
+
+
+def _pair_lo(w):
+  return jax.lax.bitcast_convert_type(w << 16, jnp.float32)
+
+
+def _pair_hi(w):
+  return jax.lax.bitcast_convert_type(w & np.int32(-65536), jnp.float32)
+
+
+def _decision(u_scaled, frac, frac_mul, d, e, q):
+  """The two sides of the rounding decision ``u |d| < e q`` (round up iff the
+  first is less; ``d`` is the bracket's width up to its sign). With ``frac =
+  -(1 + u / q)`` (a power-of-two q): ``(u / q) |d| < e``, the same comparison
+  scaled by the exact 1 / q; ``(frac + 1) d`` is ``frac_mul``."""
+  if frac is not None:
+    return jnp.abs(frac_mul(frac, d)), e
+  return u_scaled * jnp.abs(d), e * np.float32(q)
+
+
+class WidthConsts(NamedTuple):
+  """A width's rounding constants (:class:`LevelTables`), broadcast against the block;
+  ``base`` indexes ``pairs`` (``pbase``) or ``levels`` (``lbase``)."""
+
+  base: jax.Array
+  r: jax.Array
+  c1k: jax.Array
+  k: jax.Array
+  c2: jax.Array
+
+
+def round_levels(a, s, c: WidthConsts, u_scaled, frac, q: int, *, ops: BlockOps = REFERENCE_OPS,
+                 pairs=None, levels=None, group_store=None):
+  """Stochastically rounds ``a / s`` (in [0, 1]) to a level index in [0, R].
+
+  The bracket ``j`` is exact (``lam_j s <= a < lam_(j+1) s`` by exact
+  products, 8 x 16 significant bits) and the value goes to ``j + 1`` iff
+  ``u (hi - lo) < (a - lo) q`` (:func:`_decision`; ``u_scaled`` uniform on
+  [0, q), or ``frac``). The bracket is found from a first guess ``g =
+  floor(log2(1 + t c1) / log2(1 + 2 eps^2) - 1/2)``, ``t = a / s`` (the MEE
+  index formula less :data:`GUESS_OFFSET`), at most R - 1: the formula is
+  within 1/2 of a level of the exact position (bf16 levels move a boundary
+  by at most a quarter of a level at 8 bits, checked next to every boundary
+  of every width in ``tests/test_format.py``, also with a log2 off by
+  2^-20), so ``g`` is ``j`` or ``j - 1``, and one exact comparison with
+  ``lam_(g+1) s`` decides. At ``g = R - 1`` and ``a = s`` the bracket becomes
+  ``[lam_R, lam_R]`` and the value stays at ``R``, as ``[lam_(R-1), lam_R]``
+  with certain rounding up gives. The guess costs ``c1 / s`` once per group
+  (an ``s`` below 2^-64 or above 2^64 scaled by 2^64 or 2^-64 first, exact,
+  so that it stays finite and an approximate ``ops.div`` accurate), then per
+  coordinate a multiply, a multiply-add, a base-2 log and a multiply (the
+  offset folded into the log's argument: ``c1k = c1 k``, ``k = 2^(-1/2 /
+  c2)``); only the guess depends on ``ops.log2``, ``ops.div``, ``ops.fma`` and
+  ``ops.floor_int``, never the codes.
+
+  The levels come from one of two tables: ``pairs(i)`` (:attr:`LevelTables.pairs`,
+  two bf16 levels per load: the reference's) or ``levels(i)``
+  (:attr:`LevelTables.lev`, float32: the kernels'). With ``levels``, ``m =
+  lam_(g+1) s`` decides the step and is one end of the bracket whichever way
+  it goes; the other end is ``lam_(g+2) s`` after a step, else ``lam_g s``.
+  The same three exact products and comparisons: the same codes.
+  ``group_store`` (identity on values; the XLA reference's
+  :func:`~pallas_kernels.dynamiq_reference.materialize`) is applied to the
+  per-group factors, so that a fused loop reads them instead of recomputing
+  them per coordinate.
+  """
+  group_store = group_store or (lambda v: v)
+  # f: 2^64 below 2^-64, 2^-64 above 2^64 (exact scalings): s f is then in
+  # [2^-85, 2^64], where c1k / (s f) is finite and an approximate ``div`` accurate
+  f = jnp.where(s < np.float32(2.0**-64), np.float32(2.0**64),
+                jnp.where(s > np.float32(2.0**64), np.float32(2.0**-64), np.float32(1.0)))
+  d = jnp.where(s > 0, s, 1.0) * f
+  rc1 = group_store(c.c1k / d if ops.div is None else ops.div(c.c1k, d))  # per group
+  f = group_store(f)
+  approx = ops.log2(ops.fma(a * f, rc1, c.k)) * c.c2  # c2 log2(1 + t c1) - 1/2
+  g = jnp.minimum(ops.floor_int(approx), c.r - 1)  # >= -1: pairs(base - 1) = (0, lam_0)
+  if levels is not None:
+    m = levels(c.base + g + 1) * s  # exact
+    step = a >= m
+    o = jnp.where(step, levels(c.base + g + 2), levels(c.base + g)) * s  # exact
+    lo = jnp.where(step, m, o)
+    # hi - lo = |o - m| (round-to-nearest is symmetric): no select for hi
+    up = ops.lt_mask(*_decision(u_scaled, frac, ops.frac_mul, o - m, a - lo, q))
+    return g + step.astype(jnp.int32) - up
+  w0 = pairs(c.base + g)  # lam_g, lam_(g+1)
+  step = a >= _pair_hi(w0) * s  # exact
+  w = jnp.where(step, pairs(c.base + g + 1), w0)
+  lo = _pair_lo(w) * s  # exact
+  hi = _pair_hi(w) * s  # exact
+  up = ops.lt_mask(*_decision(u_scaled, frac, ops.frac_mul, hi - lo, a - lo, q))
+  return g + step.astype(jnp.int32) - up
+
+
+def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, draw_group,
+                 lane, scale_rounding="up", ops: BlockOps = REFERENCE_OPS, pairs=None,
+                 levels=None, group_idx=None, group_store=None, scales_=None):
+  """Quantises a block of super-groups, each at its own width.
+
+  Args:
+    x: float32 [S, G, 16] values (G = 16 scale groups), or the same as [S, G,
+      CB, P] (a kernel's view, P codes per plane byte), or a tuple of parts
+      [S, G, P] (part c: ``x[:, :, c]``; ``idx``, ``draw_group`` and ``lane``
+      are then tuples too, and so are the codes).
+    widths: int32 [S].
+    tabs: the width set's tables.
+    keys: ``(k0, k1, s0, s1)`` uint32 scalars.
+    rank: int32 scalar, this rank (stratified draws).
+    strata: 1 (independent draws) or the number of ranks sharing strata.
+    idx: uint32 element indices (the RNG counters), shaped as ``x``.
+    draw_group, lane: ``idx >> 4`` (broadcastable against ``x``) and ``idx &
+      15`` (each element's place in its group of 16 draws): a kernel computes
+      the group's hash once per group and the lanes are static positions.
+    scale_rounding: ``"up"`` or ``"stochastic"``.
+    ops: the instructions (:class:`BlockOps`).
+    pairs, levels: ``pairs(i) -> tabs.pairs[i]`` or ``levels(i) -> tabs.lev[i]``
+      for int32 arrays ``i``: the table :func:`round_levels` brackets with.
+    group_idx: ``idx >> 4`` per scale group (uint32 [S, G]), when given.
+    group_store: identity on values, applied to the per-group and
+      per-super-group values (scales, width constants, the first guess's
+      factors, the draws' hashes); the XLA reference passes
+      :func:`~pallas_kernels.dynamiq_reference.materialize`, so that the fused
+      rounding loop reads them instead of recomputing them per coordinate.
+    scales_: ``(k, sg_scale, s)`` already found (for the parts of a tuple ``x``).
+
+  Returns:
+    ``(codes uint32 shaped as x in [0, 2^w - 1], k uint8 [S, G], super-group
+    scale f32 [S])``.
+  """
+  if isinstance(x, (tuple, list)):  # parts of each group: encoded one by one
+    parts = [jnp.abs(v) for v in x]
+    gmax = functools.reduce(jnp.maximum, [jnp.max(v, axis=-1) for v in parts])
+    found = scales(None, scale_rounding, keys, group_idx, ops.div, gmax=gmax)
+    one = dict(tabs=tabs, keys=keys, rank=rank, strata=strata, scale_rounding=scale_rounding,
+               ops=ops, pairs=pairs, levels=levels, group_idx=group_idx,
+               group_store=group_store, scales_=found)
+    codes = tuple(encode_block(v, widths, idx=i, draw_group=d, lane=l, **one)[0]
+                  for v, i, d, l in zip(x, idx, draw_group, lane))
+    return codes, found[0].astype(jnp.uint8), found[1]
+  a = jnp.abs(x)
+  a4 = _trailing(a, 4)  # the [S, G, CB, P] view (P = 1 for [S, G, 16])
+  if group_idx is None:
+    group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(GROUP)
+  if scales_ is None:
+    k, sg_scale, s = scales(a4, scale_rounding, keys, group_idx, ops.div)
+  else:
+    k, sg_scale, s = scales_
+  q = rng.strata_count(strata) * 2**rng.UNIFORM_BITS  # u is uniform on [0, q)
+  neg = sign_mask(x)
+  draws = functools.partial(rng.uniforms, keys, rank, strata, group=draw_group, lane=lane,
+                            mulhi=ops.mulhi, hash_store=group_store)
+  if q & (q - 1) == 0:  # the draw as 1 + u / q (_decision)
+    u, frac = None, draws(fraction_of=neg)
+  else:
+    u, frac = rng.signed_draws(draws(), neg, q), None
+  gstore = group_store or (lambda v: v)
+  per = lambda v: _trailing(gstore(tabs.select(widths, v)), x.ndim)
+  r = per(tabs.r)
+  s = _trailing(gstore(s), x.ndim)
+  pbase = per(tabs.pbase) if levels is None else None
+  c1k, k_guess, c2 = per(tabs.c1k), per(tabs.k), per(tabs.c2)
+  base = pbase if levels is None else per(tabs.lbase)
+  lvl = round_levels(a, s, WidthConsts(base, r, c1k, k_guess, c2), u, frac, q, ops=ops,
+                     pairs=pairs, levels=levels, group_store=group_store)
+  # code R + 1 + lvl, or R - lvl where x has its sign bit (lvl ^ -1 = -lvl - 1): one xor
+  codes = (r + 1 + (lvl ^ neg)).astype(jnp.uint32)
+  return codes, k.astype(jnp.uint8), sg_scale
+
+
+def decode_block(codes, scale, widths, tabs: LevelTables, *, lookup, addend=None, fma=_fma):
+  """codes uint32 [S, G, 16] (or [S, G, CB, P]), decoded group scale f32 [S, G]
+  -> float32 shaped as codes; ``lookup(i) -> tabs.dec[i]``.
+
+  ``addend`` (float32 shaped as codes): returns ``decode + addend`` as
+  ``fma(level, scale, addend)``; the product is exact (8 x 16 significant
+  bits), so a fused ``fma`` gives the same sum as a multiply and an add,
+  unless the product is subnormal."""
+  per = lambda v: _trailing(tabs.select(widths, v), codes.ndim)
+  lam = lookup(per(tabs.dbase) + codes.astype(jnp.int32))  # -lam s = -(lam s)
+  if addend is None:
+    return lam * _trailing(scale, codes.ndim)
+  return fma(lam, _trailing(scale, codes.ndim), addend)

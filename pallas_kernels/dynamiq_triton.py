@@ -1,0 +1,564 @@
+"""DynamiQ's hop kernels on the Pallas Triton backend, and their wrappers.
+
+Four operations on one chunk payload (its bytes:
+:mod:`pallas_kernels.dynamiq_reference`), each one launch that reads every
+input byte once and writes every output byte once: :func:`compress_pallas`
+(values -> payload), :func:`decompress_pallas` (payload -> float32),
+:func:`decompress_accumulate_pallas` (``decode(p) + x``) and the ring hop
+:func:`decompress_accumulate_recompress_pallas` (``encode(decode(p) + x)``,
+the sum kept in registers).
+
+Algorithm: the block arithmetic is the reference's own
+(:func:`~pallas_kernels.dynamiq_block.encode_block`,
+:func:`~pallas_kernels.dynamiq_block.decode_block`), so kernel and reference
+agree bit for bit; only the byte movement and the instructions differ: off
+GPU (``interpret=True``) the reference's
+(:data:`~pallas_kernels.dynamiq_block.REFERENCE_OPS`), on a GPU
+:data:`GPU_OPS`, one inlined PTX instruction each
+(:mod:`pallas_kernels.triton_ops`) with the same codes
+(:class:`~pallas_kernels.dynamiq_block.BlockOps` says why).
+
+Memory layout: one program handles :data:`BLOCK` super-groups. Dense
+operands are viewed as ``[S, G, CB, P]`` with ``P = 8 / plane_bits`` codes
+per plane byte and ``CB = 16 / P`` plane bytes per scale group, so byte ``g
+CB + cb`` of a plane holds codes ``(g CB + cb) P + [0, P)``: a plane byte is
+the plane's bits of the ``P`` codes along the last axis, packed and unpacked
+without a reshape. With ``plane_bits=1`` the kernels load and store the two
+halves ``[:, :, cb, :]`` apart (:func:`_load_dense`), so that one thread
+holds a whole scale group. The payload stays flat in global memory
+(``memory_space=ANY``): uint8 where it is written, its uint16 view where it
+is read (:func:`_u16_payload`: one 16-bit load per plane and scale group);
+each program loads / stores with computed offsets and masks: the 16 ``k``
+bytes and 2 scale bytes of each scale record, and for each plane ``p`` (up
+to the widest of ``width_set``) its plane bytes at unit ``off_p + s`` where
+that unit is below ``off_(p+1)`` (:func:`_plane_offsets`). A plane byte's 8
+codes and the plane bytes are bit transposes of each other
+(:func:`~pallas_kernels.dynamiq_reference.codes_to_planes`). The widths come
+in as a ``[BLOCK]`` block, the plane offsets as a small int32 input
+(``off_p``, then the units used, each at most ``units``). Compress also
+zeroes the unused units ``[used, units)``: program ``i`` zeroes its own
+static share of them, so every payload byte is written exactly once. The
+concatenated level table (padded to a power of two) is a small input
+gathered by level index.
+
+jax >= 0.11 deprecates the Triton backend and warns at every Triton
+lowering; the four entry points filter that DeprecationWarning, and only it,
+whenever they build a Triton kernel (:func:`_triton_entry`). jax >= 0.11
+also compiles a Triton kernel for the GPU of the abstract mesh in context,
+else of the default device: lowering for a GPU from a CPU host takes an
+abstract GPU device (docs/guide.md).
+
+``tests/test_gpu_compile_units.py`` compiles all eight kernels for sm_90a
+from a CPU host and checks that ``ptxas`` spills nothing;
+``tools/sass_count.py`` counts their SASS instructions.
+:mod:`pallas_kernels.dynamiq` dispatches to these kernels or the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels import dispatch
+from pallas_kernels import dynamiq_block as B
+from pallas_kernels import dynamiq_reference as R
+from pallas_kernels import rng
+from pallas_kernels import triton_ops as tt
+
+__all__ = [
+    "BLOCK",
+    "GPU_OPS",
+    "TRITON_DEPRECATION",
+    "compress_pallas",
+    "decompress_pallas",
+    "decompress_accumulate_pallas",
+    "decompress_accumulate_recompress_pallas",
+]
+
+BLOCK = 16
+"""Super-groups per program: 32 coordinates per thread with 4 warps
+(``docs/results/kernels_sass.md`` weighs it against 8 and 32)."""
+
+_G = B.GROUP  # scale groups per super-group
+_PTAB = 16  # entries of the plane-offset input (off_p for p < 8, then the units used)
+_TAIL_CHUNK = 64  # most unused units one store zeroes
+_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Config:
+  """Static description of a chunk's coding (hashable: a jit static argument).
+
+  ``per`` codes per plane byte, ``cb`` plane bytes per scale group, ``planes``
+  of the widest code; ``split``: the kernels hold a block as its ``CB = 2``
+  halves ``[BLOCK, G, P]`` (``plane_bits=1``; see :func:`_load_dense`)."""
+
+  eps: tuple
+  width_set: tuple
+  plane_bits: int
+  scale_rounding: str
+
+  per = property(lambda self: 8 // self.plane_bits)
+  cb = property(lambda self: _G // self.per)
+  unit_bytes = property(lambda self: R.unit_bytes(self.plane_bits))
+  planes = property(lambda self: max(self.width_set) // self.plane_bits)
+  split = property(lambda self: self.plane_bits == 1)
+  levels_at = property(lambda self: self.tabs.dec.size)  # where table() has the levels
+
+  @functools.cached_property
+  def tabs(self):
+    return B.level_tables(self.eps, self.width_set)
+
+  def table(self) -> np.ndarray:
+    """int32: the signed decode table's float32 bits (``LevelTables.dec``), then
+    (at :attr:`levels_at`) the encode's float32 levels (``LevelTables.lev``),
+    zero-padded to a power of two (Triton)."""
+    t = np.concatenate([self.tabs.dec, self.tabs.lev]).view(np.int32)
+    return np.pad(t, (0, pl.next_power_of_2(t.size) - t.size))
+
+  def block(self, supergroups: int) -> tuple[int, int, int, int]:
+    return (supergroups, _G, self.cb, self.per)
+
+
+GPU_OPS = B.BlockOps(log2=tt.approx_log2, floor_int=tt.floor_int, fma=tt.fma,
+                     lt_mask=tt.lt_mask, frac_mul=tt.frac_mul, div=tt.div_approx,
+                     mulhi=tt.mulhi)
+"""The block arithmetic's instructions on a GPU (a
+:class:`~pallas_kernels.dynamiq_block.BlockOps`)."""
+
+
+# ----------------------------------------------------------------------------
+# Byte movement.
+
+
+def _iota(shape, dim):
+  return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _scale_offsets(s_count: int, one=1):
+  """Offsets of this program's scale records: k bytes [BLOCK, G], super-group
+  scale [BLOCK], masks."""
+  block = BLOCK
+  base = pl.program_id(0) * block
+  sg2 = base + _iota((block, _G), 0)
+  sg1 = base + _iota((block,), 0)
+  return (sg2 * R.SCALE_BYTES + _iota((block, _G), 1) * one, sg2 < s_count,
+          sg1 * R.SCALE_BYTES + _G, sg1 < s_count)
+
+
+def _hidden_one(ptab_ref, cfg: _Config):
+  """1, as a value the compiler cannot see (``off_0 = 0 >= 0``) when :attr:`_Config.split`.
+
+  A group's ``k`` byte is one per thread there; with offsets it can see are
+  contiguous, Triton would give each thread two neighbouring bytes and
+  convert the layout through shared memory."""
+  return (ptab_ref[0] >= 0).astype(jnp.int32) if cfg.split else 1
+
+
+def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False):
+  """Per plane p: (byte offsets [BLOCK, G, CB] of this program's plane-p bytes, mask);
+  ``words``: offsets [BLOCK, G] of each group's 16-bit word of plane bytes
+  (``plane_bits=1``: one byte per half) in the payload's uint16 view.
+
+  Plane p of super-group ``sg`` is unit ``off_p + sg`` where ``sg < count_p``,
+  i.e. where that unit is below ``off_(p+1)`` (one comparison: with widths
+  widest first these are the super-groups that have plane p, and the
+  program's tail past ``s_count`` is excluded too, as ``count_p <= s_count``).
+  :func:`_plane_table` clamps the offsets to the payload's units, so that no
+  widths, valid or not, reach outside it."""
+  block = BLOCK
+  shape = (block, _G) if words else (block, _G, cfg.cb)
+  sg = pl.program_id(0) * block + _iota(shape, 0)
+  byte = _iota(shape, 1) * cfg.cb + (0 if words else _iota(shape, 2))
+  div = 2 if words else 1  # (plane_bits=1: the bytes g CB, CB = 2, are even)
+  out = []
+  for p in range(cfg.planes):
+    unit = ptab_ref[p] + sg
+    out.append((s_count * (R.SCALE_BYTES // div) + unit * (cfg.unit_bytes // div) + byte // div,
+                unit < ptab_ref[p + 1]))
+  return out
+
+
+def _keys(keys_ref):
+  return (keys_ref[0], keys_ref[1], keys_ref[2], keys_ref[3]), keys_ref[4].astype(jnp.int32)
+
+
+def _load_dense(ref, cfg: _Config):
+  """A dense block ``[BLOCK, G, CB, P]`` as float32: whole, or as the tuple of
+  its halves ``ref[:, :, c, :]`` when :attr:`_Config.split`.
+
+  Loaded whole, Triton gives each thread 8 consecutive values, so a scale
+  group spans two threads (a shuffle for its maximum, shared memory for its
+  plane bytes); as two halves one thread holds the whole group."""
+  if not cfg.split:
+    return ref[...].astype(jnp.float32)
+  return tuple(ref[:, :, c, :].astype(jnp.float32) for c in range(cfg.cb))
+
+
+def _store_dense(ref, v, cfg: _Config):
+  """Stores float32 ``v`` (as :func:`_load_dense` gives) into a dense block."""
+  if not cfg.split:
+    ref[...] = v
+    return
+  for c, half in enumerate(v):
+    ref[:, :, c, :] = half
+
+
+def _u16_payload(payload):
+  """The payload (even length) as uint16 words, little-endian: the decoding
+  kernels' view of it (one 16-bit load per plane and group, one per scale)."""
+  return jax.lax.bitcast_convert_type(payload.reshape(-1, 2), jnp.uint16)
+
+
+def _load_u16(ref16, byte_off, ok):
+  """uint32 [..]: the 16-bit words at even byte offsets (0 where masked)."""
+  return tt.load(ref16, byte_off >> 1, ok).astype(jnp.uint32)
+
+
+def _load_u8(ref16, byte_off, ok):
+  """uint32 [..]: the bytes at any byte offsets, from their 16-bit words."""
+  return (_load_u16(ref16, byte_off, ok) >> ((byte_off & 1) * 8).astype(jnp.uint32)) & 0xFF
+
+
+def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: int,
+                interpret: bool, addend=None):
+  """Loads this program's scale records and planes (``pay16_ref``: the payload as
+  uint16 words, :func:`_u16_payload`); decodes: float32 [BLOCK, G, CB, P],
+  or its two halves [BLOCK, G, P] when :attr:`_Config.split`. ``addend`` (as
+  :func:`_load_dense` gives): returns ``decode + addend``, each sum one
+  ``fma.rn.f32`` on a GPU."""
+  dec = functools.partial(B.decode_block, fma=B.REFERENCE_OPS.fma if interpret else tt.fma)
+  k_off, k_ok, v_off, v_ok = _scale_offsets(s_count, _hidden_one(ptab_ref, cfg))
+  k = _load_u8(pay16_ref, k_off, k_ok)
+  sg_scale = jax.lax.bitcast_convert_type(_load_u16(pay16_ref, v_off, v_ok) << np.uint32(16),
+                                          jnp.float32)
+  shape = cfg.block(BLOCK)
+  lookup = lambda j: jax.lax.bitcast_convert_type(tab_ref[j], jnp.float32)
+  scale = B.decoded_scale(k, sg_scale)
+  if cfg.split:
+    # Per plane one 16-bit word per group: its byte c is half c's plane byte.
+    # Four planes' words make two words per half (byte p = plane p), which
+    # are transposed to the codes (planes_to_codes).
+    half_shape = (shape[0], shape[1], shape[3])
+    lane = jax.lax.broadcasted_iota(jnp.uint32, half_shape, 2)
+    pw = [tt.load(pay16_ref, off, ok) for off, ok in  # uint16
+          _plane_offsets(cfg, ptab_ref, s_count, words=True)]
+    pw += [None] * (-len(pw) % 4)
+    halves = [[], []]
+    for q in range(0, len(pw), 4):  # planes q..q+3
+      a = tt.pair16(pw[q], pw[q + 1], interpret)
+      b = tt.pair16(pw[q + 2], pw[q + 3], interpret)
+      halves[0].append(tt.prmt(a, b, 0x6420, interpret))
+      halves[1].append(tt.prmt(a, b, 0x7531, interpret))
+    byte = None if interpret else tt.byte
+    return tuple(dec(R.planes_to_codes(halves[c], lane, cfg.planes, byte), scale, widths,
+                     cfg.tabs, lookup=lookup, addend=None if addend is None else addend[c])
+                 for c in range(cfg.cb))
+  lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
+  shifts = lane * np.uint32(cfg.plane_bits)
+  mask = np.uint32((1 << cfg.plane_bits) - 1)
+  codes = jnp.zeros(shape, jnp.uint32)
+  for p, (off, ok) in enumerate(_plane_offsets(cfg, ptab_ref, s_count)):
+    b = _load_u8(pay16_ref, off, ok)[..., None]
+    codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
+  return dec(codes, scale, widths, cfg.tabs, lookup=lookup, addend=addend)
+
+
+def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
+                 s_count: int, units: int, strata: int, interpret: bool, hop: bool = False):
+  """Encodes float32 [BLOCK, G, CB, P] (or its halves, :func:`_load_dense`);
+  stores its scale records, planes and its share of the unused units (zeros).
+  ``hop``: the DAR kernel (the k bytes' offsets hidden, :func:`_hidden_one`)."""
+  block = BLOCK
+  shape = cfg.block(BLOCK)
+  group_idx = ((pl.program_id(0) * block + _iota(shape[:2], 0)) * _G
+               + _iota(shape[:2], 1)).astype(jnp.uint32)
+  if cfg.split:  # halves [BLOCK, G, P]: half c holds the group's codes c P + [0, P)
+    half_shape = (shape[0], shape[1], shape[3])
+    p_iota = _iota(half_shape, 2)
+    idx = tuple((group_idx[..., None] * _G + c * shape[3] + p_iota).astype(jnp.uint32)
+                for c in range(cfg.cb))
+    # the draws' group (idx >> 4) is the scale group, held by one thread: one
+    # hash per key for both halves; lanes idx & 15 = c P + p, static
+    draw_group = (group_idx[..., None],) * cfg.cb
+    lane = tuple((p_iota + c * shape[3]).astype(jnp.uint32) for c in range(cfg.cb))
+  else:
+    idx = ((pl.program_id(0) * block + _iota(shape, 0)) * B.SUPERGROUP + _iota(shape, 1) * _G
+           + _iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
+    # the draws' group (idx >> 4) is the scale group; each code's lane (idx & 15)
+    # is its static position in the group
+    draw_group = group_idx[..., None, None]
+    lane = (_iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
+  keys, rank = _keys(keys_ref)
+  codes, k, sg_scale = B.encode_block(
+      x, widths, cfg.tabs, keys=keys, rank=rank, strata=strata, idx=idx, draw_group=draw_group,
+      lane=lane, scale_rounding=cfg.scale_rounding,
+      ops=B.REFERENCE_OPS if interpret else GPU_OPS, group_idx=group_idx,
+      levels=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.levels_at + j], jnp.float32))
+  # the k offsets hidden in the hop, not in compress: docs/results/kernels_sass.md
+  one = _hidden_one(ptab_ref, cfg) if hop else 1
+  k_off, k_ok, _, _ = _scale_offsets(s_count, one)
+  tt.store(out_ref, k_off, k, k_ok)
+  # The super-group scale from the thread of each super-group's group 0, in
+  # the groups' layout (from the [BLOCK] vector, Triton would convert the
+  # layout through shared memory). The other groups' (masked) offsets are
+  # their own k bytes, already written: interpret mode's masked store
+  # rewrites what is there, and must not race the scale's.
+  bits = jnp.broadcast_to((jax.lax.bitcast_convert_type(sg_scale, jnp.uint32) >> 16)[:, None],
+                          k_off.shape)
+  first = _iota(k_off.shape, 1) == 0
+  v_ok = k_ok & first
+  for i in range(2):  # sg 18 + 16 + i
+    tt.store(out_ref, k_off + first.astype(jnp.int32) * (_G + i),
+                 ((bits >> (8 * i)) & 0xFF).astype(jnp.uint8), v_ok)
+  if cfg.split:  # 1-bit planes: bit transposition of each half's 8 codes
+    half_planes = [R.codes_to_planes(c, cfg.planes) for c in codes]
+  else:
+    # 2-bit planes: the 4 codes of a plane byte in one uint32 word (a byte
+    # each); a plane's fields at bits 0, 8, 16, 24 times 0x01041040 land at
+    # bits 24..31 (partial products at distinct bits, so no carries).
+    lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, codes.ndim - 1)
+    word = jnp.sum(codes << (lane * np.uint32(8)), axis=-1)
+  for p, (off, ok) in enumerate(_plane_offsets(cfg, ptab_ref, s_count)):
+    if cfg.split:  # one plane byte per half, stored together (16 bits)
+      byte = jax.lax.stack([h[p] for h in half_planes], axis=2)
+    else:
+      byte = ((((word >> np.uint32(2 * p)) & np.uint32(0x03030303))
+               * np.uint32(0x01041040)) >> np.uint32(24))
+    tt.store(out_ref, off, byte.astype(jnp.uint8), ok)
+  # Unused units [used, units): program i zeroes [used + i T, used + (i + 1) T).
+  share, chunk = _tail_share(units, pl.cdiv(s_count, block))
+  if share:
+    used = ptab_ref[_PTAB - 1]
+    rows = _iota((chunk, cfg.unit_bytes), 0)
+    cols = _iota((chunk, cfg.unit_bytes), 1)
+    zeros = jnp.zeros((chunk, cfg.unit_bytes), jnp.uint8)
+    for c in range(0, share, chunk):
+      unit_i = used + pl.program_id(0) * share + c + rows
+      tt.store(out_ref, s_count * R.SCALE_BYTES + unit_i * cfg.unit_bytes + cols, zeros,
+                   unit_i < units)
+
+
+def _tail_share(units: int, programs: int) -> tuple[int, int]:
+  """(unused units each program zeroes, units per store): static, covering ``units``."""
+  if units == 0:
+    return 0, 0
+  chunk = min(pl.next_power_of_2(pl.cdiv(units, programs)), _TAIL_CHUNK)
+  return pl.cdiv(pl.cdiv(units, programs), chunk) * chunk, chunk
+
+
+# ----------------------------------------------------------------------------
+# Kernel bodies.
+
+
+def _compress_kernel(keys_ref, ptab_ref, tab_ref, w_ref, x_ref, out_ref, *, cfg, s_count, units,
+                     strata, interpret):
+  _write_chunk(out_ref, _load_dense(x_ref, cfg), w_ref[...], keys_ref, ptab_ref, tab_ref,
+               cfg=cfg, s_count=s_count, units=units, strata=strata, interpret=interpret)
+
+
+def _decompress_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, interpret):
+  _store_dense(out_ref, _read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg,
+                                    s_count=s_count, interpret=interpret), cfg)
+
+
+def _decompress_accumulate_kernel(ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg,
+                                  s_count, interpret):
+  _store_dense(out_ref, _read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg,
+                                    s_count=s_count, addend=_load_dense(x_ref, cfg),
+                                    interpret=interpret), cfg)
+
+
+def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg, s_count,
+                units, strata, interpret):
+  widths = w_ref[...]
+  acc = _read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
+                    addend=_load_dense(x_ref, cfg), interpret=interpret)
+  _write_chunk(out_ref, acc, widths, keys_ref, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
+               units=units, strata=strata, interpret=interpret, hop=True)
+
+
+# ----------------------------------------------------------------------------
+# The launch: one pallas_call per operation.
+
+
+def _plane_table(widths, plane_bits: int, units: int):
+  """int32 [16]: ``off_p`` (first unit of plane p) for p < 8, the units used after
+  (``off_(p+1)`` ends plane p), each at most ``units``."""
+  planes = 8 // plane_bits
+  counts = jnp.sum((widths[None, :] // plane_bits
+                    > jnp.arange(planes, dtype=jnp.int32)[:, None]).astype(jnp.int32), axis=1)
+  ends = jnp.cumsum(counts)
+  offs = ends - counts
+  table = jnp.concatenate([offs, jnp.broadcast_to(ends[-1], (_PTAB - planes,))])
+  return jnp.minimum(table, units).astype(jnp.int32)
+
+
+def _compiler_params(interpret):
+  """Triton's (what makes a ``pallas_call`` lower with the Triton backend on GPU)."""
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as pltr
+  return pltr.CompilerParams(num_warps=4, num_stages=1)
+
+
+_KERNELS = {  # op: (kernel body, reads a payload, reads x, writes a payload)
+    "compress": (_compress_kernel, False, True, True),
+    "decompress": (_decompress_kernel, True, False, False),
+    "decompress_accumulate": (_decompress_accumulate_kernel, True, True, False),
+    "decompress_accumulate_recompress": (_dar_kernel, True, True, True),
+}
+
+
+@functools.partial(jax.jit, static_argnames=("op", "cfg", "units", "strata", "interpret",
+                                             "fill"))
+def _launch(payload, x, widths, karr, *, op, cfg, units, strata, interpret, fill=None):
+  """One launch of ``op`` over ``cdiv(S, BLOCK)`` programs. ``fill`` (tests only): the
+  output payload buffer's initial byte (None: uninitialized), to check that every
+  byte is written."""
+  body, reads, dense, writes = _KERNELS[op]
+  s_count = widths.shape[0]
+  tab = jnp.asarray(cfg.table())
+  static = dict(cfg=cfg, s_count=s_count, interpret=bool(interpret))
+  if writes:
+    static.update(units=units, strata=strata)
+  args = ([karr] if writes else []) + [_plane_table(widths, cfg.plane_bits, units), tab, widths]
+  dense_spec = pl.BlockSpec(cfg.block(BLOCK), lambda i: (i, 0, 0, 0))
+  whole = lambda n: pl.BlockSpec((n,), lambda i: (0,))
+  in_specs = ([whole(8)] if writes else []) + [
+      whole(_PTAB), whole(tab.shape[0]), pl.BlockSpec((BLOCK,), lambda i: (i,))]
+  if reads:
+    args.append(_u16_payload(payload))
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+  if dense:
+    args.append(x.reshape(cfg.block(s_count)))
+    in_specs.append(dense_spec)
+  kernel = functools.partial(body, **static)
+  if writes:
+    out_shape = jax.ShapeDtypeStruct((R.payload_bytes(s_count, units, cfg.plane_bits),),
+                                     jnp.uint8)
+    out_spec = pl.BlockSpec(memory_space=pl.ANY)
+  else:
+    out_shape = jax.ShapeDtypeStruct(cfg.block(s_count), jnp.float32)
+    out_spec = dense_spec
+  aliases = {}
+  if writes and fill is not None:
+    n = len(args)
+    kernel = lambda *refs, k=kernel: k(*refs[:n], refs[-1])
+    args.append(jnp.full(out_shape.shape, fill, jnp.uint8))
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    aliases = {n: 0}
+  out = pl.pallas_call(
+      kernel, out_shape=dispatch.typed_like(out_shape, args), grid=(pl.cdiv(s_count, BLOCK),),
+      in_specs=in_specs, out_specs=out_spec, input_output_aliases=aliases,
+      compiler_params=_compiler_params(interpret), interpret=interpret,
+      name=f"dynamiq_units_{op}_p{cfg.plane_bits}")(*args)
+  return out if writes else out.reshape(s_count, B.SUPERGROUP)
+
+
+def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_rounding, plane_bits,
+         width_set, interpret, fill=None):
+  """Validates (ValueError; NotImplementedError for what the kernels do not support,
+  so that dispatch falls back to the reference), then launches ``op``, mapped
+  over a ``vmap`` batch: a chunk's units are plane-major over its own
+  super-groups, so batches do not merge into one chunk."""
+  widths = jnp.asarray(widths).astype(jnp.int32)
+  R.check_chunk(widths, units, plane_bits=plane_bits, width_set=width_set,
+                scale_rounding=scale_rounding, x=x, payload=payload)
+  cfg = _Config(eps=tuple(sorted((int(w), float(e)) for w, e in dict(eps).items())),
+                width_set=tuple(sorted(int(w) for w in width_set)), plane_bits=plane_bits,
+                scale_rounding=scale_rounding)
+  if x is not None and x.dtype not in _SUPPORTED_DTYPES:
+    raise NotImplementedError(f"x dtype {x.dtype} (kernels take float32, bfloat16, float16)")
+  if widths.shape[0] == 0:
+    raise NotImplementedError("an empty chunk (no super-groups)")
+  if cfg.plane_bits == 2 and any(w % 2 for w in cfg.width_set):
+    raise NotImplementedError(f"odd widths in width_set={cfg.width_set} with plane_bits=2")
+  karr = rng.key_operand(keys, rank) if _KERNELS[op][3] else None
+  launch = functools.partial(_launch, op=op, cfg=cfg, units=int(units), strata=strata,
+                             interpret=interpret, fill=fill)
+  return dispatch.map_over_batch(launch, payload, x, widths, karr)
+
+
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+"""Start of the DeprecationWarning that jax >= 0.11 raises at each Triton lowering."""
+
+
+def _quiet_triton_deprecation():
+  """Ignores jax's Triton-deprecation DeprecationWarning, and only it.
+
+  jax >= 0.11 warns at every lowering of a Triton ``pallas_call`` that the
+  backend "will be removed". The kernels are Triton on purpose (Mosaic GPU
+  cannot lower them yet, ``docs/design.md``). The warning is raised
+  when the caller's program is lowered, outside any frame of this package,
+  so the filter goes in at the last frame of ours before that: by the
+  warning's exact start and category, never other warnings. Installed again
+  on each use because ``warnings.catch_warnings`` (pytest, user code)
+  restores filters on exit; a program traced inside one such block and
+  lowered after it can still show the warning.
+  """
+  warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def _triton_entry(kernel):
+  """Decorates a kernel's entry point: a call that builds the Triton kernel
+  (``interpret=False``) quiets jax's Triton deprecation
+  (:func:`_quiet_triton_deprecation`). The entry point runs on every trace of
+  the caller's program, unlike the jitted launch below it, whose trace jax
+  caches."""
+
+  @functools.wraps(kernel)
+  def entry(*args, interpret=False, **kwargs):
+    if not interpret:
+      _quiet_triton_deprecation()
+    return kernel(*args, interpret=interpret, **kwargs)
+
+  return entry
+
+
+@_triton_entry
+def compress_pallas(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
+                    scale_rounding="up", plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
+                    interpret=False, fill=None):
+  """Kernel version of :func:`~pallas_kernels.dynamiq_reference.compress_reference`
+  (the same arguments; ``fill``: see :func:`_launch`)."""
+  return _run("compress", None, x, widths, units, keys, rank, eps=eps, strata=strata,
+              scale_rounding=scale_rounding, plane_bits=plane_bits, width_set=width_set,
+              interpret=interpret, fill=fill)
+
+
+@_triton_entry
+def decompress_pallas(payload, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
+                      width_set=R.WIDTH_SET, interpret=False):
+  """Kernel version of :func:`~pallas_kernels.dynamiq_reference.decompress_reference`."""
+  return _run("decompress", payload, None, widths, units, None, None, eps=eps, strata=1,
+              scale_rounding="up", plane_bits=plane_bits, width_set=width_set,
+              interpret=interpret)
+
+
+@_triton_entry
+def decompress_accumulate_pallas(payload, x, widths, units: int, *, eps,
+                                 plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
+                                 interpret=False):
+  """Kernel version of ``decompress_reference(payload) + x``."""
+  return _run("decompress_accumulate", payload, x, widths, units, None, None, eps=eps, strata=1,
+              scale_rounding="up", plane_bits=plane_bits, width_set=width_set,
+              interpret=interpret)
+
+
+@_triton_entry
+def decompress_accumulate_recompress_pallas(payload, x, widths, units: int, *, eps, keys,
+                                            rank=0, strata: int = 1, scale_rounding="up",
+                                            plane_bits: int = R.PLANE_BITS,
+                                            width_set=R.WIDTH_SET, interpret=False, fill=None):
+  """Kernel version of the fused ring hop
+  (:func:`~pallas_kernels.dynamiq_reference.decompress_accumulate_recompress_reference`)."""
+  return _run("decompress_accumulate_recompress", payload, x, widths, units, keys, rank,
+              eps=eps, strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
+              width_set=width_set, interpret=interpret, fill=fill)
