@@ -55,8 +55,8 @@ __all__ = [
 
 HIERARCHICAL = hierarchical.HIERARCHICAL
 
-DEFAULT_BUCKET_SIZE = 1 << 24
-"""The most coordinates in one bucket (64 MiB of float32; about 10 MiB on the wire at 5
+DEFAULT_BUCKET_SIZE = 1 << 25
+"""The most coordinates in one bucket (128 MiB of float32; about 20 MiB on the wire at 5
 bits per coordinate). Chosen by measurement and a step-time model: docs/design.md
 (*Buckets and overlap*)."""
 

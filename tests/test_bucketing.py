@@ -195,3 +195,39 @@ def test_max_buckets_grows_the_buckets():
   assert all(s.stop % codec.granularity == 0 for b in big[:-1] for s in b)  # whole super-groups
   with pytest.raises(ValueError, match="max_buckets=0 must be a positive integer"):
     dq.bucket_layout(tree, max_buckets=0)
+
+
+def test_hops_run_in_loops_on_cpu_and_unrolled_elsewhere_with_the_same_bits(mesh, monkeypatch):
+  """XLA:CPU keeps the ring's hops in a loop; a platform with asynchronous
+  collectives gets them unrolled (one collective-permute per hop in the entry
+  program), and the results are the same bits."""
+  from dynamiq_jax.schedules import executor
+
+  rng = np.random.default_rng(3)
+  grads = {"a": rng.normal(size=(N, 3000)).astype(np.float32),
+           "b": rng.normal(size=(N, 700)).astype(np.float32)}
+  sharded = jax.device_put(grads, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+
+  def step(tree):
+    local = jax.tree.map(lambda a: a[0], tree)
+    out, _ = dq.allreduce(local, axis_name="data", codec=DynamiQ(), key=jax.random.key(0))
+    return jax.tree.map(lambda a: a[None], out)
+
+  def run():
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=jax.sharding.PartitionSpec("data"),
+                              out_specs=jax.sharding.PartitionSpec("data"), check_vma=False))
+    text = f.lower(sharded).as_text()
+    return text, f(sharded)
+
+  looped_text, looped = run()
+  monkeypatch.setattr(executor, "LOOP_PLATFORMS", ())
+  unrolled_text, unrolled = run()
+  hops = lambda t: t.count("collective_permute")
+  assert "stablehlo.while" in looped_text and "stablehlo.while" not in unrolled_text
+  # a ring of 8 makes 7 payload hops: each its own collective-permute when
+  # unrolled, one in the loop body otherwise
+  assert hops(unrolled_text) >= N - 1 > hops(looped_text)
+  for k in grads:
+    np.testing.assert_array_equal(np.asarray(looped[k]).view(np.uint32),
+                                  np.asarray(unrolled[k]).view(np.uint32))
+  assert rows_identical(looped)

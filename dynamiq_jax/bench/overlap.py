@@ -83,7 +83,10 @@ def _child(spec: dict, out: str) -> None:
     from dynamiq_jax.schedules import executor
     executor.UNROLL_MAX_STEPS = spec["unroll_max_steps"]
   if spec.get("unordered"):  # ablation: buckets not tied one after another
-    from dynamiq_jax import allreduce as allreduce_module
+    import importlib
+
+    # the module, not the function of the same name that dynamiq_jax exports
+    allreduce_module = importlib.import_module("dynamiq_jax.allreduce")
 
     def unordered(xs, reduce_one):
       return [reduce_one(b, x, None) for b, x in enumerate(xs)]

@@ -15,15 +15,17 @@ with the same bytes — including each root, which adopts the decoded version
 of what it broadcast.
 
 Where to put the hops is a scheduling choice with bit-identical results.
-Unrolled (plans of up to :data:`UNROLL_MAX_STEPS` steps), every hop
-is an instruction of the enclosing computation, so XLA's scheduler can
-overlap its transfer with any independent work there: the backward pass of
-earlier layers, other buckets' codec kernels. A ``while`` loop runs as one
-unit on the compute stream, so a hop inside one overlaps only with work of
-the same loop body. Beyond that many steps, runs of alike steps
-(:meth:`TreePlan.segments`: the ring is one run, the butterfly two per tree
-level) execute as one ``fori_loop`` body each, so compile time grows with
-log n at most.
+Unrolled, every hop is an instruction of the enclosing computation, so
+XLA's scheduler can overlap its transfer with any independent work there:
+the backward pass of earlier layers, other buckets' codec kernels. A
+``while`` loop runs as one unit on the compute stream, so a hop inside one
+overlaps only with work of the same loop body. Otherwise runs of alike
+steps (:meth:`TreePlan.segments`: the ring is one run, the butterfly two per
+tree level) execute as one ``fori_loop`` body each, so compile time grows
+with log n at most. Hops are unrolled for plans of up to
+:data:`UNROLL_MAX_STEPS` steps lowered for a platform with asynchronous
+collectives; on XLA:CPU (:data:`LOOP_PLATFORMS`), whose collectives run in
+program order and overlap nothing, they stay in loops, which compile faster.
 """
 
 from __future__ import annotations
@@ -36,10 +38,15 @@ import jax.numpy as jnp
 from dynamiq_jax.schedules.context import AxisContext
 from dynamiq_jax.schedules.plan import TreePlan
 
-__all__ = ["HopOps", "execute", "reduce_scatter", "all_gather", "UNROLL_MAX_STEPS"]
+__all__ = [
+    "HopOps", "execute", "reduce_scatter", "all_gather", "UNROLL_MAX_STEPS", "LOOP_PLATFORMS",
+]
 
 UNROLL_MAX_STEPS = 16
 """Plans of at most this many reduce steps (a ring of up to 17 ranks) run unrolled."""
+
+LOOP_PLATFORMS = ("cpu",)
+"""Platforms whose programs keep every plan's hops in loops (see the module docstring)."""
 
 PyTree = Any
 
@@ -100,6 +107,7 @@ def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
   if n == 1:
     final = ops.encode(_take(chunks, 0), jnp.int32(0), jnp.int32(0))
   else:
+    unrolled = plan.steps <= UNROLL_MAX_STEPS and _lowering_platform() not in LOOP_PLATFORMS
     acc, recv = chunks, None
     for start, length in plan.segments():
       shift = plan.shift(start)
@@ -123,7 +131,7 @@ def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
           recv = ctx.ppermute(payload, _shift_perm(n, shift))
         return acc, recv
 
-      if length == 1 or plan.steps <= UNROLL_MAX_STEPS:
+      if length == 1 or unrolled:
         for j in range(start, start + length):
           acc, recv = step(j, (acc, recv))
       else:
@@ -137,6 +145,14 @@ def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
         acc = _put(acc, c_prev, ops.decode_add(recv, _take(acc, c_prev)))
         final = ops.encode(_take(acc, c_root), c_root, jnp.int32(plan.steps))
   return final
+
+
+def _lowering_platform() -> str:
+  """The platform the enclosing program is traced for: the device platform of
+  the abstract mesh in context (a ``shard_map``, or a compile-only topology's
+  mesh), else the default backend (``vmap`` simulation, ``pmap``)."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return device.platform if device is not None else jax.default_backend()
 
 
 def all_gather(plan: TreePlan, ctx: AxisContext, final, ops: HopOps):
