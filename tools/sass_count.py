@@ -6,7 +6,7 @@
 For each configuration (``plane_bits`` and width set) a child process
 compiles the four kernels of :mod:`pallas_kernels.dynamiq_triton`
 alone for one H100 (the recipe of ``tests/test_gpu_compile_units.py``: a
-compile-only topology from ``tests/data/h100_sxm.txtpb``, bf16 local
+compile-only topology (:mod:`dynamiq_jax.bench.gpu_compile`), bf16 local
 values, a chunk of 37 super-groups, ``strata=8`` as on an 8-rank ring,
 ``XLA_FLAGS=--xla_dump_to ... --xla_dump_emitter_re=ptx``, which XLA 0.12
 needs to write the PTX; lowered inside the abstract mesh of that device,
@@ -32,26 +32,23 @@ for ``BLOCK * 256 / (32 num_warps)`` coordinates (4096 / 128 = 32 with
 132 SMs x 4 schedulers x 32 lanes x 1.98 GHz, one warp instruction per
 scheduler per clock).
 
-The compile-only H100 (``tests/data/h100_sxm.txtpb``) and ``ptxas`` are
-those of ``tests/test_gpu_compile.py`` (the ``gpu-compile`` extra).
+The compile-only H100, the child process and ``ptxas`` are those of
+:mod:`dynamiq_jax.bench.gpu_compile`, as in ``tests/test_gpu_compile.py``
+(the ``gpu-compile`` extra).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
+
+from dynamiq_jax.bench import gpu_compile as G
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TARGET_CONFIG = ROOT / "tests" / "data" / "h100_sxm.txtpb"
-PTX_FLAGS = ("--xla_dump_emitter_re=ptx",)  # with --xla_dump_to: XLA writes each module's PTX
 
 OPS = ("compress", "decompress", "decompress_accumulate", "decompress_accumulate_recompress")
 SHORT = {"compress": "compress", "decompress": "decompress",
@@ -72,24 +69,17 @@ INSTR_PER_S = SMS * SCHEDULERS * LANES * CLOCK_HZ
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3
 
 
-def _compile_child(dump: str, config: str) -> None:
-  """Compiles the four unit kernels of ``config`` alone for one H100 (the child)."""
+def compile_units(config: str) -> list:
+  """Compiles the four unit kernels of ``config`` alone for one H100 (in the child)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.experimental import topologies
 
   from pallas_kernels import dynamiq_reference as R
   from pallas_kernels import dynamiq_triton as T
 
-  topology = topologies.get_topology_desc(
-      topology_name="h100", platform="cuda", target_config=TARGET_CONFIG.read_text(),
-      topology="1x1x1")
-  [device] = topology.devices
+  [device] = G.h100_devices(1)
   sharding = jax.sharding.SingleDeviceSharding(device)
-  # jax >= 0.11 compiles a Pallas GPU kernel for the GPU of the abstract mesh in context.
-  target = jax.sharding.Mesh(np.array([device]), ("gpu",),
-                             axis_types=(jax.sharding.AxisType.Auto,)).abstract_mesh
   keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
   s = 37
   pb, ws = CONFIGS[config]
@@ -103,9 +93,11 @@ def _compile_child(dump: str, config: str) -> None:
          (lambda p, x, w: T.decompress_accumulate_pallas(p, x, w, units, **geo), (p, x, w)),
          (lambda p, x, w: T.decompress_accumulate_recompress_pallas(
              p, x, w, units, keys=keys, strata=8, **geo), (p, x, w))]
+  out = []
   for f, args in fns:
-    with jax.sharding.use_abstract_mesh(target):
-      jax.jit(f).trace(*args).lower().compile()
+    with G.gpu_target(device):  # jax >= 0.11 compiles a Pallas kernel for the mesh's GPU
+      out.append(jax.jit(f).trace(*args).lower().compile())
+  return out
 
 
 def _text_instructions(cubin: pathlib.Path) -> dict[str, dict[str, int]]:
@@ -145,30 +137,13 @@ def _has_backward_branch(ptx: str, kernel: str) -> bool:
   return False
 
 
-def _ptxas() -> str | None:
-  """The ``ptxas`` of the gpu-compile extra (nvidia-cuda-nvcc-cu12), or on PATH."""
-  spec = importlib.util.find_spec("nvidia.cuda_nvcc")
-  for base in (spec.submodule_search_locations or []) if spec else []:
-    if pathlib.Path(base, "bin", "ptxas").exists():
-      return str(pathlib.Path(base, "bin", "ptxas"))
-  return shutil.which("ptxas")
-
-
 def measure(config: str) -> dict[str, dict]:
   """Compiles ``config``'s kernels in a child and returns ``{kernel: report}``."""
-  ptxas = _ptxas()
-  with tempfile.TemporaryDirectory() as dump:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}",
-                                 *PTX_FLAGS]).strip()
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
-    env["JAX_PLATFORMS"] = "cpu"  # no driver; the topology API uses the plugin's compiler
-    res = subprocess.run([sys.executable, __file__, "--child", dump, config], env=env,
-                         capture_output=True, text=True, cwd=ROOT)
-    if res.returncode:
-      raise RuntimeError(f"the H100 compile of {config} failed:\n{res.stderr[-4000:]}")
+  ptxas = G.ptxas()
+  with G.compile_in_child(f"{__file__}:compile_units", kwargs={"config": config},
+                          path=(ROOT,), cwd=ROOT, ptx=True, strict_warnings=False) as build:
     out = {}
-    for path in sorted(pathlib.Path(dump).glob("*.ptx")):
+    for path in build.ptx:
       ptx = path.read_text()
       names = re.findall(r"\.entry (dynamiq_\w+)\(", ptx)
       if not names:
@@ -267,19 +242,15 @@ def compare_table(before: dict, after: dict) -> str:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--child", nargs=2, metavar=("DUMP_DIR", "CONFIG"), help=argparse.SUPPRESS)
   p.add_argument("--configs", default=None,
                  help=f"comma-separated, of {sorted(CONFIGS)} (default: all)")
   p.add_argument("--json", default=None, help="write the report here")
   p.add_argument("--before", default=None,
                  help="a report written earlier: print a before / after table against it")
   args = p.parse_args(argv)
-  if args.child:
-    _compile_child(*args.child)
-    return
-  if importlib.util.find_spec("jax_cuda12_plugin") is None or _ptxas() is None:
-    sys.exit("cannot run: the gpu-compile extra (XLA's GPU compiler, ptxas) is not installed: "
-             "pip install -e '.[gpu-compile]'")
+  missing = G.missing()
+  if missing:
+    sys.exit(f"cannot run: {missing}")
   report = table(args.configs.split(",") if args.configs else None)
   if any(r["loops"] for r in report["rows"]):
     print("warning: a kernel has a loop; its static count is not its per-coordinate cost")

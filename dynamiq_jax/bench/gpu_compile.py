@@ -1,0 +1,536 @@
+"""Compile-only builds for NVIDIA H100s from a CPU host, and readers of what XLA made.
+
+The machinery of the deviceless GPU compiles, shared by
+:mod:`dynamiq_jax.bench.overlap`, ``tools/sass_count.py`` and the tests
+(``tests/test_gpu_compile*.py``, through ``tests/gpu_compile_tools.py``),
+the same on jax 0.10.2 and 0.12:
+
+* **A child process.** XLA reads its flags once per process (and a test
+  session's jax is pinned to 8 CPU devices), so each compile runs in a fresh
+  interpreter: :func:`compile_in_child` runs ``module:function`` (or
+  ``path/to/file.py:function``) there, with ``JAX_PLATFORMS=cpu`` (the CUDA
+  plugin's start-up check would fail without a driver; the topology API uses
+  the plugin's compiler all the same), optionally ``-W
+  error::DeprecationWarning`` (what a user with warnings as errors sees), and
+  returns the optimized HLO of the executables the function returns.
+* **A compile-only H100 topology** (:func:`h100_devices`, :func:`h100_mesh`,
+  called in the child): ``jax.experimental.topologies`` with XLA's own H100
+  SXM target config, :data:`TARGET_CONFIG` (package data of
+  ``dynamiq_jax.bench``).
+* **The GPU a lowering is for.** jax >= 0.11 compiles a Pallas GPU kernel
+  for the GPU of the abstract mesh in context, or else of the default
+  device, and raises on a CPU host without one; jax 0.10.2 assumed compute
+  capability 9.0 there. A program over a mesh of GPUs (:func:`h100_mesh`,
+  :func:`abstract_h100_mesh`) carries its GPU; a program on no mesh is
+  lowered inside :func:`gpu_target`. Neither needs the ``gpu-compile``
+  extra to *lower* (only to compile).
+* **The kernels' machine code, asked for by flag**: ``--xla_dump_to`` with
+  ``--xla_dump_emitter_re=ptx`` (:data:`PTX_FLAGS`). XLA 0.10.2 dumped PTX
+  whenever dumping was on; XLA 0.12 dumps it only when asked for this way.
+  :func:`ptxas_report` runs ``ptxas -v --gpu-name=sm_90a`` on it: registers
+  and spill bytes per kernel.
+* **HLO readers**: :func:`parse_hlo` (computations and their instructions,
+  from the text of jax 0.10.2 and 0.12: ``%`` before names or not, jax
+  0.12's nested tuple shapes of asynchronous starts), :func:`executions`
+  (how many times each computation runs per step, from the call graph and
+  the while loops' known trip counts, so a count does not depend on how XLA
+  peels or unrolls a loop), :func:`per_step`, :func:`kernel_name`,
+  :func:`is_payload_hop`, :func:`is_gemm` and :func:`async_windows` (what
+  the schedule places between an asynchronous start and its done).
+
+Run as a script it is the child (``--child``); nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = [
+    "TARGET_CONFIG", "TRITON", "PTX_FLAGS", "DEVICELESS_XLA_FLAGS", "H100_KIND",
+    "missing", "ptxas",
+    "h100", "gpu_target", "abstract_h100_mesh", "h100_topology", "h100_devices", "h100_mesh",
+    "Build", "compile_in_child", "ptxas_report",
+    "Instruction", "Computation", "parse_hlo", "executions", "per_step",
+    "kernel_name", "is_payload_hop", "is_gemm", "Window", "async_windows",
+]
+
+TARGET_CONFIG = pathlib.Path(__file__).resolve().parent / "h100_sxm.txtpb"
+"""XLA's H100 SXM GPU spec: the target of the compile-only topology."""
+TRITON = "__gpu$xla.gpu.triton"
+"""custom_call_target of a Pallas Triton kernel in GPU HLO."""
+PTX_FLAGS = ("--xla_dump_emitter_re=ptx",)
+"""With ``--xla_dump_to``: XLA writes each module's PTX (``*.ptx``) there."""
+DEVICELESS_XLA_FLAGS = ("--xla_gpu_enable_cub_radix_sort=false",)
+"""For a program that sorts: XLA sizes CUB's sort scratch with the CUDA runtime, which a
+host without a GPU lacks (the sort kernel is the only difference)."""
+H100_KIND = "NVIDIA H100 80GB HBM3"
+"""``device_kind`` of the H100 SXM that :data:`TARGET_CONFIG` describes."""
+
+
+# ----------------------------------------------------------------------------
+# What the checks need installed.
+
+
+def ptxas() -> str | None:
+  """Path of ``ptxas`` (the ``nvidia-cuda-nvcc-cu12`` wheel's, else on PATH), or None."""
+  spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+  if spec is not None and spec.submodule_search_locations:
+    for base in spec.submodule_search_locations:
+      path = pathlib.Path(base, "bin", "ptxas")
+      if path.exists():
+        return str(path)
+  return shutil.which("ptxas")
+
+
+def missing(need_ptxas: bool = True) -> str | None:
+  """Why a deviceless GPU compile cannot run here (None: it can).
+
+  Args:
+    need_ptxas: whether the caller also assembles PTX (:func:`ptxas_report`).
+  """
+  if importlib.util.find_spec("jax_cuda12_plugin") is None:
+    return ("the CUDA plugin (XLA's GPU compiler) is not installed: "
+            "pip install -e '.[gpu-compile]'")
+  if need_ptxas and ptxas() is None:
+    return "ptxas not found: pip install -e '.[gpu-compile]' (nvidia-cuda-nvcc-cu12)"
+  return None
+
+
+# ----------------------------------------------------------------------------
+# The GPU a lowering is for.
+
+
+def h100():
+  """An abstract H100 (``jax.sharding.AbstractDevice``), as the topology's devices describe
+  themselves."""
+  import jax
+  return jax.sharding.AbstractDevice(device_kind=H100_KIND, num_cores=132, platform="gpu")
+
+
+def gpu_target(device=None):
+  """A context in which a program on no mesh is lowered for ``device``.
+
+  Args:
+    device: a ``jax.sharding.AbstractDevice`` or a ``jax.Device`` (None: :func:`h100`).
+
+  Returns:
+    ``jax.sharding.use_abstract_mesh`` of a one-device abstract mesh (Auto axis).
+  """
+  import jax
+  import numpy as np
+  auto = (jax.sharding.AxisType.Auto,)
+  device = h100() if device is None else device
+  if isinstance(device, jax.sharding.AbstractDevice):
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu",), axis_types=auto, abstract_device=device)
+  else:
+    mesh = jax.sharding.Mesh(np.array([device]), ("gpu",), axis_types=auto).abstract_mesh
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def abstract_h100_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...]):
+  """A ``jax.sharding.AbstractMesh`` of H100s (Explicit axes): ``shard_map`` over it lowers
+  for cuda on any host, without the ``gpu-compile`` extra."""
+  import jax
+  return jax.sharding.AbstractMesh(shape, axis_names,
+                                   axis_types=(jax.sharding.AxisType.Explicit,) * len(shape),
+                                   abstract_device=h100())
+
+
+# ----------------------------------------------------------------------------
+# In the child: the compile-only topology.
+
+
+def h100_topology(n: int):
+  """A compile-only topology of ``n`` H100 SXM devices on one host
+  (``jax.experimental.topologies``; ``topologies.make_mesh`` takes it)."""
+  from jax.experimental import topologies
+  return topologies.get_topology_desc(
+      topology_name="h100", platform="cuda", target_config=TARGET_CONFIG.read_text(),
+      topology=f"1x1x{n}")
+
+
+def h100_devices(n: int):
+  """``n`` compile-only H100 SXM devices (:func:`h100_topology`), one host."""
+  return h100_topology(n).devices
+
+
+def h100_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...]):
+  """A ``jax.sharding.Mesh`` of compile-only H100s (Explicit axes, as ``jax.make_mesh``)."""
+  import math
+
+  import jax
+  import numpy as np
+  devices = np.array(h100_devices(math.prod(shape))).reshape(shape)
+  return jax.sharding.Mesh(devices, axis_names,
+                           axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
+
+
+# ----------------------------------------------------------------------------
+# In the parent: run the child, collect what it compiled.
+
+
+@dataclasses.dataclass
+class Build:
+  """What :func:`compile_in_child` brings back.
+
+  Attributes:
+    hlo: the optimized (scheduled) HLO text of each executable the child's
+      function returned, in order.
+    info: the JSON-able ``"info"`` the function returned beside its
+      executables (``{}`` if none).
+    ptx: PTX files XLA wrote (kept until ``cleanup()``; none unless ``ptx``).
+    seconds: wall time of the child.
+    stderr: the child's standard error.
+  """
+  hlo: list[str]
+  info: dict
+  ptx: list[pathlib.Path]
+  seconds: float
+  stderr: str
+  _tmp: tempfile.TemporaryDirectory | None = None
+
+  def cleanup(self):
+    if self._tmp is not None:
+      self._tmp.cleanup()
+      self._tmp = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.cleanup()
+
+
+def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), path=(),
+                     cwd: str | os.PathLike | None = None, ptx: bool = True,
+                     strict_warnings: bool = True, timeout: float = 600) -> Build:
+  """Runs ``target`` in a fresh process and collects its build.
+
+  The function is imported (``path`` first on ``sys.path``), called with
+  ``**kwargs`` (JSON-able), and must return a ``jax.stages.Compiled`` or a
+  list of them (compiled for :func:`h100_devices`), or a dict ``{"compiled":
+  those, "info": JSON-able}``. The child runs with ``JAX_PLATFORMS=cpu`` and
+  ``XLA_FLAGS`` = the caller's environment's and ``xla_flags`` (a program
+  that sorts needs :data:`DEVICELESS_XLA_FLAGS` there); in it, ``dynamiq_jax.bench.gpu_compile`` is this
+  module even where ``path`` puts another ``dynamiq_jax`` first.
+
+  Args:
+    target: ``"module:function"`` (e.g. ``"test_gpu_compile:compile_step"``) or
+      ``"path/to/file.py:function"`` (the file is loaded as it is, whatever
+      ``dynamiq_jax`` ``path`` selects).
+    kwargs: keyword arguments for the function.
+    xla_flags: more XLA flags (strings).
+    path: directories put first on the child's ``sys.path`` (``PYTHONPATH``).
+    cwd: the child's working directory (None: this process's).
+    ptx: dump the PTX XLA makes (``--xla_dump_to`` and :data:`PTX_FLAGS`)
+      into :attr:`Build.ptx`.
+    strict_warnings: run the child with ``-W error::DeprecationWarning``.
+    timeout: seconds before the child is stopped.
+
+  Returns:
+    A :class:`Build`; use it as a context manager (or call ``cleanup()``) to
+    delete the dumped files.
+
+  Raises:
+    RuntimeError: the child failed (its standard error's end is in the message).
+  """
+  start = time.perf_counter()
+  tmp = tempfile.TemporaryDirectory()
+  out = pathlib.Path(tmp.name)
+  dump = out / "xla"
+  env = dict(os.environ)
+  flags = [env.get("XLA_FLAGS", ""), *xla_flags]
+  if ptx:
+    flags += [f"--xla_dump_to={dump}", *PTX_FLAGS]
+  env["XLA_FLAGS"] = " ".join(f for f in flags if f)
+  env["PYTHONPATH"] = os.pathsep.join([str(p) for p in path] +
+                                      [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+  env["JAX_PLATFORMS"] = "cpu"
+  args = [sys.executable, *(["-W", "error::DeprecationWarning"] if strict_warnings else []),
+          __file__, "--child", str(out), target, json.dumps(kwargs or {})]
+  res = subprocess.run(args, env=env, capture_output=True, text=True, cwd=cwd, timeout=timeout)
+  if res.returncode:
+    tmp.cleanup()
+    raise RuntimeError(f"the compile-only build {target} failed:\n{res.stderr[-4000:]}")
+  hlo = [p.read_text() for p in sorted(out.glob("compiled_*.hlo"),
+                                       key=lambda p: int(p.stem.split("_")[1]))]
+  return Build(hlo=hlo, info=json.loads((out / "info.json").read_text()),
+               ptx=sorted(dump.glob("*.ptx")), seconds=round(time.perf_counter() - start, 1),
+               stderr=res.stderr, _tmp=tmp)
+
+
+def _load(target: str):
+  """The function ``target`` names (``module:function`` or ``file.py:function``)."""
+  module, function = target.rsplit(":", 1)
+  if module.endswith(".py"):
+    spec = importlib.util.spec_from_file_location(f"_gpu_compile_target_{pathlib.Path(module).stem}",
+                                                  module)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+  else:
+    loaded = importlib.import_module(module)
+  return getattr(loaded, function)
+
+
+def _child(out: str, target: str, kwargs: str) -> None:
+  result = _load(target)(**json.loads(kwargs))
+  compiled, info = ((result["compiled"], result.get("info", {})) if isinstance(result, dict)
+                    else (result, {}))
+  for i, c in enumerate(compiled if isinstance(compiled, (list, tuple)) else [compiled]):
+    pathlib.Path(out, f"compiled_{i}.hlo").write_text(c.as_text())
+  pathlib.Path(out, "info.json").write_text(json.dumps(info))
+
+
+# ----------------------------------------------------------------------------
+# ptxas.
+
+
+def ptxas_report(ptx_files, prefix: str = "") -> dict[str, dict[str, int]]:
+  """``{kernel: {"registers": n, "spill_bytes": stores + loads}}`` from ``ptxas -v``.
+
+  Every ``.entry`` of every file is compiled for sm_90a; a kernel name seen
+  in several files (other shapes) keeps its largest figures.
+
+  Args:
+    ptx_files: paths of PTX files.
+    prefix: keep only kernels whose name starts with it.
+  """
+  out = {}
+  for path in ptx_files:
+    res = subprocess.run([ptxas(), "-v", "--gpu-name=sm_90a", str(path), "-o", os.devnull],
+                         capture_output=True, text=True, check=True)
+    for name, stores, loads, regs in re.findall(
+        r"Function properties for (\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores,"
+        r" (\d+) bytes spill loads\s*\n[^\n]*Used (\d+) registers", res.stderr):
+      if not name.startswith(prefix):
+        continue
+      prev = out.get(name, {"registers": 0, "spill_bytes": 0})
+      out[name] = {"registers": max(prev["registers"], int(regs)),
+                   "spill_bytes": max(prev["spill_bytes"], int(stores) + int(loads))}
+  return out
+
+
+# ----------------------------------------------------------------------------
+# HLO text.
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One HLO instruction: ``name = shape opcode(operands), attributes``."""
+  name: str
+  shape: str
+  opcode: str
+  operands: str
+  attributes: str
+  line: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Computation:
+  """A computation: its name (``"ENTRY"`` for the entry) and instructions in text
+  order (the schedule order, in a scheduled module)."""
+  name: str
+  instructions: tuple[Instruction, ...]
+
+
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+
+
+def _balanced(text: str, i: int) -> int:
+  """Index just past the bracket group that opens at ``text[i]``."""
+  depth = 0
+  for j in range(i, len(text)):
+    if text[j] in "([{":
+      depth += 1
+    elif text[j] in ")]}":
+      depth -= 1
+      if depth == 0:
+        return j + 1
+  raise ValueError(f"unbalanced brackets in {text[:200]!r}")
+
+
+def _instruction(line: str) -> Instruction | None:
+  m = _INSTRUCTION.match(line)
+  if not m:
+    return None
+  i = m.end()
+  end = _balanced(line, i) if line[i] == "(" else line.index(" ", i)
+  shape, rest = line[i:end], line[end:].lstrip()
+  op = re.match(r"([\w\-]+)\(", rest)
+  if not op:
+    return None
+  close = _balanced(rest, op.end() - 1)
+  return Instruction(name=m.group(1), shape=shape, opcode=op.group(1),
+                     operands=rest[op.end():close - 1], attributes=rest[close:], line=line)
+
+
+def parse_hlo(text: str) -> dict[str, Computation]:
+  """HLO module text -> ``{computation name: Computation}``; the entry is ``"ENTRY"``.
+
+  Reads the text ``Compiled.as_text()`` prints on jax 0.10.2 and 0.12 (the
+  latter's file and stack-frame tables are skipped).
+  """
+  comps, name, body = {}, None, []
+  for line in text.splitlines():
+    if name is None:
+      head = _HEADER.match(line)
+      if head:
+        name, body = ("ENTRY" if head.group(1) else head.group(2)), []
+    elif line == "}":
+      comps[name] = Computation(name, tuple(body))
+      name = None
+    else:
+      ins = _instruction(line)
+      if ins is not None:
+        body.append(ins)
+  return comps
+
+
+def _trip_count(ins: Instruction) -> int | None:
+  m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attributes)
+  return int(m.group(1)) if m else None
+
+
+def _callees(ins: Instruction) -> list[tuple[str, int | None]]:
+  """(computation, runs per run of ``ins``) for each computation ``ins`` calls;
+  None: a while loop's unknown trip count."""
+  out = []
+  for key, names in re.findall(r"\b(body|condition|to_apply|calls|branch_computations|"
+                               r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)",
+                               ins.attributes):
+    for callee in re.findall(r"%?([\w.\-]+)", names):
+      trips = _trip_count(ins)
+      if key == "body":
+        out.append((callee, trips))
+      elif key == "condition":
+        out.append((callee, 1 if trips is None else trips + 1))
+      else:  # a call, fusion, async wrapper, reduction, or a conditional's branch
+        out.append((callee, 1))
+  return out
+
+
+def executions(comps: dict[str, Computation]) -> tuple[dict[str, int], list[str]]:
+  """How many times each computation runs per run of the entry.
+
+  From the call graph: a while body runs its loop's known trip count per
+  run of the loop, a condition one more, anything else called (fusions,
+  calls, async wrappers, reducers) once per call, and each branch of a
+  conditional as often as the conditional (an upper bound). Counts summed
+  over every call site, so a loop that XLA peeled (one iteration before the
+  loop, the rest inside) or unrolled (k copies per iteration, n / k trips)
+  counts the same per step as the loop it was.
+
+  Returns:
+    ``({computation: runs}, [while bodies whose trip count is unknown])``;
+    an unknown trip count is counted as 1.
+  """
+  calls = {name: [] for name in comps}
+  unknown = []
+  for name, comp in comps.items():
+    for ins in comp.instructions:
+      for callee, times in _callees(ins):
+        if callee in comps:
+          if times is None:
+            unknown.append(callee)
+          calls[callee].append((name, 1 if times is None else times))
+  memo = {"ENTRY": 1}
+
+  def runs(name, seen=()):
+    if name not in memo:
+      if name in seen:
+        raise ValueError(f"recursive call graph at {name}")
+      memo[name] = sum(runs(caller, seen + (name,)) * t for caller, t in calls[name])
+    return memo[name]
+
+  return {name: runs(name) for name in comps}, sorted(set(unknown))
+
+
+def per_step(comps: dict[str, Computation], predicate) -> int:
+  """Runs per step of the instructions for which ``predicate(instruction)`` holds."""
+  runs, _ = executions(comps)
+  return sum(runs[name] for name, comp in comps.items()
+             for ins in comp.instructions if predicate(ins))
+
+
+def kernel_name(ins: Instruction) -> str | None:
+  """The Pallas kernel a Triton custom call launches (``"?"`` if unnamed), else None."""
+  if ins.opcode != "custom-call" or TRITON not in ins.attributes:
+    return None
+  m = re.search(r'/(dynamiq_\w+)/pallas_call', ins.attributes)
+  return m.group(1) if m else "?"
+
+
+def is_payload_hop(ins: Instruction) -> bool:
+  """A collective permute (or its async start) of a uint8 payload: one ring hop."""
+  return (ins.opcode in ("collective-permute", "collective-permute-start")
+          and "u8[" in ins.shape)
+
+
+def is_gemm(ins: Instruction, comps: dict[str, Computation]) -> bool:
+  """A matrix multiply as XLA:GPU emits one: a cuBLAS / cuBLASLt custom call, or a
+  fusion (``gemm_fusion_*``, ``kind=kCustom``, or any other) whose computation holds a
+  ``dot``."""
+  if ins.opcode == "custom-call":
+    target = re.search(r'custom_call_target="([^"]*)"', ins.attributes)
+    cublas = r"__cublas\$(lt\$)?(gemm|matmul)"
+    return target is not None and re.match(cublas, target.group(1)) is not None
+  if ins.opcode not in ("fusion", "fusion-start"):
+    return False
+  called = re.search(r"\bcalls=%?([\w.\-]+)", ins.attributes)
+  comp = comps.get(called.group(1)) if called else None
+  return comp is not None and any(i.opcode == "dot" for i in comp.instructions)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """An asynchronous op's window: its start, its done, and what the schedule
+  runs between them (in one computation)."""
+  start: Instruction
+  done: Instruction
+  between: tuple[Instruction, ...]
+
+
+def async_windows(comp: Computation, opcode: str | None = None) -> list[Window]:
+  """The ``*-start`` / ``*-done`` pairs of ``comp`` and the instructions between them.
+
+  Args:
+    comp: a computation of a scheduled module (text order is schedule order).
+    opcode: e.g. ``"collective-permute"``, ``"all-reduce"``, ``"all-gather"``
+      (None: every asynchronous op).
+  """
+  index = {ins.name: i for i, ins in enumerate(comp.instructions)}
+  out = []
+  for i, done in enumerate(comp.instructions):
+    if not done.opcode.endswith("-done"):
+      continue
+    if opcode is not None and done.opcode != f"{opcode}-done":
+      continue
+    first = re.match(r"\s*%?([\w.\-]+)", done.operands)
+    j = index.get(first.group(1)) if first else None
+    if j is not None and comp.instructions[j].opcode.endswith("-start"):
+      out.append(Window(comp.instructions[j], done, comp.instructions[j + 1:i]))
+  return out
+
+
+if __name__ == "__main__":
+  if len(sys.argv) != 5 or sys.argv[1] != "--child":
+    sys.exit("usage: (internal) gpu_compile.py --child OUT_DIR module:function KWARGS_JSON")
+  # Run as a file, this directory is first on sys.path: its modules (common, net, ...)
+  # must not shadow others. And the target's `dynamiq_jax.bench.gpu_compile` is this
+  # module, not a second copy (nor an older checkout's, where --library selects one).
+  if sys.path and pathlib.Path(sys.path[0]).resolve() == pathlib.Path(__file__).resolve().parent:
+    del sys.path[0]
+  sys.modules.setdefault("dynamiq_jax.bench.gpu_compile", sys.modules[__name__])
+  _child(*sys.argv[2:])
