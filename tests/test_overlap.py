@@ -20,13 +20,14 @@ import json
 
 import pytest
 
-from dynamiq_jax.bench.overlap import compile_step, gpu_compile_missing, schedule_counts
+from dynamiq_jax.bench.gpu_compile import missing
+from dynamiq_jax.bench.overlap import compile_step, schedule_counts
 
 MODEL = {"layers": 12, "width": 2048, "batch": 2048}
 ONE_BUCKET = 1 << 27  # more coordinates than the model's 50 M
 
-needs_compiler = pytest.mark.skipif(gpu_compile_missing() is not None,
-                                    reason=str(gpu_compile_missing()))
+needs_compiler = pytest.mark.skipif(missing(need_ptxas=False) is not None,
+                                    reason=str(missing(need_ptxas=False)))
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +64,21 @@ def test_one_bucket_overlaps_nothing(pmean, record_property):
 
 def test_schedule_counts_reads_windows_gemms_and_buckets():
   """The reader on a hand-written schedule: a GEMM inside and one outside a window, and
-  one bucket's kernel inside another bucket's window."""
+  one bucket's kernel inside another bucket's window; names with and without ``%`` (jax
+  0.10.2, 0.12), a synchronous collective (as XLA 0.12 leaves one that overlaps nothing)."""
   hlo = """HloModule m
+
+%gemm_fusion_dot.1_computation (p: f32[8]) -> f32[8] {
+  ROOT %dot = f32[8]{0} dot(%p, %p), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+
+gemm_fusion_dot.2_computation (p: f32[8]) -> f32[8] {
+  ROOT dot = f32[8]{0} dot(p, p), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+
+%gemm_fusion_dot.3_computation (p: f32[8]) -> f32[8] {
+  ROOT %dot = f32[8]{0} dot(%p, %p), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
 
 ENTRY %main (a: f32[8]) -> f32[8] {
   %g1 = f32[8]{0} fusion(%a), kind=kCustom, calls=%gemm_fusion_dot.1_computation, metadata={op_name="jit(f)/transpose(jvp())/dot_general"}
@@ -74,6 +88,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   %k0 = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_y, metadata={op_name="jit(f)/allreduce/bucket0/guard/max"}
   %d = f32[3]{0} all-reduce-done(%ar), metadata={op_name="jit(f)/allreduce/bucket0/guard/pmax"}
   %g3 = f32[8]{0} fusion(%a), kind=kCustom, calls=%gemm_fusion_dot.3_computation, metadata={op_name="jit(f)/jvp()/dot_general"}
+  ag = f32[64]{0} all-gather(%g3), channel_id=2, dimensions={0}
   ROOT %cp = u8[64]{0} collective-permute-start(%z), source_target_pairs={{0,1}}
 }
 """
@@ -82,4 +97,4 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   assert counts["backward_gemms_in_windows"] == 1
   assert counts["codec_ops"] == 2 and counts["codec_ops_in_other_buckets_windows"] == 1
   assert counts["buckets"] == 2
-  assert counts["collectives"] == {"all-reduce": 1, "collective-permute": 1}
+  assert counts["collectives"] == {"all-gather": 1, "all-reduce": 1, "collective-permute": 1}

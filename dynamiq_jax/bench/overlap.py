@@ -6,7 +6,8 @@
 
 No GPU is needed. Each configuration is compiled in a child process (XLA
 flags are read once per process) for a compile-only 8 x H100 topology
-(``jax.experimental.topologies`` with XLA's H100 SXM spec), as the
+(:mod:`dynamiq_jax.bench.gpu_compile`: ``jax.experimental.topologies`` with
+XLA's H100 SXM spec), as the
 data-parallel step of an MLP of ``--layers`` square ``--width`` float32
 layers (tanh) on a global batch of ``--batch`` rows: ``jax.grad`` inside
 ``jax.shard_map(check_vma=True)`` on a per-rank copy of the parameters, then
@@ -24,7 +25,9 @@ it counts the backward GEMMs (GEMM fusions and cuBLAS calls whose source is
 collective: between an ``*-start`` and its ``*-done``, the GEMM runs while
 data is on the wire. It also counts the codec's kernels of one bucket that
 run inside the windows of another bucket's collectives, the collectives by
-kind, and the lowering and compile seconds (wall) of the step.
+kind (asynchronous or not: XLA 0.12 turns a collective that overlaps nothing
+back into a synchronous op), and the lowering and compile seconds (wall) of
+the step.
 
 The second table models the step time of stated training jobs against the
 bucket size (:func:`model_step`): what each bucket adds in hops of fixed
@@ -35,42 +38,32 @@ It is a model, labelled as such.
 worktree of an older commit), to compare before and after; options the
 older library lacks are not passed to it. The deviceless compile needs the
 ``gpu-compile`` extra (``pip install -e '.[gpu-compile]'``); it runs with
-``--xla_gpu_enable_cub_radix_sort=false`` because XLA sizes CUB's sort
-scratch with the CUDA runtime, which a host without a GPU lacks (the sort
-kernel is the only difference).
+:data:`~dynamiq_jax.bench.gpu_compile.DEVICELESS_XLA_FLAGS` (DynamiQ's step
+sorts).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
-import json
-import math
 import os
-import pathlib
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
-__all__ = ["main", "schedule_counts", "model_step", "model_job", "compile_step",
-           "gpu_compile_missing", "H100_CONFIG"]
+from dynamiq_jax.bench import gpu_compile
 
-H100_CONFIG = pathlib.Path(__file__).resolve().parent / "h100_sxm.txtpb"
-"""XLA's H100 SXM GPU spec: the target of the compile-only topology."""
+__all__ = ["main", "schedule_counts", "model_step", "model_job", "compile_step"]
 
 DEVICES = 8
-DEVICELESS_XLA_FLAGS = "--xla_gpu_enable_cub_radix_sort=false"
 
 
 # ----------------------------------------------------------------------------
 # The child: one configuration compiled for the compile-only topology.
 
 
-def _child(spec: dict, out: str) -> None:
-  """Compiles the step of ``spec``; writes ``out``.hlo (optimized) and ``out``.json."""
+def step_in_child(spec: dict) -> dict:
+  """Compiles the step of ``spec`` (in the child) -> ``{"compiled", "info": timings}``."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -92,10 +85,7 @@ def _child(spec: dict, out: str) -> None:
       return [reduce_one(b, x, None) for b, x in enumerate(xs)]
 
     allreduce_module._one_after_another = unordered
-  topology = topologies.get_topology_desc(
-      topology_name="h100", platform="cuda", target_config=H100_CONFIG.read_text(),
-      topology=f"1x1x{DEVICES}")
-  mesh = topologies.make_mesh(topology, (DEVICES,), ("data",))
+  mesh = topologies.make_mesh(gpu_compile.h100_topology(DEVICES), (DEVICES,), ("data",))
   if spec["method"] == "pmean":
     reduction = dq.baseline_psum("data")
   else:
@@ -129,17 +119,8 @@ def _child(spec: dict, out: str) -> None:
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-  pathlib.Path(out + ".hlo").write_text(compiled.as_text())
-  pathlib.Path(out + ".json").write_text(json.dumps(
-      {"lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2), "jax": jax.__version__}))
-
-
-def gpu_compile_missing() -> str | None:
-  """Why the deviceless GPU compile cannot run here, or None."""
-  if importlib.util.find_spec("jax_cuda12_plugin") is None:
-    return ("the CUDA plugin (XLA's GPU compiler) is not installed: "
-            "pip install -e '.[gpu-compile]'")
-  return None
+  return {"compiled": compiled, "info": {
+      "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2), "jax": jax.__version__}}
 
 
 def compile_step(spec: dict, library: str | None = None) -> tuple[str, dict]:
@@ -154,37 +135,26 @@ def compile_step(spec: dict, library: str | None = None) -> tuple[str, dict]:
     library: a directory holding the ``dynamiq_jax`` to compile against
       (None: this one).
   """
-  with tempfile.TemporaryDirectory() as tmp:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {DEVICELESS_XLA_FLAGS}".strip()
-    env["JAX_PLATFORMS"] = "cpu"  # no GPU backend: the topology API compiles all the same
-    if library:
-      env["PYTHONPATH"] = os.pathsep.join([library] + env.get("PYTHONPATH", "").split(os.pathsep))
-    out = os.path.join(tmp, "step")
-    res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec), out],
-                         env=env, capture_output=True, text=True, cwd=library or os.getcwd())
-    if res.returncode:
-      raise RuntimeError(f"the 8 x H100 compile of {spec} failed:\n{res.stderr[-4000:]}")
-    return pathlib.Path(out + ".hlo").read_text(), json.loads(pathlib.Path(out + ".json").read_text())
+  # This file, loaded by path: with ``library`` the child's dynamiq_jax is that one.
+  with gpu_compile.compile_in_child(
+      f"{__file__}:step_in_child", kwargs={"spec": spec},
+      xla_flags=gpu_compile.DEVICELESS_XLA_FLAGS, path=[library] if library else [],
+      cwd=library, ptx=False, strict_warnings=False) as build:
+    return build.hlo[0], build.info
 
 
 # ----------------------------------------------------------------------------
 # Reading the schedule.
 
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\((.*?)\)(.*)$")
 _BUCKET = re.compile(r"allreduce/bucket(\d+)/")
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-broadcast",
+               "collective-permute", "reduce-scatter")
 
 
-def _entry(hlo: str) -> list[str]:
-  m = re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", hlo, re.S)
-  if not m:
-    raise ValueError("no ENTRY computation in the HLO text")
-  return m.group(1).splitlines()
-
-
-def _is_gemm(line: str) -> bool:
-  return ("kind=kCustom" in line and "gemm_fusion" in line) or "__cublas" in line
+def _bucket(ins: gpu_compile.Instruction) -> int | None:
+  scope = _BUCKET.search(ins.attributes)
+  return int(scope.group(1)) if scope else None
 
 
 def schedule_counts(hlo: str) -> dict:
@@ -197,38 +167,42 @@ def schedule_counts(hlo: str) -> dict:
   Returns:
     ``{"gemms", "backward_gemms", "backward_gemms_in_windows",
     "codec_ops_in_other_buckets_windows", "codec_ops", "buckets",
-    "collectives": {kind: count}}``: a backward GEMM is one whose source
-    (``op_name``) is ``transpose(jvp(...))``; a codec op is a fusion or
-    custom call of scope ``allreduce/bucket<b>``.
+    "collectives": {kind: count}}``: a GEMM is one of
+    :func:`~dynamiq_jax.bench.gpu_compile.is_gemm`; a backward GEMM is one
+    whose source (``op_name``) is ``transpose(jvp(...))``; a window is that of
+    an asynchronous start and its done
+    (:func:`~dynamiq_jax.bench.gpu_compile.async_windows`); a codec op is a
+    fusion or custom call of scope ``allreduce/bucket<b>``; a collective is
+    one of :data:`COLLECTIVES`, asynchronous (counted at its start) or not.
+
+  Raises:
+    ValueError: the text has no entry computation.
   """
-  open_windows: dict[str, int | None] = {}  # start name -> its bucket (None: not ours)
+  comps = gpu_compile.parse_hlo(hlo)
+  if "ENTRY" not in comps:
+    raise ValueError("no ENTRY computation in the HLO text")
+  entry = comps["ENTRY"]
+  inside = collections.defaultdict(list)  # instruction name -> buckets of its windows
+  for window in gpu_compile.async_windows(entry):
+    for ins in window.between:
+      inside[ins.name].append(_bucket(window.start))
   counts = collections.Counter()
   kinds = collections.Counter()
   buckets = set()
-  for line in _entry(hlo):
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    name, op, operands, _ = m.groups()
-    scope = _BUCKET.search(line)
-    bucket = int(scope.group(1)) if scope else None
-    if op.endswith("-start"):
-      open_windows[name] = bucket
-      kinds[op[:-len("-start")]] += 1
-      continue
-    if op.endswith("-done"):
-      first = operands.split(",")[0].strip().lstrip("%")
-      open_windows.pop(first, None)
-      continue
-    if _is_gemm(line):
+  for ins in entry.instructions:
+    kind = ins.opcode.removesuffix("-start")
+    if kind in COLLECTIVES:
+      kinds[kind] += 1
+    elif gpu_compile.is_gemm(ins, comps):
       counts["gemms"] += 1
-      if "transpose(jvp" in line:
+      if "transpose(jvp" in ins.attributes:
         counts["backward_gemms"] += 1
-        counts["backward_gemms_in_windows"] += bool(open_windows)
-    elif bucket is not None and (op in ("fusion", "custom-call")):
+        counts["backward_gemms_in_windows"] += ins.name in inside
+    elif _bucket(ins) is not None and ins.opcode in ("fusion", "custom-call"):
+      bucket = _bucket(ins)
       buckets.add(bucket)
       counts["codec_ops"] += 1
-      others = [b for b in open_windows.values() if b is not None and b != bucket]
+      others = [b for b in inside.get(ins.name, ()) if b is not None and b != bucket]
       counts["codec_ops_in_other_buckets_windows"] += bool(others)
   return {
       "gemms": counts["gemms"], "backward_gemms": counts["backward_gemms"],
@@ -269,6 +243,7 @@ def model_step(*, coords: int, bucket_size: int, max_buckets: int | None, n: int
 
   from dynamiq_jax._sizes import round_up
   from dynamiq_jax.allreduce import bucket_layout
+  from dynamiq_jax.schedules.plan import ring_bytes_per_rank
 
   layout = bucket_layout(jax.ShapeDtypeStruct((coords,), "float32"),
                          bucket_size=round_up(bucket_size, 256), max_buckets=max_buckets)
@@ -279,7 +254,7 @@ def model_step(*, coords: int, bucket_size: int, max_buckets: int | None, n: int
   for d in sizes:
     produced += d
     ready = backward_s * produced / coords
-    work = hops * hop_latency_s + d * bits / 8 * 2 * (n - 1) / n / rate + d * codec_s_per_coord
+    work = hops * hop_latency_s + ring_bytes_per_rank(d * bits / 8, n) / rate + d * codec_s_per_coord
     end = max(end, ready) + work
   return {"buckets": len(sizes), "fixed_latency_hops": hops * len(sizes),
           "step_s": max(end, backward_s), "exposed_s": max(end - backward_s, 0.0)}
@@ -348,7 +323,7 @@ def _model_table(bucket_sizes, max_buckets):
 
 def main(argv=None) -> dict:
   args = build_parser().parse_args(argv)
-  missing = gpu_compile_missing()
+  missing = gpu_compile.missing(need_ptxas=False)
   if missing:
     sys.exit(f"cannot run: {missing}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads the machine
@@ -403,7 +378,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  if len(sys.argv) == 4 and sys.argv[1] == "--child":
-    _child(json.loads(sys.argv[2]), sys.argv[3])
-  else:
-    main()
+  main()
