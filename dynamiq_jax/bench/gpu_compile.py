@@ -38,11 +38,12 @@ the same on jax 0.10.2 and 0.12:
   :func:`is_payload_hop`, :func:`is_gemm` and :func:`async_windows` (what
   the schedule places between an asynchronous start and its done).
 
-Run as a script it is the child (``--child``); nothing else.
+Run as a script it is the child of :func:`compile_in_child` (``--child``); nothing else.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import importlib.util
@@ -60,7 +61,7 @@ __all__ = [
     "TARGET_CONFIG", "TRITON", "PTX_FLAGS", "DEVICELESS_XLA_FLAGS", "H100_KIND",
     "missing", "ptxas",
     "h100", "gpu_target", "abstract_h100_mesh", "h100_topology", "h100_devices", "h100_mesh",
-    "Build", "compile_in_child", "ptxas_report",
+    "Build", "compile_in_child", "build_parser", "ptxas_report",
     "Instruction", "Computation", "parse_hlo", "executions", "per_step",
     "kernel_name", "is_payload_hop", "is_gemm", "Window", "async_windows",
 ]
@@ -524,13 +525,25 @@ def async_windows(comp: Computation, opcode: str | None = None) -> list[Window]:
   return out
 
 
+def build_parser() -> argparse.ArgumentParser:
+  """The child's command line (internal: :func:`compile_in_child` writes it)."""
+  p = argparse.ArgumentParser(
+      prog="python dynamiq_jax/bench/gpu_compile.py",
+      description="The child process of gpu_compile.compile_in_child (internal): calls the "
+                  "target and writes the optimized HLO of what it compiled into OUT_DIR.",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--child", nargs=3, required=True, metavar=("OUT_DIR", "TARGET", "KWARGS"),
+                 help="the output directory, module:function or file.py:function, and its "
+                      "keyword arguments as a JSON object")
+  return p
+
+
 if __name__ == "__main__":
-  if len(sys.argv) != 5 or sys.argv[1] != "--child":
-    sys.exit("usage: (internal) gpu_compile.py --child OUT_DIR module:function KWARGS_JSON")
+  child_args = build_parser().parse_args().child
   # Run as a file, this directory is first on sys.path: its modules (common, net, ...)
   # must not shadow others. And the target's `dynamiq_jax.bench.gpu_compile` is this
   # module, not a second copy (nor an older checkout's, where --library selects one).
   if sys.path and pathlib.Path(sys.path[0]).resolve() == pathlib.Path(__file__).resolve().parent:
     del sys.path[0]
   sys.modules.setdefault("dynamiq_jax.bench.gpu_compile", sys.modules[__name__])
-  _child(*sys.argv[2:])
+  _child(*child_args)
