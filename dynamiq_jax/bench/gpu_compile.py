@@ -223,8 +223,9 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
   list of them (compiled for :func:`h100_devices`), or a dict ``{"compiled":
   those, "info": JSON-able}``. The child runs with ``JAX_PLATFORMS=cpu`` and
   ``XLA_FLAGS`` = the caller's environment's and ``xla_flags`` (a program
-  that sorts needs :data:`DEVICELESS_XLA_FLAGS` there); in it, ``dynamiq_jax.bench.gpu_compile`` is this
-  module even where ``path`` puts another ``dynamiq_jax`` first.
+  that sorts needs :data:`DEVICELESS_XLA_FLAGS` there); in it,
+  ``dynamiq_jax.bench.gpu_compile`` is this module even where ``path`` puts
+  another ``dynamiq_jax`` first.
 
   Args:
     target: ``"module:function"`` (e.g. ``"test_gpu_compile:compile_step"``) or
@@ -275,8 +276,8 @@ def _load(target: str):
   """The function ``target`` names (``module:function`` or ``file.py:function``)."""
   module, function = target.rsplit(":", 1)
   if module.endswith(".py"):
-    spec = importlib.util.spec_from_file_location(f"_gpu_compile_target_{pathlib.Path(module).stem}",
-                                                  module)
+    name = f"_gpu_compile_target_{pathlib.Path(module).stem}"
+    spec = importlib.util.spec_from_file_location(name, module)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
   else:

@@ -254,7 +254,8 @@ def model_step(*, coords: int, bucket_size: int, max_buckets: int | None, n: int
   for d in sizes:
     produced += d
     ready = backward_s * produced / coords
-    work = hops * hop_latency_s + ring_bytes_per_rank(d * bits / 8, n) / rate + d * codec_s_per_coord
+    wire_s = ring_bytes_per_rank(d * bits / 8, n) / rate
+    work = hops * hop_latency_s + wire_s + d * codec_s_per_coord
     end = max(end, ready) + work
   return {"buckets": len(sizes), "fixed_latency_hops": hops * len(sizes),
           "step_s": max(end, backward_s), "exposed_s": max(end - backward_s, 0.0)}
