@@ -24,7 +24,7 @@ from dynamiq_jax.bench.gpu_compile import missing
 from dynamiq_jax.bench.overlap import compile_step, schedule_counts
 
 MODEL = {"layers": 12, "width": 2048, "batch": 2048}
-ONE_BUCKET = 1 << 27  # more coordinates than the model's 50 M
+ONE_BUCKET = 1 << 28  # its first bucket (a quarter) holds all of the model's 50 M coordinates
 
 needs_compiler = pytest.mark.skipif(missing(need_ptxas=False) is not None,
                                     reason=str(missing(need_ptxas=False)))
@@ -65,7 +65,9 @@ def test_one_bucket_overlaps_nothing(pmean, record_property):
 def test_schedule_counts_reads_windows_gemms_and_buckets():
   """The reader on a hand-written schedule: a GEMM inside and one outside a window, and
   one bucket's kernel inside another bucket's window; names with and without ``%`` (jax
-  0.10.2, 0.12), a synchronous collective (as XLA 0.12 leaves one that overlaps nothing)."""
+  0.10.2, 0.12), a synchronous collective (as XLA 0.12 leaves one that overlaps nothing),
+  one inside an asynchronous fusion, and an asynchronous fusion that is no collective's
+  window (a backward GEMM inside it does not count)."""
   hlo = """HloModule m
 
 %gemm_fusion_dot.1_computation (p: f32[8]) -> f32[8] {
@@ -80,6 +82,14 @@ gemm_fusion_dot.2_computation (p: f32[8]) -> f32[8] {
   ROOT %dot = f32[8]{0} dot(%p, %p), lhs_contracting_dims={0}, rhs_contracting_dims={0}
 }
 
+%fused_slice (p: f32[8]) -> f32[8] {
+  ROOT %n = f32[8]{0} negate(%p)
+}
+
+%fused_pmax (p: f32[2]) -> f32[2] {
+  ROOT %pmax = f32[2]{0} all-reduce(%p), channel_id=3, to_apply=%max
+}
+
 ENTRY %main (a: f32[8]) -> f32[8] {
   %g1 = f32[8]{0} fusion(%a), kind=kCustom, calls=%gemm_fusion_dot.1_computation, metadata={op_name="jit(f)/transpose(jvp())/dot_general"}
   %ar = f32[3]{0} all-reduce-start(%x), channel_id=1, metadata={op_name="jit(f)/allreduce/bucket0/guard/pmax"}
@@ -89,12 +99,17 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   %d = f32[3]{0} all-reduce-done(%ar), metadata={op_name="jit(f)/allreduce/bucket0/guard/pmax"}
   %g3 = f32[8]{0} fusion(%a), kind=kCustom, calls=%gemm_fusion_dot.3_computation, metadata={op_name="jit(f)/jvp()/dot_general"}
   ag = f32[64]{0} all-gather(%g3), channel_id=2, dimensions={0}
+  %fs = ((f32[8]{0}), f32[8]{0}) fusion-start(%a), kind=kLoop, calls=%fused_slice
+  %g4 = f32[8]{0} fusion(%a), kind=kCustom, calls=%gemm_fusion_dot.2_computation, metadata={op_name="jit(f)/transpose(jvp())/dot_general"}
+  %fd = f32[8]{0} fusion-done(%fs)
+  %ps = ((f32[2]{0}), f32[2]{0}) fusion-start(%a), kind=kCustom, calls=%fused_pmax, metadata={op_name="jit(f)/allreduce/bucket1/guard/pmax"}
+  %pd = f32[2]{0} fusion-done(%ps), metadata={op_name="jit(f)/allreduce/bucket1/guard/pmax"}
   ROOT %cp = u8[64]{0} collective-permute-start(%z), source_target_pairs={{0,1}}
 }
 """
   counts = schedule_counts(hlo)
-  assert counts["gemms"] == 3 and counts["backward_gemms"] == 2
+  assert counts["gemms"] == 4 and counts["backward_gemms"] == 3
   assert counts["backward_gemms_in_windows"] == 1
   assert counts["codec_ops"] == 2 and counts["codec_ops_in_other_buckets_windows"] == 1
   assert counts["buckets"] == 2
-  assert counts["collectives"] == {"all-gather": 1, "all-reduce": 1, "collective-permute": 1}
+  assert counts["collectives"] == {"all-gather": 1, "all-reduce": 2, "collective-permute": 1}

@@ -157,6 +157,17 @@ def _bucket(ins: gpu_compile.Instruction) -> int | None:
   return int(scope.group(1)) if scope else None
 
 
+def _collectives(ins: gpu_compile.Instruction, comps) -> list[str]:
+  """The collectives ``ins`` runs: itself (``-start`` or synchronous), or those of the
+  computations it calls (XLA 0.12 wraps some in an asynchronous ``fusion-start``)."""
+  kind = ins.opcode.removesuffix("-start")
+  if kind in COLLECTIVES:
+    return [kind]
+  called = re.findall(r"\bcalls=%?([\w.\-]+)", ins.attributes)
+  return [k for name in called if name in comps
+          for i in comps[name].instructions for k in _collectives(i, comps)]
+
+
 def schedule_counts(hlo: str) -> dict:
   """Counts what runs inside asynchronous collective windows in the scheduled entry.
 
@@ -171,9 +182,11 @@ def schedule_counts(hlo: str) -> dict:
     :func:`~dynamiq_jax.bench.gpu_compile.is_gemm`; a backward GEMM is one
     whose source (``op_name``) is ``transpose(jvp(...))``; a window is that of
     an asynchronous start and its done
-    (:func:`~dynamiq_jax.bench.gpu_compile.async_windows`); a codec op is a
-    fusion or custom call of scope ``allreduce/bucket<b>``; a collective is
-    one of :data:`COLLECTIVES`, asynchronous (counted at its start) or not.
+    (:func:`~dynamiq_jax.bench.gpu_compile.async_windows`) that runs a
+    collective; a codec op is a fusion or custom call of scope
+    ``allreduce/bucket<b>``; a collective is one of :data:`COLLECTIVES`,
+    asynchronous (counted at its start) or not, on its own or inside a fusion
+    the entry calls.
 
   Raises:
     ValueError: the text has no entry computation.
@@ -184,15 +197,19 @@ def schedule_counts(hlo: str) -> dict:
   entry = comps["ENTRY"]
   inside = collections.defaultdict(list)  # instruction name -> buckets of its windows
   for window in gpu_compile.async_windows(entry):
+    if not _collectives(window.start, comps):
+      continue  # e.g. XLA 0.12's asynchronous dynamic-slice fusions
     for ins in window.between:
       inside[ins.name].append(_bucket(window.start))
   counts = collections.Counter()
   kinds = collections.Counter()
   buckets = set()
   for ins in entry.instructions:
-    kind = ins.opcode.removesuffix("-start")
-    if kind in COLLECTIVES:
-      kinds[kind] += 1
+    if ins.opcode.endswith("-done"):
+      continue
+    collectives = _collectives(ins, comps)
+    if collectives:
+      kinds.update(collectives)
     elif gpu_compile.is_gemm(ins, comps):
       counts["gemms"] += 1
       if "transpose(jvp" in ins.attributes:
