@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--layers", type=int, default=12, help="MLP layers")
   p.add_argument("--width", type=int, default=2048, help="MLP width (square float32 layers)")
   p.add_argument("--batch", type=int, default=2048, help="global batch (rows)")
-  p.add_argument("--bucket-sizes", default="4194304,8388608,33554432,67108864",
+  p.add_argument("--bucket-sizes", default="4194304,8388608,16777216,67108864",
                  help="comma-separated bucket sizes (coordinates) to compile DynamiQ with, "
                       "besides the library's default")
   p.add_argument("--library", default=None,
