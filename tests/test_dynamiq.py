@@ -139,7 +139,9 @@ class TestAccuracy:
 
 class TestEdgeValues:
 
-  BUCKET = 512 * 256  # leaf "a" is one bucket, leaf "b" another
+  # Two buckets: leaf "b" (the last leaf, so the first bucket, which holds a
+  # quarter of bucket_size) and leaf "a".
+  BUCKET = 4 * 256 * 256
 
   def _tree(self, rng):
     # Leaf sizes are multiples of 256 so that leaves share no super-group.
