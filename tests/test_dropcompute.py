@@ -320,3 +320,64 @@ def test_a_slow_process_ends_its_step_within_the_budget():
     assert float(r["slow_step_s"]) <= 1.0 + allreduce_s + 0.25, r
     assert float(r["sync_slow_step_s"]) >= 2.4, r  # without a budget it waits for all 8
   assert res[0]["bitwise_sync"] == "True"
+
+
+# ---------------------------------------------------------------------------
+# the benchmark, tiny (CI)
+
+
+def test_noise_model_is_the_stated_one():
+  from dynamiq_jax.bench import dropcompute as bench
+  cfg = {"micro_batches": 4000, "workers": 3,
+         "noise": {"delay_ms": 50.0, "sigma": 1.0, "slow_factor": 3.0, "seed": 0}}
+  d = bench.noise_delays(cfg, 0, 0)
+  assert d.mean() == pytest.approx(0.05, rel=0.1)  # log-normal with mean delay_ms
+  assert np.log(d).std() == pytest.approx(1.0, rel=0.05)
+  assert bench.noise_delays(cfg, 0, 2).mean() == pytest.approx(0.15, rel=0.1)  # the slow one
+  np.testing.assert_array_equal(d, bench.noise_delays(cfg, 0, 0))  # the same every time
+  assert not np.array_equal(d, bench.noise_delays(cfg, 1, 0))
+
+
+def test_bench_bad_flags():
+  from dynamiq_jax.bench import dropcompute as bench
+  for argv in (["--codecs", "DynamiQ 5b"], ["--micro-batches", "3"], ["--phases", "scaling"],
+               ["--codecs", "BF16 psum", "--scaling-codec", "DynamiQ 5b"],
+               ["--slow-factor", "-1"]):
+    with pytest.raises(SystemExit):
+      bench._parse(argv)
+
+
+def test_dropcompute_bench_tiny(tmp_path):
+  """Every phase at a tiny size over real processes (shaped links when root): both codecs,
+  synchronous and DropCompute, the table, the model and the plot."""
+  import json
+
+  from dynamiq_jax.bench import dropcompute as bench
+  report = bench.main(["--tiny", "--out", str(tmp_path)])
+  cfg = report["config"]
+  planned = cfg["workers"] * cfg["micro_batches"]
+  for phase in ("train", "quiet"):
+    assert set(report[phase]["runs"]) == {"BF16 psum|sync", "BF16 psum|dropcompute",
+                                          "DynamiQ 5b|sync", "DynamiQ 5b|dropcompute"}
+    for key, run in report[phase]["runs"].items():
+      assert run["ranks_agree"], key  # the same counts, thresholds and parameters everywhere
+      if key.endswith("sync"):
+        assert run["finished"] == [planned] * len(run["finished"])
+        assert all(t is None for t in run["threshold_s"])
+      else:  # full steps first; afterwards a threshold, and drops only under one
+        warm = cfg["policy"]["warmup_steps"]
+        assert run["finished"][:warm] == [planned] * warm
+        assert all(t is None for t in run["threshold_s"][:warm])
+        for f, t in zip(run["finished"], run["threshold_s"]):
+          assert f == planned or t is not None
+  rows = report["summary"]["train"]["rows"]
+  first = report["train"]["runs"]["BF16 psum|sync"]["evals"][0]["eval_loss"]
+  assert all(r["final_eval_loss"] < first - 0.2 for r in rows.values())  # they all learnt
+  model = report["summary"]["scaling"]["model"]
+  assert [r["workers"] for r in model["empirical"]] == cfg["model_workers"]
+  assert all(r["speedup"] > 0 for r in model["empirical"] + model["gaussian"])
+  table = bench.markdown(report["summary"])
+  assert table.count("\n| DynamiQ 5b | dropcompute |") == 2
+  with open(os.path.join(tmp_path, "dropcompute_tiny.json")) as f:
+    assert json.load(f)["summary"] == json.loads(json.dumps(report["summary"]))
+  assert os.path.getsize(os.path.join(tmp_path, "dropcompute_tiny.png")) > 1000

@@ -1,0 +1,665 @@
+"""DropCompute against synchronous steps, with BF16 psum and with DynamiQ, over shaped links.
+
+    sudo python -m dynamiq_jax.bench.dropcompute          # the full run (about 40 min, 2 cores)
+    python -m dynamiq_jax.bench.dropcompute --tiny        # smoke test (CI)
+
+``--workers`` processes, each in its own network namespace behind a
+``tc``-shaped link (:mod:`dynamiq_jax.bench.netns`; plain loopback without
+root, which the output says), train the word LM of the time-to-accuracy
+benchmark (:mod:`dynamiq_jax.bench.tta`: the same model, data, AdamW
+schedule and evaluation) with gradient accumulation: each worker's
+``--batch`` sequences per step are ``--micro-batches`` micro-batches, one
+jitted call each, under :func:`dynamiq_jax.dropcompute_step`.
+
+The noise model, injected per micro-batch on the host (a sleep before the
+micro-batch's compute, counted in its time like any slowness): a delay of
+``--delay-ms`` on average drawn from a log-normal distribution with
+``sigma = --sigma`` (mean 1; heavy-tailed, as the delays the DropCompute
+paper's own experiments inject), and the last worker persistently slow,
+its delays ``--slow-factor`` times longer. Delays are drawn from
+``(--noise-seed, step, worker, micro-batch)``, so every configuration
+meets the same ones.
+
+Phases, side by side in one group of processes:
+
+1. ``train``: with noise, every codec x {synchronous, DropCompute (threshold
+   "auto")} trains ``--steps`` steps from the same initialisation; the
+   clock runs over steps only (evaluations excluded), a step's time being
+   its slowest process's, from a common barrier. Target: the synchronous
+   BF16 run's smoothed eval loss at ``--target-at`` of its run; time to
+   accuracy (TTA): the clock at the first evaluation at or below it.
+2. ``quiet``: without noise, ``--quiet-steps`` steps of each: what
+   DropCompute costs when nothing straggles.
+3. ``scaling``: groups of each ``--scaling-workers`` count (plus the main
+   one, from phase 1) time ``--scaling-steps`` noisy steps of
+   ``--scaling-codec``, synchronous and DropCompute: throughput (finished
+   micro-batches per second, over the steps after DropCompute's warm-up)
+   against the number of workers, and beyond the measured counts modelled
+   from the micro-batch times measured in phase 1 (resampled per worker,
+   the slow worker kept slow) and from a Gaussian (central-limit) model of
+   them, against the paper's analysis.
+
+Writes ``docs/results/dropcompute.json`` and ``dropcompute.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from dynamiq_jax.bench import common
+from dynamiq_jax.bench import tta
+
+__all__ = ["main", "noise_delays", "summarize", "markdown", "model_scaling"]
+
+MODES = ("sync", "dropcompute")
+PHASES = ("train", "quiet", "scaling")
+BASELINE = ("BF16 psum", "sync")
+
+
+# ---------------------------------------------------------------------------
+# the noise model
+
+
+def noise_delays(cfg: dict, step: int, rank: int) -> np.ndarray:
+  """Injected delays (seconds) of ``rank``'s micro-batches at ``step`` (the module's model)."""
+  m = cfg["micro_batches"]
+  if not cfg["noise"]["delay_ms"]:
+    return np.zeros(m)
+  sigma = cfg["noise"]["sigma"]
+  z = np.random.default_rng([cfg["noise"]["seed"], step, rank]).standard_normal(m)
+  delay = cfg["noise"]["delay_ms"] / 1e3 * np.exp(sigma * z - sigma**2 / 2)  # mean delay_ms
+  if rank == cfg["workers"] - 1:
+    delay = delay * cfg["noise"]["slow_factor"]
+  return delay
+
+
+# ---------------------------------------------------------------------------
+# worker side
+
+
+class _Worker:
+  """One process: the LM, its data, and a DropCompute step per (codec, mode)."""
+
+  def __init__(self, cfg: dict, mesh):
+    import jax
+
+    self.cfg, self.mesh = cfg, mesh
+    self.n, self.rank = mesh.shape["data"], jax.process_index()
+    self.trainers = {label: tta.Trainer(cfg, mesh, label) for label in cfg["labels"]}
+
+  def micro_batches(self, trainer, seed: int, step: int, noise: bool):
+    """``fetch(m)``: this worker's micro-batch ``m`` of ``step`` (the rows tta's Trainer
+    gives this rank), after its injected delay."""
+    cfg = self.cfg
+    rng = np.random.default_rng([seed, step])  # tta.Trainer.batch's windows
+    length = trainer.lcfg.seq_len + 1
+    starts = rng.integers(0, trainer.train_tokens.size - length, self.n * cfg["batch"])
+    mine = starts[self.rank * cfg["batch"]:(self.rank + 1) * cfg["batch"]]
+    per = cfg["batch"] // cfg["micro_batches"]
+    delays = noise_delays(dict(cfg, workers=self.n), step, self.rank) if noise else None
+
+    def fetch(m):
+      if delays is not None:
+        time.sleep(delays[m])
+      window = trainer.train_tokens[mine[m * per:(m + 1) * per, None] + np.arange(length)]
+      return window[:, :-1], window[:, 1:]
+
+    return fetch
+
+  def step_fn(self, label: str, mode: str):
+    import dynamiq_jax as dq
+
+    tr = self.trainers[label]
+    cfg = self.cfg
+    policy = dq.DropCompute(threshold=None) if mode == "sync" else dq.DropCompute(
+        warmup_steps=cfg["policy"]["warmup_steps"],
+        reestimate_every=cfg["policy"]["reestimate_every"],
+        probe_steps=cfg["policy"]["probe_steps"])
+    return dq.dropcompute_step(tr.loss, tr.tx, mesh=self.mesh,
+                               micro_batches=cfg["micro_batches"], policy=policy)
+
+  def run(self, label: str, mode: str, *, noise: bool, steps: int, evaluate: bool,
+          sync) -> dict:
+    """Trains ``steps`` steps of seed ``cfg['seed']``; returns what the driver needs."""
+    tr = self.trainers[label]
+    seed = self.cfg["seed"]
+    step = self.step_fn(label, mode)
+    params, opt = tr.init(seed)
+    out = {"step_s": [], "times": [], "threshold_s": [], "finished": [], "loss": [],
+           "evals": []}
+    if evaluate:
+      loss0, digest0 = tr.evaluate(params)
+      out["evals"].append({"step": 0, "eval_loss": loss0, "digest": digest0})
+    for s in range(steps):
+      fetch = self.micro_batches(tr, seed, s, noise)
+      sync()
+      params, opt, loss, stats = step(params, opt, fetch)
+      out["step_s"].append(stats.step_s)
+      out["times"].append([None if math.isnan(t) else t for t in stats.times[self.rank]])
+      out["threshold_s"].append(None if math.isinf(stats.threshold_s) else stats.threshold_s)
+      out["finished"].append(stats.finished_per_worker.tolist())
+      out["loss"].append(loss)
+      if evaluate and ((s + 1) % self.cfg["eval_every"] == 0 or s + 1 == steps):
+        value, digest = tr.evaluate(params)
+        out["evals"].append({"step": s + 1, "eval_loss": value, "digest": digest})
+    return out
+
+
+def _worker(cfg: dict, rank: int, coordinator: str) -> None:
+  from dynamiq_jax import multiprocess
+
+  multiprocess.initialize(coordinator, num_processes=cfg["workers"], process_id=rank,
+                          heartbeat_timeout_seconds=cfg["heartbeat_s"])
+  import jax
+  from jax.experimental import multihost_utils
+
+  mesh = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
+  say = lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True)
+  sync = lambda: multihost_utils.sync_global_devices("dropcompute-step")
+  worker = _Worker(cfg, mesh)
+  for label in cfg["labels"]:  # compile (the links are not shaped yet)
+    for mode in MODES:
+      worker.run(label, mode, noise=False, steps=1, evaluate=True, sync=sync)
+  say("READY", {"rank": rank})
+  for line in sys.stdin:
+    cmd = line.split()
+    if not cmd:
+      continue
+    if cmd[0] == "quit":
+      return
+    if cmd[0] != "run":  # run <label index> <mode> <noise 0|1> <steps> <evaluate 0|1>
+      raise SystemExit(f"unknown command {line!r}")
+    label = cfg["labels"][int(cmd[1])]
+    res = worker.run(label, cmd[2], noise=cmd[3] == "1", steps=int(cmd[4]),
+                     evaluate=cmd[5] == "1", sync=sync)
+    say("RESULT", {"rank": rank, **res})
+
+
+# ---------------------------------------------------------------------------
+# driver side: running
+
+
+def _merge(per_rank: list) -> dict:
+  """One run from every rank's RESULT: a step takes its slowest process's time."""
+  n = len(per_rank)
+  first = per_rank[0]
+  steps = len(first["step_s"])
+  step_s = [max(r["step_s"][s] for r in per_rank) for s in range(steps)]
+  times = [[per_rank[r]["times"][s] for r in range(n)] for s in range(steps)]
+  finished = [int(sum(f)) for f in first["finished"]]
+  agree = all(r["finished"] == first["finished"] and r["threshold_s"] == first["threshold_s"]
+              for r in per_rank)
+  agree &= all(r["evals"][i]["digest"] == e["digest"] for r in per_rank
+               for i, e in enumerate(first["evals"]))
+  wall = np.cumsum(step_s)
+  evals = [{"step": e["step"], "eval_loss": e["eval_loss"],
+            "wall_s": float(wall[e["step"] - 1]) if e["step"] else 0.0}
+           for e in first["evals"]]
+  return {"step_s": step_s, "times": times, "finished": finished,
+          "finished_per_worker": first["finished"], "threshold_s": first["threshold_s"],
+          "loss": first["loss"], "evals": evals, "ranks_agree": bool(agree)}
+
+
+def _group(args, cfg: dict, workers: int, labels: list, plan: list, shaped: bool) -> dict:
+  """Spawns ``workers`` processes, runs ``plan`` ([(key, label, mode, noise, steps,
+  evaluate)]), returns ``{key: merged run}``."""
+  from dynamiq_jax.bench.netns import worker_job
+
+  wcfg = dict(cfg, workers=workers, labels=labels, heartbeat_s=args.heartbeat_s)
+  with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump(wcfg, f)
+    cfg_path = f.name
+  runs = {}
+  try:
+    with worker_job("dynamiq_jax.bench.dropcompute", workers, cfg_path,
+                    shaped=shaped) as (job, net):
+      t0 = time.monotonic()
+      job.wait_lines("READY ", timeout=args.timeout)
+      print(f"  {workers} workers ready after {time.monotonic() - t0:.0f} s", flush=True)
+      if net:
+        net.set_rate(args.rate)
+      for key, label, mode, noise, steps, evaluate in plan:
+        t0 = time.monotonic()
+        job.send(f"run {labels.index(label)} {mode} {int(noise)} {steps} {int(evaluate)}")
+        per_rank = [json.loads(s) for s in job.wait_lines("RESULT ", timeout=args.timeout)]
+        run = runs[key] = _merge(per_rank)
+        fin = sum(run["finished"]) / (len(run["finished"]) * workers * cfg["micro_batches"])
+        tail = (f"; final eval loss {run['evals'][-1]['eval_loss']:.4f}" if run["evals"] else "")
+        print(f"  {workers} workers, {'noise' if noise else 'quiet'}, {label:<11} {mode:<11} "
+              f"{np.median(run['step_s']):.3f} s/step (median), drop rate {1 - fin:.3f}{tail} "
+              f"[{time.monotonic() - t0:.0f} s]", flush=True)
+      job.send("quit")
+      job.wait(timeout=120)
+  finally:
+    os.unlink(cfg_path)
+  return runs
+
+
+def _stamp() -> dict:
+  return {"command": common.command_line(), "machine": common.machine()}
+
+
+# ---------------------------------------------------------------------------
+# driver side: what the runs show
+
+
+def run_stats(run: dict, cfg: dict, workers: int, skip: int = 0) -> dict:
+  """Seconds per step, drop rate and throughput of a run (over steps ``skip`` onwards)."""
+  step_s = np.asarray(run["step_s"][skip:])
+  finished = np.asarray(run["finished"][skip:])
+  planned = workers * cfg["micro_batches"]
+  thresholds = [t for t in run["threshold_s"][skip:] if t is not None]
+  return {"seconds_per_step": float(step_s.mean()), "median_step_s": float(np.median(step_s)),
+          "drop_rate": float(1 - finished.sum() / (finished.size * planned)),
+          "throughput": float(finished.sum() / step_s.sum()),
+          "threshold_s_median": float(np.median(thresholds)) if thresholds else None,
+          "steps": int(step_s.size)}
+
+
+def _full_times(run: dict) -> np.ndarray:
+  """``[steps, n, M]`` micro-batch times of the steps in which every one ran."""
+  t = np.asarray([[[np.nan if x is None else x for x in w] for w in s] for s in run["times"]],
+                 np.float64)
+  return t[np.all(np.isfinite(t), axis=(1, 2))]
+
+
+def _comm_s(run: dict) -> float:
+  """Median over full steps of (step time - slowest worker's compute)."""
+  full = [s for s, f in enumerate(run["times"]) if all(x is not None for w in f for x in w)]
+  gaps = [run["step_s"][s] - max(sum(w) for w in run["times"][s]) for s in full]
+  return float(np.median(gaps)) if gaps else 0.0
+
+
+def summarize(report: dict, args) -> dict:
+  """The tables: TTA and quality with noise, cost without, throughput against workers."""
+  cfg = report["config"]
+  n = cfg["workers"]
+  out = {}
+  train = report.get("train")
+  if train:
+    runs = train["runs"]
+    base = runs[_key(*BASELINE)]
+    target = tta.target_of(base, args.target_at, args.smooth)
+    rows = {}
+    for key, run in runs.items():
+      label, mode = key.split("|")
+      k = tta.steps_to_target(run, target, args.smooth)
+      t = None if k is None else next(e["wall_s"] for e in run["evals"] if e["step"] == k)
+      rows[key] = {"codec": label, "mode": mode, **run_stats(run, cfg, n),
+                   "steps_to_target": k, "tta_s": t,
+                   "final_eval_loss": run["evals"][-1]["eval_loss"],
+                   "wall_s": float(np.sum(run["step_s"])), "ranks_agree": run["ranks_agree"]}
+    for key, row in rows.items():
+      sync = rows[_key(row["codec"], "sync")]
+      row["final_vs_sync"] = row["final_eval_loss"] / sync["final_eval_loss"] - 1
+      row["speedup_vs"] = {other: (rows[other]["tta_s"] / row["tta_s"]
+                                   if row["tta_s"] and rows[other]["tta_s"] else None)
+                           for other in rows}
+    out["train"] = {"target": target, "target_at": args.target_at, "smooth": args.smooth,
+                    "rows": rows}
+  quiet = report.get("quiet")
+  if quiet:
+    rows = {key: {"codec": key.split("|")[0], "mode": key.split("|")[1],
+                  **run_stats(run, cfg, n)} for key, run in quiet["runs"].items()}
+    for row in rows.values():
+      sync = rows[_key(row["codec"], "sync")]
+      row["vs_sync"] = row["seconds_per_step"] / sync["seconds_per_step"]
+    out["quiet"] = {"rows": rows}
+  scaling = report.get("scaling")
+  if scaling and train:
+    out["scaling"] = _scaling_summary(report, cfg)
+  return out
+
+
+def _key(label: str, mode: str) -> str:
+  return f"{label}|{mode}"
+
+
+def _scaling_summary(report, cfg) -> dict:
+  skip = cfg["policy"]["warmup_steps"]
+  label = cfg["scaling_codec"]
+  measured = {}
+  sources = dict(report["scaling"]["runs"])
+  sources[str(cfg["workers"])] = {mode: report["train"]["runs"][_key(label, mode)]
+                                  for mode in MODES}
+  for workers, runs in sorted(sources.items(), key=lambda kv: int(kv[0])):
+    sync = run_stats(runs["sync"], cfg, int(workers), skip)
+    dc = run_stats(runs["dropcompute"], cfg, int(workers), skip)
+    measured[workers] = {"sync_throughput": sync["throughput"],
+                         "dropcompute_throughput": dc["throughput"],
+                         "speedup": dc["throughput"] / sync["throughput"],
+                         "drop_rate": dc["drop_rate"], "threshold_s": dc["threshold_s_median"],
+                         "sync_seconds_per_step": sync["seconds_per_step"],
+                         "dropcompute_seconds_per_step": dc["seconds_per_step"]}
+  base_run = report["train"]["runs"][_key(label, "sync")]
+  model = model_scaling(_full_times(base_run), _comm_s(base_run), cfg["model_workers"],
+                        seed=cfg["seed"])
+  return {"codec": label, "measured": measured, "model": model}
+
+
+def model_scaling(times: np.ndarray, comm_s: float, workers: list, *, seed: int = 0,
+                  measured_steps: int = 20, eval_steps: int = 200) -> dict:
+  """Throughput against the number of workers, modelled from measured micro-batch times.
+
+  ``times [steps, n, M]`` are full steps of the main run; its last worker is
+  the persistently slow one. For ``w`` workers: ``w - 1`` ordinary workers
+  whose micro-batch times are drawn from the pooled times of the ordinary
+  measured workers, and one slow worker drawn from the slow one's, with a
+  constant ``comm_s`` per step.
+
+  * ``empirical``: the threshold chosen (:func:`dynamiq_jax.choose_threshold`)
+    on ``measured_steps`` drawn steps, the throughputs evaluated on
+    ``eval_steps`` fresh ones.
+  * ``gaussian``: the central-limit model the paper's analysis uses: each
+    micro-batch time normal with the measured mean and standard deviation
+    (ordinary and slow workers separately), so a worker's compute over
+    ``M`` micro-batches is normal with ``M`` times the mean and variance;
+    the same choice and evaluation on draws from it.
+  """
+  import dynamiq_jax as dq
+  from dynamiq_jax.dropcompute import throughput
+
+  rng = np.random.default_rng(seed)
+  m = times.shape[-1]
+  ordinary = times[:, :-1].ravel()
+  slow = times[:, -1].ravel()
+
+  def empirical(steps, w):
+    t = rng.choice(ordinary, size=(steps, w, m))
+    t[:, -1] = rng.choice(slow, size=(steps, m))
+    return t
+
+  def gaussian(steps, w):
+    t = rng.normal(ordinary.mean(), ordinary.std(), size=(steps, w, m))
+    t[:, -1] = rng.normal(slow.mean(), slow.std(), size=(steps, m))
+    return np.maximum(t, 0.0)
+
+  out = {"workers": list(workers), "comm_s": comm_s,
+         "ordinary_mean_s": float(ordinary.mean()), "ordinary_std_s": float(ordinary.std()),
+         "slow_mean_s": float(slow.mean()), "slow_std_s": float(slow.std())}
+  for name, draw in (("empirical", empirical), ("gaussian", gaussian)):
+    rows = []
+    for w in workers:
+      choice = dq.choose_threshold(draw(measured_steps, w), comm_s=comm_s)
+      fresh = draw(eval_steps, w)
+      sync = throughput(fresh, None, comm_s=comm_s)[0]
+      dc, drop = throughput(fresh, choice.threshold_s, comm_s=comm_s)
+      rows.append({"workers": w, "sync_throughput": sync, "dropcompute_throughput": dc,
+                   "speedup": dc / sync, "drop_rate": drop, "threshold_s": choice.threshold_s})
+    out[name] = rows
+  return out
+
+
+# ---------------------------------------------------------------------------
+# driver side: output
+
+
+def _fmt(x, spec):
+  return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def markdown(summary: dict) -> str:
+  """The result tables in Markdown (docs/dropcompute.md's)."""
+  lines = []
+  train = summary.get("train")
+  if train:
+    dq_sync = _key("DynamiQ 5b", "sync")
+    lines += ["| all-reduce | steps | s / step | drop rate | micro-batches / s | "
+              "time to target | vs BF16 sync | vs DynamiQ sync | final eval loss | vs its sync |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, r in train["rows"].items():
+      tta_cell = "-" if r["tta_s"] is None else f"{r['tta_s']:.0f} s (step {r['steps_to_target']})"
+      lines.append(
+          f"| {r['codec']} | {r['mode']} | {r['seconds_per_step']:.2f} s | "
+          f"{100 * r['drop_rate']:.1f}% | {r['throughput']:.1f} | {tta_cell} | "
+          f"{_fmt(r['speedup_vs'].get(_key(*BASELINE)), '.2f')}x | "
+          f"{_fmt(r['speedup_vs'].get(dq_sync), '.2f')}x | {r['final_eval_loss']:.4f} | "
+          f"{100 * r['final_vs_sync']:+.2f}% |")
+  quiet = summary.get("quiet")
+  if quiet:
+    lines += ["", "| all-reduce, no noise | steps | s / step | drop rate | vs sync |",
+              "|---|---|---|---|---|"]
+    for r in quiet["rows"].values():
+      lines.append(f"| {r['codec']} | {r['mode']} | {r['seconds_per_step']:.3f} s | "
+                   f"{100 * r['drop_rate']:.1f}% | {r['vs_sync']:.3f}x |")
+  scaling = summary.get("scaling")
+  if scaling:
+    model = {r["workers"]: r for r in scaling["model"]["empirical"]}
+    gauss = {r["workers"]: r for r in scaling["model"]["gaussian"]}
+    lines += ["", f"| workers ({scaling['codec']}) | sync micro-batches / s | DropCompute | "
+              "speed-up | drop rate | modelled speed-up | Gaussian model |",
+              "|---|---|---|---|---|---|---|"]
+    for w, r in scaling["measured"].items():
+      mo, ga = model.get(int(w)), gauss.get(int(w))
+      lines.append(f"| {w} | {r['sync_throughput']:.1f} | {r['dropcompute_throughput']:.1f} | "
+                   f"{r['speedup']:.2f}x | {100 * r['drop_rate']:.1f}% | "
+                   f"{_fmt(mo and mo['speedup'], '.2f')}x | {_fmt(ga and ga['speedup'], '.2f')}x |")
+  return "\n".join(lines)
+
+
+def _plot(report, summary, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  panels = [p for p in ("train", "scaling") if p in summary]
+  fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+  for ax, panel in zip(axes[0], panels):
+    if panel == "train":
+      for key, run in report["train"]["runs"].items():
+        ax.plot([e["wall_s"] for e in run["evals"]], [e["eval_loss"] for e in run["evals"]],
+                ls="-" if key.endswith("dropcompute") else "--", label=key.replace("|", ", "))
+      ax.axhline(summary["train"]["target"], color="gray", lw=0.8, ls=":", label="target")
+      ax.set(xlabel="wall-clock seconds (steps only)", ylabel="eval loss",
+             title=f"word LM, {report['config']['workers']} workers, with noise")
+    else:  # per worker: a synchronous step's straggler wall shows as a falling line
+      sc = summary["scaling"]
+      for mode, color in (("sync", "C0"), ("dropcompute", "C1")):
+        w = [int(k) for k in sc["measured"]]
+        ax.plot(w, [r[f"{mode}_throughput"] / int(k) for k, r in sc["measured"].items()], "o",
+                color=color, label=f"{mode}, measured")
+        for name, ls in (("empirical", "-"), ("gaussian", ":")):
+          rows = sc["model"][name]
+          ax.plot([r["workers"] for r in rows],
+                  [r[f"{mode}_throughput"] / r["workers"] for r in rows], ls, color=color,
+                  lw=1, label=f"{mode}, model ({name})")
+      ticks = sorted({int(k) for k in sc["measured"]} | set(sc["model"]["workers"]))
+      ax.set_xscale("log")
+      ax.set_xticks(ticks, [str(t) for t in ticks])
+      ax.minorticks_off()
+      ax.set(xlabel="workers", ylabel="finished micro-batches per second, per worker",
+             title=f"throughput against workers ({sc['codec']})")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# command line
+
+
+def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
+  """The benchmark's flags (``--help`` shows each with its default); ``tiny``: --tiny's defaults."""
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.dropcompute",
+                              description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--phases", default=",".join(PHASES),
+                 help="comma-separated, of " + ", ".join(PHASES))
+  p.add_argument("--codecs", default="BF16 psum,DynamiQ 5b",
+                 help="comma-separated tta labels; 'BF16 psum' is the baseline")
+  p.add_argument("--workers", type=int, default=4, help="worker processes of the main group")
+  p.add_argument("--steps", type=int, default=80, help="training steps of each noisy run")
+  p.add_argument("--batch", type=int, default=8, help="sequences per worker per step")
+  p.add_argument("--micro-batches", type=int, default=8,
+                 help="micro-batches per worker per step (dividing --batch)")
+  p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
+  p.add_argument("--warmup", type=int, default=20, help="warm-up steps (then cosine to lr/10)")
+  p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data")
+  p.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
+  p.add_argument("--eval-windows", type=int, default=64, help="held-out sequences evaluated")
+  p.add_argument("--smooth", type=int, default=3, help="evaluations in the moving average")
+  p.add_argument("--target-at", type=float, default=0.8,
+                 help="target = synchronous BF16's smoothed eval loss at this fraction of its run")
+  p.add_argument("--rate", type=float, default=100.0, help="link rate in Mbit/s")
+  p.add_argument("--delay-ms", type=float, default=100.0,
+                 help="mean injected delay per micro-batch (log-normal)")
+  p.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the delays")
+  p.add_argument("--slow-factor", type=float, default=3.0,
+                 help="the last worker's delays are this many times longer")
+  p.add_argument("--noise-seed", type=int, default=0, help="seed of the injected delays")
+  p.add_argument("--warmup-steps", type=int, default=5,
+                 help="DropCompute: full steps measured before the first threshold")
+  p.add_argument("--reestimate-every", type=int, default=40,
+                 help="DropCompute: steps between re-estimates of the threshold")
+  p.add_argument("--probe-steps", type=int, default=2,
+                 help="DropCompute: full steps measured per re-estimate")
+  p.add_argument("--quiet-steps", type=int, default=20, help="timed steps of each without noise")
+  p.add_argument("--scaling-workers", type=int, nargs="*", default=[2, 8],
+                 help="further worker counts timed for the throughput plot")
+  p.add_argument("--scaling-steps", type=int, default=25, help="timed noisy steps per count")
+  p.add_argument("--scaling-codec", default="DynamiQ 5b", help="the codec of the scaling phase")
+  p.add_argument("--model-workers", type=int, nargs="+",
+                 default=[2, 4, 8, 16, 32, 64, 128, 256],
+                 help="worker counts of the modelled throughput curves")
+  p.add_argument("--no-shaping", action="store_true", help="plain loopback, even as root")
+  p.add_argument("--heartbeat-s", type=int, default=60,
+                 help="seconds without a heartbeat after which a worker counts as dead")
+  p.add_argument("--timeout", type=float, default=3600,
+                 help="seconds any one command of a group may take before it is stopped")
+  p.add_argument("--tiny", action="store_true",
+                 help="smoke test: 2 workers, a tiny LM, a few steps")
+  p.add_argument("--out", default=None, help="results directory; unset: docs/results")
+  p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--config", default=None, help=argparse.SUPPRESS)
+  if tiny:
+    p.set_defaults(workers=2, steps=10, batch=4, micro_batches=4, warmup=2, eval_every=2,
+                   eval_windows=4, smooth=1, rate=200.0, delay_ms=5.0, slow_factor=4.0,
+                   warmup_steps=3, reestimate_every=5, quiet_steps=3, scaling_workers=[],
+                   model_workers=[2, 4, 16])
+  return p
+
+
+def _parse(argv):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  p = build_parser(tiny="--tiny" in argv)
+  args = p.parse_args(argv)
+  if args.worker is not None:
+    return args
+  labels = [c[0] for c in tta.CODECS]
+  split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
+  args.phases, args.codecs = split(args.phases), split(args.codecs)
+  for ph in args.phases:
+    if ph not in PHASES:
+      p.error(f"--phases: unknown phase {ph!r}; choose from {', '.join(PHASES)}")
+  for c in args.codecs + [args.scaling_codec]:
+    if c not in labels:
+      p.error(f"--codecs/--scaling-codec: unknown codec {c!r}; choose from {', '.join(labels)}")
+  if BASELINE[0] not in args.codecs:
+    p.error(f"--codecs must include {BASELINE[0]!r}: the target is its synchronous run's")
+  if args.scaling_codec not in args.codecs:
+    p.error(f"--scaling-codec {args.scaling_codec!r} must be one of --codecs (its noisy "
+            f"training run is the scaling plot's main point)")
+  if "scaling" in args.phases and "train" not in args.phases:
+    p.error("--phases: scaling needs train (its main point and its model come from there)")
+  if args.workers < 2 or any(w < 2 for w in args.scaling_workers):
+    p.error(f"--workers={args.workers}, --scaling-workers={args.scaling_workers}: an "
+            f"all-reduce needs at least 2 workers")
+  if args.micro_batches < 1 or args.batch % args.micro_batches:
+    p.error(f"--micro-batches={args.micro_batches} must be >= 1 and divide "
+            f"--batch={args.batch}")
+  if args.steps < args.eval_every:
+    p.error(f"--steps={args.steps} must be at least --eval-every={args.eval_every}")
+  if not 0 < args.target_at <= 1:
+    p.error(f"--target-at must be in (0, 1]; got {args.target_at}")
+  if args.delay_ms < 0 or args.sigma < 0 or args.slow_factor < 0:
+    p.error(f"--delay-ms={args.delay_ms}, --sigma={args.sigma}, --slow-factor="
+            f"{args.slow_factor}: the noise model's parameters must be >= 0")
+  if args.rate <= 0:
+    p.error(f"--rate={args.rate} must be > 0 Mbit/s")
+  return args
+
+
+def _config(args) -> dict:
+  return {"model": dict(tta.TINY_MODEL if args.tiny else tta.MODEL), "workers": args.workers,
+          "batch": args.batch, "micro_batches": args.micro_batches, "steps": args.steps,
+          "eval_every": args.eval_every, "eval_windows": args.eval_windows, "lr": args.lr,
+          "warmup": args.warmup, "seed": args.seed, "rate_mbit": args.rate,
+          "noise": {"delay_ms": args.delay_ms, "sigma": args.sigma,
+                    "slow_factor": args.slow_factor, "seed": args.noise_seed,
+                    "model": "per micro-batch, a sleep of delay_ms x exp(sigma Z - sigma^2/2), "
+                             "Z standard normal (mean delay_ms); the last worker's delays "
+                             "x slow_factor"},
+          "policy": {"warmup_steps": args.warmup_steps, "reestimate_every": args.reestimate_every,
+                     "probe_steps": args.probe_steps},
+          "scaling_codec": args.scaling_codec, "model_workers": args.model_workers}
+
+
+def main(argv=None):
+  args = _parse(argv)
+  if args.worker is not None:
+    with open(args.config) as f:
+      cfg = json.load(f)
+    _worker(cfg, args.worker, args.coordinator)
+    return None
+  from dynamiq_jax.bench.netns import shaping
+
+  cfg = _config(args)
+  shaped = shaping(args.no_shaping)
+  out_dir = common.results_dir(args.out)
+  path = os.path.join(out_dir, "dropcompute_tiny.json" if args.tiny else "dropcompute.json")
+  report = {"benchmark": "dropcompute", "config": cfg, "shaped": shaped,
+            "link_model": (f"each worker's veth into a bridge namespace rate limited with tc tbf "
+                           f"to {args.rate:g} Mbit/s in both directions" if shaped else
+                           "plain loopback, no shaping (the rate is a label)"), **_stamp()}
+  started = time.monotonic()
+  main_plan = []
+  if "train" in args.phases:
+    main_plan += [(("train", _key(c, mode)), c, mode, True, args.steps, True)
+                  for c in args.codecs for mode in MODES]
+  if "quiet" in args.phases:
+    main_plan += [(("quiet", _key(c, mode)), c, mode, False, args.quiet_steps, False)
+                  for c in args.codecs for mode in MODES]
+  if main_plan:
+    print(f"main group: {args.workers} workers, {len(main_plan)} runs", flush=True)
+    runs = _group(args, cfg, args.workers, args.codecs, main_plan, shaped)
+    for (phase, key), run in runs.items():
+      report.setdefault(phase, {"runs": {}})["runs"][key] = run
+  if "scaling" in args.phases and args.scaling_workers:
+    report["scaling"] = {"runs": {}}
+    for w in args.scaling_workers:
+      print(f"scaling group: {w} workers", flush=True)
+      plan = [(mode, args.scaling_codec, mode, True, args.scaling_steps, False)
+              for mode in MODES]
+      report["scaling"]["runs"][str(w)] = _group(args, cfg, w, [args.scaling_codec], plan,
+                                                 shaped)
+  elif "scaling" in args.phases:
+    report["scaling"] = {"runs": {}}
+  report["summary"] = summarize(report, args)
+  report["wall_s"] = time.monotonic() - started
+  common.write_json(path, report)
+  table = markdown(report["summary"])
+  png = os.path.join(out_dir, "dropcompute_tiny.png" if args.tiny else "dropcompute.png")
+  if report["summary"]:
+    _plot(report, report["summary"], png)
+  print("\n" + table)
+  print(f"\nwrote {path} and {png} in {report['wall_s'] / 60:.1f} min\nmachine: "
+        f"{report['machine']['platform']}, {report['machine']['cpu_count']} CPUs; "
+        f"links: {report['link_model']}\nreproduce: {report['command']}")
+  return report
+
+
+if __name__ == "__main__":
+  try:
+    main()
+  except (RuntimeError, TimeoutError) as e:  # a failed run: no partial result is reported
+    raise SystemExit(f"bench.dropcompute stopped: {e}") from None
