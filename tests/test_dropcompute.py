@@ -381,3 +381,30 @@ def test_dropcompute_bench_tiny(tmp_path):
   with open(os.path.join(tmp_path, "dropcompute_tiny.json")) as f:
     assert json.load(f)["summary"] == json.loads(json.dumps(report["summary"]))
   assert os.path.getsize(os.path.join(tmp_path, "dropcompute_tiny.png")) > 1000
+
+
+# ---------------------------------------------------------------------------
+# the docs
+
+
+def _doc_blocks():
+  import pathlib
+  import re
+  text = (pathlib.Path(HERE).parent / "docs" / "dropcompute.md").read_text()
+  return re.findall(r"^```python\n(.*?)^```$", text, re.S | re.M)
+
+
+def test_the_docs_have_their_examples():
+  blocks = _doc_blocks()
+  assert len(blocks) == 3 and "RANK" in blocks[0]  # the per-process sketch is not run here
+
+
+@pytest.mark.parametrize("code", _doc_blocks()[1:], ids=["choose_threshold", "simulated_step"])
+def test_doc_block_runs(code, tmp_path):
+  """Each runnable block of docs/dropcompute.md as pasted, in a fresh interpreter."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+      [os.path.dirname(HERE)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+  out = subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-4000:]}"
+  assert "threshold" in out.stdout or "micro-batches finished" in out.stdout, out.stdout

@@ -20,7 +20,9 @@ its delays ``--slow-factor`` times longer. Delays are drawn from
 ``(--noise-seed, step, worker, micro-batch)``, so every configuration
 meets the same ones.
 
-Phases, side by side in one group of processes:
+Phases, in one group of processes, the configurations of a phase
+interleaved step by step (step ``s`` of each in turn), so that a change in
+the machine's load falls on all of them alike:
 
 1. ``train``: with noise, every codec x {synchronous, DropCompute (threshold
    "auto")} trains ``--steps`` steps from the same initialisation; the
@@ -34,12 +36,14 @@ Phases, side by side in one group of processes:
    one, from phase 1) time ``--scaling-steps`` noisy steps of
    ``--scaling-codec``, synchronous and DropCompute: throughput (finished
    micro-batches per second, over the steps after DropCompute's warm-up)
-   against the number of workers, and beyond the measured counts modelled
-   from the micro-batch times measured in phase 1 (resampled per worker,
-   the slow worker kept slow) and from a Gaussian (central-limit) model of
-   them, against the paper's analysis.
+   against the number of workers (the synchronous runs here have an
+   infinite threshold: DropCompute's program, so a group compiles one), and
+   beyond the measured counts modelled from the micro-batch times measured
+   in phase 1 (resampled per worker, the slow worker kept slow) and from a
+   Gaussian (central-limit) model of them, against the paper's analysis.
 
-Writes ``docs/results/dropcompute.json`` and ``dropcompute.png``.
+Writes ``docs/results/dropcompute.json`` (with the machine's load average at
+the start and the end) and ``dropcompute.png``.
 """
 
 from __future__ import annotations
@@ -119,38 +123,52 @@ class _Worker:
 
     tr = self.trainers[label]
     cfg = self.cfg
-    policy = dq.DropCompute(threshold=None) if mode == "sync" else dq.DropCompute(
+    # sync: DropCompute off (today's step); in the scaling groups an infinite threshold
+    # instead, which runs DropCompute's program, so that a group compiles one per codec
+    off = math.inf if cfg.get("sync_counted") else None
+    policy = dq.DropCompute(threshold=off) if mode == "sync" else dq.DropCompute(
         warmup_steps=cfg["policy"]["warmup_steps"],
         reestimate_every=cfg["policy"]["reestimate_every"],
         probe_steps=cfg["policy"]["probe_steps"])
     return dq.dropcompute_step(tr.loss, tr.tx, mesh=self.mesh,
                                micro_batches=cfg["micro_batches"], policy=policy)
 
-  def run(self, label: str, mode: str, *, noise: bool, steps: int, evaluate: bool,
-          sync) -> dict:
-    """Trains ``steps`` steps of seed ``cfg['seed']``; returns what the driver needs."""
-    tr = self.trainers[label]
+  def run(self, configs: list, *, noise: bool, steps: int, evaluate: bool, sync) -> dict:
+    """Trains every ``(label, mode)`` of ``configs`` ``steps`` steps from seed
+    ``cfg['seed']``, interleaved: step ``s`` of each in turn (the order rotating), so that
+    a change in the machine's load falls on all of them alike.
+
+    Returns ``{"label|mode": what the driver needs}``.
+    """
     seed = self.cfg["seed"]
-    step = self.step_fn(label, mode)
-    params, opt = tr.init(seed)
-    out = {"step_s": [], "times": [], "threshold_s": [], "finished": [], "loss": [],
-           "evals": []}
-    if evaluate:
-      loss0, digest0 = tr.evaluate(params)
-      out["evals"].append({"step": 0, "eval_loss": loss0, "digest": digest0})
+    runs = []
+    for label, mode in configs:
+      tr = self.trainers[label]
+      params, opt = tr.init(seed)
+      out = {"step_s": [], "times": [], "threshold_s": [], "finished": [], "loss": [],
+             "evals": []}
+      if evaluate:
+        loss0, digest0 = tr.evaluate(params)
+        out["evals"].append({"step": 0, "eval_loss": loss0, "digest": digest0})
+      runs.append([tr, self.step_fn(label, mode), params, opt, out])
     for s in range(steps):
-      fetch = self.micro_batches(tr, seed, s, noise)
-      sync()
-      params, opt, loss, stats = step(params, opt, fetch)
-      out["step_s"].append(stats.step_s)
-      out["times"].append([None if math.isnan(t) else t for t in stats.times[self.rank]])
-      out["threshold_s"].append(None if math.isinf(stats.threshold_s) else stats.threshold_s)
-      out["finished"].append(stats.finished_per_worker.tolist())
-      out["loss"].append(loss)
+      for i in range(len(runs)):
+        run = runs[(s + i) % len(runs)]
+        tr, step, params, opt, out = run
+        fetch = self.micro_batches(tr, seed, s, noise)
+        sync()
+        params, opt, loss, stats = step(params, opt, fetch)
+        run[2], run[3] = params, opt
+        out["step_s"].append(stats.step_s)
+        out["times"].append([None if math.isnan(t) else t for t in stats.times[self.rank]])
+        out["threshold_s"].append(None if math.isinf(stats.threshold_s) else stats.threshold_s)
+        out["finished"].append(stats.finished_per_worker.tolist())
+        out["loss"].append(loss)
       if evaluate and ((s + 1) % self.cfg["eval_every"] == 0 or s + 1 == steps):
-        value, digest = tr.evaluate(params)
-        out["evals"].append({"step": s + 1, "eval_loss": value, "digest": digest})
-    return out
+        for tr, _, params, _, out in runs:
+          value, digest = tr.evaluate(params)
+          out["evals"].append({"step": s + 1, "eval_loss": value, "digest": digest})
+    return {_key(label, mode): run[4] for (label, mode), run in zip(configs, runs)}
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
@@ -165,9 +183,8 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
   say = lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True)
   sync = lambda: multihost_utils.sync_global_devices("dropcompute-step")
   worker = _Worker(cfg, mesh)
-  for label in cfg["labels"]:  # compile (the links are not shaped yet)
-    for mode in MODES:
-      worker.run(label, mode, noise=False, steps=1, evaluate=True, sync=sync)
+  everything = [(label, mode) for label in cfg["labels"] for mode in MODES]
+  worker.run(everything, noise=False, steps=1, evaluate=True, sync=sync)  # compile, unshaped
   say("READY", {"rank": rank})
   for line in sys.stdin:
     cmd = line.split()
@@ -175,12 +192,12 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
       continue
     if cmd[0] == "quit":
       return
-    if cmd[0] != "run":  # run <label index> <mode> <noise 0|1> <steps> <evaluate 0|1>
+    if cmd[0] != "run":  # run <noise 0|1> <steps> <evaluate 0|1> <label index>:<mode> ...
       raise SystemExit(f"unknown command {line!r}")
-    label = cfg["labels"][int(cmd[1])]
-    res = worker.run(label, cmd[2], noise=cmd[3] == "1", steps=int(cmd[4]),
-                     evaluate=cmd[5] == "1", sync=sync)
-    say("RESULT", {"rank": rank, **res})
+    configs = [(cfg["labels"][int(c.split(":")[0])], c.split(":")[1]) for c in cmd[4:]]
+    res = worker.run(configs, noise=cmd[1] == "1", steps=int(cmd[2]), evaluate=cmd[3] == "1",
+                     sync=sync)
+    say("RESULT", {"rank": rank, "runs": res})
 
 
 # ---------------------------------------------------------------------------
@@ -209,15 +226,18 @@ def _merge(per_rank: list) -> dict:
 
 
 def _group(args, cfg: dict, workers: int, labels: list, plan: list, shaped: bool) -> dict:
-  """Spawns ``workers`` processes, runs ``plan`` ([(key, label, mode, noise, steps,
-  evaluate)]), returns ``{key: merged run}``."""
+  """Spawns ``workers`` processes and runs ``plan``: ``[(phase, noise, steps, evaluate,
+  [(label, mode), ...])]``, each phase's configurations interleaved step by step.
+
+  Returns ``{phase: {"label|mode": merged run}}``.
+  """
   from dynamiq_jax.bench.netns import worker_job
 
   wcfg = dict(cfg, workers=workers, labels=labels, heartbeat_s=args.heartbeat_s)
   with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
     json.dump(wcfg, f)
     cfg_path = f.name
-  runs = {}
+  out = {}
   try:
     with worker_job("dynamiq_jax.bench.dropcompute", workers, cfg_path,
                     shaped=shaped) as (job, net):
@@ -226,21 +246,26 @@ def _group(args, cfg: dict, workers: int, labels: list, plan: list, shaped: bool
       print(f"  {workers} workers ready after {time.monotonic() - t0:.0f} s", flush=True)
       if net:
         net.set_rate(args.rate)
-      for key, label, mode, noise, steps, evaluate in plan:
+      for phase, noise, steps, evaluate, configs in plan:
         t0 = time.monotonic()
-        job.send(f"run {labels.index(label)} {mode} {int(noise)} {steps} {int(evaluate)}")
+        names = " ".join(f"{labels.index(label)}:{mode}" for label, mode in configs)
+        job.send(f"run {int(noise)} {steps} {int(evaluate)} {names}")
         per_rank = [json.loads(s) for s in job.wait_lines("RESULT ", timeout=args.timeout)]
-        run = runs[key] = _merge(per_rank)
-        fin = sum(run["finished"]) / (len(run["finished"]) * workers * cfg["micro_batches"])
-        tail = (f"; final eval loss {run['evals'][-1]['eval_loss']:.4f}" if run["evals"] else "")
-        print(f"  {workers} workers, {'noise' if noise else 'quiet'}, {label:<11} {mode:<11} "
-              f"{np.median(run['step_s']):.3f} s/step (median), drop rate {1 - fin:.3f}{tail} "
-              f"[{time.monotonic() - t0:.0f} s]", flush=True)
+        runs = out[phase] = {key: _merge([r["runs"][key] for r in per_rank])
+                             for key in per_rank[0]["runs"]}
+        print(f"  {workers} workers, {phase} ({'noise' if noise else 'no noise'}), "
+              f"{steps} steps of each, interleaved [{time.monotonic() - t0:.0f} s]:", flush=True)
+        for key, run in runs.items():
+          fin = sum(run["finished"]) / (len(run["finished"]) * workers * cfg["micro_batches"])
+          tail = (f"; final eval loss {run['evals'][-1]['eval_loss']:.4f}" if run["evals"]
+                  else "")
+          print(f"    {key.replace('|', ' '):<24} {np.mean(run['step_s']):.3f} s/step, "
+                f"drop rate {1 - fin:.3f}{tail}", flush=True)
       job.send("quit")
       job.wait(timeout=120)
   finally:
     os.unlink(cfg_path)
-  return runs
+  return out
 
 
 def _stamp() -> dict:
@@ -622,28 +647,28 @@ def main(argv=None):
                            f"to {args.rate:g} Mbit/s in both directions" if shaped else
                            "plain loopback, no shaping (the rate is a label)"), **_stamp()}
   started = time.monotonic()
+  load_start = list(os.getloadavg())
+  everything = [(c, mode) for c in args.codecs for mode in MODES]
   main_plan = []
   if "train" in args.phases:
-    main_plan += [(("train", _key(c, mode)), c, mode, True, args.steps, True)
-                  for c in args.codecs for mode in MODES]
+    main_plan.append(("train", True, args.steps, True, everything))
   if "quiet" in args.phases:
-    main_plan += [(("quiet", _key(c, mode)), c, mode, False, args.quiet_steps, False)
-                  for c in args.codecs for mode in MODES]
+    main_plan.append(("quiet", False, args.quiet_steps, False, everything))
   if main_plan:
-    print(f"main group: {args.workers} workers, {len(main_plan)} runs", flush=True)
-    runs = _group(args, cfg, args.workers, args.codecs, main_plan, shaped)
-    for (phase, key), run in runs.items():
-      report.setdefault(phase, {"runs": {}})["runs"][key] = run
-  if "scaling" in args.phases and args.scaling_workers:
+    print(f"main group: {args.workers} workers", flush=True)
+    for phase, runs in _group(args, cfg, args.workers, args.codecs, main_plan,
+                              shaped).items():
+      report[phase] = {"runs": runs}
+  if "scaling" in args.phases:
     report["scaling"] = {"runs": {}}
     for w in args.scaling_workers:
       print(f"scaling group: {w} workers", flush=True)
-      plan = [(mode, args.scaling_codec, mode, True, args.scaling_steps, False)
-              for mode in MODES]
-      report["scaling"]["runs"][str(w)] = _group(args, cfg, w, [args.scaling_codec], plan,
-                                                 shaped)
-  elif "scaling" in args.phases:
-    report["scaling"] = {"runs": {}}
+      plan = [("scaling", True, args.scaling_steps, False,
+               [(args.scaling_codec, mode) for mode in MODES])]
+      runs = _group(args, dict(cfg, sync_counted=True), w, [args.scaling_codec], plan,
+                    shaped)["scaling"]
+      report["scaling"]["runs"][str(w)] = {key.split("|")[1]: run for key, run in runs.items()}
+  report["load_average"] = {"start": load_start, "end": list(os.getloadavg())}
   report["summary"] = summarize(report, args)
   report["wall_s"] = time.monotonic() - started
   common.write_json(path, report)
