@@ -215,6 +215,37 @@ def test_weighted_mean_with_any_mask_and_no_finisher(mesh):
   np.testing.assert_array_equal(np.asarray(same["w"]), np.asarray(params["w"]))
 
 
+@pytest.mark.parametrize("reducer", ["psum-f32", "psum-bf16", "dynamiq", "mxfp8", "thc",
+                                     "omnireduce", "globalqsgd"])
+def test_weighted_mean_with_every_kind_of_reduction(mesh, reducer):
+  """Half the micro-batches dropped, unevenly. A codec's all-reduce returns exactly what it
+  returns for the pre-scaled sums ``g_r / (C / n)`` (``dq.simulate``, bit for bit); a psum
+  the mean over the finished micro-batches within its dtype's rounding."""
+  tx = optax.chain(dq.reducer(reducer, "data"), optax.sgd(1.0))
+  step = simulated_step(_linear_loss, tx, mesh=mesh, micro_batches=M)
+  params = jax.device_put({"w": jnp.zeros((4096,))}, NamedSharding(mesh, P()))
+  opt = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
+  rng = np.random.default_rng(2)
+  batches = (1.0 + 0.5 * rng.standard_normal((8, M, 4096))).astype(np.float32)
+  batches *= np.arange(1, M + 1, dtype=np.float32)[None, :, None]  # later ones larger
+  counts = np.array([4, 3, 2, 1, 0, 1, 2, 3])
+  mask = np.arange(M)[None] < counts[:, None]
+  new, _, _, finished = step(params, opt, _split(mesh, batches), _split(mesh, mask))
+  got = -np.asarray(new["w"])
+  assert int(finished) == counts.sum() == 16
+  if reducer.startswith("psum-"):
+    want = batches[mask].astype(np.float64).mean(0)
+    np.testing.assert_allclose(got, want, rtol=1e-2 if reducer == "psum-bf16" else 1e-6)
+  else:
+    sums = np.zeros((8, 4096), np.float32)
+    for m in range(M):  # in the step's order, in float32
+      sums = np.where(mask[:, m:m + 1], sums + batches[:, m], sums)
+    prescaled = sums / np.float32(counts.sum() / 8)
+    want = dq.simulate(prescaled, codec=dq.codec_from_name(reducer),
+                       key=jax.random.fold_in(jax.random.key(0), 0))[0]
+    np.testing.assert_array_equal(got, np.asarray(want))
+
+
 @pytest.mark.parametrize("reducer", ["dynamiq", "f32-ring", "psum-bf16"])
 def test_all_finished_is_todays_step_bit_for_bit(mesh, reducer):
   """One micro-batch each, all finished: the same bytes as ``dq.data_parallel_step``, step
@@ -370,6 +401,13 @@ def test_dropcompute_bench_tiny(tmp_path):
         assert all(t is None for t in run["threshold_s"][:warm])
         for f, t in zip(run["finished"], run["threshold_s"]):
           assert f == planned or t is not None
+  for key, run in report["train"]["runs"].items():  # the same samples: DropCompute goes on
+    total = sum(run["finished"])
+    if key.endswith("sync"):
+      assert len(run["step_s"]) == cfg["steps"] and total == cfg["steps"] * planned
+    else:
+      assert total >= cfg["steps"] * planned or len(run["step_s"]) == 2 * cfg["steps"]
+      assert total - run["finished"][-1] < cfg["steps"] * planned  # and stops then
   rows = report["summary"]["train"]["rows"]
   first = report["train"]["runs"]["BF16 psum|sync"]["evals"][0]["eval_loss"]
   assert all(r["final_eval_loss"] < first - 0.2 for r in rows.values())  # they all learnt

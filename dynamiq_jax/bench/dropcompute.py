@@ -6,16 +6,16 @@
 ``--workers`` processes, each in its own network namespace behind a
 ``tc``-shaped link (:mod:`dynamiq_jax.bench.netns`; plain loopback without
 root, which the output says), train the word LM of the time-to-accuracy
-benchmark (:mod:`dynamiq_jax.bench.tta`: the same model, data, AdamW
-schedule and evaluation) with gradient accumulation: each worker's
+benchmark (:mod:`dynamiq_jax.bench.tta`: the same model, data and
+evaluation) with gradient accumulation: each worker's
 ``--batch`` sequences per step are ``--micro-batches`` micro-batches, one
 jitted call each, under :func:`dynamiq_jax.dropcompute_step`.
 
 The noise model, injected per micro-batch on the host (a sleep before the
 micro-batch's compute, counted in its time like any slowness): a delay of
 ``--delay-ms`` on average drawn from a log-normal distribution with
-``sigma = --sigma`` (mean 1; heavy-tailed, as the delays the DropCompute
-paper's own experiments inject), and the last worker persistently slow,
+``sigma = --sigma`` (mean 1; heavy-tailed, like the delays the paper's
+reference implementation injects), and the last worker persistently slow,
 its delays ``--slow-factor`` times longer. Delays are drawn from
 ``(--noise-seed, step, worker, micro-batch)``, so every configuration
 meets the same ones.
@@ -25,11 +25,16 @@ interleaved step by step (step ``s`` of each in turn), so that a change in
 the machine's load falls on all of them alike:
 
 1. ``train``: with noise, every codec x {synchronous, DropCompute (threshold
-   "auto")} trains ``--steps`` steps from the same initialisation; the
-   clock runs over steps only (evaluations excluded), a step's time being
-   its slowest process's, from a common barrier. Target: the synchronous
-   BF16 run's smoothed eval loss at ``--target-at`` of its run; time to
-   accuracy (TTA): the clock at the first evaluation at or below it.
+   "auto")} trains from the same initialisation on the same samples: a
+   synchronous run ``--steps`` steps, a DropCompute run until it has
+   finished as many micro-batches (so more, smaller steps). AdamW's rate
+   warms up linearly and then stays constant, so that the schedule does not
+   depend on a run's length. The clock runs over steps only (evaluations
+   excluded), a step's time being its slowest process's, from a common
+   barrier. Target: the synchronous BF16 run's smoothed eval loss at
+   ``--target-at`` of its run; time to accuracy (TTA): the clock at the
+   first evaluation at or below it; final quality: the last evaluation's
+   loss, after the same number of samples.
 2. ``quiet``: without noise, ``--quiet-steps`` steps of each: what
    DropCompute costs when nothing straggles.
 3. ``scaling``: groups of each ``--scaling-workers`` count (plus the main
@@ -98,6 +103,8 @@ class _Worker:
     self.cfg, self.mesh = cfg, mesh
     self.n, self.rank = mesh.shape["data"], jax.process_index()
     self.trainers = {label: tta.Trainer(cfg, mesh, label) for label in cfg["labels"]}
+    for label, tr in self.trainers.items():
+      tr.tx = _optimizer(cfg, label)
 
   def micro_batches(self, trainer, seed: int, step: int, noise: bool):
     """``fetch(m)``: this worker's micro-batch ``m`` of ``step`` (the rows tta's Trainer
@@ -133,14 +140,18 @@ class _Worker:
     return dq.dropcompute_step(tr.loss, tr.tx, mesh=self.mesh,
                                micro_batches=cfg["micro_batches"], policy=policy)
 
-  def run(self, configs: list, *, noise: bool, steps: int, evaluate: bool, sync) -> dict:
-    """Trains every ``(label, mode)`` of ``configs`` ``steps`` steps from seed
-    ``cfg['seed']``, interleaved: step ``s`` of each in turn (the order rotating), so that
-    a change in the machine's load falls on all of them alike.
+  def run(self, configs: list, *, noise: bool, steps: int, evaluate: bool, equal_samples: bool,
+          sync) -> dict:
+    """Trains every ``(label, mode)`` of ``configs`` from seed ``cfg['seed']``, interleaved:
+    step ``s`` of each in turn (the order rotating), so that a change in the machine's load
+    falls on all of them alike.
 
-    Returns ``{"label|mode": what the driver needs}``.
+    A run takes ``steps`` steps; with ``equal_samples`` a DropCompute run goes on until it
+    has finished as many micro-batches as ``steps`` full steps hold (at most twice as many
+    steps). Returns ``{"label|mode": what the driver needs}``.
     """
     seed = self.cfg["seed"]
+    budget = steps * self.n * self.cfg["micro_batches"]
     runs = []
     for label, mode in configs:
       tr = self.trainers[label]
@@ -149,26 +160,50 @@ class _Worker:
              "evals": []}
       if evaluate:
         loss0, digest0 = tr.evaluate(params)
-        out["evals"].append({"step": 0, "eval_loss": loss0, "digest": digest0})
-      runs.append([tr, self.step_fn(label, mode), params, opt, out])
-    for s in range(steps):
-      for i in range(len(runs)):
-        run = runs[(s + i) % len(runs)]
-        tr, step, params, opt, out = run
-        fetch = self.micro_batches(tr, seed, s, noise)
+        out["evals"].append({"step": 0, "eval_loss": loss0, "digest": digest0,
+                             "micro_batches": 0})
+      until = 2 * steps if equal_samples and mode != "sync" else steps
+      runs.append({"tr": tr, "step": self.step_fn(label, mode), "params": params, "opt": opt,
+                   "out": out, "seen": 0, "until": until, "done": False})
+    s = 0
+    while not all(r["done"] for r in runs):
+      active = [r for r in runs if not r["done"]]
+      for i in range(len(active)):
+        run = active[(s + i) % len(active)]
+        fetch = self.micro_batches(run["tr"], seed, s, noise)
         sync()
-        params, opt, loss, stats = step(params, opt, fetch)
-        run[2], run[3] = params, opt
+        run["params"], run["opt"], loss, stats = run["step"](run["params"], run["opt"], fetch)
+        out = run["out"]
         out["step_s"].append(stats.step_s)
         out["times"].append([None if math.isnan(t) else t for t in stats.times[self.rank]])
         out["threshold_s"].append(None if math.isinf(stats.threshold_s) else stats.threshold_s)
         out["finished"].append(stats.finished_per_worker.tolist())
         out["loss"].append(loss)
-      if evaluate and ((s + 1) % self.cfg["eval_every"] == 0 or s + 1 == steps):
-        for tr, _, params, _, out in runs:
-          value, digest = tr.evaluate(params)
-          out["evals"].append({"step": s + 1, "eval_loss": value, "digest": digest})
-    return {_key(label, mode): run[4] for (label, mode), run in zip(configs, runs)}
+        run["seen"] += stats.finished  # the same on every process: they stop together
+      s += 1
+      for run in active:
+        last = s == run["until"] or (run["until"] > steps and run["seen"] >= budget)
+        run["done"] = last
+        if evaluate and (s % self.cfg["eval_every"] == 0 or last):
+          value, digest = run["tr"].evaluate(run["params"])
+          run["out"]["evals"].append({"step": s, "eval_loss": value, "digest": digest,
+                                      "micro_batches": run["seen"]})
+    return {_key(label, mode): run["out"] for (label, mode), run in zip(configs, runs)}
+
+
+def _optimizer(cfg: dict, label: str):
+  """``label``'s all-reduce, then AdamW with a linear warm-up to a constant rate (which,
+  unlike tta's cosine decay, does not depend on how many steps a run takes)."""
+  import optax
+
+  import dynamiq_jax as dq
+
+  _, name, options = tta._codec(label)
+  seed_opt = {} if name.startswith("psum-") else {"seed": 0}
+  return optax.chain(
+      dq.reducer(name, "data", **seed_opt, **options),
+      optax.adamw(optax.warmup_constant_schedule(0.0, cfg["lr"], cfg["warmup"]),
+                  weight_decay=0.01))
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
@@ -184,7 +219,8 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
   sync = lambda: multihost_utils.sync_global_devices("dropcompute-step")
   worker = _Worker(cfg, mesh)
   everything = [(label, mode) for label in cfg["labels"] for mode in MODES]
-  worker.run(everything, noise=False, steps=1, evaluate=True, sync=sync)  # compile, unshaped
+  worker.run(everything, noise=False, steps=1, evaluate=True, equal_samples=False,
+             sync=sync)  # compile, on the unshaped links
   say("READY", {"rank": rank})
   for line in sys.stdin:
     cmd = line.split()
@@ -192,11 +228,12 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
       continue
     if cmd[0] == "quit":
       return
-    if cmd[0] != "run":  # run <noise 0|1> <steps> <evaluate 0|1> <label index>:<mode> ...
+    if cmd[0] != "run":
+      # run <noise 0|1> <steps> <evaluate 0|1> <equal samples 0|1> <label index>:<mode> ...
       raise SystemExit(f"unknown command {line!r}")
-    configs = [(cfg["labels"][int(c.split(":")[0])], c.split(":")[1]) for c in cmd[4:]]
+    configs = [(cfg["labels"][int(c.split(":")[0])], c.split(":")[1]) for c in cmd[5:]]
     res = worker.run(configs, noise=cmd[1] == "1", steps=int(cmd[2]), evaluate=cmd[3] == "1",
-                     sync=sync)
+                     equal_samples=cmd[4] == "1", sync=sync)
     say("RESULT", {"rank": rank, "runs": res})
 
 
@@ -217,7 +254,7 @@ def _merge(per_rank: list) -> dict:
   agree &= all(r["evals"][i]["digest"] == e["digest"] for r in per_rank
                for i, e in enumerate(first["evals"]))
   wall = np.cumsum(step_s)
-  evals = [{"step": e["step"], "eval_loss": e["eval_loss"],
+  evals = [{"step": e["step"], "eval_loss": e["eval_loss"], "micro_batches": e["micro_batches"],
             "wall_s": float(wall[e["step"] - 1]) if e["step"] else 0.0}
            for e in first["evals"]]
   return {"step_s": step_s, "times": times, "finished": finished,
@@ -227,7 +264,8 @@ def _merge(per_rank: list) -> dict:
 
 def _group(args, cfg: dict, workers: int, labels: list, plan: list, shaped: bool) -> dict:
   """Spawns ``workers`` processes and runs ``plan``: ``[(phase, noise, steps, evaluate,
-  [(label, mode), ...])]``, each phase's configurations interleaved step by step.
+  equal_samples, [(label, mode), ...])]``, each phase's configurations interleaved step by
+  step (see :meth:`_Worker.run`).
 
   Returns ``{phase: {"label|mode": merged run}}``.
   """
@@ -246,21 +284,22 @@ def _group(args, cfg: dict, workers: int, labels: list, plan: list, shaped: bool
       print(f"  {workers} workers ready after {time.monotonic() - t0:.0f} s", flush=True)
       if net:
         net.set_rate(args.rate)
-      for phase, noise, steps, evaluate, configs in plan:
+      for phase, noise, steps, evaluate, equal_samples, configs in plan:
         t0 = time.monotonic()
         names = " ".join(f"{labels.index(label)}:{mode}" for label, mode in configs)
-        job.send(f"run {int(noise)} {steps} {int(evaluate)} {names}")
+        job.send(f"run {int(noise)} {steps} {int(evaluate)} {int(equal_samples)} {names}")
         per_rank = [json.loads(s) for s in job.wait_lines("RESULT ", timeout=args.timeout)]
         runs = out[phase] = {key: _merge([r["runs"][key] for r in per_rank])
                              for key in per_rank[0]["runs"]}
         print(f"  {workers} workers, {phase} ({'noise' if noise else 'no noise'}), "
-              f"{steps} steps of each, interleaved [{time.monotonic() - t0:.0f} s]:", flush=True)
+              f"interleaved [{time.monotonic() - t0:.0f} s]:", flush=True)
         for key, run in runs.items():
           fin = sum(run["finished"]) / (len(run["finished"]) * workers * cfg["micro_batches"])
           tail = (f"; final eval loss {run['evals'][-1]['eval_loss']:.4f}" if run["evals"]
                   else "")
-          print(f"    {key.replace('|', ' '):<24} {np.mean(run['step_s']):.3f} s/step, "
-                f"drop rate {1 - fin:.3f}{tail}", flush=True)
+          print(f"    {key.replace('|', ' '):<24} {len(run['step_s'])} steps, "
+                f"{np.mean(run['step_s']):.3f} s/step, drop rate {1 - fin:.3f}{tail}",
+                flush=True)
       job.send("quit")
       job.wait(timeout=120)
   finally:
@@ -283,6 +322,7 @@ def run_stats(run: dict, cfg: dict, workers: int, skip: int = 0) -> dict:
   planned = workers * cfg["micro_batches"]
   thresholds = [t for t in run["threshold_s"][skip:] if t is not None]
   return {"seconds_per_step": float(step_s.mean()), "median_step_s": float(np.median(step_s)),
+          "micro_batches": int(finished.sum()),
           "drop_rate": float(1 - finished.sum() / (finished.size * planned)),
           "throughput": float(finished.sum() / step_s.sum()),
           "threshold_s_median": float(np.median(thresholds)) if thresholds else None,
@@ -437,20 +477,22 @@ def markdown(summary: dict) -> str:
   train = summary.get("train")
   if train:
     dq_sync = _key("DynamiQ 5b", "sync")
-    lines += ["| all-reduce | steps | s / step | drop rate | micro-batches / s | "
-              "time to target | vs BF16 sync | vs DynamiQ sync | final eval loss | vs its sync |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| all-reduce | step | steps | micro-batches | s / step | drop rate | "
+              "micro-batches / s | time to target | vs BF16 sync | vs DynamiQ sync | "
+              "final eval loss | vs its sync |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in train["rows"].items():
       tta_cell = "-" if r["tta_s"] is None else f"{r['tta_s']:.0f} s (step {r['steps_to_target']})"
       lines.append(
-          f"| {r['codec']} | {r['mode']} | {r['seconds_per_step']:.2f} s | "
+          f"| {r['codec']} | {r['mode']} | {r['steps']} | {r['micro_batches']} | "
+          f"{r['seconds_per_step']:.2f} s | "
           f"{100 * r['drop_rate']:.1f}% | {r['throughput']:.1f} | {tta_cell} | "
           f"{_fmt(r['speedup_vs'].get(_key(*BASELINE)), '.2f')}x | "
           f"{_fmt(r['speedup_vs'].get(dq_sync), '.2f')}x | {r['final_eval_loss']:.4f} | "
           f"{100 * r['final_vs_sync']:+.2f}% |")
   quiet = summary.get("quiet")
   if quiet:
-    lines += ["", "| all-reduce, no noise | steps | s / step | drop rate | vs sync |",
+    lines += ["", "| all-reduce, no noise | step | s / step | drop rate | vs sync |",
               "|---|---|---|---|---|"]
     for r in quiet["rows"].values():
       lines.append(f"| {r['codec']} | {r['mode']} | {r['seconds_per_step']:.3f} s | "
@@ -651,9 +693,9 @@ def main(argv=None):
   everything = [(c, mode) for c in args.codecs for mode in MODES]
   main_plan = []
   if "train" in args.phases:
-    main_plan.append(("train", True, args.steps, True, everything))
+    main_plan.append(("train", True, args.steps, True, True, everything))
   if "quiet" in args.phases:
-    main_plan.append(("quiet", False, args.quiet_steps, False, everything))
+    main_plan.append(("quiet", False, args.quiet_steps, False, False, everything))
   if main_plan:
     print(f"main group: {args.workers} workers", flush=True)
     for phase, runs in _group(args, cfg, args.workers, args.codecs, main_plan,
@@ -663,7 +705,7 @@ def main(argv=None):
     report["scaling"] = {"runs": {}}
     for w in args.scaling_workers:
       print(f"scaling group: {w} workers", flush=True)
-      plan = [("scaling", True, args.scaling_steps, False,
+      plan = [("scaling", True, args.scaling_steps, False, False,
                [(args.scaling_codec, mode) for mode in MODES])]
       runs = _group(args, dict(cfg, sync_counted=True), w, [args.scaling_codec], plan,
                     shaped)["scaling"]
