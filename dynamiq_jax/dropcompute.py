@@ -179,16 +179,16 @@ class ThresholdChoice(NamedTuple):
 
 
 def _resample(t: np.ndarray, steps: int, seed: int) -> np.ndarray:
-  """``steps`` synthetic steps: each worker's micro-batch times drawn from its own."""
-  s, n, m = t.shape
+  """``steps`` synthetic steps: each worker's row of micro-batch times drawn whole from its
+  own measured steps (so slowness that lasts a step, like a busy host, stays together)."""
+  s, n, _ = t.shape
   rng = np.random.default_rng(seed)
-  per_worker = t.transpose(1, 0, 2).reshape(n, s * m)
-  idx = rng.integers(0, s * m, size=(steps, n, m))
-  return per_worker[np.arange(n)[None, :, None], idx]
+  return t[rng.integers(0, s, size=(steps, n)), np.arange(n)[None, :]]
 
 
 def choose_threshold(times, *, comm_s: float = 0.0, resample_steps: int | None = None,
-                     seed: int = 0, max_candidates: int = 512) -> ThresholdChoice:
+                     seed: int = 0, min_gain: float = 0.0,
+                     max_candidates: int = 512) -> ThresholdChoice:
   """The threshold that maximises the expected throughput on measured steps.
 
   Every threshold at which the stop rule (:func:`finished_mask`) changes
@@ -196,18 +196,24 @@ def choose_threshold(times, *, comm_s: float = 0.0, resample_steps: int | None =
   scored by :func:`throughput` (finished micro-batches of all workers over
   the total step time, ``comm_s`` included), the best kept. Within the
   interval of thresholds that score the same, the midpoint is returned;
-  when no threshold beats running every micro-batch, ``inf``.
+  when no threshold beats running every micro-batch by more than
+  ``min_gain``, ``inf``.
 
   Args:
     times: float ``[steps, n, M]`` (or ``[n, M]``): micro-batch times of
       full steps (no threshold), every worker's.
     comm_s: seconds of a step after the slowest worker's compute.
     resample_steps: if set, score on this many synthetic steps in which
-      each worker's micro-batch times are drawn (with replacement) from its
-      own measured ones: a smoother estimate from few measured steps, which
-      assumes a worker's micro-batch times are independent.
+      each worker's step (its row of ``M`` times) is drawn, with
+      replacement, from its own measured steps: a smoother estimate from few
+      measured steps, which assumes that workers, and steps, are independent
+      (the times within a worker's step keep whatever they share).
     seed: seeds the resampling (the same seed gives the same choice on every
       process).
+    min_gain: a threshold is chosen only if its expected throughput exceeds
+      the synchronous one by more than this fraction: dropped samples are a
+      cost the throughput does not count, not worth paying for a gain
+      within the estimate's noise.
     max_candidates: at most this many candidate thresholds (quantiles of all
       of them when there are more).
 
@@ -230,6 +236,8 @@ def choose_threshold(times, *, comm_s: float = 0.0, resample_steps: int | None =
     raise ValueError(f"times has shape {t.shape}; it must be [steps, workers, micro_batches]")
   if not comm_s >= 0:
     raise ValueError(f"comm_s={comm_s} must be >= 0 seconds")
+  if not min_gain >= 0:
+    raise ValueError(f"min_gain={min_gain} must be >= 0 (a fraction of the throughput)")
   if resample_steps:
     t = _resample(t, int(resample_steps), seed)
   needs = _needs(t)
@@ -250,6 +258,8 @@ def choose_threshold(times, *, comm_s: float = 0.0, resample_steps: int | None =
     rates[lo:lo + 64] = k.sum((1, 2)) / step.sum(-1)
     drops[lo:lo + 64] = 1.0 - k.sum((1, 2)) / started[0].size
   best = int(np.flatnonzero(rates >= rates.max() * (1 - 1e-12))[-1])  # ties: the larger one
+  if rates[best] <= rates[-1] * (1 + min_gain):
+    best = cands.size - 1
   chosen = math.inf
   if math.isfinite(cands[best]):
     nxt = cands[best + 1] if math.isfinite(cands[best + 1]) else top
@@ -281,6 +291,8 @@ class DropCompute:
     window: full steps (the most recent) a choice is made from.
     resample_steps: synthetic steps :func:`choose_threshold` scores on (0:
       the measured steps themselves).
+    min_gain: the expected throughput gain (a fraction) below which no
+      threshold is set (see :func:`choose_threshold`).
     seed: seeds that resampling.
 
   Examples:
@@ -296,6 +308,7 @@ class DropCompute:
   probe_steps: int = 2
   window: int = 20
   resample_steps: int = 256
+  min_gain: float = 0.02
   seed: int = 0
 
   def __post_init__(self):
@@ -309,7 +322,7 @@ class DropCompute:
     for name in ("warmup_steps", "probe_steps", "window"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-    for name in ("reestimate_every", "resample_steps"):
+    for name in ("reestimate_every", "resample_steps", "min_gain"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: none)")
     if self.reestimate_every and self.reestimate_every <= self.probe_steps:
@@ -378,7 +391,7 @@ class ThresholdController:
       comm = float(np.median(self._comm)) if self._comm else 0.0
       self.choice = choose_threshold(np.stack(self._full), comm_s=comm,
                                      resample_steps=p.resample_steps or None,
-                                     seed=p.seed + step)
+                                     seed=p.seed + step, min_gain=p.min_gain)
 
 
 # ---------------------------------------------------------------------------

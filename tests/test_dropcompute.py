@@ -113,11 +113,33 @@ def test_chooser_reaches_the_throughput_optimum_on_synthetic_times(sigma, slow, 
     assert best >= 1.09 * throughput(truth, None, comm_s=comm)[0]
 
 
+def test_chooser_wants_a_clear_gain_before_dropping():
+  # one worker 2% slower: dropping its last micro-batch gains 2 / 98 of the throughput
+  t = np.array([[[1.0] * 8] * 7 + [[1.02] * 8]])
+  assert dq.choose_threshold(t).threshold_s < 8.16
+  assert dq.choose_threshold(t).speedup == pytest.approx((63 / 8.0) / (64 / 8.16))
+  choice = dq.choose_threshold(t, min_gain=0.05)
+  assert choice.threshold_s == math.inf and choice.drop_rate == 0.0 and choice.speedup == 1.0
+
+
+def test_resampling_keeps_a_workers_step_together():
+  """A busy host slows a worker's whole step, not one micro-batch here and there: drawn
+  steps keep each worker's measured rows whole, so they never mix fast and slow ones."""
+  from dynamiq_jax.dropcompute import _resample
+  t = np.array([[[1.0] * 4, [1.0] * 4], [[3.0] * 4, [2.0] * 4]])  # step 1: both slow
+  drawn = _resample(t, 200, seed=0)
+  assert drawn.shape == (200, 2, 4)
+  assert np.all(drawn == drawn[..., :1])  # every drawn row is one measured row
+  assert {tuple(r) for r in drawn[:, 0, 0:1]} == {(1.0,), (3.0,)}
+
+
 def test_chooser_refuses_bad_input():
   with pytest.raises(ValueError, match="comm_s"):
     dq.choose_threshold(np.ones((2, 2, 2)), comm_s=-1.0)
   with pytest.raises(ValueError, match="steps, workers, micro_batches"):
     dq.choose_threshold(np.ones((2, 2, 2, 2)))
+  with pytest.raises(ValueError, match="min_gain"):
+    dq.choose_threshold(np.ones((2, 2, 2)), min_gain=-0.1)
 
 
 # ---------------------------------------------------------------------------
@@ -130,6 +152,7 @@ def test_chooser_refuses_bad_input():
     ({"warmup_steps": 0}, "warmup_steps=0"),
     ({"reestimate_every": 2, "probe_steps": 2}, "must exceed probe_steps"),
     ({"resample_steps": -1}, "resample_steps=-1"),
+    ({"min_gain": -0.01}, "min_gain=-0.01"),
 ])
 def test_bad_policy_is_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):

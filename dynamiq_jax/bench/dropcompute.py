@@ -597,17 +597,12 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--model-workers", type=int, nargs="+",
                  default=[2, 4, 8, 16, 32, 64, 128, 256],
                  help="worker counts of the modelled throughput curves")
-  p.add_argument("--no-shaping", action="store_true", help="plain loopback, even as root")
-  p.add_argument("--heartbeat-s", type=int, default=60,
-                 help="seconds without a heartbeat after which a worker counts as dead")
-  p.add_argument("--timeout", type=float, default=3600,
-                 help="seconds any one command of a group may take before it is stopped")
+  common.add_process_flags(
+      p, heartbeat_s=60, timeout=3600,
+      timeout_help="seconds any one command of a group may take before it is stopped")
   p.add_argument("--tiny", action="store_true",
                  help="smoke test: 2 workers, a tiny LM, a few steps")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
-  p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-  p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-  p.add_argument("--config", default=None, help=argparse.SUPPRESS)
   if tiny:
     p.set_defaults(workers=2, steps=10, batch=4, micro_batches=4, warmup=2, eval_every=2,
                    eval_windows=4, smooth=1, rate=200.0, delay_ms=5.0, slow_factor=4.0,

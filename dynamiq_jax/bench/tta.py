@@ -325,17 +325,12 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--real", default="BF16 psum,DynamiQ 5b",
                  help="codecs trained in full over the links at the first rate")
   p.add_argument("--real-seed", type=int, default=0, help="seed of the real runs")
-  p.add_argument("--no-shaping", action="store_true", help="plain loopback, even as root")
-  p.add_argument("--heartbeat-s", type=int, default=60,
-                 help="seconds without a heartbeat after which a worker counts as dead")
-  p.add_argument("--timeout", type=float, default=3600,
-                 help="seconds any one multi-process phase may take before it is stopped")
+  common.add_process_flags(
+      p, heartbeat_s=60, timeout=3600,
+      timeout_help="seconds any one multi-process phase may take before it is stopped")
   p.add_argument("--tiny", action="store_true",
                  help="smoke test: 2 workers, a tiny LM, 2 codecs, a few steps")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
-  p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-  p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-  p.add_argument("--config", default=None, help=argparse.SUPPRESS)
   if tiny:
     p.set_defaults(codecs="BF16 psum,DynamiQ 5b", seeds="0", workers=2, steps=6,
                    batch=2, warmup=2, eval_every=2, eval_windows=4, smooth=1, rates=[200.0],
