@@ -424,13 +424,9 @@ def test_dropcompute_bench_tiny(tmp_path):
         assert all(t is None for t in run["threshold_s"][:warm])
         for f, t in zip(run["finished"], run["threshold_s"]):
           assert f == planned or t is not None
-  for key, run in report["train"]["runs"].items():  # the same samples: DropCompute goes on
-    total = sum(run["finished"])
-    if key.endswith("sync"):
-      assert len(run["step_s"]) == cfg["steps"] and total == cfg["steps"] * planned
-    else:
-      assert total >= cfg["steps"] * planned or len(run["step_s"]) == 2 * cfg["steps"]
-      assert total - run["finished"][-1] < cfg["steps"] * planned  # and stops then
+  for key, run in report["train"]["runs"].items():  # the same steps; DropCompute's fewer samples
+    assert len(run["step_s"]) == cfg["steps"], key
+    assert run["evals"][-1]["micro_batches"] == sum(run["finished"]), key
   rows = report["summary"]["train"]["rows"]
   first = report["train"]["runs"]["BF16 psum|sync"]["evals"][0]["eval_loss"]
   assert all(r["final_eval_loss"] < first - 0.2 for r in rows.values())  # they all learnt

@@ -25,16 +25,20 @@ interleaved step by step (step ``s`` of each in turn), so that a change in
 the machine's load falls on all of them alike:
 
 1. ``train``: with noise, every codec x {synchronous, DropCompute (threshold
-   "auto")} trains from the same initialisation on the same samples: a
-   synchronous run ``--steps`` steps, a DropCompute run until it has
-   finished as many micro-batches (so more, smaller steps). AdamW's rate
-   warms up linearly and then stays constant, so that the schedule does not
-   depend on a run's length. The clock runs over steps only (evaluations
-   excluded), a step's time being its slowest process's, from a common
-   barrier. Target: the synchronous BF16 run's smoothed eval loss at
-   ``--target-at`` of its run; time to accuracy (TTA): the clock at the
-   first evaluation at or below it; final quality: the last evaluation's
-   loss, after the same number of samples.
+   "auto")} trains from the same initialisation on the same data stream for
+   the same ``--steps`` steps under the same AdamW schedule (the
+   time-to-accuracy benchmark's: a linear warm-up, then a cosine decay to
+   ``lr / 10`` at the last step). A DropCompute step averages over the
+   micro-batches that ran, so its run sees fewer samples: that is its cost,
+   and the final eval loss shows it. (``--equal-samples`` instead runs
+   DropCompute on until it has finished as many micro-batches as the
+   synchronous run, its extra steps at the schedule's final rate: more
+   updates than the synchronous run, so not like for like.) The clock runs
+   over steps only (evaluations excluded), a step's time being its slowest
+   process's, from a common barrier. Target: the synchronous BF16 run's
+   smoothed eval loss at ``--target-at`` of its run; time to accuracy
+   (TTA): the clock at the first evaluation at or below it; final quality:
+   the last evaluation's loss.
 2. ``quiet``: without noise, ``--quiet-steps`` steps of each: what
    DropCompute costs when nothing straggles.
 3. ``scaling``: groups of each ``--scaling-workers`` count (plus the main
@@ -192,8 +196,8 @@ class _Worker:
 
 
 def _optimizer(cfg: dict, label: str):
-  """``label``'s all-reduce, then AdamW with a linear warm-up to a constant rate (which,
-  unlike tta's cosine decay, does not depend on how many steps a run takes)."""
+  """``label``'s all-reduce, then AdamW with tta's schedule over ``cfg['steps']`` steps: a
+  linear warm-up, then a cosine decay to ``lr / 10`` (held there after the last step)."""
   import optax
 
   import dynamiq_jax as dq
@@ -202,8 +206,9 @@ def _optimizer(cfg: dict, label: str):
   seed_opt = {} if name.startswith("psum-") else {"seed": 0}
   return optax.chain(
       dq.reducer(name, "data", **seed_opt, **options),
-      optax.adamw(optax.warmup_constant_schedule(0.0, cfg["lr"], cfg["warmup"]),
-                  weight_decay=0.01))
+      optax.adamw(optax.warmup_cosine_decay_schedule(
+          0.0, cfg["lr"], cfg["warmup"], max(cfg["steps"], cfg["warmup"] + 1),
+          end_value=cfg["lr"] / 10), weight_decay=0.01))
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
@@ -570,6 +575,9 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
                  help="micro-batches per worker per step (dividing --batch)")
   p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
   p.add_argument("--warmup", type=int, default=20, help="warm-up steps (then cosine to lr/10)")
+  p.add_argument("--equal-samples", action="store_true",
+                 help="train: DropCompute runs go on until they have finished as many "
+                      "micro-batches as the synchronous runs (more updates: not like for like)")
   p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data")
   p.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
   p.add_argument("--eval-windows", type=int, default=64, help="held-out sequences evaluated")
@@ -655,7 +663,8 @@ def _config(args) -> dict:
   return {"model": dict(tta.TINY_MODEL if args.tiny else tta.MODEL), "workers": args.workers,
           "batch": args.batch, "micro_batches": args.micro_batches, "steps": args.steps,
           "eval_every": args.eval_every, "eval_windows": args.eval_windows, "lr": args.lr,
-          "warmup": args.warmup, "seed": args.seed, "rate_mbit": args.rate,
+          "warmup": args.warmup, "schedule": "warm-up, then cosine to lr / 10 at --steps",
+          "equal_samples": args.equal_samples, "seed": args.seed, "rate_mbit": args.rate,
           "noise": {"delay_ms": args.delay_ms, "sigma": args.sigma,
                     "slow_factor": args.slow_factor, "seed": args.noise_seed,
                     "model": "per micro-batch, a sleep of delay_ms x exp(sigma Z - sigma^2/2), "
@@ -688,7 +697,7 @@ def main(argv=None):
   everything = [(c, mode) for c in args.codecs for mode in MODES]
   main_plan = []
   if "train" in args.phases:
-    main_plan.append(("train", True, args.steps, True, True, everything))
+    main_plan.append(("train", True, args.steps, True, args.equal_samples, everything))
   if "quiet" in args.phases:
     main_plan.append(("quiet", False, args.quiet_steps, False, False, everything))
   if main_plan:
