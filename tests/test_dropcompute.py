@@ -431,12 +431,21 @@ def test_dropcompute_bench_tiny(tmp_path):
   first = report["train"]["runs"]["BF16 psum|sync"]["evals"][0]["eval_loss"]
   assert all(r["final_eval_loss"] < first - 0.2 for r in rows.values())  # they all learnt
   model = report["summary"]["scaling"]["model"]
-  assert [r["workers"] for r in model["empirical"]] == cfg["model_workers"]
-  assert all(r["speedup"] > 0 for r in model["empirical"] + model["gaussian"])
+  for name in bench.MODELS:  # with the slow worker and without (the paper's iid workers)
+    assert [r["workers"] for r in model[name]] == cfg["model_workers"], name
+    assert all(r["speedup"] > 0 for r in model[name]), name
   table = bench.markdown(report["summary"])
   assert table.count("\n| DynamiQ 5b | dropcompute |") == 2
-  with open(os.path.join(tmp_path, "dropcompute_tiny.json")) as f:
+  assert table.count("\n| 16 | ") == 1  # the modelled table, beyond the measured counts
+  path = os.path.join(tmp_path, "dropcompute_tiny.json")
+  with open(path) as f:
     assert json.load(f)["summary"] == json.loads(json.dumps(report["summary"]))
+  assert os.path.getsize(os.path.join(tmp_path, "dropcompute_tiny.png")) > 1000
+  # --from-json: the same summary again from the stored runs alone, nothing measured
+  os.remove(os.path.join(tmp_path, "dropcompute_tiny.png"))
+  again = bench.main(["--from-json", path])
+  assert again["summary"] == json.loads(json.dumps(report["summary"]))
+  assert again["summarized"]["command"] and again["command"] == report["command"]
   assert os.path.getsize(os.path.join(tmp_path, "dropcompute_tiny.png")) > 1000
 
 

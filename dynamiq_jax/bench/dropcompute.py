@@ -32,8 +32,8 @@ the machine's load falls on all of them alike:
    micro-batches that ran, so its run sees fewer samples: that is its cost,
    and the final eval loss shows it. (``--equal-samples`` instead runs
    DropCompute on until it has finished as many micro-batches as the
-   synchronous run, its extra steps at the schedule's final rate: more
-   updates than the synchronous run, so not like for like.) The clock runs
+   synchronous run, its extra steps at the schedule's final rate: the same
+   samples in more updates.) The clock runs
    over steps only (evaluations excluded), a step's time being its slowest
    process's, from a common barrier. Target: the synchronous BF16 run's
    smoothed eval loss at ``--target-at`` of its run; time to accuracy
@@ -52,7 +52,9 @@ the machine's load falls on all of them alike:
    Gaussian (central-limit) model of them, against the paper's analysis.
 
 Writes ``docs/results/dropcompute.json`` (with the machine's load average at
-the start and the end) and ``dropcompute.png``.
+the start and the end) and ``dropcompute.png`` (``dropcompute_equal_samples.*``
+with ``--equal-samples``). ``--from-json PATH`` recomputes a results file's
+summary, table and plot from its stored runs, measuring nothing.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ from dynamiq_jax.bench import tta
 __all__ = ["main", "noise_delays", "summarize", "markdown", "model_scaling"]
 
 MODES = ("sync", "dropcompute")
+MODELS = {"empirical": "measured times", "gaussian": "Gaussian",
+          "empirical_iid": "measured, no slow worker", "gaussian_iid": "Gaussian, no slow worker"}
 PHASES = ("train", "quiet", "scaling")
 BASELINE = ("BF16 psum", "sync")
 
@@ -106,9 +110,9 @@ class _Worker:
 
     self.cfg, self.mesh = cfg, mesh
     self.n, self.rank = mesh.shape["data"], jax.process_index()
+    # tta's Trainer: the LM, its data, and label's all-reduce before AdamW with a linear
+    # warm-up and a cosine decay to lr / 10 at cfg["steps"] (held there after)
     self.trainers = {label: tta.Trainer(cfg, mesh, label) for label in cfg["labels"]}
-    for label, tr in self.trainers.items():
-      tr.tx = _optimizer(cfg, label)
 
   def micro_batches(self, trainer, seed: int, step: int, noise: bool):
     """``fetch(m)``: this worker's micro-batch ``m`` of ``step`` (the rows tta's Trainer
@@ -193,22 +197,6 @@ class _Worker:
           run["out"]["evals"].append({"step": s, "eval_loss": value, "digest": digest,
                                       "micro_batches": run["seen"]})
     return {_key(label, mode): run["out"] for (label, mode), run in zip(configs, runs)}
-
-
-def _optimizer(cfg: dict, label: str):
-  """``label``'s all-reduce, then AdamW with tta's schedule over ``cfg['steps']`` steps: a
-  linear warm-up, then a cosine decay to ``lr / 10`` (held there after the last step)."""
-  import optax
-
-  import dynamiq_jax as dq
-
-  _, name, options = tta._codec(label)
-  seed_opt = {} if name.startswith("psum-") else {"seed": 0}
-  return optax.chain(
-      dq.reducer(name, "data", **seed_opt, **options),
-      optax.adamw(optax.warmup_cosine_decay_schedule(
-          0.0, cfg["lr"], cfg["warmup"], max(cfg["steps"], cfg["warmup"] + 1),
-          end_value=cfg["lr"] / 10), weight_decay=0.01))
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
@@ -433,6 +421,10 @@ def model_scaling(times: np.ndarray, comm_s: float, workers: list, *, seed: int 
     (ordinary and slow workers separately), so a worker's compute over
     ``M`` micro-batches is normal with ``M`` times the mean and variance;
     the same choice and evaluation on draws from it.
+  * ``empirical_iid``, ``gaussian_iid``: the same without the slow worker
+    (all ``w`` drawn like the ordinary ones): the paper's setting of
+    independent, identically distributed workers, where the synchronous
+    step grows with the expected maximum of ``w`` compute times.
   """
   import dynamiq_jax as dq
   from dynamiq_jax.dropcompute import throughput
@@ -442,20 +434,25 @@ def model_scaling(times: np.ndarray, comm_s: float, workers: list, *, seed: int 
   ordinary = times[:, :-1].ravel()
   slow = times[:, -1].ravel()
 
-  def empirical(steps, w):
+  def empirical(steps, w, straggler=True):
     t = rng.choice(ordinary, size=(steps, w, m))
-    t[:, -1] = rng.choice(slow, size=(steps, m))
+    if straggler:
+      t[:, -1] = rng.choice(slow, size=(steps, m))
     return t
 
-  def gaussian(steps, w):
+  def gaussian(steps, w, straggler=True):
     t = rng.normal(ordinary.mean(), ordinary.std(), size=(steps, w, m))
-    t[:, -1] = rng.normal(slow.mean(), slow.std(), size=(steps, m))
+    if straggler:
+      t[:, -1] = rng.normal(slow.mean(), slow.std(), size=(steps, m))
     return np.maximum(t, 0.0)
+
+  iid = lambda draw: lambda steps, w: draw(steps, w, straggler=False)
 
   out = {"workers": list(workers), "comm_s": comm_s,
          "ordinary_mean_s": float(ordinary.mean()), "ordinary_std_s": float(ordinary.std()),
          "slow_mean_s": float(slow.mean()), "slow_std_s": float(slow.std())}
-  for name, draw in (("empirical", empirical), ("gaussian", gaussian)):
+  for name, draw in (("empirical", empirical), ("gaussian", gaussian),
+                     ("empirical_iid", iid(empirical)), ("gaussian_iid", iid(gaussian))):
     rows = []
     for w in workers:
       choice = dq.choose_threshold(draw(measured_steps, w), comm_s=comm_s)
@@ -514,6 +511,14 @@ def markdown(summary: dict) -> str:
       lines.append(f"| {w} | {r['sync_throughput']:.1f} | {r['dropcompute_throughput']:.1f} | "
                    f"{r['speedup']:.2f}x | {100 * r['drop_rate']:.1f}% | "
                    f"{_fmt(mo and mo['speedup'], '.2f')}x | {_fmt(ga and ga['speedup'], '.2f')}x |")
+    names = [n for n in MODELS if n in scaling["model"]]
+    lines += ["", "| workers, modelled | " + " | ".join(
+        f"{MODELS[n]}: speed-up (drop rate)" for n in names) + " |",
+              "|---" * (len(names) + 1) + "|"]
+    for i, w in enumerate(scaling["model"]["workers"]):
+      cells = [scaling["model"][n][i] for n in names]
+      lines.append(f"| {w} | " + " | ".join(
+          f"{c['speedup']:.2f}x ({100 * c['drop_rate']:.0f}%)" for c in cells) + " |")
   return "\n".join(lines)
 
 
@@ -523,6 +528,7 @@ def _plot(report, summary, path):
   import matplotlib.pyplot as plt
 
   panels = [p for p in ("train", "scaling") if p in summary]
+  panels += ["speedup"] if "scaling" in summary else []
   fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
   for ax, panel in zip(axes[0], panels):
     if panel == "train":
@@ -532,6 +538,20 @@ def _plot(report, summary, path):
       ax.axhline(summary["train"]["target"], color="gray", lw=0.8, ls=":", label="target")
       ax.set(xlabel="wall-clock seconds (steps only)", ylabel="eval loss",
              title=f"word LM, {report['config']['workers']} workers, with noise")
+    elif panel == "speedup":  # DropCompute over synchronous, measured and modelled
+      sc = summary["scaling"]
+      ax.plot([int(k) for k in sc["measured"]], [r["speedup"] for r in sc["measured"].values()],
+              "ko", label="measured")
+      for (name, label), ls in zip(MODELS.items(), ("-", ":", "-", ":")):
+        if name in sc["model"]:
+          ax.plot(sc["model"]["workers"], [r["speedup"] for r in sc["model"][name]], ls,
+                  color="C2" if name.endswith("iid") else "C1", lw=1, label=f"model, {label}")
+      ax.axhline(1.0, color="gray", lw=0.8)
+      ax.set_xscale("log")
+      ax.set_xticks(sc["model"]["workers"], [str(t) for t in sc["model"]["workers"]])
+      ax.minorticks_off()
+      ax.set(xlabel="workers", ylabel="throughput, DropCompute / synchronous",
+             title="speed-up against workers")
     else:  # per worker: a synchronous step's straggler wall shows as a falling line
       sc = summary["scaling"]
       for mode, color in (("sync", "C0"), ("dropcompute", "C1")):
@@ -577,7 +597,8 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=int, default=20, help="warm-up steps (then cosine to lr/10)")
   p.add_argument("--equal-samples", action="store_true",
                  help="train: DropCompute runs go on until they have finished as many "
-                      "micro-batches as the synchronous runs (more updates: not like for like)")
+                      "micro-batches as the synchronous runs, at the schedule's final rate "
+                      "(more updates); writes dropcompute_equal_samples.json")
   p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data")
   p.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
   p.add_argument("--eval-windows", type=int, default=64, help="held-out sequences evaluated")
@@ -611,6 +632,9 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--tiny", action="store_true",
                  help="smoke test: 2 workers, a tiny LM, a few steps")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
+  p.add_argument("--from-json", default=None, metavar="PATH",
+                 help="measure nothing: recompute the summary, table and plot of the runs "
+                      "stored in PATH (a results file of this benchmark) and write them back")
   if tiny:
     p.set_defaults(workers=2, steps=10, batch=4, micro_batches=4, warmup=2, eval_every=2,
                    eval_windows=4, smooth=1, rate=200.0, delay_ms=5.0, slow_factor=4.0,
@@ -682,12 +706,16 @@ def main(argv=None):
       cfg = json.load(f)
     _worker(cfg, args.worker, args.coordinator)
     return None
+  if args.from_json:
+    return _resummarize(args)
   from dynamiq_jax.bench.netns import shaping
 
   cfg = _config(args)
   shaped = shaping(args.no_shaping)
   out_dir = common.results_dir(args.out)
-  path = os.path.join(out_dir, "dropcompute_tiny.json" if args.tiny else "dropcompute.json")
+  stem = "dropcompute" + ("_equal_samples" if args.equal_samples else "") + (
+      "_tiny" if args.tiny else "")
+  path = os.path.join(out_dir, stem + ".json")
   report = {"benchmark": "dropcompute", "config": cfg, "shaped": shaped,
             "link_model": (f"each worker's veth into a bridge namespace rate limited with tc tbf "
                            f"to {args.rate:g} Mbit/s in both directions" if shaped else
@@ -719,13 +747,35 @@ def main(argv=None):
   report["wall_s"] = time.monotonic() - started
   common.write_json(path, report)
   table = markdown(report["summary"])
-  png = os.path.join(out_dir, "dropcompute_tiny.png" if args.tiny else "dropcompute.png")
+  png = os.path.join(out_dir, stem + ".png")
   if report["summary"]:
     _plot(report, report["summary"], png)
   print("\n" + table)
   print(f"\nwrote {path} and {png} in {report['wall_s'] / 60:.1f} min\nmachine: "
         f"{report['machine']['platform']}, {report['machine']['cpu_count']} CPUs; "
         f"links: {report['link_model']}\nreproduce: {report['command']}")
+  return report
+
+
+def _resummarize(args) -> dict:
+  """``--from-json``: the summary, table and plot again from stored runs (no measuring);
+  the report keeps its measuring command and machine and records this one beside them."""
+  with open(args.from_json) as f:
+    report = json.load(f)
+  if report.get("benchmark") != "dropcompute":
+    raise SystemExit(f"--from-json {args.from_json}: not a results file of this benchmark")
+  stored = report.get("summary", {}).get("train", {})  # the stored run's target
+  args.target_at = stored.get("target_at", args.target_at)
+  args.smooth = stored.get("smooth", args.smooth)
+  report["summary"] = summarize(report, args)
+  report["summarized"] = _stamp()
+  common.write_json(args.from_json, report)
+  png = os.path.splitext(args.from_json)[0] + ".png"
+  if report["summary"]:
+    _plot(report, report["summary"], png)
+  print(markdown(report["summary"]))
+  print(f"\nrewrote the summary of {args.from_json} and {png} (measured by: "
+        f"{report['command']}, commit {report['machine'].get('git_commit')})")
   return report
 
 
