@@ -401,6 +401,66 @@ def test_bench_bad_flags():
       bench._parse(argv)
 
 
+def _run(step_s, finished, times, thresholds, evals):
+  """A merged run as the benchmark's driver stores it (2 workers, 2 micro-batches)."""
+  return {"step_s": step_s, "finished": finished, "times": times, "threshold_s": thresholds,
+          "finished_per_worker": [[2, f - 2] for f in finished], "loss": [0.0] * len(step_s),
+          "ranks_agree": True,
+          "evals": [{"step": s, "eval_loss": e, "micro_batches": m, "wall_s": w}
+                    for s, e, m, w in evals]}
+
+
+def test_bench_summary_on_stored_runs(tmp_path):
+  """The driver's side alone (no processes): the tables and the model from stored runs, and
+  --from-json rebuilding them; the processes' side: test_dropcompute_bench_tiny (slow)."""
+  import argparse
+  import json
+
+  from dynamiq_jax.bench import dropcompute as bench
+  full = [[0.5, 0.5], [1.0, 1.0]]  # worker 1 twice as slow
+  cut = [[0.5, 0.5], [1.0, None]]  # its second micro-batch dropped
+  sync = _run([3.0] * 4, [4] * 4, [full] * 4, [None] * 4,
+              [(0, 3.0, 0, 0.0), (2, 2.0, 8, 6.0), (4, 1.5, 16, 12.0)])
+  drop = _run([3.0, 2.0, 2.0, 2.0], [4, 3, 3, 3], [full, cut, cut, cut], [None] + [1.2] * 3,
+              [(0, 3.0, 0, 0.0), (2, 2.0, 7, 5.0), (4, 1.6, 13, 9.0)])
+  runs = {f"{c}|{m}": r for c in ("BF16 psum", "DynamiQ 5b")
+          for m, r in (("sync", sync), ("dropcompute", drop))}
+  cfg = {"workers": 2, "micro_batches": 2, "policy": {"warmup_steps": 1}, "seed": 0,
+         "scaling_codec": "DynamiQ 5b", "model_workers": [2, 4]}
+  report = {"benchmark": "dropcompute", "config": cfg, "command": "by hand",
+            "machine": {}, "train": {"runs": runs}, "quiet": {"runs": runs},
+            "scaling": {"runs": {}}}
+  summary = bench.summarize(report, argparse.Namespace(target_at=0.5, smooth=1))
+  train = summary["train"]
+  assert train["target"] == 2.0  # BF16 sync's loss at half its run
+  row = train["rows"]["DynamiQ 5b|dropcompute"]
+  assert (row["steps_to_target"], row["tta_s"]) == (2, 5.0)
+  assert row["speedup_vs"]["BF16 psum|sync"] == 6.0 / 5.0
+  assert row["drop_rate"] == 1 - 13 / 16 and row["throughput"] == 13 / 9
+  assert row["final_vs_sync"] == 1.6 / 1.5 - 1 and row["threshold_s_median"] == 1.2
+  assert summary["quiet"]["rows"]["BF16 psum|dropcompute"]["vs_sync"] == 9 / 12
+  measured = summary["scaling"]["measured"]["2"]  # after the 1 measured step
+  assert measured["speedup"] == (9 / 6) / (12 / 9)
+  model = summary["scaling"]["model"]
+  assert model["comm_s"] == 1.0  # a 3 s step after 2 s of the slowest worker's compute
+  assert (model["ordinary_mean_s"], model["slow_mean_s"]) == (0.5, 1.0)
+  for name in bench.MODELS:
+    assert [r["workers"] for r in model[name]] == [2, 4], name
+  table = bench.markdown(summary)
+  assert "| DynamiQ 5b | dropcompute | 4 | 13 | 2.25 s | 18.8% |" in table
+  # --from-json: the same summary from the file, with its own target settings
+  path = tmp_path / "dropcompute.json"
+  path.write_text(json.dumps(dict(report, summary=summary)))
+  again = bench.main(["--from-json", str(path)])
+  assert again["summary"] == json.loads(json.dumps(summary))
+  assert (tmp_path / "dropcompute.png").stat().st_size > 1000
+  path.write_text(json.dumps({"benchmark": "tta"}))
+  with pytest.raises(SystemExit, match="not a results file"):
+    bench.main(["--from-json", str(path)])
+
+
+@pytest.mark.slow  # .ci/run-slow (a minute or more); test_bench_summary_on_stored_runs and
+# test_a_slow_process_ends_its_step_within_the_budget check its two sides faster
 def test_dropcompute_bench_tiny(tmp_path):
   """Every phase at a tiny size over real processes (shaped links when root): both codecs,
   synchronous and DropCompute, the table, the model and the plot."""
