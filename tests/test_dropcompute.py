@@ -454,6 +454,7 @@ def test_bench_summary_on_stored_runs(tmp_path):
   again = bench.main(["--from-json", str(path)])
   assert again["summary"] == json.loads(json.dumps(summary))
   assert (tmp_path / "dropcompute.png").stat().st_size > 1000
+  assert (tmp_path / "dropcompute.md").read_text().endswith(table + "\n")
   path.write_text(json.dumps({"benchmark": "tta"}))
   with pytest.raises(SystemExit, match="not a results file"):
     bench.main(["--from-json", str(path)])

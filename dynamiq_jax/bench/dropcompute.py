@@ -52,8 +52,8 @@ the machine's load falls on all of them alike:
    Gaussian (central-limit) model of them, against the paper's analysis.
 
 Writes ``docs/results/dropcompute.json`` (with the machine's load average at
-the start and the end) and ``dropcompute.png`` (``dropcompute_equal_samples.*``
-with ``--equal-samples``). ``--from-json PATH`` recomputes a results file's
+the start and the end), ``dropcompute.png`` and ``dropcompute.md`` (the
+tables; ``dropcompute_equal_samples.*`` with ``--equal-samples``). ``--from-json PATH`` recomputes a results file's
 summary, table and plot from its stored runs, measuring nothing.
 """
 
@@ -745,16 +745,28 @@ def main(argv=None):
   report["load_average"] = {"start": load_start, "end": list(os.getloadavg())}
   report["summary"] = summarize(report, args)
   report["wall_s"] = time.monotonic() - started
-  common.write_json(path, report)
-  table = markdown(report["summary"])
-  png = os.path.join(out_dir, stem + ".png")
-  if report["summary"]:
-    _plot(report, report["summary"], png)
+  table, png = _write(report, path)
   print("\n" + table)
   print(f"\nwrote {path} and {png} in {report['wall_s'] / 60:.1f} min\nmachine: "
         f"{report['machine']['platform']}, {report['machine']['cpu_count']} CPUs; "
         f"links: {report['link_model']}\nreproduce: {report['command']}")
   return report
+
+
+def _write(report: dict, path: str) -> tuple[str, str]:
+  """Writes the report to ``path``, its plot and its tables (Markdown, with the command,
+  commit and machine) beside it; returns ``(tables, plot path)``."""
+  common.write_json(path, report)
+  stem = os.path.splitext(path)[0]
+  table = markdown(report["summary"])
+  if report["summary"]:
+    _plot(report, report["summary"], stem + ".png")
+  m = report["machine"]
+  with open(stem + ".md", "w") as f:
+    f.write(f"Measured by `{report['command']}` at commit {m.get('git_commit')} on "
+            f"{m.get('platform')}, {m.get('cpu_count')} CPUs; links: {report.get('link_model')}."
+            f"\n\n{table}\n")
+  return table, stem + ".png"
 
 
 def _resummarize(args) -> dict:
@@ -769,11 +781,8 @@ def _resummarize(args) -> dict:
   args.smooth = stored.get("smooth", args.smooth)
   report["summary"] = summarize(report, args)
   report["summarized"] = _stamp()
-  common.write_json(args.from_json, report)
-  png = os.path.splitext(args.from_json)[0] + ".png"
-  if report["summary"]:
-    _plot(report, report["summary"], png)
-  print(markdown(report["summary"]))
+  table, png = _write(report, args.from_json)
+  print(table)
   print(f"\nrewrote the summary of {args.from_json} and {png} (measured by: "
         f"{report['command']}, commit {report['machine'].get('git_commit')})")
   return report
