@@ -56,9 +56,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynamiq_jax.train import _is_per_rank
 from dynamiq_jax.train import _state_specs
 from dynamiq_jax.train import as_varying
+from dynamiq_jax.train import is_per_rank
 
 __all__ = [
     "DropCompute", "DropComputeStats", "ThresholdChoice", "ThresholdController",
@@ -724,7 +724,7 @@ def simulated_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation
   built = {}
 
   def step(params, opt_state, batches, mask):
-    structure = jax.tree.structure(opt_state, is_leaf=_is_per_rank)
+    structure = jax.tree.structure(opt_state, is_leaf=is_per_rank)
     if structure not in built:
       specs = _state_specs(opt_state, axis_name)
       fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(axis_name), P(axis_name)),
