@@ -4,7 +4,7 @@
 
 Every process trains a linear model under ``dq.dropcompute_step`` with the
 all-reduce ``dq.reducer(<reducer>)``;
-the last process sleeps 0.3 s in each of its micro-batches when told to be slow.
+the last process sleeps 0.15 s in each of its micro-batches when told to be slow.
 Prints ``key=value`` words for the test to check.
 """
 
@@ -38,7 +38,7 @@ def main(coordinator: str, processes: int, rank: int, reducer: str) -> None:
   def batches(slow: bool):
     def fetch(i):
       if slow and rank == processes - 1:
-        time.sleep(0.3)
+        time.sleep(0.15)
       return data[i]
     return fetch
 
@@ -51,25 +51,20 @@ def main(coordinator: str, processes: int, rank: int, reducer: str) -> None:
   params0 = put({"w": np.zeros(d, np.float32)})
   opt0 = put(jax.tree.map(np.asarray, tx.init({"w": np.zeros(d, np.float32)})))
   budget = dq.dropcompute_step(loss_fn, tx, mesh=mesh, micro_batches=m,
-                               policy=dq.DropCompute(threshold=1.0))
+                               policy=dq.DropCompute(threshold=0.5))
+  # a budget no step reaches: the same compiled all-reduce as the 0.5 s one (whether that is
+  # the synchronous step bit for bit: test_host_loop_all_finished_equals_the_synchronous_step)
   sync = dq.dropcompute_step(loss_fn, tx, mesh=mesh, micro_batches=m,
-                             policy=dq.DropCompute(threshold=None))
-  huge = dq.dropcompute_step(loss_fn, tx, mesh=mesh, micro_batches=m,
                              policy=dq.DropCompute(threshold=1e9))
 
-  # compile each, then: is "nobody drops" the synchronous step, bit for bit?
-  p_sync, _, _, _ = sync(params0, opt0, batches(False))
-  p_huge, _, _, _ = huge(params0, opt0, batches(False))
-  same = bool(np.array_equal(np.asarray(p_sync["w"].addressable_data(0)),
-                             np.asarray(p_huge["w"].addressable_data(0))))
-  params, opt, _, _ = budget(params0, opt0, batches(False))
+  params, opt, _, _ = budget(params0, opt0, batches(False))  # compiles
   # the all-reduce and update: a step with no slowness, less this worker's compute
   params, opt, _, fast = budget(params, opt, batches(False))
   allreduce_s = fast.step_s - fast.compute_s[rank]
   params, opt, _, slow = budget(params, opt, batches(True))
   params, opt, _, waited = sync(params, opt, batches(True))
   w = np.asarray(params["w"].addressable_data(0))
-  print(f"bitwise_sync={same} allreduce_s={allreduce_s:.4f} slow_step_s={slow.step_s:.4f} "
+  print(f"allreduce_s={allreduce_s:.4f} slow_step_s={slow.step_s:.4f} "
         f"finished={','.join(str(int(k)) for k in slow.finished_per_worker)} "
         f"sync_slow_step_s={waited.step_s:.4f} "
         f"digest={int(w.view(np.uint32).astype(np.uint64).sum())}", flush=True)

@@ -79,6 +79,9 @@ MODELS = {"empirical": "measured times", "gaussian": "Gaussian",
           "empirical_iid": "measured, no slow worker", "gaussian_iid": "Gaussian, no slow worker"}
 PHASES = ("train", "quiet", "scaling")
 BASELINE = ("BF16 psum", "sync")
+# the issue's quality criterion: a DropCompute run's final eval loss within this fraction of its
+# synchronous run's
+QUALITY_TOLERANCE = 0.005
 
 
 # ---------------------------------------------------------------------------
@@ -362,7 +365,7 @@ def summarize(report: dict, args) -> dict:
                                    if row["tta_s"] and rows[other]["tta_s"] else None)
                            for other in rows}
     out["train"] = {"target": target, "target_at": args.target_at, "smooth": args.smooth,
-                    "rows": rows}
+                    "equal_samples": bool(cfg.get("equal_samples")), "rows": rows}
   quiet = report.get("quiet")
   if quiet:
     rows = {key: {"codec": key.split("|")[0], "mode": key.split("|")[1],
@@ -473,6 +476,24 @@ def _fmt(x, spec):
   return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
+def _quality_line(train: dict) -> str:
+  """Whether each DropCompute run ends within :data:`QUALITY_TOLERANCE` of its synchronous
+  run's final eval loss, and at what it was compared (equal steps or equal samples)."""
+  rows = [r for r in train["rows"].values() if r["mode"] == "dropcompute"]
+  sync_steps = sorted({r["steps"] for r in train["rows"].values() if r["mode"] == "sync"})
+  if train.get("equal_samples"):
+    how = ("at equal samples (DropCompute runs on until it has finished the synchronous "
+           "run's micro-batches, in more steps)")
+  else:
+    how = (f"at equal steps ({', '.join(map(str, sync_steps))} each; DropCompute finishes "
+           f"fewer micro-batches)")
+  verdicts = [f"{r['codec']} + DropCompute {100 * r['final_vs_sync']:+.2f}%: "
+              + ("met" if abs(r["final_vs_sync"]) <= QUALITY_TOLERANCE else "not met")
+              for r in rows]
+  return (f"Final eval loss within {100 * QUALITY_TOLERANCE:.1f}% of its synchronous run's, "
+          f"{how}: " + "; ".join(verdicts) + ".")
+
+
 def markdown(summary: dict) -> str:
   """The result tables in Markdown (docs/dropcompute.md's)."""
   lines = []
@@ -492,6 +513,7 @@ def markdown(summary: dict) -> str:
           f"{_fmt(r['speedup_vs'].get(_key(*BASELINE)), '.2f')}x | "
           f"{_fmt(r['speedup_vs'].get(dq_sync), '.2f')}x | {r['final_eval_loss']:.4f} | "
           f"{100 * r['final_vs_sync']:+.2f}% |")
+    lines += ["", _quality_line(train)]
   quiet = summary.get("quiet")
   if quiet:
     lines += ["", "| all-reduce, no noise | step | s / step | drop rate | vs sync |",
@@ -762,10 +784,15 @@ def _write(report: dict, path: str) -> tuple[str, str]:
   if report["summary"]:
     _plot(report, report["summary"], stem + ".png")
   m = report["machine"]
+  again = ""
+  if report.get("summarized"):
+    again = (f" Summary, tables and plot recomputed from the stored runs (nothing measured) "
+             f"by `{report['summarized']['command']}` at commit "
+             f"{report['summarized']['machine'].get('git_commit')}.")
   with open(stem + ".md", "w") as f:
     f.write(f"Measured by `{report['command']}` at commit {m.get('git_commit')} on "
             f"{m.get('platform')}, {m.get('cpu_count')} CPUs; links: {report.get('link_model')}."
-            f"\n\n{table}\n")
+            f"{again}\n\n{table}\n")
   return table, stem + ".png"
 
 
