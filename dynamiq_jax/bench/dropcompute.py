@@ -203,16 +203,9 @@ class _Worker:
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
-  from dynamiq_jax import multiprocess
+  from dynamiq_jax.bench.netns import join_job
 
-  multiprocess.initialize(coordinator, num_processes=cfg["workers"], process_id=rank,
-                          heartbeat_timeout_seconds=cfg["heartbeat_s"])
-  import jax
-  from jax.experimental import multihost_utils
-
-  mesh = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
-  say = lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True)
-  sync = lambda: multihost_utils.sync_global_devices("dropcompute-step")
+  mesh, say, sync = join_job(cfg, rank, coordinator, barrier="dropcompute-step")
   worker = _Worker(cfg, mesh)
   everything = [(label, mode) for label in cfg["labels"] for mode in MODES]
   worker.run(everything, noise=False, steps=1, evaluate=True, equal_samples=False,

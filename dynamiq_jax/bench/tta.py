@@ -259,16 +259,11 @@ def steps_to_target(run: dict, target: float, window: int) -> int | None:
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
-  from dynamiq_jax import multiprocess
+  from dynamiq_jax.bench.netns import join_job
 
-  multiprocess.initialize(coordinator, num_processes=cfg["workers"], process_id=rank,
-                          heartbeat_timeout_seconds=cfg["heartbeat_s"])
+  mesh, say, sync = join_job(cfg, rank, coordinator, barrier="tta-step")
   import jax
-  from jax.experimental import multihost_utils
 
-  mesh = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
-  say = lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True)
-  sync = lambda: multihost_utils.sync_global_devices("tta-step")
   trainers = {}
   for label in cfg["labels"]:
     trainers[label] = Trainer(cfg, mesh, label)
