@@ -11,12 +11,17 @@ jax and optax: ``dq.multiprocess`` (one process per worker; POSIX only) and
 import importlib
 
 from dynamiq_jax import codecs
+from dynamiq_jax import dropcompute
 from dynamiq_jax import schedules
 from dynamiq_jax.allreduce import AllReduceStats
 from dynamiq_jax.allreduce import allreduce
 from dynamiq_jax.allreduce import bucket_layout
 from dynamiq_jax.allreduce import init_codec_state
 from dynamiq_jax.allreduce import wire_stats
+from dynamiq_jax.dropcompute import DropCompute
+from dynamiq_jax.dropcompute import DropComputeStats
+from dynamiq_jax.dropcompute import choose_threshold
+from dynamiq_jax.dropcompute import dropcompute_step
 from dynamiq_jax.registry import REDUCERS
 from dynamiq_jax.registry import codec_from_name
 from dynamiq_jax.registry import reducer
@@ -48,6 +53,7 @@ def __dir__():
 
 __all__ = [
     "codecs",
+    "dropcompute",
     "schedules",
     "multiprocess",
     "AllReduceStats",
@@ -55,6 +61,10 @@ __all__ = [
     "bucket_layout",
     "init_codec_state",
     "wire_stats",
+    "DropCompute",
+    "DropComputeStats",
+    "choose_threshold",
+    "dropcompute_step",
     "REDUCERS",
     "codec_from_name",
     "reducer",

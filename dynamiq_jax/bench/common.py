@@ -10,7 +10,8 @@ import shlex
 import subprocess
 import sys
 
-__all__ = ["machine", "command_line", "write_json", "results_dir", "add_data_flags"]
+__all__ = ["machine", "command_line", "write_json", "results_dir", "add_data_flags",
+           "add_process_flags"]
 
 
 def add_data_flags(parser, *, real: str = "the LM gradients"):
@@ -21,6 +22,21 @@ def add_data_flags(parser, *, real: str = "the LM gradients"):
   parser.add_argument("--no-real", action="store_true", help=f"skip {real}")
   parser.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
   parser.add_argument("--out", default=None, help="results directory; unset: docs/results")
+
+
+def add_process_flags(parser, *, heartbeat_s: int, timeout: float, timeout_help: str):
+  """The flags of the benchmarks that run worker processes over emulated links
+  (:mod:`dynamiq_jax.bench.netns`): --no-shaping, --heartbeat-s, --timeout, and the
+  hidden ones a worker process is started with."""
+  import argparse
+
+  parser.add_argument("--no-shaping", action="store_true", help="plain loopback, even as root")
+  parser.add_argument("--heartbeat-s", type=int, default=heartbeat_s,
+                      help="seconds without a heartbeat after which a worker counts as dead")
+  parser.add_argument("--timeout", type=float, default=timeout, help=timeout_help)
+  parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
 
 
 def results_dir(path: str | None = None) -> str:

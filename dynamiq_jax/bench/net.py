@@ -413,19 +413,14 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--lm-batch", type=int, default=8, help="sequences per worker per step")
   p.add_argument("--no-compute", dest="compute", action="store_false",
                  help="skip the compression-throughput measurement")
-  p.add_argument("--no-shaping", action="store_true", help="plain loopback, even as root")
-  p.add_argument("--heartbeat-s", type=int, default=20,
-                 help="seconds without a heartbeat after which a worker counts as dead")
-  p.add_argument("--timeout", type=float, default=1800,
-                 help="seconds any one phase may take before the job is stopped")
+  common.add_process_flags(p, heartbeat_s=20, timeout=1800,
+                           timeout_help="seconds any one phase may take before the job is "
+                                        "stopped")
   p.add_argument("--inject-fault", choices=["kill", "link-down"], default=None,
                  help="testing: kill worker 1 or take its link down during the first rate")
   p.add_argument("--tiny", action="store_true",
                  help="smoke test: 2 workers, 1 MB, one rate, a few methods, tiny LM")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
-  p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-  p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-  p.add_argument("--config", default=None, help=argparse.SUPPRESS)
   if tiny:  # smaller defaults; flags given explicitly still win
     p.set_defaults(workers=2, sizes_mb=[1.0], rates=[200.0], repeats=1, lm_steps=1,
                    lm_batch=2, tile_mb=0.5,

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 
-__all__ = ["Network", "can_shape", "NetworkError", "shaping", "worker_job"]
+__all__ = ["Network", "can_shape", "NetworkError", "shaping", "worker_job", "join_job"]
 
 SUBNET = "10.77.0"
 
@@ -79,6 +79,29 @@ def worker_job(module: str, workers: int, cfg_path: str, *, shaped: bool):
     print(f"{workers} workers {'in network namespaces' if net else 'on loopback'}: "
           f"compiling ...", flush=True)
     yield job, net
+
+
+def join_job(cfg: dict, rank: int, coordinator: str, *, barrier: str):
+  """A worker process's side of :func:`worker_job`: joins the process group
+  (``cfg["workers"]`` processes, ``cfg["heartbeat_s"]``), and returns
+  ``(mesh, say, sync)``: a mesh over every process's device with axis
+  ``"data"``, ``say(tag, obj)`` printing ``tag`` and ``obj`` as JSON on one
+  line for the driver, and ``sync()``, a barrier of every process named
+  ``barrier``.
+  """
+  import json
+
+  from dynamiq_jax import multiprocess
+
+  multiprocess.initialize(coordinator, num_processes=cfg["workers"], process_id=rank,
+                          heartbeat_timeout_seconds=cfg["heartbeat_s"])
+  import jax
+  from jax.experimental import multihost_utils
+
+  mesh = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
+  say = lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True)
+  sync = lambda: multihost_utils.sync_global_devices(barrier)
+  return mesh, say, sync
 
 
 def _run(*cmd: str) -> str:

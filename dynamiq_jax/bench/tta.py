@@ -259,16 +259,11 @@ def steps_to_target(run: dict, target: float, window: int) -> int | None:
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
-  from dynamiq_jax import multiprocess
+  from dynamiq_jax.bench.netns import join_job
 
-  multiprocess.initialize(coordinator, num_processes=cfg["workers"], process_id=rank,
-                          heartbeat_timeout_seconds=cfg["heartbeat_s"])
+  mesh, say, sync = join_job(cfg, rank, coordinator, barrier="tta-step")
   import jax
-  from jax.experimental import multihost_utils
 
-  mesh = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
-  say = lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True)
-  sync = lambda: multihost_utils.sync_global_devices("tta-step")
   trainers = {}
   for label in cfg["labels"]:
     trainers[label] = Trainer(cfg, mesh, label)
@@ -325,17 +320,12 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--real", default="BF16 psum,DynamiQ 5b",
                  help="codecs trained in full over the links at the first rate")
   p.add_argument("--real-seed", type=int, default=0, help="seed of the real runs")
-  p.add_argument("--no-shaping", action="store_true", help="plain loopback, even as root")
-  p.add_argument("--heartbeat-s", type=int, default=60,
-                 help="seconds without a heartbeat after which a worker counts as dead")
-  p.add_argument("--timeout", type=float, default=3600,
-                 help="seconds any one multi-process phase may take before it is stopped")
+  common.add_process_flags(
+      p, heartbeat_s=60, timeout=3600,
+      timeout_help="seconds any one multi-process phase may take before it is stopped")
   p.add_argument("--tiny", action="store_true",
                  help="smoke test: 2 workers, a tiny LM, 2 codecs, a few steps")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
-  p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-  p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-  p.add_argument("--config", default=None, help=argparse.SUPPRESS)
   if tiny:
     p.set_defaults(codecs="BF16 psum,DynamiQ 5b", seeds="0", workers=2, steps=6,
                    batch=2, warmup=2, eval_every=2, eval_windows=4, smooth=1, rates=[200.0],
