@@ -480,6 +480,28 @@ def test_bench_summary_on_stored_runs(tmp_path):
     bench.main(["--from-json", str(path)])
 
 
+def test_dropcompute_bench_smallest_run(tmp_path):
+  """The benchmark as CI runs it every time, so that it cannot rot: real worker processes
+  (2), one all-reduce, synchronous and DropCompute steps, the table and the files.
+  test_dropcompute_bench_tiny (.ci/run-slow) runs every phase and both codecs."""
+  import json
+
+  from dynamiq_jax.bench import dropcompute as bench
+  report = bench.main(["--tiny", "--phases", "train", "--codecs", "BF16 psum",
+                       "--scaling-codec", "BF16 psum", "--out", str(tmp_path)])
+  cfg = report["config"]
+  runs = report["train"]["runs"]
+  assert set(runs) == {"BF16 psum|sync", "BF16 psum|dropcompute"}
+  for key, run in runs.items():
+    assert run["ranks_agree"], key
+    assert len(run["step_s"]) == cfg["steps"], key
+    assert run["evals"][-1]["micro_batches"] == sum(run["finished"]), key
+    assert run["evals"][-1]["eval_loss"] < run["evals"][0]["eval_loss"], key  # it learnt
+  assert "| BF16 psum | dropcompute |" in bench.markdown(report["summary"])
+  with open(os.path.join(tmp_path, "dropcompute_tiny.json")) as f:
+    assert json.load(f)["summary"] == json.loads(json.dumps(report["summary"]))
+
+
 @pytest.mark.slow  # .ci/run-slow (a minute or more); test_bench_summary_on_stored_runs and
 # test_a_slow_process_ends_its_step_within_the_budget check its two sides faster
 def test_dropcompute_bench_tiny(tmp_path):
