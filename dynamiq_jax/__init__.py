@@ -20,6 +20,9 @@ from dynamiq_jax.allreduce import wire_stats
 from dynamiq_jax.registry import REDUCERS
 from dynamiq_jax.registry import codec_from_name
 from dynamiq_jax.registry import reducer
+from dynamiq_jax.scatter import reduce_scatter
+from dynamiq_jax.scatter import scatter_dimensions
+from dynamiq_jax.scatter import scatter_wire_stats
 from dynamiq_jax.schedules.context import UnboundAxisError
 from dynamiq_jax.simulate import simulate
 from dynamiq_jax.train import as_varying
@@ -55,6 +58,9 @@ __all__ = [
     "bucket_layout",
     "init_codec_state",
     "wire_stats",
+    "reduce_scatter",
+    "scatter_dimensions",
+    "scatter_wire_stats",
     "REDUCERS",
     "codec_from_name",
     "reducer",
