@@ -29,9 +29,11 @@ from dynamiq_jax.train import as_varying
 from dynamiq_jax.train import baseline_psum
 from dynamiq_jax.train import data_parallel_init
 from dynamiq_jax.train import data_parallel_step
+from dynamiq_jax.train import zero_shardings
 from dynamiq_jax.transform import CompressedPsumState
 from dynamiq_jax.transform import PerRank
 from dynamiq_jax.transform import compressed_psum
+from dynamiq_jax.transform import compressed_psum_scatter
 
 __version__ = "0.1.0"
 
@@ -70,7 +72,9 @@ __all__ = [
     "baseline_psum",
     "data_parallel_init",
     "data_parallel_step",
+    "zero_shardings",
     "CompressedPsumState",
     "PerRank",
     "compressed_psum",
+    "compressed_psum_scatter",
 ]

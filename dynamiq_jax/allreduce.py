@@ -422,16 +422,16 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
   _check_varying(leaves, ctx)
   local = local_specs(leaves, _flat_specs(specs, treedef), what="allreduce")
   reduce_local = functools.partial(
-      _allreduce_local, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
+      _allreduce_local, axis_name=axis_name, codec=codec, schedule=schedule,
       average=average, bucket_size=bucket_size, max_buckets=max_buckets, leaf_order=leaf_order,
       implementation=implementation, codec_state=codec_state, return_own=return_own)
   if local is None:
-    out, stats, err, ref = reduce_local(tree)
+    out, stats, err, ref = reduce_local(tree, key=key)
     return out, stats._replace(error_estimate=err if ref is None else _relative(err, ref))
   _check_sharded_codec(codec, codec_state)
 
-  def body(local_tree):  # on this device's shards: manual over the model axes too
-    out, stats, err, ref = reduce_local(local_tree)
+  def body(local_tree, key):  # on this device's shards: manual over the model axes too
+    out, stats, err, ref = reduce_local(local_tree, key=key)
     if ref is not None:  # the estimate over the whole gradient: every model rank's part
       err, ref = jax.lax.psum((err, ref), model_axes())
       err = _relative(err, ref)
@@ -441,8 +441,15 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     return tree_specs, tree_specs if return_own else None, AllReduceStats(
         P(), P(), P(), codec_state=None, own=None, uncompressed=P(), error_estimate=P())
 
-  out, own, stats = run_on_local_shards(body, tree, local, treedef, out_specs=out_specs)
+  out, own, stats = run_on_local_shards(body, tree, local, treedef, out_specs=out_specs,
+                                       replicated=(_key_data(key),))
   return out, stats._replace(own=own)
+
+
+def _key_data(key):
+  """A key as raw uint32 words (what :meth:`Keys.from_key` takes), to pass into a map."""
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  return jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
 
 
 def _flat_specs(specs, treedef):

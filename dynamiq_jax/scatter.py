@@ -58,6 +58,7 @@ from dynamiq_jax.allreduce import _flat_specs
 from dynamiq_jax.allreduce import _guard
 from dynamiq_jax.allreduce import _hierarchical_axes
 from dynamiq_jax.allreduce import _hop_ops
+from dynamiq_jax.allreduce import _key_data
 from dynamiq_jax.allreduce import _leaf_order
 from dynamiq_jax.allreduce import _one_after_another
 from dynamiq_jax.allreduce import _report
@@ -163,10 +164,10 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
   local = local_specs(leaves, _flat_specs(specs, treedef), what="reduce_scatter")
   run = functools.partial(
       _reduce_scatter_local, dims=dims, axis_name=axis_name, codec=codec, schedule=schedule,
-      key=key, average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+      average=average, bucket_size=bucket_size, max_buckets=max_buckets,
       leaf_order=leaf_order, implementation=implementation, return_own=return_own)
   if local is None:
-    return run(tree)
+    return run(tree, key=key)
   for (path, _), spec, dim in zip(leaves, local, dims):
     if dim is not None and dim < len(spec) and spec[dim] is not None:
       raise ValueError(
@@ -175,8 +176,8 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
           f"the mesh. Fix: scatter it on another dimension (scatter_dimension=), or shard it "
           f"over that axis on another one")
 
-  def body(local_tree):
-    out, stats = run(local_tree)
+  def body(local_tree, key):
+    out, stats = run(local_tree, key=key)
     return out, stats.own, stats._replace(own=None)
 
   def out_specs(tree_specs):
@@ -184,7 +185,8 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
                            error_estimate=P())
     return tree_specs, tree_specs if return_own else None, stats
 
-  out, own, stats = run_on_local_shards(body, tree, local, treedef, out_specs=out_specs)
+  out, own, stats = run_on_local_shards(body, tree, local, treedef, out_specs=out_specs,
+                                       replicated=(_key_data(key),))
   return out, stats._replace(own=own)
 
 

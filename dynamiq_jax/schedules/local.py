@@ -106,16 +106,19 @@ def local_specs(paths_and_leaves, specs, *, what: str = "allreduce"):
   return out
 
 
-def run_on_local_shards(fn: Callable[..., Any], tree, specs, treedef, *, out_specs) -> Any:
-  """``fn(local_tree)`` inside a ``shard_map`` manual over :func:`model_axes`.
+def run_on_local_shards(fn: Callable[..., Any], tree, specs, treedef, *, out_specs,
+                        replicated=()) -> Any:
+  """``fn(local_tree, *replicated)`` inside a ``shard_map`` manual over :func:`model_axes`.
 
   Args:
-    fn: ``fn(tree) -> outputs``, traced on the device's local shards.
+    fn: ``fn(tree, *replicated) -> outputs``, traced on the device's local shards.
     tree: the pytree (its leaves sharded over the model axes as ``specs`` say).
     specs: one ``PartitionSpec`` per leaf of ``tree`` (over the model axes only).
     treedef: ``tree``'s structure.
     out_specs: ``out_specs(tree_specs) -> the outputs' specs`` (``tree_specs``
       is ``specs`` as a pytree shaped like ``tree``).
+    replicated: further arguments, the same on every device (e.g. a key):
+      arrays cannot be closed over by the inner map.
 
   Returns:
     ``fn``'s outputs as global arrays over the model axes.
@@ -125,6 +128,7 @@ def run_on_local_shards(fn: Callable[..., Any], tree, specs, treedef, *, out_spe
   # decode the same bytes) and replicated leaves the same on every model rank, which
   # the varying-axes types cannot see (the buckets chain one result into the next
   # bucket's guard, so a replicated leaf's bucket would be typed as model-varying).
-  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=(tree_specs,),
+  rest = tuple(jax.tree.map(lambda _: P(), r) for r in replicated)
+  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=(tree_specs,) + rest,
                        out_specs=out_specs(tree_specs), axis_names=frozenset(model_axes()),
-                       check_vma=False)(tree)
+                       check_vma=False)(tree, *replicated)
