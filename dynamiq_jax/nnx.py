@@ -80,6 +80,12 @@ def _per_rank_prefixes(optimizer: nnx.Optimizer, prefix: tuple) -> list[tuple]:
   return found
 
 
+def _placed(x, mesh) -> bool:
+  sharding = getattr(x, "sharding", None)
+  return isinstance(sharding, NamedSharding) and tuple(sharding.mesh.shape.items()) == tuple(
+      mesh.shape.items())
+
+
 def _keys(path) -> tuple:
   return tuple(_raw_key(k) for k in path)
 
@@ -129,8 +135,18 @@ class DataParallel:
 
     def own_spec(keys, x):  # as placed on this mesh, else as declared, else replicated
       spec = _mesh_spec(x, mesh)
-      if spec == P() and isinstance(declared.get(keys), P):
+      if (not _placed(x, mesh) and isinstance(declared.get(keys), P)
+          and declared[keys] != P()):
         spec = declared[keys]
+        names = [a for e in tuple(spec) for a in (e if isinstance(e, tuple) else (e,)) if a]
+        unknown = [a for a in names if a not in mesh.shape]
+        if unknown:
+          raise ValueError(
+              f"state leaf {keys} declares the sharding {spec}, whose names {unknown} are not "
+              f"axes of the mesh {dict(mesh.shape)} (logical axis names?), and it is not "
+              f"placed on the mesh. Fix: create the model under jax.set_mesh(mesh) (with "
+              f"nnx.logical_axis_rules(rules) for logical names), so its arrays carry their "
+              f"shardings, or jax.device_put its state before DataParallel")
       return spec
 
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
@@ -138,19 +154,24 @@ class DataParallel:
               for path, x in leaves if _keys(path)[:1] == (0,)}
     self._per_rank = set()
 
+    def param_spec(keys, shape):  # the spec of the parameter whose path ends ``keys``
+      for i in range(len(keys)):
+        hit = params.get(keys[i:])
+        if hit is not None and tuple(hit[0]) == tuple(shape):
+          return hit[1]
+      return None
+
     def spec(path, x):
       keys = _keys(path)
       for prefix in per_rank:
         if keys[:len(prefix)] == prefix:  # a residual: one slice per rank, then its parameter's
           self._per_rank.add(keys)
-          model_spec = P()
-          for i in range(len(keys)):
-            hit = params.get(keys[i:])
-            if hit is not None and tuple(hit[0]) == tuple(jnp.shape(x)[1:]):
-              model_spec = hit[1]
-              break
+          model_spec = param_spec(keys, jnp.shape(x)[1:]) or P()
           return P(data, *tuple(strip_axes(model_spec, axes)))
-      return own_spec(keys, x)
+      own = own_spec(keys, x)
+      if not _placed(x, mesh) and keys[:1] == (1,):  # optimizer state shaped like a parameter
+        return param_spec(keys, jnp.shape(x)) or own
+      return own
 
     self.specs = jax.tree_util.tree_map_with_path(spec, state)
     self.shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs,
