@@ -49,6 +49,7 @@ from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context, axis_names, varying_axes
 from dynamiq_jax.schedules.executor import HopOps, execute
 from dynamiq_jax.schedules.local import local_specs, model_axes, run_on_local_shards
+from dynamiq_jax.schedules.local import sharding_groups
 from dynamiq_jax.schedules.plan import TreePlan, get_plan, ring_bytes_per_rank
 
 __all__ = [
@@ -430,20 +431,64 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     return out, stats._replace(error_estimate=err if ref is None else _relative(err, ref))
   _check_sharded_codec(codec, codec_state)
 
-  def body(local_tree, key):  # on this device's shards: manual over the model axes too
-    out, stats, err, ref = reduce_local(local_tree, key=key)
-    if ref is not None:  # the estimate over the whole gradient: every model rank's part
-      err, ref = jax.lax.psum((err, ref), model_axes())
-      err = _relative(err, ref)
-    return out, stats.own, stats._replace(own=None, error_estimate=err)
+  groups = sharding_groups(local)
+
+  def body(local_tree, *keys):  # on this device's shards: manual over the model axes too
+    flat = treedef.flatten_up_to(local_tree)
+    outs, owns, parts, err_sum, ref_sum = [None] * len(flat), [None] * len(flat), [], 0.0, 0.0
+    for (sharded_over, idx), k in zip(groups, keys):
+      out, stats, err, ref = reduce_local([flat[i] for i in idx], key=k,
+                                          leaf_order=_group_order(leaf_order, idx, len(flat)))
+      for j, i in enumerate(idx):
+        outs[i] = out[j]
+        owns[i] = stats.own[j] if return_own else None
+      if ref is not None:  # each coordinate counted once: summed over its shards only
+        if sharded_over:
+          err, ref = jax.lax.psum((err, ref), sharded_over)
+        err_sum, ref_sum = err_sum + err, ref_sum + ref
+      parts.append(stats._replace(own=None, codec_state=None))
+    stats = _sum_stats(parts)._replace(error_estimate=_relative(jnp.float32(err_sum),
+                                                                jnp.float32(ref_sum)))
+    return (jax.tree_util.tree_unflatten(treedef, outs),
+            jax.tree_util.tree_unflatten(treedef, owns) if return_own else None, stats)
 
   def out_specs(tree_specs):
     return tree_specs, tree_specs if return_own else None, AllReduceStats(
         P(), P(), P(), codec_state=None, own=None, uncompressed=P(), error_estimate=P())
 
+  keys = _group_keys(key, len(groups))
   out, own, stats = run_on_local_shards(body, tree, local, treedef, out_specs=out_specs,
-                                       replicated=(_key_data(key),))
+                                       replicated=keys)
   return out, stats._replace(own=own)
+
+
+def _group_keys(key, count: int) -> tuple:
+  """One key per sharding group (:func:`sharding_groups`) as raw words: ``key`` itself for
+  one group (the same bytes as on unsharded leaves), else ``fold_in(key, group)``."""
+  if count == 1:
+    return (_key_data(key),)
+  return tuple(_key_data(jax.random.fold_in(key, g)) for g in range(count))
+
+
+def _group_order(leaf_order, idx: list[int], num: int):
+  """``leaf_order`` (over all ``num`` leaves) restricted to the leaves ``idx``, renumbered."""
+  if leaf_order is None or isinstance(leaf_order, str):
+    return leaf_order
+  pos = {i: j for j, i in enumerate(idx)}
+  return [pos[i] for i in _leaf_order(num, leaf_order) if i in pos]
+
+
+def _sum_stats(parts) -> AllReduceStats:
+  """The wire accounting of several reductions as one (error estimate: the first's if
+  there is one part, else NaN: the callers that can weigh the parts set it)."""
+  coords = sum(p.coords for p in parts)
+  bits = sum(jnp.float32(p.bits_per_coord) * jnp.float32(p.coords) for p in parts)
+  err = parts[0].error_estimate if len(parts) == 1 else jnp.float32(jnp.nan)
+  return AllReduceStats(
+      jnp.float32(bits / jnp.maximum(jnp.float32(coords), 1.0)),
+      jnp.float32(sum(jnp.float32(p.bytes_per_rank) for p in parts)), jnp.int32(coords),
+      uncompressed=jnp.int32(sum(p.uncompressed for p in parts)),
+      error_estimate=jnp.float32(err))
 
 
 def _key_data(key):

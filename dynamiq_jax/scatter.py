@@ -55,6 +55,8 @@ from dynamiq_jax.allreduce import _check_varying
 from dynamiq_jax.allreduce import _codec_pass
 from dynamiq_jax.allreduce import _combine
 from dynamiq_jax.allreduce import _flat_specs
+from dynamiq_jax.allreduce import _group_keys
+from dynamiq_jax.allreduce import _group_order
 from dynamiq_jax.allreduce import _guard
 from dynamiq_jax.allreduce import _hierarchical_axes
 from dynamiq_jax.allreduce import _hop_ops
@@ -62,6 +64,7 @@ from dynamiq_jax.allreduce import _key_data
 from dynamiq_jax.allreduce import _leaf_order
 from dynamiq_jax.allreduce import _one_after_another
 from dynamiq_jax.allreduce import _report
+from dynamiq_jax.allreduce import _sum_stats
 from dynamiq_jax.allreduce import _unguard
 from dynamiq_jax.allreduce import bucket_layout
 from dynamiq_jax.codecs.base import Bucket, Keys
@@ -69,6 +72,7 @@ from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.executor import reduce_scatter as reduce_phase
 from dynamiq_jax.schedules.local import local_specs, model_axes, run_on_local_shards
+from dynamiq_jax.schedules.local import sharding_groups
 from dynamiq_jax.schedules.plan import get_plan
 
 __all__ = ["reduce_scatter", "scatter_dimensions", "scatter_wire_stats"]
@@ -176,9 +180,24 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
           f"the mesh. Fix: scatter it on another dimension (scatter_dimension=), or shard it "
           f"over that axis on another one")
 
-  def body(local_tree, key):
-    out, stats = run(local_tree, key=key)
-    return out, stats.own, stats._replace(own=None)
+  groups = sharding_groups(local)
+
+  def body(local_tree, *keys):  # each sharding group on its own (see schedules.local)
+    flat = treedef.flatten_up_to(local_tree)
+    outs, owns, parts = [None] * len(flat), [None] * len(flat), []
+    for (_, idx), k in zip(groups, keys):
+      out, stats = _reduce_scatter_local(
+          [flat[i] for i in idx], dims=[dims[i] for i in idx], axis_name=axis_name,
+          codec=codec, schedule=schedule, key=k, average=average, bucket_size=bucket_size,
+          max_buckets=max_buckets, leaf_order=_group_order(leaf_order, idx, len(flat)),
+          implementation=implementation, return_own=return_own)
+      for j, i in enumerate(idx):
+        outs[i] = out[j]
+        owns[i] = stats.own[j] if return_own else None
+      parts.append(stats._replace(own=None))
+    return (jax.tree_util.tree_unflatten(treedef, outs),
+            jax.tree_util.tree_unflatten(treedef, owns) if return_own else None,
+            _sum_stats(parts))
 
   def out_specs(tree_specs):
     stats = AllReduceStats(P(), P(), P(), codec_state=None, own=None, uncompressed=P(),
@@ -186,7 +205,7 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
     return tree_specs, tree_specs if return_own else None, stats
 
   out, own, stats = run_on_local_shards(body, tree, local, treedef, out_specs=out_specs,
-                                       replicated=(_key_data(key),))
+                                       replicated=_group_keys(key, len(groups)))
   return out, stats._replace(own=own)
 
 
@@ -351,17 +370,6 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
 
   return jax.tree_util.tree_unflatten(treedef, outs), _sum_stats(parts)._replace(
       own=jax.tree_util.tree_unflatten(treedef, owns) if return_own else None)
-
-
-def _sum_stats(parts) -> AllReduceStats:
-  coords = sum(p.coords for p in parts)
-  bits = sum(jnp.float32(p.bits_per_coord) * jnp.float32(p.coords) for p in parts)
-  err = parts[0].error_estimate if len(parts) == 1 else jnp.float32(jnp.nan)
-  return AllReduceStats(
-      jnp.float32(bits / jnp.maximum(jnp.float32(coords), 1.0)),
-      jnp.float32(sum(jnp.float32(p.bytes_per_rank) for p in parts)), jnp.int32(coords),
-      uncompressed=jnp.int32(sum(p.uncompressed for p in parts)),
-      error_estimate=jnp.float32(err))
 
 
 def _scattered_report(widths, codec, n: int, hier: bool, slow: int, coords: int

@@ -7,6 +7,7 @@ Explicit and Auto axis types.
 """
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import dynamiq_jax as dq
 from dynamiq_jax.bench import hlo
-from dynamiq_jax.codecs import DynamiQ, F32
+from dynamiq_jax.codecs import DynamiQ, F32, GlobalQSGD
 from dynamiq_jax.train import partial_manual
+from dynamiq_jax.train import _EXPLICIT_PARTIAL_MANUAL_KEEPS_SHARDING as _KEEPS_EXPLICIT
 
 MESHES = {
     "4x2": ((4, 2), ("data", "model"), "model", "model"),
@@ -42,32 +44,35 @@ def _specs(name):
           "bias": P(tensor)}
 
 
-def _grads(n, seed=0, dyadic=True):
+def _grads(n, seed=0, dyadic=True, scale=1):
   rng = np.random.default_rng(seed)
   shapes = {"repl": (24, 40), "tensor": (24, 40), "fsdp": (24, 40), "both": (16, 64),
             "bias": (40,)}
+  shapes = {k: tuple(scale * v for v in s) for k, s in shapes.items()}
   if dyadic:  # every partial sum exact: any summation order agrees
     return {k: rng.integers(-1000, 1000, (n,) + s).astype(np.float32) / 1024
             for k, s in shapes.items()}
   return {k: rng.standard_normal((n,) + s).astype(np.float32) for k, s in shapes.items()}
 
 
-def _per_data_rank(mesh, fn, stacked, specs):
-  """``fn(local tree)`` inside a shard_map manual over "data" only; leaf r of the data
-  axis is ``stacked[r]``, sharded over the model axes as ``specs`` say. Returns the
-  outputs stacked over the data axis (and the jitted function, for its HLO)."""
+def _per_data_rank(mesh, fn, stacked, specs, *args):
+  """``fn(local tree, *args)`` inside a shard_map manual over "data" only; leaf r of the
+  data axis is ``stacked[r]``, sharded over the model axes as ``specs`` say; ``args`` are
+  replicated (e.g. raw key words: a new key does not recompile). Returns the outputs
+  stacked over the data axis, the jitted function and its arguments (for its HLO)."""
   full = jax.tree.map(lambda s: P("data", *s), specs, is_leaf=lambda x: isinstance(x, P))
   shard = jax.tree.map(lambda s: NamedSharding(mesh, s), full, is_leaf=lambda x: isinstance(x, P))
 
-  def body(tree):
-    out = fn(jax.tree.map(lambda a: a[0], tree))
+  def body(tree, *rest):
+    out = fn(jax.tree.map(lambda a: a[0], tree), *rest)
     return jax.tree.map(lambda a: a[None], out)
 
   data = jax.tree.map(lambda _: P("data"), specs, is_leaf=lambda x: isinstance(x, P))
-  f = jax.jit(partial_manual(body, mesh=mesh, manual=("data",), in_specs=(data,),
-                             out_specs=data, out_shardings=shard, check_vma=False))
+  f = jax.jit(partial_manual(body, mesh=mesh, manual=("data",),
+                             in_specs=(data,) + tuple(P() for _ in args), out_specs=data,
+                             out_shardings=shard, check_vma=False))
   x = jax.device_put(stacked, shard)
-  return f(x), f, x
+  return f(x, *args), f, (x, *args)
 
 
 def _data_only(found, what):
@@ -84,15 +89,18 @@ class TestAllreduceOnShards:
     n = mesh.shape["data"]
     specs = _specs(name)
     g = _grads(n)
-    pass_specs = specs if kind == "auto" else None
-    out, f, x = _per_data_rank(
+    # Explicit axes carry the specs in the leaves' types, unless this jax makes them Auto
+    # around a partial-manual shard_map (train.partial_manual); then pass them, as
+    # dq.data_parallel_step does.
+    pass_specs = None if kind == "explicit" and _KEEPS_EXPLICIT else specs
+    out, f, args = _per_data_rank(
         mesh, lambda t: dq.allreduce(t, axis_name="data", codec=F32(), key=jax.random.key(0),
                                      specs=pass_specs)[0], g, specs)
     for k in g:
       got = np.asarray(out[k])
       assert (got == got[:1]).all(), f"{k}: data ranks differ"  # replicas bit-identical
       np.testing.assert_array_equal(got[0], g[k].mean(0), err_msg=k)
-    _data_only(hlo.collectives(f.lower(x).compile().as_text(), mesh), f"{name} {kind}")
+    _data_only(hlo.collectives(f.lower(*args).compile().as_text(), mesh), f"{name} {kind}")
 
   def test_auto_axes_without_specs_is_an_error_naming_the_fix(self):
     mesh = _mesh("4x2", "auto")
@@ -105,7 +113,7 @@ class TestAllreduceOnShards:
     mesh = _mesh("4x2", "explicit")
     with pytest.raises(ValueError, match="keeps state"):
       _per_data_rank(mesh, lambda t: dq.allreduce(t, axis_name="data", codec=dq.codecs.mxfp8(),
-                                                  key=jax.random.key(0))[0],
+                                                  key=jax.random.key(0), specs=_specs("4x2"))[0],
                      _grads(4), _specs("4x2"))
 
   @pytest.mark.skipif(jax.__version_info__ < (0, 12), reason=(
@@ -127,35 +135,87 @@ class TestAllreduceOnShards:
 
     _data_only(hlo.collectives(f.lower(g).compile().as_text(), mesh), "jax.shard_map")
 
-  @pytest.mark.parametrize("seed", [0, 1, 2])
-  def test_dynamiq_on_shards_is_the_1d_run_on_the_same_shards(self, seed):
-    # Each model rank all-reduces its own shards over the data axis: bit for bit the
-    # 1-D run (dq.simulate) on the tree of those shards, so its vNMSE is that run's.
-    mesh = _mesh("4x2", "explicit")
-    specs = _specs("4x2")
-    g = _grads(4, seed, dyadic=False)
+  def test_dynamiq_on_shards_is_the_1d_run_on_the_same_shards(self):
+    # Each model rank all-reduces its own shards over the data axis: bit for bit the 1-D
+    # run (dq.simulate) on those shards, so its vNMSE is that run's, seed by seed. (The
+    # leaves are all sharded over "model": one sharding group, the caller's key; the
+    # grouping is tested below.)
+    mesh = _mesh("2x4", "explicit")
+    specs = {k: v for k, v in _specs("2x4").items() if k != "repl"}
     codec = DynamiQ(bits=5)
-    key = jax.random.key(seed)
-    out, _, _ = _per_data_rank(mesh, lambda t: dq.allreduce(t, axis_name="data", codec=codec,
-                                                           key=key)[0], g, specs)
+    run = None
     errs = []
-    for m in range(2):  # model rank m's shards
-      local = {k: _local(g[k], specs[k], m) for k in g}
-      want = dq.simulate(local, codec=codec, key=key)
-      for k in g:
-        got = _local(np.asarray(out[k]), specs[k], m)
-        np.testing.assert_array_equal(got, np.asarray(want[k]), err_msg=f"{k}, model rank {m}")
-      errs.append(sum(float(((np.asarray(want[k])[0] - local[k].mean(0)) ** 2).sum())
-                      for k in g) / sum(float((local[k].mean(0) ** 2).sum()) for k in g))
+    for seed in range(3):
+      g = {k: v for k, v in _grads(2, seed, dyadic=False, scale=2).items() if k in specs}
+      key = jax.random.key(seed)
+      words = jax.random.key_data(key)
+      if run is None:  # compiled once: the key is an argument
+        out, run, _ = _per_data_rank(mesh, lambda t, k: dq.allreduce(
+            t, axis_name="data", codec=codec, key=k, specs=specs)[0], g, specs, words)
+      else:
+        out = run(jax.device_put(g, jax.tree.map(lambda a: a.sharding, out)), words)
+      for m in range(4):  # model rank m's shards
+        local = {k: _local(g[k], specs[k], m, parts=4) for k in g}
+        assert codec.compresses(sum(v[0].size for v in local.values()), 2)  # not bf16
+        want = dq.simulate(local, codec=codec, key=key)
+        got = {k: _local(np.asarray(out[k]), specs[k], m, parts=4) for k in g}
+        for k in g:
+          np.testing.assert_array_equal(got[k], np.asarray(want[k]), err_msg=f"{k}, rank {m}")
+        errs.append(_vnmse(got, local))
     assert all(1e-4 < e < 0.1 for e in errs), errs  # DynamiQ's error, not a lossless copy
 
+  @pytest.mark.parametrize("grouped", [True, False])
+  @pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
+  def test_replicated_leaves_agree_across_model_ranks(self, op, grouped, monkeypatch):
+    # GlobalQSGD scales a bucket by its largest coordinate: a replicated leaf bucketed
+    # with sharded ones would be scaled differently on each model rank. Reduced in
+    # sharding groups, each block comes out the same on every device that holds it;
+    # with the grouping switched off (negative control) it does not.
+    if not grouped:
+      one = lambda specs: [((), list(range(len(specs))))]
+      monkeypatch.setattr(importlib.import_module("dynamiq_jax.allreduce"), "sharding_groups",
+                          one)
+      monkeypatch.setattr(importlib.import_module("dynamiq_jax.scatter"), "sharding_groups",
+                          one)
+    mesh = _mesh("2x2x2", "explicit")
+    specs = _specs("2x2x2")
+    g = _grads(2, 0, dyadic=False)
+    g["fsdp"] *= 100  # the largest coordinates differ between the model ranks' shards
+    codec = GlobalQSGD()
+    if op == "allreduce":
+      fn = lambda t: dq.allreduce(t, axis_name="data", codec=codec, key=jax.random.key(0),
+                                  specs=specs)[0]
+    else:
+      fn = lambda t: dq.reduce_scatter(t, axis_name="data", codec=codec, key=jax.random.key(0),
+                                       scatter_dimension=None, specs=specs)[0]
+    out, _, _ = _per_data_rank(mesh, fn, g, specs)
+    differ = []
+    for k, spec in specs.items():
+      copies = {}
+      for shard in out[k].addressable_shards:  # the devices holding the same block
+        copies.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+      assert max(len(v) for v in copies.values()) > 1 or k == "both", k
+      differ += [k for arrays in copies.values() for a in arrays[1:]
+                 if not np.array_equal(a, arrays[0])]
+    if grouped:
+      assert not differ, differ
+    else:
+      assert "repl" in differ, differ
 
-def _local(stacked, spec, m):
-  """Model rank m's shard of a [n, ...] array sharded over "model" as ``spec`` says."""
+
+def _vnmse(out, stacked):
+  """sum ||rank 0's result - mean||^2 / sum ||mean||^2 over the leaves."""
+  return sum(float(((np.asarray(out[k])[0] - stacked[k].mean(0)) ** 2).sum()) for k in out) / (
+      sum(float((stacked[k].mean(0) ** 2).sum()) for k in out))
+
+
+def _local(stacked, spec, m, parts=2):
+  """Model rank m's shard of a [n, ...] array sharded over "model" (``parts`` ranks) as
+  ``spec`` says."""
   out = stacked
   for dim, entry in enumerate(tuple(spec)):
     if entry is not None:
-      size = out.shape[dim + 1] // 2
+      size = out.shape[dim + 1] // parts
       out = np.take(out, np.arange(m * size, (m + 1) * size), axis=dim + 1)
   return out
 
@@ -173,27 +233,27 @@ class TestReduceScatter:
     dims = {"repl": 0, "tensor": 0, "fsdp": 1, "both": None if fsdp != tensor else 0,
             "bias": None}
 
-    def fn(t):
-      out, _ = dq.reduce_scatter(t, axis_name="data", codec=F32(), key=jax.random.key(0),
-                                 scatter_dimension=dims, specs=specs)
-      ref = {k: (jax.lax.psum_scatter(t[k], "data", scatter_dimension=d, tiled=True) / n
-                 if d is not None else jax.lax.pmean(t[k], "data")) for k, d in dims.items()}
-      return out, ref
+    def ours(t):
+      return dq.reduce_scatter(t, axis_name="data", codec=F32(), key=jax.random.key(0),
+                               scatter_dimension=dims, specs=specs)[0]
 
-    def body(t):
-      out, ref = fn(t)
-      return {k: out[k] for k in out}, ref
+    def ref(t):  # lax.psum_scatter itself gathers the model axes here: not HLO-checked
+      return {k: (jax.lax.psum_scatter(t[k], "data", scatter_dimension=d, tiled=True) / n
+                  if d is not None else jax.lax.pmean(t[k], "data")) for k, d in dims.items()}
+
+    def per_rank(fn):
+      return jax.jit(jax.shard_map(
+          lambda t: jax.tree.map(lambda a: a[None], fn(jax.tree.map(lambda a: a[0], t))),
+          mesh=mesh, in_specs=(P("data"),), out_specs=P("data"), axis_names={"data"},
+          check_vma=False))
 
     full = jax.tree.map(lambda s: P("data", *s), specs, is_leaf=lambda x: isinstance(x, P))
     x = jax.device_put(g, jax.tree.map(lambda s: NamedSharding(mesh, s), full,
                                        is_leaf=lambda x: isinstance(x, P)))
-    f = jax.jit(jax.shard_map(
-        lambda t: jax.tree.map(lambda a: a[None], body(jax.tree.map(lambda a: a[0], t))),
-        mesh=mesh, in_specs=(P("data"),), out_specs=P("data"), axis_names={"data"},
-        check_vma=False))
-    out, ref = f(x)
+    f = per_rank(ours)
+    out, want = f(x), per_rank(ref)(x)
     for k in g:
-      np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(ref[k]), err_msg=k)
+      np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(want[k]), err_msg=k)
     _data_only(hlo.collectives(f.lower(x).compile().as_text(), mesh), name)
 
   def test_scattering_a_model_sharded_dimension_is_an_error(self):
@@ -202,7 +262,8 @@ class TestReduceScatter:
     with pytest.raises(ValueError, match="sharded over 'model' on dimension 1"):
       _per_data_rank(mesh, lambda t: dq.reduce_scatter(
           t, axis_name="data", codec=F32(), key=jax.random.key(0), scatter_dimension=1,
-          specs=specs)[0], {"tensor": _grads(4)["tensor"]}, {"tensor": specs["tensor"]})
+          specs={"tensor": specs["tensor"]})[0], {"tensor": _grads(4)["tensor"]},
+                     {"tensor": specs["tensor"]})
 
 
 class TestHierarchicalScatter:

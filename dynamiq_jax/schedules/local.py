@@ -31,7 +31,8 @@ from typing import Any, Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["model_axes", "local_specs", "run_on_local_shards", "strip_axes"]
+__all__ = ["model_axes", "local_specs", "run_on_local_shards", "sharding_groups",
+           "strip_axes"]
 
 
 def model_axes() -> tuple[str, ...]:
@@ -58,6 +59,20 @@ def strip_axes(spec, axes) -> P:
   while out and out[-1] is None:
     out.pop()
   return P(*out)
+
+
+def sharding_groups(specs) -> list[tuple[tuple[str, ...], list[int]]]:
+  """Leaf indices grouped by the mesh axes their ``specs`` shard them over.
+
+  Returns:
+    ``[(axes, indices)]`` in order of first appearance; ``axes`` sorted.
+  """
+  groups: dict = {}
+  for i, spec in enumerate(specs):
+    axes = tuple(sorted({a for e in tuple(spec)
+                         for a in (e if isinstance(e, tuple) else (e,)) if a is not None}))
+    groups.setdefault(axes, []).append(i)
+  return list(groups.items())
 
 
 def _spec_of(leaf):
