@@ -293,3 +293,66 @@ class TestHierarchicalScatter:
     found = hlo.collectives(f.lower(x).compile().as_text(), mesh)
     assert not [c for c in found if c.op == "all-gather" and "local" in c.axes], hlo.summary(found)
     assert any(c.op == "all-gather" and c.axes == ("host",) for c in found)  # the codec's
+
+
+class TestDataParallelOnSharded:
+  """dq.nnx.DataParallel on the example's layouts: the byte LM, 2 steps, tiny."""
+
+  @staticmethod
+  def _train(layout, model_axis, codec="f32-ring", axis_types="auto"):
+    import pathlib
+    import sys
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # the examples live beside the package
+      sys.path.insert(0, root)
+    from examples.nnx_sharded_lm import train
+    config = train.Config(layout=layout, model_axis=model_axis, codec=codec, steps=2, dim=32,
+                          heads=2, layers=1, context=16, batch_size=16, axis_types=axis_types)
+    text = np.frombuffer(bytes(range(256)) * 64, np.uint8)
+    before = train.build(config, jax.devices())
+    want = jax.tree.map(lambda x: x.sharding.spec, before.state)
+    dp = train.build(config, jax.devices())
+    step = dp.train_step(train.loss_fn)
+    state = dp.state
+    for i in range(config.steps):
+      state, _ = step(state, train.place_batch(dp, train.batch(config, text, i)))
+    return dp, step, state, want, config, text, train
+
+  @pytest.mark.parametrize("layout,model_axis,sharded_over,axis_types", [
+      ("tensor", 2, "model", "auto"), ("tensor", 2, "model", "explicit"),
+      ("hsdp", 4, "local", "auto")])
+  def test_keeps_shardings_replicas_identical_compiles_once(self, layout, model_axis,
+                                                           sharded_over, axis_types):
+    dp, step, state, want, config, text, train = self._train(layout, model_axis,
+                                                             axis_types=axis_types)
+    got = jax.tree.map(lambda x: x.sharding.spec, state)
+    assert got == want  # every leaf keeps the sharding it arrived with
+    specs = jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, P))
+    assert any(sharded_over in str(s) for s in specs), specs  # the model really is sharded
+    for leaf in jax.tree.leaves(state):  # devices holding the same block hold the same bits
+      blocks = {}
+      for shard in leaf.addressable_shards:
+        blocks.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+      for arrays in blocks.values():
+        for a in arrays[1:]:
+          np.testing.assert_array_equal(a, arrays[0])
+    assert step.jitted._cache_size() == 1  # noqa: SLF001 (compiled once for both steps)
+    lowered = step.jitted.lower(state, train.place_batch(dp, train.batch(config, text, 0)))
+    found = hlo.collectives(lowered.compile().as_text(), dp.mesh)
+    model = [c for c in found if sharded_over in c.axes]
+    if layout == "tensor":  # Megatron's activation all-reduces only: no parameter gathered
+      assert not [c for c in model if c.op != "all-reduce"], hlo.summary(found)
+      assert any(c.op == "all-reduce" and c.axes == ("data",) for c in found)
+    else:  # parameters gathered inside the host; the gradient is never gathered back
+      big = [c for c in model if c.op == "all-reduce" and _elements(c.shape) > 64]
+      assert not big, [(c.axes, c.shape) for c in big]  # (the codec's guard: 2 scalars)
+      back = [c for c in model if c.op == "all-gather" and "/allreduce/" in c.line]
+      assert not back, [(c.axes, c.shape) for c in back]  # only the parameters' gathers
+      assert any(c.op == "collective-permute" and c.axes == ("local",) for c in found)
+      assert any(c.axes == ("host",) for c in found), hlo.summary(found)
+
+def _elements(shape: str) -> int:
+  """Elements of an HLO result type (``f32[4,16]{1,0}``, tuples summed)."""
+  import re
+  return sum(int(np.prod([int(v) for v in dims.split(",") if v] or [1]))
+             for dims in re.findall(r"\[([\d,]*)\]", shape))

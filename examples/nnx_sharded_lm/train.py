@@ -102,9 +102,11 @@ class Block(nnx.Module):
 
   def __call__(self, x):
     b, t, d = x.shape
-    q, k, v = jnp.split(self.qkv(self.norm1(x)).reshape(b, t, 3, self.heads, d // self.heads),
-                        3, axis=2)
-    y = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True)
+    # the qkv columns are head-major (head, q|k|v, unit): split over "model" in whole heads,
+    # so the reshape needs no gather
+    qkv = self.qkv(self.norm1(x)).reshape(b, t, self.heads, 3, d // self.heads)
+    q, k, v = (qkv[:, :, :, i] for i in range(3))
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     x = x + self.out(y.reshape(b, t, d))
     return x + self.down(nnx.gelu(self.up(self.norm2(x))))
 
