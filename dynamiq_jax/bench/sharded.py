@@ -26,9 +26,10 @@ devices, trained with ``dq.nnx.DataParallel`` and DynamiQ (5 bits):
    ``dq.scatter_wire_stats`` says DynamiQ puts on the slow axis for the shards
    of the 4 devices, and the losses with the one-process run, bit for bit.
 
-Writes ``docs/results/sharded.json``. Without root (or with ``--tiny``, which
-runs everything smaller and never creates namespaces) the processes talk over
-loopback and no bytes are measured; the output says so.
+Writes ``docs/results/sharded.json`` and ``sharded.md`` (the printed report).
+Without root (or with ``--tiny``, which runs everything smaller and never
+creates namespaces) the processes talk over loopback and no bytes are
+measured; the output says so.
 """
 
 from __future__ import annotations
@@ -70,26 +71,36 @@ def _lowered(config, devices, text):
   return step.jitted.lower(dp.state, train.place_batch(dp, train.batch(config, text, 0))), dp
 
 
-def collective_table(tiny: bool, text) -> list[dict]:
-  """Part 1: the tensor layout's compiled step, Auto and Explicit axes."""
+def collective_table(tiny: bool, text, codec: str = "dynamiq") -> list[dict]:
+  """Part 1: the tensor layout's compiled step, Auto and Explicit axes: every collective
+  by op and mesh axes, and those over ``model`` one by one (result type, JAX op name)."""
+  import re
   import jax
   from dynamiq_jax.bench import hlo
 
   rows = []
   for kind in ("auto", "explicit"):
-    lowered, dp = _lowered(_config("tensor", tiny, axis_types=kind), jax.devices(), text)
+    lowered, dp = _lowered(_config("tensor", tiny, axis_types=kind, codec=codec),
+                           jax.devices(), text)
     found = hlo.collectives(lowered.compile().as_text(), dp.mesh)
+    model = []
+    for c in found:
+      if "model" in c.axes:
+        name = re.search(r'op_name="([^"]*)"', c.line)
+        model.append({"op": c.op, "axes": list(c.axes), "shape": c.shape,
+                      "op_name": name.group(1) if name else ""})
     rows.append({"axis_types": kind, "mesh": dict(dp.mesh.shape),
-                 "collectives": hlo.summary(found)})
+                 "collectives": hlo.summary(found), "over_model": model,
+                 "all_gathers_over_model": sum(m["op"] == "all-gather" for m in model)})
   return rows
 
 
-def memory_rows(tiny: bool, text) -> list[dict]:
+def memory_rows(tiny: bool, text, codec: str = "dynamiq") -> list[dict]:
   """Part 2: ``memory_analysis()`` per device of the replicated, zero and hsdp steps."""
   import jax
   rows = []
   for layout in ("data", "zero", "hsdp"):
-    config = _config(layout, tiny, **({} if tiny else MEMORY_MODEL))
+    config = _config(layout, tiny, codec=codec, **({} if tiny else MEMORY_MODEL))
     lowered, dp = _lowered(config, jax.devices(), text)
     mem = lowered.compile().memory_analysis()
     state = dp.state
@@ -121,7 +132,8 @@ def expected_slow_bytes(config, local_devices: int, hosts: int) -> dict:
     model = nnx.eval_shape(lambda: train.ByteLM(config, rngs=nnx.Rngs(0)))
   grads = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                        nnx.state(model, nnx.Param))
-  codec = dq.codec_from_name(config.codec, bits=config.bits)
+  codec = dq.codec_from_name(config.codec, **({"bits": config.bits}
+                                              if config.codec == "dynamiq" else {}))
   stats = dq.scatter_wire_stats(grads, codec=codec, n=local_devices, schedule="hierarchical",
                                 slow=hosts,
                                 scatter_dimension=dq.scatter_dimensions(grads, n=local_devices))
@@ -198,7 +210,7 @@ def hsdp_run(args, shaped: bool) -> dict:
   from examples import datasets
   from dynamiq_jax.bench.netns import worker_job
 
-  config = _config("hsdp", args.tiny, steps=args.steps)
+  config = _config("hsdp", args.tiny, steps=args.steps, codec=args.codec)
   text = datasets.python_source_corpus(args.corpus_bytes).train
   print(f"hsdp: {config.steps} steps on 8 simulated devices in this process ...", flush=True)
   simulated = _simulated(config, text)
@@ -230,34 +242,60 @@ def hsdp_run(args, shaped: bool) -> dict:
 # the driver
 
 
-def _print(payload):
+def _lines(payload) -> list[str]:
+  """The report of ``payload`` (what main prints and writes to sharded.md)."""
+  out = []
   for row in payload.get("hlo", []):
-    print(f"\n== compiled tensor-layout step, {row['axis_types']} axes, mesh {row['mesh']} ==")
+    out.append(f"\n== compiled tensor-layout step, {row['axis_types']} axes, mesh "
+               f"{row['mesh']} ==")
     for k, v in row["collectives"].items():
-      print(f"  {v:3d} x {k}")
+      out.append(f"  {v:3d} x {k}")
+    out.append("  over model:")
+    for m in row["over_model"]:
+      out.append(f"    {m['op']:<20}{m['shape']:<40}{m['op_name'][-60:]}")
   if payload.get("memory"):
-    print("\n== memory_analysis() per device (bytes) ==")
-    print(f"{'layout':<8}{'mesh':<24}{'params+opt state':>18}{'arguments':>12}"
-          f"{'outputs':>12}{'temp':>12}")
-    for r in payload["memory"]:
-      print(f"{r['layout']:<8}{str(r['mesh']):<24}"
-            f"{r['param_bytes_per_device'] + r['optimizer_bytes_per_device']:>18,}"
-            f"{r['argument_bytes']:>12,}{r['output_bytes']:>12,}{r['temp_bytes']:>12,}")
+    rows = payload["memory"]
+    base = {k: rows[0][k] for k in ("optimizer_bytes_per_device", "temp_bytes")}
+    out.append(f"\n== memory_analysis() per device, bytes (x: of the {rows[0]['layout']} "
+               f"layout's) ==")
+    out.append(f"{'layout':<8}{'mesh':<26}{'params':>12}{'Adam state':>18}{'arguments':>12}"
+               f"{'outputs':>12}{'temp':>18}")
+    for r in rows:
+      opt, temp = r["optimizer_bytes_per_device"], r["temp_bytes"]
+      out.append(f"{r['layout']:<8}{str(r['mesh']):<26}{r['param_bytes_per_device']:>12,}"
+                 f"{opt:>10,} {opt / base['optimizer_bytes_per_device']:>5.3f}x"
+                 f"{r['argument_bytes']:>12,}{r['output_bytes']:>12,}"
+                 f"{temp:>10,} {temp / base['temp_bytes']:>5.3f}x")
   h = payload.get("hsdp")
   if h:
-    print(f"\n== hsdp over 2 processes x 4 devices ({'network namespaces' if h['namespaces'] else 'loopback: bytes not measured'}) ==")
-    print(f"losses bit-identical to the one-process run: {h['bit_identical']} "
-          f"({len(h['loss_bits_simulated'])} steps; last {h['losses_simulated'][-1]:.6f})")
+    how = "network namespaces" if h["namespaces"] else "loopback: bytes not measured"
+    out.append(f"\n== hsdp over 2 processes x 4 devices ({how}) ==")
+    out.append(f"losses bit-identical to the one-process run: {h['bit_identical']} "
+               f"({len(h['loss_bits_simulated'])} steps; last {h['losses_simulated'][-1]:.6f})")
     e = h["expected"]
-    print(f"DynamiQ on the slow axis per step: {e['per_device']:,.0f} B per device, "
-          f"{e['per_process']:,.0f} B per process ({e['bits_per_coord']:.3f} bits/coord)")
+    out.append(f"DynamiQ on the slow axis per step: {e['per_device']:,.0f} B per device, "
+               f"{e['per_process']:,.0f} B per process ({e['bits_per_coord']:.3f} bits/coord)")
     for link in h["links"]:
       if link.get("measured"):
-        print(f"process {link['rank']}: link tx {link['tx_bytes']:,.0f} B/step "
-              f"({link['tx_packets']:.0f} packets; minus {HEADER_BYTES} B headers each: "
-              f"{link['tx_payload_estimate']:,.0f} B = "
-              f"{link['tx_payload_estimate'] / e['per_process']:.3f}x expected), "
-              f"rx {link['rx_bytes']:,.0f} B/step")
+        out.append(f"process {link['rank']}: link tx {link['tx_bytes']:,.0f} B/step "
+                   f"({link['tx_packets']:.0f} packets; minus {HEADER_BYTES} B headers each: "
+                   f"{link['tx_payload_estimate']:,.0f} B = "
+                   f"{link['tx_payload_estimate'] / e['per_process']:.3f}x expected), "
+                   f"rx {link['rx_bytes']:,.0f} B/step")
+  return out
+
+
+def render(payload) -> str:
+  """``sharded.md``: the command, the machine and the report of ``payload``."""
+  m = payload["machine"]
+  head = [f"# Sharded models ({'tiny smoke run' if payload.get('tiny') else 'bench.sharded'})",
+          "", "Written by `python -m dynamiq_jax.bench.sharded`; do not edit.", "",
+          f"- command: `{payload['command']}`",
+          f"- machine: {m['platform']}, {m['cpu_count']} CPUs, jax {m['jax']}, "
+          f"{m['device_count']} {m['backend']} devices, commit {m.get('git_commit', '?')}, "
+          f"{m['date']}", "", "```"]
+  return "\n".join(head + [line.lstrip("\n") if i == 0 else line
+                           for i, line in enumerate(_lines(payload))] + ["```", ""])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.sharded", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--parts", default="hlo,memory,hsdp", help="comma-separated: hlo, memory, hsdp")
+  p.add_argument("--codec", default="dynamiq",
+                 help="dynamiq (5 bits), or a name in dq.REDUCERS that can reduce-scatter")
   p.add_argument("--steps", type=int, default=8, help="hsdp training steps")
   p.add_argument("--corpus-bytes", type=int, default=1_000_000, help="training text bytes")
   p.add_argument("--tiny", action="store_true",
@@ -272,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-shaping", action="store_true", help="loopback, no namespaces")
   p.add_argument("--timeout", type=float, default=1500, help="seconds the processes may take")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
+  p.add_argument("--render", default=None, metavar="JSON",
+                 help="only rewrite sharded.md beside JSON from it (no measurement)")
   p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
   p.add_argument("--config", default=None, help=argparse.SUPPRESS)
@@ -280,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
   args = build_parser().parse_args(argv)
+  if args.render:  # sharded.md again from a results file (e.g. after a format change)
+    with open(args.render) as f:
+      payload = json.load(f)
+    with open(os.path.join(os.path.dirname(args.render), "sharded.md"), "w") as f:
+      f.write(render(payload))
+    return payload
   if args.worker is not None:
     with open(args.config) as f:
       _worker(json.load(f), args.worker, args.coordinator)
@@ -299,15 +347,18 @@ def main(argv=None):
   payload = {"benchmark": "sharded", "command": common.command_line(),
              "machine": common.machine(), "tiny": args.tiny}
   if "hlo" in parts:
-    payload["hlo"] = collective_table(args.tiny, text)
+    payload["hlo"] = collective_table(args.tiny, text, args.codec)
   if "memory" in parts:
-    payload["memory"] = memory_rows(args.tiny, text)
+    payload["memory"] = memory_rows(args.tiny, text, args.codec)
   if "hsdp" in parts:
     shaped = shaping(args.no_shaping or args.tiny)
     payload["hsdp"] = hsdp_run(args, shaped)
-  _print(payload)
-  path = common.write_json(os.path.join(common.results_dir(args.out), "sharded.json"), payload)
-  print(f"\nwrote {path}")
+  print("\n".join(_lines(payload)))
+  out = common.results_dir(args.out)
+  path = common.write_json(os.path.join(out, "sharded.json"), payload)
+  with open(os.path.join(out, "sharded.md"), "w") as f:
+    f.write(render(payload))
+  print(f"\nwrote {path} and sharded.md")
   if "hsdp" in parts and not payload["hsdp"]["bit_identical"]:
     raise SystemExit("the processes' losses differ from the one-process run")
   return payload
