@@ -258,14 +258,16 @@ def _lines(payload) -> list[str]:
     base = {k: rows[0][k] for k in ("optimizer_bytes_per_device", "temp_bytes")}
     out.append(f"\n== memory_analysis() per device, bytes (x: of the {rows[0]['layout']} "
                f"layout's) ==")
-    out.append(f"{'layout':<8}{'mesh':<26}{'params':>12}{'Adam state':>18}{'arguments':>12}"
-               f"{'outputs':>12}{'temp':>18}")
+    out.append(f"{'layout':<8}{'mesh':<26}{'params':>13}{'Adam state':>21}{'arguments':>13}"
+               f"{'outputs':>13}{'temp':>21}")
     for r in rows:
       opt, temp = r["optimizer_bytes_per_device"], r["temp_bytes"]
-      out.append(f"{r['layout']:<8}{str(r['mesh']):<26}{r['param_bytes_per_device']:>12,}"
-                 f"{opt:>10,} {opt / base['optimizer_bytes_per_device']:>5.3f}x"
-                 f"{r['argument_bytes']:>12,}{r['output_bytes']:>12,}"
-                 f"{temp:>10,} {temp / base['temp_bytes']:>5.3f}x")
+      out.append(f"{r['layout']:<8}{str(r['mesh']):<26}{r['param_bytes_per_device']:>13,}"
+                 f"{opt:>13,} {opt / base['optimizer_bytes_per_device']:>6.3f}x"
+                 f"{r['argument_bytes']:>13,}{r['output_bytes']:>13,}"
+                 f"{temp:>13,} {temp / base['temp_bytes']:>6.3f}x")
+    out.append("(arguments: parameters and optimizer state; temp includes activations and each "
+               "rank's whole gradient, which the step computes before reducing it)")
   h = payload.get("hsdp")
   if h:
     how = "network namespaces" if h["namespaces"] else "loopback: bytes not measured"
