@@ -57,6 +57,11 @@ class CompressedPsumState(NamedTuple):
   error_estimate: Any = 0.0
 
 
+def _zero_residual(params) -> PerRank:
+  """Error feedback's residual at step 0: zeros, one slice per rank (of size 1 here)."""
+  return PerRank(jax.tree.map(lambda p: jnp.zeros((1,) + tuple(p.shape), jnp.float32), params))
+
+
 def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                     average: bool = True, seed: int = 0,
                     bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -114,10 +119,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
   codec = DynamiQ() if codec is None else codec
 
   def init_fn(params):
-    residual = None
-    if error_feedback:
-      residual = PerRank(jax.tree.map(
-          lambda p: jnp.zeros((1,) + tuple(p.shape), jnp.float32), params))
+    residual = _zero_residual(params) if error_feedback else None
     return CompressedPsumState(
         step=jnp.zeros([], jnp.int32),
         key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
@@ -243,10 +245,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
     raise ValueError(f"schedule={schedule!r} needs axis_name=(slow, fast); got {axis_name!r}")
 
   def init_fn(params):
-    residual = None
-    if error_feedback:
-      residual = PerRank(jax.tree.map(
-          lambda p: jnp.zeros((1,) + tuple(p.shape), jnp.float32), params))
+    residual = _zero_residual(params) if error_feedback else None
     return CompressedPsumState(
         step=jnp.zeros([], jnp.int32),
         key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
