@@ -356,3 +356,16 @@ def _elements(shape: str) -> int:
   import re
   return sum(int(np.prod([int(v) for v in dims.split(",") if v] or [1]))
              for dims in re.findall(r"\[([\d,]*)\]", shape))
+
+
+def test_data_parallel_rejects_unplaced_logical_names():
+  # A model built without a mesh keeps its logical axis names: DataParallel cannot place
+  # them and says how to (not silently replicate the model).
+  import optax
+  from flax import nnx
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  with nnx.use_eager_sharding(False):
+    layer = nnx.Linear(8, 16, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), ("embed", "hidden")))
+  with pytest.raises(ValueError, match=r"\['embed', 'hidden'\].*logical_axis_rules"):
+    dq.nnx.DataParallel.create(layer, optax.sgd(0.1), mesh=mesh)
