@@ -369,3 +369,56 @@ def test_data_parallel_rejects_unplaced_logical_names():
         nnx.initializers.lecun_normal(), ("embed", "hidden")))
   with pytest.raises(ValueError, match=r"\['embed', 'hidden'\].*logical_axis_rules"):
     dq.nnx.DataParallel.create(layer, optax.sgd(0.1), mesh=mesh)
+
+
+class TestShardedOptimizer:
+  """dq.compressed_psum_scatter in dq.data_parallel_step, parameters from zero_shardings."""
+
+  @staticmethod
+  def _run(tx, params, mesh, axis, steps=3):
+    x = jax.random.normal(jax.random.key(2), (64, 16))
+    batch = jax.device_put((x, x.sum(1, keepdims=True)), NamedSharding(mesh, P(axis)))
+    opt_state = dq.data_parallel_init(tx, params, mesh=mesh, axis_name=axis)
+    step = dq.data_parallel_step(
+        lambda p, b: jnp.mean((jnp.tanh(b[0] @ p["w1"]) @ p["w2"] - b[1]) ** 2), tx,
+        mesh=mesh, axis_name=axis)
+    for _ in range(steps):
+      params, opt_state, loss = step(params, opt_state, batch)
+    return params, opt_state
+
+  @pytest.mark.parametrize("hsdp", [False, True])
+  def test_f32_zero_and_hsdp_follow_the_replicated_run(self, hsdp):
+    import optax
+    params = {"w1": np.asarray(jax.random.normal(jax.random.key(0), (16, 64))) / 4,
+              "w2": np.asarray(jax.random.normal(jax.random.key(1), (64, 8))) / 8}  # host:
+    flat = jax.make_mesh((8,), ("data",))
+    ref, _ = self._run(optax.chain(dq.compressed_psum("data", codec=F32()), optax.adam(1e-2)),
+                       jax.device_put(params, NamedSharding(flat, P())), flat, "data")
+    if hsdp:
+      mesh, axis, over = jax.make_mesh((2, 4), ("host", "local")), ("host", "local"), "local"
+      reduce = dq.compressed_psum_scatter(axis, codec=F32(), schedule="hierarchical")
+    else:
+      mesh, axis, over = flat, "data", "data"
+      reduce = dq.compressed_psum_scatter("data", codec=F32())
+    placed = jax.device_put(params, dq.zero_shardings(params, mesh=mesh, axis_name=over,
+                                                      min_size=0))
+    got, opt_state = self._run(optax.chain(reduce, optax.adam(1e-2)), placed, mesh, axis)
+    for k in params:  # the same training, up to the order of F32 sums
+      np.testing.assert_allclose(np.asarray(got[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
+      assert over in str(got[k].sharding.spec), got[k].sharding  # still split
+    mu = opt_state[1][0].mu["w1"]  # Adam's first moment: one shard per device of the split
+    assert mu.addressable_shards[0].data.size == mu.size // mesh.shape[over]
+
+  def test_error_feedback_keeps_a_per_rank_residual(self):
+    import optax
+    mesh = jax.make_mesh((8,), ("data",))
+    params = {"w1": jax.random.normal(jax.random.key(0), (16, 64)) / 4,
+              "w2": jax.random.normal(jax.random.key(1), (64, 8)) / 8}
+    placed = jax.device_put(params, dq.zero_shardings(params, mesh=mesh, min_size=0))
+    tx = optax.chain(dq.compressed_psum_scatter("data", codec=GlobalQSGD(),
+                                                error_feedback=True), optax.adam(1e-2))
+    _, opt_state = self._run(tx, placed, mesh, "data", steps=2)
+    residual = opt_state[0].residual.tree["w1"]  # [ranks, *w1.shape], one slice per rank
+    assert residual.shape == (8, 16, 64)
+    r = np.asarray(residual)
+    assert np.abs(r).max() > 0 and not (r == r[:1]).all()  # each rank's own rounding error
