@@ -1,10 +1,11 @@
 """Which collectives a compiled program runs, and over which mesh axes.
 
 :func:`collectives` reads XLA's optimized HLO text (``jax.jit(f).lower(...).compile()
-.as_text()``) and names, for every all-reduce, all-gather, reduce-scatter,
-all-to-all and collective-permute, the mesh axes its device groups span: the
-check that a data-parallel reduction on a sharded model talks over the data
-axis only. XLA prints device groups in several forms, all handled here:
+.as_text()``, parsed by :func:`dynamiq_jax.bench.gpu_compile.parse_hlo`) and
+names, for every all-reduce, all-gather, reduce-scatter, all-to-all and
+collective-permute, the mesh axes its device groups span: the check that a
+data-parallel reduction on a sharded model talks over the data axis only.
+XLA prints device groups in several forms, all handled here:
 explicit lists (``{{0,2},{1,3}}``), iota tiles (``[4,2]<=[8]``,
 ``[2,4]<=[4,2]T(1,0)``), named meshes (``mesh['axis_0'=4,'axis_1'=2]
 {'axis_1'}``, optionally with ``device_ids=(...)``) and permutation pairs.
@@ -17,11 +18,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dynamiq_jax.bench.gpu_compile import parse_hlo
+
 __all__ = ["Collective", "collectives", "axes_of_groups", "summary"]
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?\S+\s*=\s*(\S+(?:\[[^\]]*\])?(?:\{[^}]*\})?|\([^)]*\))\s+"
-                   r"(" + "|".join(_OPS) + r")(?:-start)?\(")
 
 
 class Collective(NamedTuple):
@@ -106,14 +107,15 @@ def axes_of_groups(groups, mesh) -> tuple:
 def collectives(hlo_text: str, mesh) -> list[Collective]:
   """Every collective in ``hlo_text`` (the ``-done`` halves of async pairs left out)."""
   out = []
-  for line in hlo_text.splitlines():
-    m = _LINE.match(line)
-    if not m:
-      continue
-    groups = _groups(line)
-    if groups is None:  # no groups printed: all partitions
-      groups = [list(range(int(np.prod(mesh.devices.shape))))]
-    out.append(Collective(m.group(2), m.group(1), axes_of_groups(groups, mesh), line.strip()))
+  for comp in parse_hlo(hlo_text).values():
+    for ins in comp.instructions:
+      op = ins.opcode.removesuffix("-start")
+      if op not in _OPS:
+        continue
+      groups = _groups(ins.attributes)
+      if groups is None:  # no groups printed: all partitions
+        groups = [list(range(int(np.prod(mesh.devices.shape))))]
+      out.append(Collective(op, ins.shape, axes_of_groups(groups, mesh), ins.line.strip()))
   return out
 
 
