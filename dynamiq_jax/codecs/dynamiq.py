@@ -143,6 +143,8 @@ class DynamiQ(Codec):
     All-reduce", SIGCOMM 2026 (arXiv 2602.08923).
   """
 
+  supports_scatter = True  # with bucket.scatter each chunk ranks its own super-groups
+
   bits: float = 5.0
   widths: tuple[int, ...] = DEFAULT_WIDTHS
   eps: tuple[tuple[int, float], ...] = DEFAULT_EPS
@@ -205,11 +207,6 @@ class DynamiQ(Codec):
   def metadata_bits(self, d: int, n: int) -> int:
     """The statistics' bits (:meth:`wire_bits` less the chunk payloads)."""
     return self.layout(d, n).stats_bits
-
-  @property
-  def supports_scatter(self) -> bool:
-    """Per-round widths: with ``bucket.scatter`` each chunk ranks its own super-groups."""
-    return self.allocation == "per_round"
 
   def compresses(self, d: int, n: int) -> bool:
     """Whether this bucket is compressed; ``allreduce`` sends the others as bf16.
