@@ -63,6 +63,7 @@ from dynamiq_jax.allreduce import _hop_ops
 from dynamiq_jax.allreduce import _key_data
 from dynamiq_jax.allreduce import _leaf_order
 from dynamiq_jax.allreduce import _one_after_another
+from dynamiq_jax.allreduce import _relative
 from dynamiq_jax.allreduce import _report
 from dynamiq_jax.allreduce import _sum_stats
 from dynamiq_jax.allreduce import _unguard
@@ -71,7 +72,7 @@ from dynamiq_jax.codecs.base import Bucket, Keys
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.executor import reduce_scatter as reduce_phase
-from dynamiq_jax.schedules.local import local_specs, model_axes, run_on_local_shards
+from dynamiq_jax.schedules.local import local_specs, run_on_local_shards
 from dynamiq_jax.schedules.local import sharding_groups
 from dynamiq_jax.schedules.plan import get_plan
 
@@ -124,7 +125,7 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
     scattered bucket ``(n - 1) / n`` of its payload plus the metadata's
     all-reduce (HSDP: what the slow axis carries for a rank's slice);
     ``error_estimate`` is NaN where a leaf was scattered (no estimate is made
-    for a reduce-scatter).
+    for a reduce-scatter), else the all-reduce's (over every model shard).
 
   Raises:
     ValueError: a codec that cannot reduce-scatter, or keeps state; a
@@ -171,7 +172,8 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
       average=average, bucket_size=bucket_size, max_buckets=max_buckets,
       leaf_order=leaf_order, implementation=implementation, return_own=return_own)
   if local is None:
-    return run(tree, key=key)
+    out, stats, _, _ = run(tree, key=key)
+    return out, stats
   for (path, _), spec, dim in zip(leaves, local, dims):
     if dim is not None and dim < len(spec) and spec[dim] is not None:
       raise ValueError(
@@ -181,12 +183,13 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
           f"over that axis on another one")
 
   groups = sharding_groups(local)
+  scattered = any(d is not None for d in dims)
 
   def body(local_tree, *keys):  # each sharding group on its own (see schedules.local)
     flat = treedef.flatten_up_to(local_tree)
-    outs, owns, parts = [None] * len(flat), [None] * len(flat), []
-    for (_, idx), k in zip(groups, keys):
-      out, stats = _reduce_scatter_local(
+    outs, owns, parts, err_sum, ref_sum = [None] * len(flat), [None] * len(flat), [], 0.0, None
+    for (sharded_over, idx), k in zip(groups, keys):
+      out, stats, err, ref = _reduce_scatter_local(
           [flat[i] for i in idx], dims=[dims[i] for i in idx], axis_name=axis_name,
           codec=codec, schedule=schedule, key=k, average=average, bucket_size=bucket_size,
           max_buckets=max_buckets, leaf_order=_group_order(leaf_order, idx, len(flat)),
@@ -194,10 +197,19 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
       for j, i in enumerate(idx):
         outs[i] = out[j]
         owns[i] = stats.own[j] if return_own else None
+      if ref is not None:  # as in dq.allreduce: each coordinate counted once, over its shards
+        if sharded_over:
+          err, ref = jax.lax.psum((err, ref), sharded_over)
+        err_sum, ref_sum = err_sum + err, ref if ref_sum is None else ref_sum + ref
       parts.append(stats._replace(own=None))
+    stats = _sum_stats(parts)
+    if scattered or ref_sum is None:  # no estimate for a scattered leaf, or from this codec
+      stats = stats._replace(error_estimate=jnp.float32(jnp.nan))
+    else:
+      stats = stats._replace(error_estimate=_relative(jnp.float32(err_sum),
+                                                      jnp.float32(ref_sum)))
     return (jax.tree_util.tree_unflatten(treedef, outs),
-            jax.tree_util.tree_unflatten(treedef, owns) if return_own else None,
-            _sum_stats(parts))
+            jax.tree_util.tree_unflatten(treedef, owns) if return_own else None, stats)
 
   def out_specs(tree_specs):
     stats = AllReduceStats(P(), P(), P(), codec_state=None, own=None, uncompressed=P(),
@@ -298,7 +310,9 @@ def _shard_shape(shape, dim: int, n: int):
 
 def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, average, bucket_size,
                           max_buckets, leaf_order, implementation, return_own):
-  """:func:`reduce_scatter` of local arrays -> ``(tree, stats)``."""
+  """:func:`reduce_scatter` of local arrays -> ``(tree, stats, err, ref)``: ``err`` and
+  ``ref`` the whole leaves' expected squared error and squared norm (None: no whole
+  leaves, or no estimate from the codec), for a caller that weighs several groups."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   arrays = [jnp.asarray(a) for a in leaves]
   hier = schedule in HIERARCHICAL
@@ -351,6 +365,7 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
     parts.append(_scattered_report([rows.shape[1] for rows in buckets], codec, n, hier,
                                    ctx.n // n, sum(int(np.prod(arrays[i].shape)) for i in scat)))
 
+  err = ref = None
   if whole:
     sub = [arrays[i] for i in whole]
     out, stats, err, ref = _allreduce_local(
@@ -362,14 +377,11 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
       outs[i] = out[j]
       if return_own:
         owns[i] = stats.own[j]
-    if ref is not None:
-      err = jnp.where(ref > 0, err / jnp.where(ref > 0, ref, 1.0), err)
-      if model_axes():
-        err = jnp.float32(jnp.nan)  # leaves' shares would need weighing; not estimated
-    parts.append(stats._replace(error_estimate=err, own=None))
+    parts.append(stats._replace(error_estimate=err if ref is None else _relative(err, ref),
+                                own=None))
 
   return jax.tree_util.tree_unflatten(treedef, outs), _sum_stats(parts)._replace(
-      own=jax.tree_util.tree_unflatten(treedef, owns) if return_own else None)
+      own=jax.tree_util.tree_unflatten(treedef, owns) if return_own else None), err, ref
 
 
 def _scattered_report(widths, codec, n: int, hier: bool, slow: int, coords: int

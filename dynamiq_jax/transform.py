@@ -232,7 +232,9 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` returns this
     rank's shards; its state is a :class:`CompressedPsumState` (its
-    ``error_estimate`` is NaN: no estimate is made for a reduce-scatter).
+    ``error_estimate`` is NaN when any leaf is scattered: no estimate is made
+    for a reduce-scatter; with every leaf whole, the all-reduce's, model-sharded
+    leaves included).
     ``update`` takes the extra keyword ``specs`` as :func:`compressed_psum`.
 
   Examples:

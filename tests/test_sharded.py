@@ -256,6 +256,32 @@ class TestReduceScatter:
       np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(want[k]), err_msg=k)
     _data_only(hlo.collectives(f.lower(x).compile().as_text(), mesh), name)
 
+  def test_error_estimate_of_whole_model_sharded_leaves_is_the_1d_runs(self):
+    # Bf16 rounds to nearest: its estimate is a function of the result alone, so the
+    # sharded run's (each leaf's shards summed over the model axis) is the 1-D run's on
+    # whole leaves. A scattered leaf gets no estimate: NaN, as on one axis.
+    mesh = _mesh("4x2", "auto")
+    specs = _specs("4x2")
+    g = _grads(4, dyadic=False)
+    codec = dq.codecs.Bf16()
+
+    def estimate(t, dims, specs=None):
+      return dq.reduce_scatter(t, axis_name="data", codec=codec, key=jax.random.key(0),
+                               scatter_dimension=dims, specs=specs)[1].error_estimate
+
+    full = jax.tree.map(lambda s: P("data", *s), specs, is_leaf=lambda x: isinstance(x, P))
+    x = jax.device_put(g, jax.tree.map(lambda s: NamedSharding(mesh, s), full,
+                                       is_leaf=lambda x: isinstance(x, P)))
+    scattered = {"repl": 0, "tensor": 0, "fsdp": 1, "both": 0, "bias": None}
+    whole, part = (float(jax.jit(jax.shard_map(
+        lambda t, d=dims: estimate(jax.tree.map(lambda a: a[0], t), d, specs), mesh=mesh,
+        in_specs=(P("data"),), out_specs=P(), axis_names={"data"}, check_vma=False))(x))
+                   for dims in (None, scattered))
+    want = jax.vmap(lambda t: estimate(t, None), axis_name="data")(g)
+    assert 0 < whole < 1e-3, whole  # bf16's relative error, not NaN
+    np.testing.assert_allclose(whole, np.asarray(want)[0], rtol=1e-5)
+    assert np.isnan(part)
+
   def test_scattering_a_model_sharded_dimension_is_an_error(self):
     mesh = _mesh("4x2", "auto")
     specs = _specs("4x2")
