@@ -397,6 +397,47 @@ def test_data_parallel_rejects_unplaced_logical_names():
     dq.nnx.DataParallel.create(layer, optax.sgd(0.1), mesh=mesh)
 
 
+@pytest.mark.parametrize("how", ["under_the_mesh", "declared"])
+def test_data_parallel_places_logical_names_by_flax_rules(how):
+  # Flax's logical axis rules give the shardings: either the model is built under the
+  # mesh and the rules (its arrays carry them), or DataParallel reads the declared names
+  # under the rules. The step keeps them and trains as the replicated model does.
+  import optax
+  from flax import nnx
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  rules = (("embed", None), ("hidden", "model"))
+
+  def layer(partitioned=True):
+    wrap = nnx.with_partitioning if partitioned else (lambda init, _: init)
+    return nnx.Linear(8, 16, rngs=nnx.Rngs(0),
+                      kernel_init=wrap(nnx.initializers.lecun_normal(), ("embed", "hidden")),
+                      bias_init=wrap(nnx.initializers.normal(), ("hidden",)))
+
+  tx = optax.chain(dq.compressed_psum("data", codec=F32()), optax.sgd(0.1))
+  if how == "under_the_mesh":
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+      dp = dq.nnx.DataParallel.create(layer(), tx, mesh=mesh)
+  else:
+    with nnx.use_eager_sharding(False):
+      model = layer()
+    with nnx.logical_axis_rules(rules):
+      dp = dq.nnx.DataParallel.create(model, tx, mesh=mesh)
+  ref = dq.nnx.DataParallel.create(layer(partitioned=False), tx, mesh=mesh)
+  rng = np.random.default_rng(0)
+  batch = jax.device_put((rng.standard_normal((16, 8), np.float32),
+                          rng.standard_normal((16, 16), np.float32)),
+                         NamedSharding(mesh, P("data")))
+  loss_fn = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()
+  state, _ = dp.train_step(loss_fn)(dp.state, batch)
+  want, _ = ref.train_step(loss_fn)(ref.state, batch)
+  for s in (dp.state, state):
+    assert s[0]["kernel"].sharding.spec == P(None, "model"), s[0]["kernel"].sharding
+    assert s[0]["bias"].sharding.spec == P("model"), s[0]["bias"].sharding
+  for k in ("kernel", "bias"):
+    np.testing.assert_allclose(np.asarray(state[0][k]), np.asarray(want[0][k]), rtol=1e-6,
+                               atol=1e-7)
+
+
 class TestShardedOptimizer:
   """dq.compressed_psum_scatter in dq.data_parallel_step, parameters from zero_shardings."""
 
