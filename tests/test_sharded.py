@@ -82,8 +82,8 @@ def _data_only(found, what):
 
 class TestAllreduceOnShards:
 
-  @pytest.mark.parametrize("kind", ["explicit", "auto"])
-  @pytest.mark.parametrize("name", list(MESHES))
+  @pytest.mark.parametrize("name,kind", [("4x2", "explicit"), ("2x4", "auto"),
+                                         ("2x2x2", "explicit"), ("2x2x2", "auto")])
   def test_f32_equals_pmean_and_talks_over_data_only(self, name, kind):
     mesh = _mesh(name, kind)
     n = mesh.shape["data"]
@@ -135,14 +135,18 @@ class TestAllreduceOnShards:
 
     _data_only(hlo.collectives(f.lower(g).compile().as_text(), mesh), "jax.shard_map")
 
-  def test_dynamiq_on_shards_is_the_1d_run_on_the_same_shards(self):
+  @pytest.mark.parametrize("codec", [
+      GlobalQSGD(),
+      # DynamiQ's two compiles (this step and dq.simulate's) take over 30 s on 2 cores:
+      # .ci/run-slow. GlobalQSGD runs the same sharded path (keys, metadata, hops) in CI.
+      pytest.param(DynamiQ(bits=5), marks=pytest.mark.slow)], ids=["globalqsgd", "dynamiq"])
+  def test_lossy_codec_on_shards_is_the_1d_run_on_the_same_shards(self, codec):
     # Each model rank all-reduces its own shards over the data axis: bit for bit the 1-D
     # run (dq.simulate) on those shards, so its vNMSE is that run's, seed by seed. (The
     # leaves are all sharded over "model": one sharding group, the caller's key; the
     # grouping is tested below.)
     mesh = _mesh("2x4", "explicit")
     specs = {k: v for k, v in _specs("2x4").items() if k != "repl"}
-    codec = DynamiQ(bits=5)
     run = None
     errs = []
     for seed in range(3):
@@ -156,13 +160,14 @@ class TestAllreduceOnShards:
         out = run(jax.device_put(g, jax.tree.map(lambda a: a.sharding, out)), words)
       for m in range(4):  # model rank m's shards
         local = {k: _local(g[k], specs[k], m, parts=4) for k in g}
-        assert codec.compresses(sum(v[0].size for v in local.values()), 2)  # not bf16
+        if isinstance(codec, DynamiQ):
+          assert codec.compresses(sum(v[0].size for v in local.values()), 2)  # not bf16
         want = dq.simulate(local, codec=codec, key=key)
         got = {k: _local(np.asarray(out[k]), specs[k], m, parts=4) for k in g}
         for k in g:
           np.testing.assert_array_equal(got[k], np.asarray(want[k]), err_msg=f"{k}, rank {m}")
         errs.append(_vnmse(got, local))
-    assert all(1e-4 < e < 0.1 for e in errs), errs  # DynamiQ's error, not a lossless copy
+    assert all(1e-5 < e < 0.1 for e in errs), errs  # the codec's error, not a lossless copy
 
   @pytest.mark.parametrize("grouped", [True, False])
   @pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
@@ -453,14 +458,27 @@ class TestShardedOptimizer:
       params, opt_state, loss = step(params, opt_state, batch)
     return params, opt_state
 
+  @staticmethod
+  def _params():
+    return {"w1": np.asarray(jax.random.normal(jax.random.key(0), (16, 64))) / 4,
+            "w2": np.asarray(jax.random.normal(jax.random.key(1), (64, 8))) / 8}  # host
+
+  @classmethod
+  @functools.cache
+  def _replicated(cls):
+    """The replicated run both layouts must follow (computed once)."""
+    import optax
+    flat = jax.make_mesh((8,), ("data",))
+    ref, _ = cls._run(optax.chain(dq.compressed_psum("data", codec=F32()), optax.adam(1e-2)),
+                      jax.device_put(cls._params(), NamedSharding(flat, P())), flat, "data")
+    return jax.tree.map(np.asarray, ref)
+
   @pytest.mark.parametrize("hsdp", [False, True])
   def test_f32_zero_and_hsdp_follow_the_replicated_run(self, hsdp):
     import optax
-    params = {"w1": np.asarray(jax.random.normal(jax.random.key(0), (16, 64))) / 4,
-              "w2": np.asarray(jax.random.normal(jax.random.key(1), (64, 8))) / 8}  # host:
+    params = self._params()
+    ref = self._replicated()
     flat = jax.make_mesh((8,), ("data",))
-    ref, _ = self._run(optax.chain(dq.compressed_psum("data", codec=F32()), optax.adam(1e-2)),
-                       jax.device_put(params, NamedSharding(flat, P())), flat, "data")
     if hsdp:
       mesh, axis, over = jax.make_mesh((2, 4), ("host", "local")), ("host", "local"), "local"
       reduce = dq.compressed_psum_scatter(axis, codec=F32(), schedule="hierarchical")
