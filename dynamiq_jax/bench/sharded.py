@@ -2,7 +2,7 @@
 HSDP across processes over emulated links.
 
     sudo python -m dynamiq_jax.bench.sharded           # all three parts
-    python -m dynamiq_jax.bench.sharded --tiny         # smoke test (CI; no namespaces)
+    python -m dynamiq_jax.bench.sharded --tiny         # smoke test (no namespaces)
 
 The model is the byte-level transformer LM of ``examples/nnx_sharded_lm`` on 8
 devices, trained with ``dq.nnx.DataParallel`` and DynamiQ (5 bits):
@@ -72,14 +72,15 @@ def _lowered(config, devices, text):
 
 
 def collective_table(tiny: bool, text, codec: str = "dynamiq") -> list[dict]:
-  """Part 1: the tensor layout's compiled step, Auto and Explicit axes: every collective
-  by op and mesh axes, and those over ``model`` one by one (result type, JAX op name)."""
+  """Part 1: the tensor layout's compiled step, Auto and Explicit axes (``tiny``: Auto
+  only; tests/test_sharded.py compiles both): every collective by op and mesh axes, and
+  those over ``model`` one by one (result type, JAX op name)."""
   import re
   import jax
   from dynamiq_jax.bench import hlo
 
   rows = []
-  for kind in ("auto", "explicit"):
+  for kind in ("auto",) if tiny else ("auto", "explicit"):
     lowered, dp = _lowered(_config("tensor", tiny, axis_types=kind, codec=codec),
                            jax.devices(), text)
     found = hlo.collectives(lowered.compile().as_text(), dp.mesh)
@@ -95,12 +96,16 @@ def collective_table(tiny: bool, text, codec: str = "dynamiq") -> list[dict]:
   return rows
 
 
-def memory_rows(tiny: bool, text, codec: str = "dynamiq") -> list[dict]:
-  """Part 2: ``memory_analysis()`` per device of the replicated, zero and hsdp steps."""
+def memory_rows(tiny: bool, text, codec: str = "dynamiq", bucket_sizes=(None,)) -> list[dict]:
+  """Part 2: ``memory_analysis()`` per device of the replicated, zero and hsdp steps, for
+  each of ``bucket_sizes`` (None: the library's default)."""
   import jax
+  from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
   rows = []
-  for layout in ("data", "zero", "hsdp"):
-    config = _config(layout, tiny, codec=codec, **({} if tiny else MEMORY_MODEL))
+  for layout, bucket_size in [(a, b) for b in bucket_sizes for a in ("data", "zero", "hsdp")]:
+    bucket_size = bucket_size or DEFAULT_BUCKET_SIZE
+    config = _config(layout, tiny, codec=codec, bucket_size=bucket_size,
+                     **({} if tiny else MEMORY_MODEL))
     lowered, dp = _lowered(config, jax.devices(), text)
     mem = lowered.compile().memory_analysis()
     state = dp.state
@@ -109,10 +114,12 @@ def memory_rows(tiny: bool, text, codec: str = "dynamiq") -> list[dict]:
     def per_device(tree):
       return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)))
 
+    full = int(sum(x.nbytes for x in jax.tree.leaves(params)))
     rows.append({
-        "layout": layout, "mesh": dict(dp.mesh.shape),
+        "layout": layout, "mesh": dict(dp.mesh.shape), "bucket_size": bucket_size,
         "params": int(sum(x.size for x in jax.tree.leaves(params))),
         "param_bytes_per_device": per_device(params),
+        "gathered_param_bytes": full - per_device(params),
         "optimizer_bytes_per_device": per_device(opt),
         "argument_bytes": int(mem.argument_size_in_bytes),
         "output_bytes": int(mem.output_size_in_bytes),
@@ -255,19 +262,24 @@ def _lines(payload) -> list[str]:
       out.append(f"    {m['op']:<20}{m['shape']:<40}{m['op_name'][-60:]}")
   if payload.get("memory"):
     rows = payload["memory"]
-    base = {k: rows[0][k] for k in ("optimizer_bytes_per_device", "temp_bytes")}
     out.append(f"\n== memory_analysis() per device, bytes (x: of the {rows[0]['layout']} "
-               f"layout's) ==")
-    out.append(f"{'layout':<8}{'mesh':<26}{'params':>13}{'Adam state':>21}{'arguments':>13}"
-               f"{'outputs':>13}{'temp':>21}")
+               f"layout's at the same bucket size) ==")
+    out.append(f"{'layout':<8}{'mesh':<26}{'bucket':>10}{'params':>12}{'Adam state':>20}"
+               f"{'arguments':>13}{'temp':>20}{'temp - gathered':>23}")
+    base = {}
     for r in rows:
+      size = r.get("bucket_size", 0)
       opt, temp = r["optimizer_bytes_per_device"], r["temp_bytes"]
-      out.append(f"{r['layout']:<8}{str(r['mesh']):<26}{r['param_bytes_per_device']:>13,}"
-                 f"{opt:>13,} {opt / base['optimizer_bytes_per_device']:>6.3f}x"
-                 f"{r['argument_bytes']:>13,}{r['output_bytes']:>13,}"
-                 f"{temp:>13,} {temp / base['temp_bytes']:>6.3f}x")
-    out.append("(arguments: parameters and optimizer state; temp includes activations and each "
-               "rank's whole gradient, which the step computes before reducing it)")
+      rest = temp - r.get("gathered_param_bytes", 0)
+      b = base.setdefault(size, (opt, temp, rest))
+      out.append(f"{r['layout']:<8}{str(r['mesh']):<26}{_pow2(size):>10}"
+                 f"{r['param_bytes_per_device']:>12,}{opt:>13,} {opt / b[0]:>5.3f}x"
+                 f"{r['argument_bytes']:>13,}{temp:>13,} {temp / b[1]:>5.3f}x"
+                 f"{rest:>16,} {rest / b[2]:>5.3f}x")
+    out.append("(arguments: parameters and optimizer state. temp: XLA's scratch at the step's "
+               "peak: activations kept for the backward pass, gradient buckets, and for zero "
+               "and hsdp the parameters all-gathered for the forward pass; temp - gathered "
+               "leaves those out)")
   h = payload.get("hsdp")
   if h:
     how = "network namespaces" if h["namespaces"] else "loopback: bytes not measured"
@@ -287,6 +299,12 @@ def _lines(payload) -> list[str]:
   return out
 
 
+def _pow2(size) -> str:
+  """``2^k`` for a power of two, else the number."""
+  size = int(size or 0)
+  return f"2^{size.bit_length() - 1}" if size and size & (size - 1) == 0 else f"{size:,}"
+
+
 def render(payload) -> str:
   """``sharded.md``: the command, the machine and the report of ``payload``."""
   m = payload["machine"]
@@ -295,16 +313,41 @@ def render(payload) -> str:
           f"- command: `{payload['command']}`",
           f"- machine: {m['platform']}, {m['cpu_count']} CPUs, jax {m['jax']}, "
           f"{m['device_count']} {m['backend']} devices, commit {m.get('git_commit', '?')}, "
-          f"{m['date']}", "", "```"]
+          f"{m['date']}"]
+  for part, earlier in payload.get("kept", {}).items():
+    e = earlier["machine"]
+    head.append(f"- {part}: kept from `{earlier['command']}` (commit "
+                f"{e.get('git_commit', '?')}, {e['date']})")
+  head += ["", "```"]
   return "\n".join(head + [line.lstrip("\n") if i == 0 else line
                            for i, line in enumerate(_lines(payload))] + ["```", ""])
+
+
+def _keep_other_parts(payload: dict, path: str, parts) -> None:
+  """The parts of an earlier ``path`` that this run did not measure, kept in ``payload``
+  with the command and machine that did (``payload["kept"]``)."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    earlier = json.load(f)
+  for part in ("hlo", "memory", "hsdp"):
+    if part not in parts and part in earlier:
+      payload[part] = earlier[part]
+      source = earlier.get("kept", {}).get(part) or {"command": earlier["command"],
+                                                     "machine": earlier["machine"]}
+      payload.setdefault("kept", {})[part] = source
 
 
 def build_parser() -> argparse.ArgumentParser:
   """The benchmark's flags."""
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.sharded", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--parts", default="hlo,memory,hsdp", help="comma-separated: hlo, memory, hsdp")
+  p.add_argument("--parts", default="hlo,memory,hsdp",
+                 help="comma-separated: hlo, memory, hsdp; the other parts of an existing "
+                      "sharded.json in --out are kept (with the command that measured them)")
+  p.add_argument("--bucket-sizes", default="default,1048576",
+                 help="memory: comma-separated bucket sizes in coordinates ('default': the "
+                      "library's)")
   p.add_argument("--codec", default="dynamiq",
                  help="dynamiq (5 bits), or a name in dq.REDUCERS that can reduce-scatter")
   p.add_argument("--steps", type=int, default=8, help="hsdp training steps")
@@ -351,12 +394,14 @@ def main(argv=None):
   if "hlo" in parts:
     payload["hlo"] = collective_table(args.tiny, text, args.codec)
   if "memory" in parts:
-    payload["memory"] = memory_rows(args.tiny, text, args.codec)
+    sizes = [None if b.strip() == "default" else int(b) for b in args.bucket_sizes.split(",")]
+    payload["memory"] = memory_rows(args.tiny, text, args.codec, sizes)
   if "hsdp" in parts:
     shaped = shaping(args.no_shaping or args.tiny)
     payload["hsdp"] = hsdp_run(args, shaped)
-  print("\n".join(_lines(payload)))
   out = common.results_dir(args.out)
+  _keep_other_parts(payload, os.path.join(out, "sharded.json"), parts)
+  print("\n".join(_lines(payload)))
   path = common.write_json(os.path.join(out, "sharded.json"), payload)
   with open(os.path.join(out, "sharded.md"), "w") as f:
     f.write(render(payload))

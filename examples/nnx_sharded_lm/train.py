@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dynamiq_jax as dq
+from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
 
 VOCAB = 256  # bytes
 
@@ -64,6 +65,7 @@ class Config:
     seed: initialisation, data order and rounding.
     axis_types: ``"auto"`` (the compiler places what the shardings leave open) or
       ``"explicit"`` (shardings are part of the arrays' types).
+    bucket_size: the reduction's most coordinates per bucket (the library's default).
   """
 
   layout: str = "tensor"
@@ -79,6 +81,7 @@ class Config:
   learning_rate: float = 3e-3
   seed: int = 0
   axis_types: str = "auto"
+  bucket_size: int = DEFAULT_BUCKET_SIZE
 
 
 def _linear(din, dout, axes, rngs, bias=True):
@@ -158,13 +161,13 @@ def make_optimizer(config: Config):
   """The compressed reduction over the data axes, then Adam."""
   codec = dq.codec_from_name(config.codec, **({"bits": config.bits}
                                               if config.codec == "dynamiq" else {}))
+  kw = dict(codec=codec, seed=config.seed, bucket_size=config.bucket_size)
   if config.layout in ("tensor", "data"):
-    reduce = dq.compressed_psum("data", codec=codec, seed=config.seed)
+    reduce = dq.compressed_psum("data", **kw)
   elif config.layout == "zero":
-    reduce = dq.compressed_psum_scatter("data", codec=codec, seed=config.seed)
+    reduce = dq.compressed_psum_scatter("data", **kw)
   else:
-    reduce = dq.compressed_psum_scatter(("host", "local"), codec=codec, seed=config.seed,
-                                        schedule="hierarchical")
+    reduce = dq.compressed_psum_scatter(("host", "local"), schedule="hierarchical", **kw)
   return optax.chain(reduce, optax.adam(config.learning_rate))
 
 
