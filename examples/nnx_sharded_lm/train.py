@@ -90,6 +90,18 @@ def _linear(din, dout, axes, rngs, bias=True):
                     bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), axes[1:]))
 
 
+def _row_parallel_out(x):
+  """The output sharding of a row-parallel projection whose result is shaped like ``x``:
+  ``x``'s own where the mesh axes are Explicit (the contraction over the sharded
+  dimension is then an all-reduce over it), None (the compiler's choice) where they
+  are Auto."""
+  sharding = jax.typeof(x).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or AxisType.Explicit not in tuple(getattr(mesh, "axis_types", ())):
+    return None
+  return sharding.spec
+
+
 class Block(nnx.Module):
   """Pre-norm block: causal self-attention (heads split over "heads"), a GELU MLP
   (hidden units split over "mlp"); column- then row-parallel, as in Megatron."""
@@ -110,8 +122,8 @@ class Block(nnx.Module):
     qkv = self.qkv(self.norm1(x)).reshape(b, t, self.heads, 3, d // self.heads)
     q, k, v = (qkv[:, :, :, i] for i in range(3))
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    x = x + self.out(y.reshape(b, t, d))
-    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+    x = x + self.out(y.reshape(b, t, d), out_sharding=_row_parallel_out(x))
+    return x + self.down(nnx.gelu(self.up(self.norm2(x))), out_sharding=_row_parallel_out(x))
 
 
 class ByteLM(nnx.Module):
