@@ -25,15 +25,20 @@ from dynamiq_jax.dropcompute import dropcompute_step
 from dynamiq_jax.registry import REDUCERS
 from dynamiq_jax.registry import codec_from_name
 from dynamiq_jax.registry import reducer
+from dynamiq_jax.scatter import reduce_scatter
+from dynamiq_jax.scatter import scatter_dimensions
+from dynamiq_jax.scatter import scatter_wire_stats
 from dynamiq_jax.schedules.context import UnboundAxisError
 from dynamiq_jax.simulate import simulate
 from dynamiq_jax.train import as_varying
 from dynamiq_jax.train import baseline_psum
 from dynamiq_jax.train import data_parallel_init
 from dynamiq_jax.train import data_parallel_step
+from dynamiq_jax.train import zero_shardings
 from dynamiq_jax.transform import CompressedPsumState
 from dynamiq_jax.transform import PerRank
 from dynamiq_jax.transform import compressed_psum
+from dynamiq_jax.transform import compressed_psum_scatter
 
 __version__ = "0.1.0"
 
@@ -61,6 +66,9 @@ __all__ = [
     "bucket_layout",
     "init_codec_state",
     "wire_stats",
+    "reduce_scatter",
+    "scatter_dimensions",
+    "scatter_wire_stats",
     "DropCompute",
     "DropComputeStats",
     "choose_threshold",
@@ -74,7 +82,9 @@ __all__ = [
     "baseline_psum",
     "data_parallel_init",
     "data_parallel_step",
+    "zero_shardings",
     "CompressedPsumState",
     "PerRank",
     "compressed_psum",
+    "compressed_psum_scatter",
 ]

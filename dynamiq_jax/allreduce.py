@@ -34,11 +34,13 @@ or on whether the code runs under ``shard_map``, ``pmap`` or ``vmap``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from dynamiq_jax._sizes import ceil_div, round_up
 from dynamiq_jax.codecs.base import Bucket, Codec, Keys
@@ -46,6 +48,8 @@ from dynamiq_jax.codecs.bf16 import Bf16
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context, axis_names, varying_axes
 from dynamiq_jax.schedules.executor import HopOps, execute
+from dynamiq_jax.schedules.local import local_specs, model_axes, run_on_local_shards
+from dynamiq_jax.schedules.local import sharding_groups
 from dynamiq_jax.schedules.plan import TreePlan, get_plan, ring_bytes_per_rank
 
 __all__ = [
@@ -338,8 +342,14 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
               average: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
               max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
               implementation: str | None = None, codec_state=None,
-              return_own: bool = False):
+              return_own: bool = False, specs=None):
   """Compressed all-reduce of a gradient pytree over ``axis_name``.
+
+  Inside a ``jax.shard_map`` that is manual over ``axis_name`` only and
+  leaves other mesh axes (tensor, FSDP) to the compiler, each device reduces
+  its own shard of every leaf over ``axis_name``: nothing is gathered over
+  the other axes, and the results keep the leaves' shardings
+  (:mod:`dynamiq_jax.schedules.local`).
 
   Args:
     tree: pytree of floating arrays (f32/bf16/f16, any shapes, scalars),
@@ -371,17 +381,23 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       (``stats.codec_state``); None starts from :func:`init_codec_state`.
     return_own: also return this rank's contribution as represented
       (``stats.own``), for error feedback.
+    specs: the leaves' ``PartitionSpec`` over the mesh (a pytree shaped like
+      ``tree``, e.g. the parameters' specs), needed where the other mesh axes
+      are ``AxisType.Auto``; with Explicit axes the leaves' types say it.
+      Axes that are already manual are ignored.
 
   Returns:
     ``(tree, stats)``: the reduced pytree (same structure, shapes and dtypes;
     bit-identical on every rank) and :class:`AllReduceStats`. Each rank sends
     ``stats.bytes_per_rank`` bytes: per hop one chunk payload, i.e.
-    ``wire_bits / n`` bits, for ``2 (n - 1)`` hops.
+    ``wire_bits / n`` bits, for ``2 (n - 1)`` hops. With leaves sharded
+    over other mesh axes, the stats count one device's shards.
 
   Raises:
     ValueError: unbound ``axis_name``; gradients already reduced by XLA
       (not varying over the axis); a budget the codec cannot meet; a bad
-      ``bucket_size`` or ``leaf_order``.
+      ``bucket_size`` or ``leaf_order``; leaves on Auto mesh axes without
+      ``specs``; a stateful codec with leaves sharded over other axes.
     TypeError: a non-floating leaf (the message names its path).
 
   Examples:
@@ -396,25 +412,134 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
   _check_codec(codec)
   hier = schedule in HIERARCHICAL
   if hier:
-    slow, fast = _hierarchical_axes(axis_name, codec, codec_state, return_own)
+    _hierarchical_axes(axis_name, codec, codec_state, return_own)
   if return_own and not codec.reports_contribution:
     raise ValueError(
         f"{type(codec).__name__} cannot report a rank's own contribution "
         f"(reports_contribution=False), which error feedback needs; use a codec that "
         f"does, or error_feedback=False")
   leaves, treedef = _check_leaves(tree)
-  ctx = axis_context((slow, fast) if hier else axis_name)
+  ctx = axis_context(tuple(axis_names(axis_name)) if hier else axis_name)
   _check_varying(leaves, ctx)
-  arrays = [jnp.asarray(leaf) for _, leaf in leaves]
+  local = local_specs(leaves, _flat_specs(specs, treedef), what="allreduce")
+  reduce_local = functools.partial(
+      _allreduce_local, axis_name=axis_name, codec=codec, schedule=schedule,
+      average=average, bucket_size=bucket_size, max_buckets=max_buckets, leaf_order=leaf_order,
+      implementation=implementation, codec_state=codec_state, return_own=return_own)
+  if local is None:
+    out, stats, err, ref = reduce_local(tree, key=key)
+    return out, stats._replace(error_estimate=err if ref is None else _relative(err, ref))
+  _check_sharded_codec(codec, codec_state)
+
+  groups = sharding_groups(local)
+
+  def body(local_tree, *keys):  # on this device's shards: manual over the model axes too
+    flat = treedef.flatten_up_to(local_tree)
+    outs, owns, parts, err_sum, ref_sum = [None] * len(flat), [None] * len(flat), [], 0.0, 0.0
+    for (sharded_over, idx), k in zip(groups, keys):
+      out, stats, err, ref = reduce_local([flat[i] for i in idx], key=k,
+                                          leaf_order=_group_order(leaf_order, idx, len(flat)))
+      for j, i in enumerate(idx):
+        outs[i] = out[j]
+        owns[i] = stats.own[j] if return_own else None
+      if ref is not None:  # each coordinate counted once: summed over its shards only
+        if sharded_over:
+          err, ref = jax.lax.psum((err, ref), sharded_over)
+        err_sum, ref_sum = err_sum + err, ref_sum + ref
+      parts.append(stats._replace(own=None, codec_state=None))
+    stats = _sum_stats(parts)._replace(error_estimate=_relative(jnp.float32(err_sum),
+                                                                jnp.float32(ref_sum)))
+    return (jax.tree_util.tree_unflatten(treedef, outs),
+            jax.tree_util.tree_unflatten(treedef, owns) if return_own else None, stats)
+
+  def out_specs(tree_specs):
+    return tree_specs, tree_specs if return_own else None, AllReduceStats(
+        P(), P(), P(), codec_state=None, own=None, uncompressed=P(), error_estimate=P())
+
+  keys = _group_keys(key, len(groups))
+  out, own, stats = run_on_local_shards(body, tree, local, treedef, out_specs=out_specs,
+                                       replicated=keys)
+  return out, stats._replace(own=own)
+
+
+def _group_keys(key, count: int) -> tuple:
+  """One key per sharding group (:func:`sharding_groups`) as raw words: ``key`` itself for
+  one group (the same bytes as on unsharded leaves), else ``fold_in(key, group)``."""
+  if count == 1:
+    return (_key_data(key),)
+  return tuple(_key_data(jax.random.fold_in(key, g)) for g in range(count))
+
+
+def _group_order(leaf_order, idx: list[int], num: int):
+  """``leaf_order`` (over all ``num`` leaves) restricted to the leaves ``idx``, renumbered."""
+  if leaf_order is None or isinstance(leaf_order, str):
+    return leaf_order
+  pos = {i: j for j, i in enumerate(idx)}
+  return [pos[i] for i in _leaf_order(num, leaf_order) if i in pos]
+
+
+def _sum_stats(parts) -> AllReduceStats:
+  """The wire accounting of several reductions as one (error estimate: the first's if
+  there is one part, else NaN: the callers that can weigh the parts set it)."""
+  coords = sum(p.coords for p in parts)
+  bits = sum(jnp.float32(p.bits_per_coord) * jnp.float32(p.coords) for p in parts)
+  err = parts[0].error_estimate if len(parts) == 1 else jnp.float32(jnp.nan)
+  return AllReduceStats(
+      jnp.float32(bits / jnp.maximum(jnp.float32(coords), 1.0)),
+      jnp.float32(sum(jnp.float32(p.bytes_per_rank) for p in parts)), jnp.int32(coords),
+      uncompressed=jnp.int32(sum(p.uncompressed for p in parts)),
+      error_estimate=jnp.float32(err))
+
+
+def _key_data(key):
+  """A key as raw uint32 words (what :meth:`Keys.from_key` takes), to pass into a map."""
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  return jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+
+
+def _flat_specs(specs, treedef):
+  """``specs`` (a tree of ``PartitionSpec`` shaped like the gradient) as one per leaf."""
+  if specs is None:
+    return None
+  try:
+    return treedef.flatten_up_to(specs)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"specs= must be a pytree of PartitionSpecs shaped like the gradient tree "
+        f"({treedef}); e.g. the parameters' jax.tree.map(lambda p: p.sharding.spec, "
+        f"params). It does not match: {e}") from None
+
+
+def _check_sharded_codec(codec, codec_state):
+  if codec.stateful or codec_state is not None:
+    raise ValueError(
+        f"{codec!r} keeps state from one all-reduce to the next, which leaves sharded over "
+        f"the model axes {model_axes()} would make differ between model ranks; it is not "
+        f"supported there. Fix: use a stateless codec (DynamiQ, MX(scale='e8m0'), Bf16, ...), or "
+        f"make the shard_map manual over every mesh axis")
+
+
+def _allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_size,
+                     max_buckets, leaf_order, implementation, codec_state, return_own):
+  """:func:`allreduce` of local arrays -> ``(tree, stats, err, ref)``: the estimated
+  squared error and the squared norm of the result, or ``(estimate, None)`` where the
+  estimate is final (one rank, or an empty tree)."""
+  hier = schedule in HIERARCHICAL
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  arrays = [jnp.asarray(leaf) for leaf in leaves]
   layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
                          leaf_order=leaf_order)
   if not layout:
-    return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0))
-  divide = ctx.n if average else None
+    return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0)), jnp.float32(0), None
   if hier:
+    slow, fast = axis_names(axis_name)
+    ctx = axis_context((slow, fast))
+    divide = ctx.n if average else None
     return _hierarchical(arrays, treedef, layout, codec=codec, inner=HIERARCHICAL[schedule],
                          slow=slow, fast=fast, key=key, divide=divide,
                          implementation=implementation)
+  ctx = axis_context(axis_name)
+  divide = ctx.n if average else None
   sizes = _bucket_sizes(layout)
   states = codec_state
   if states is None:
@@ -431,17 +556,19 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       xs, ctx=ctx, codec=codec, schedule=schedule, key=key, implementation=implementation,
       states=states, return_own=return_own)
   report = _report(sizes, codec, ctx.n)
-  ref = sum(jnp.sum(o * o) for o in outs)
   stats = AllReduceStats(
       jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank),
       jnp.int32(report.coords), codec_state=tuple(new_states) if codec.stateful else None,
-      uncompressed=jnp.int32(report.uncompressed),
-      error_estimate=jnp.float32(0) if ctx.n == 1 else _relative(err, ref))
+      uncompressed=jnp.int32(report.uncompressed))
   own = None
   if return_own:
     owns = [o * np.float32(ctx.n) for o in owns] if average else owns
     own = _assemble(owns, layout, arrays, treedef, cast=False)
-  return _assemble(outs, layout, arrays, treedef), stats._replace(own=own)
+  stats = stats._replace(own=own)
+  if ctx.n == 1:
+    return _assemble(outs, layout, arrays, treedef), stats, jnp.float32(0), None
+  return (_assemble(outs, layout, arrays, treedef), stats, err,
+          sum(jnp.sum(o * o) for o in outs))
 
 
 def _one_after_another(xs, reduce_one):
@@ -627,7 +754,8 @@ def _hierarchical(arrays, treedef, layout: Layout, *, codec, inner, slow, fast, 
   # the slow axis's cost: every fast rank sends its shares at the codec's bits per
   # coordinate (the exact float32 traffic inside the fast axis is not counted)
   report = _report(shares, codec, slow_ctx.n)
-  return _assemble(outs, layout, arrays, treedef), AllReduceStats(
+  stats = AllReduceStats(
       jnp.float32(report.bits_per_coord), jnp.float32(report.bytes_per_rank),
-      jnp.int32(sum(x.shape[0] for x in xs)), uncompressed=jnp.int32(report.uncompressed),
-      error_estimate=jnp.float32(0) if slow_ctx.n == 1 else _relative(err, ref))
+      jnp.int32(sum(x.shape[0] for x in xs)), uncompressed=jnp.int32(report.uncompressed))
+  out = _assemble(outs, layout, arrays, treedef)
+  return (out, stats, jnp.float32(0), None) if slow_ctx.n == 1 else (out, stats, err, ref)

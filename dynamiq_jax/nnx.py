@@ -1,9 +1,9 @@
 """Data-parallel Flax NNX training with the compressed all-reduce.
 
 :class:`DataParallel` splits an NNX model and its ``nnx.Optimizer`` (whose
-optax chain starts with the gradient all-reduce) into one state pytree,
-places it replicated on a 1-D mesh and builds a ``jax.shard_map`` step that
-merges them again on every rank::
+optax chain starts with the gradient reduction) into one state pytree,
+places it on the mesh and builds a ``jax.shard_map`` step that merges them
+again on every rank::
 
     import dynamiq_jax as dq
     tx = optax.chain(dq.compressed_psum("data"), optax.adamw(1e-3))
@@ -14,13 +14,24 @@ merges them again on every rank::
       state, loss = step(state, batch)
     model, optimizer = dp.merge(state)
 
+Every state leaf keeps the sharding it arrives with (a model built under
+``jax.set_mesh(mesh)`` with sharding annotations, ``nnx.with_partitioning``,
+carries them), or else takes the one its variable's metadata declares
+(``nnx.get_partition_spec``), or else is replicated. The step is manual over
+the data axis only: the compiler partitions the model over the other mesh
+axes (tensor, FSDP) as usual, and the gradient is reduced over the data
+axis on each device's shard. Parameters split over the data axis too
+(:func:`dynamiq_jax.zero_shardings`) are all-gathered at their own
+precision before the forward pass and need a chain starting with
+:func:`dynamiq_jax.compressed_psum_scatter` (a sharded optimizer).
+
 The step runs with ``check_vma=True`` and differentiates with respect to a
 per-rank copy of the parameters (:func:`dynamiq_jax.as_varying`):
 differentiating the replicated parameters directly would make ``jax.grad``
 return gradients that XLA already summed at full precision. Optimizer state
 that differs between ranks (:class:`dynamiq_jax.PerRank`, the
 error-feedback residuals of ``compressed_psum(error_feedback=True)``) is
-split over the data axis; everything else is replicated.
+split over the data axis.
 
 Needs flax (``pip install "dynamiq-jax[examples]"``); ``import dynamiq_jax``
 loads this module only when ``dq.nnx`` is first used.
@@ -32,13 +43,21 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dynamiq_jax.schedules.context import axis_names
+from dynamiq_jax.schedules.local import strip_axes
 from dynamiq_jax.train import SyncedStep
+from dynamiq_jax.train import _data_dims
+from dynamiq_jax.train import _gather
 from dynamiq_jax.train import is_per_rank
-from dynamiq_jax.train import as_varying
+from dynamiq_jax.train import _mean_over
+from dynamiq_jax.train import _mesh_spec
+from dynamiq_jax.train import _only_axes
+from dynamiq_jax.train import partial_manual
 from dynamiq_jax.train import resolve_sync_every
 
 __all__ = ["DataParallel"]
@@ -61,6 +80,21 @@ def _per_rank_prefixes(optimizer: nnx.Optimizer, prefix: tuple) -> list[tuple]:
   return found
 
 
+def _placed(x, mesh) -> bool:
+  sharding = getattr(x, "sharding", None)
+  return isinstance(sharding, NamedSharding) and tuple(sharding.mesh.shape.items()) == tuple(
+      mesh.shape.items())
+
+
+def _keys(path) -> tuple:
+  return tuple(_raw_key(k) for k in path)
+
+
+def _flat_by_path(tree) -> dict:
+  return {_keys(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, P))[0]}
+
+
 class DataParallel:
   """An NNX model and its optimizer as one state pytree on a data-parallel mesh.
 
@@ -68,10 +102,12 @@ class DataParallel:
     model: the NNX module (its state must change only through the optimizer:
       no batch statistics or RNG streams updated in the forward pass).
     optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` with ``tx``
-      starting with the all-reduce over ``axis_name``
-      (:func:`dynamiq_jax.compressed_psum`, :func:`dynamiq_jax.reducer`).
-    mesh: a mesh with the axis ``axis_name``.
-    axis_name: the data-parallel mesh axis.
+      starting with the gradient reduction over ``axis_name``
+      (:func:`dynamiq_jax.compressed_psum`, :func:`dynamiq_jax.reducer`, or
+      :func:`dynamiq_jax.compressed_psum_scatter` for parameters split over
+      the data axis).
+    mesh: a mesh with the axis ``axis_name``; other axes may shard the model.
+    axis_name: the data-parallel mesh axis, or a tuple of axes.
 
   Attributes:
     graphdef: the static structure of ``(model, optimizer)``.
@@ -82,33 +118,74 @@ class DataParallel:
   """
 
   def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer, *, mesh,
-               axis_name: str = "data"):
-    if axis_name not in mesh.shape:
-      raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                       f"{dict(mesh.shape)}; pass one of {tuple(mesh.shape)}")
+               axis_name="data"):
+    axes = axis_names(axis_name)
+    for a in axes:
+      if a not in mesh.shape:
+        raise ValueError(f"axis_name={axis_name!r}: {a!r} is not an axis of the mesh "
+                         f"{dict(mesh.shape)}; pass one of {tuple(mesh.shape)}")
     self.mesh = mesh
     self.axis_name = axis_name
-    n = mesh.shape[axis_name]
+    self._axes = axes
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    data = axes[0] if len(axes) == 1 else tuple(axes)
     self.graphdef, state = nnx.split((model, optimizer))
     per_rank = _per_rank_prefixes(optimizer, (1,))
+    declared = _flat_by_path(nnx.get_partition_spec(state))
 
-    def spec(path, _):
-      keys = tuple(_raw_key(k) for k in path)
-      return P(axis_name) if any(keys[:len(p)] == p for p in per_rank) else P()
+    def own_spec(keys, x):  # as placed on this mesh, else as declared, else replicated
+      spec = _mesh_spec(x, mesh)
+      if (not _placed(x, mesh) and isinstance(declared.get(keys), P)
+          and declared[keys] != P()):
+        spec = declared[keys]
+        names = [a for e in tuple(spec) for a in (e if isinstance(e, tuple) else (e,)) if a]
+        unknown = [a for a in names if a not in mesh.shape]
+        if unknown:
+          raise ValueError(
+              f"state leaf {keys} declares the sharding {spec}, whose names {unknown} are not "
+              f"axes of the mesh {dict(mesh.shape)} (logical axis names?), and it is not "
+              f"placed on the mesh. Fix: create the model under jax.set_mesh(mesh) (with "
+              f"nnx.logical_axis_rules(rules) for logical names), so its arrays carry their "
+              f"shardings, or jax.device_put its state before DataParallel")
+      return spec
+
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    params = {_keys(path)[1:]: (jnp.shape(x), own_spec(_keys(path), x))
+              for path, x in leaves if _keys(path)[:1] == (0,)}
+    self._per_rank = set()
+
+    def param_spec(keys, shape):  # the spec of the parameter whose path ends ``keys``
+      for i in range(len(keys)):
+        hit = params.get(keys[i:])
+        if hit is not None and tuple(hit[0]) == tuple(shape):
+          return hit[1]
+      return None
+
+    def spec(path, x):
+      keys = _keys(path)
+      for prefix in per_rank:
+        if keys[:len(prefix)] == prefix:  # a residual: one slice per rank, then its parameter's
+          self._per_rank.add(keys)
+          model_spec = param_spec(keys, jnp.shape(x)[1:]) or P()
+          return P(data, *tuple(strip_axes(model_spec, axes)))
+      own = own_spec(keys, x)
+      if not _placed(x, mesh) and keys[:1] == (1,):  # optimizer state shaped like a parameter
+        return param_spec(keys, jnp.shape(x)) or own
+      return own
 
     self.specs = jax.tree_util.tree_map_with_path(spec, state)
     self.shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs,
                                   is_leaf=lambda x: isinstance(x, P))
 
-    def place(x, s):
-      if s.spec != P():  # per-rank leaves start equal: one copy per rank
+    def place(path, x, s):
+      if _keys(path) in self._per_rank:  # per-rank leaves start equal: one copy per rank
         x = jnp.repeat(x, n, axis=0)
       return jax.device_put(x, s)
 
-    self.state = jax.tree.map(place, state, self.shardings)
+    self.state = jax.tree_util.tree_map_with_path(place, state, self.shardings)
 
   @classmethod
-  def create(cls, model: nnx.Module, tx, *, mesh, axis_name: str = "data") -> DataParallel:
+  def create(cls, model: nnx.Module, tx, *, mesh, axis_name="data") -> DataParallel:
     """``DataParallel(model, nnx.Optimizer(model, tx, wrt=nnx.Param), ...)``.
 
     Args:
@@ -125,7 +202,30 @@ class DataParallel:
 
   def shard_batch(self, batch):
     """Puts every leaf of a host batch on the mesh, split along its leading axis."""
-    return jax.device_put(batch, NamedSharding(self.mesh, P(self.axis_name)))
+    return jax.device_put(batch, NamedSharding(self.mesh, self._batch_spec()))
+
+  def _batch_spec(self) -> P:
+    return P(self._axes[0] if len(self._axes) == 1 else tuple(self._axes))
+
+  def _data_specs(self):
+    """The specs of the state over the data axes only (the shard_map's in/out specs)."""
+    return jax.tree.map(lambda s: _only_axes(s, self._axes), self.specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def _full_params(self, params, params_keys):
+    """``params`` (an ``nnx.State``) with each split parameter all-gathered at its own
+    precision and the others marked per-rank."""
+    specs = _flat_by_path(self.specs)
+
+    def one(path, p):
+      return _gather(p, _data_dims(specs[params_keys + _keys(path)], self._axes), self._axes)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+  def _param_specs(self, params, params_keys):
+    specs = _flat_by_path(self.specs)
+    return jax.tree_util.tree_map_with_path(lambda path, _: specs[params_keys + _keys(path)],
+                                            params)
 
   def train_step(self, loss_fn: Callable[[nnx.Module, Any], jax.Array], *, donate: bool = True,
                  sync_every: int | None = None) -> SyncedStep:
@@ -145,7 +245,8 @@ class DataParallel:
       ``batch`` leaves must be split over the data axis along their leading
       axis (:meth:`shard_batch`); ``loss`` is the mean over ranks.
     """
-    graphdef, axis_name = self.graphdef, self.axis_name
+    graphdef, axes = self.graphdef, self._axes
+    model_axes = [a for a in self.mesh.axis_names if a not in axes and self.mesh.shape[a] > 1]
 
     def local(state, batch):
       model, optimizer = nnx.merge(graphdef, state)
@@ -155,15 +256,19 @@ class DataParallel:
         return loss_fn(nnx.merge(params_def, params, rest), batch)
 
       # Gradients of a per-rank copy stay per-rank; the optimizer's chain
-      # all-reduces them (compressed), not XLA.
-      loss, grads = jax.value_and_grad(loss_of)(as_varying(params, axis_name))
-      optimizer.update(model, grads)
-      return nnx.state((model, optimizer)), jax.lax.pmean(loss, axis_name)
+      # reduces them (compressed), not XLA.
+      loss, grads = jax.value_and_grad(loss_of)(self._full_params(params, (0,)))
+      extra = {"specs": self._param_specs(params, (0,))} if model_axes else {}
+      optimizer.update(model, grads, **extra)
+      return nnx.state((model, optimizer)), _mean_over(loss, axes)
 
-    mapped = jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs, P(axis_name)),
-                           out_specs=(self.specs, P()), check_vma=True)
+    data_specs = self._data_specs()
+    repl = NamedSharding(self.mesh, P())
+    mapped = partial_manual(local, mesh=self.mesh, manual=axes,
+                            in_specs=(data_specs, self._batch_spec()),
+                            out_specs=(data_specs, P()), out_shardings=(self.shardings, repl))
     # Outputs keep the inputs' shardings, so the next step hits the jit cache.
-    jitted = jax.jit(mapped, out_shardings=(self.shardings, NamedSharding(self.mesh, P())),
+    jitted = jax.jit(mapped, out_shardings=(self.shardings, repl),
                      donate_argnums=(0,) if donate else ())
     return SyncedStep(jitted, resolve_sync_every(sync_every, self.mesh))
 
@@ -174,14 +279,18 @@ class DataParallel:
       per_example_fn: ``fn(model, batch) -> pytree`` of arrays with the
         batch's leading axis (e.g. per-example loss and correctness).
     """
-    graphdef, axis_name = self.graphdef, self.axis_name
+    graphdef = self.graphdef
 
     def local(state, batch):
-      model, _ = nnx.merge(graphdef, state)
-      return per_example_fn(model, batch)
+      model, optimizer = nnx.merge(graphdef, state)
+      params_def, params, rest = nnx.split(model, optimizer.wrt, ...)
+      full = self._full_params(params, (0,))
+      return per_example_fn(nnx.merge(params_def, full, rest), batch)
 
-    return jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs, P(axis_name)),
-                                 out_specs=P(axis_name), check_vma=True))
+    spec = self._batch_spec()
+    return jax.jit(partial_manual(local, mesh=self.mesh, manual=self._axes,
+                                  in_specs=(self._data_specs(), spec), out_specs=spec,
+                                  out_shardings=NamedSharding(self.mesh, spec)))
 
   def checkpoint_tree(self, state) -> dict:
     """``state`` as a plain nested dict of arrays, e.g. for orbax."""

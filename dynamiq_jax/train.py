@@ -15,15 +15,19 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
+from dynamiq_jax.schedules.local import strip_axes
 
 __all__ = [
     "as_varying", "baseline_psum", "data_parallel_init", "data_parallel_step",
     "DataParallelStep", "SyncedStep", "CPU_SYNC_EVERY", "resolve_sync_every", "is_per_rank",
+    "zero_shardings", "partial_manual",
 ]
 
 
@@ -73,31 +77,185 @@ def is_per_rank(x):
   return isinstance(x, PerRank)
 
 
-def _state_specs(opt_state, axis_name):
-  """P(axis) for per-rank (error-feedback) leaves, P() for everything else."""
-  return jax.tree.map(
-      lambda x: jax.tree.map(lambda _: P(axis_name), x) if is_per_rank(x) else P(),
-      opt_state, is_leaf=is_per_rank)
+def _mesh_spec(x, mesh) -> P:
+  """``x``'s ``PartitionSpec`` if it is placed on ``mesh`` (its axes, their sizes), else P()."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.shape.items()) == tuple(
+      mesh.shape.items()):
+    return sharding.spec
+  return P()
+
+
+def _only_axes(spec, axes) -> P:
+  """``spec`` with every mesh axis not in ``axes`` dropped (dimensions kept)."""
+  return strip_axes(spec, [a for entry in tuple(spec) for a in (
+      entry if isinstance(entry, tuple) else (entry,)) if a is not None and a not in axes])
+
+
+def _data_dims(spec, axes) -> list:
+  """``[(dim, data axes)]``: the dimensions ``spec`` shards over the data ``axes``."""
+  out = []
+  for k, entry in enumerate(tuple(_only_axes(spec, axes))):
+    if entry is not None:
+      out.append((k, entry))
+  return out
+
+
+def _path_keys(path) -> tuple:
+  return tuple(str(k) for k in path)
+
+
+def _param_like_specs(params, state, mesh, axes):
+  """The spec of every leaf of an optimizer ``state`` built from ``params``.
+
+  A leaf whose key path ends with a parameter's path and has that
+  parameter's shape (Adam's moments, ...) takes the parameter's sharding; a
+  per-rank residual (:class:`~dynamiq_jax.PerRank`) is split over the data
+  ``axes`` along a leading axis and sharded like its parameter after it;
+  everything else is replicated.
+  """
+  param_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  by_path = {_path_keys(path): (jnp.shape(p), _mesh_spec(p, mesh)) for path, p in param_leaves}
+  data = axes[0] if len(axes) == 1 else tuple(axes)
+
+  def like(path, x):
+    keys = _path_keys(path)
+    for i in range(len(keys)):
+      hit = by_path.get(keys[i:])
+      if hit is not None and hit[0] == jnp.shape(x):
+        return hit[1]
+    return P()
+
+  def per_rank(path, x):
+    keys = _path_keys(path)
+    for i in range(len(keys)):
+      hit = by_path.get(keys[i:])
+      if hit is not None and tuple(jnp.shape(x)[1:]) == tuple(hit[0]):
+        model = tuple(strip_axes(hit[1], axes))
+        return P(data, *model)
+    return P(data)
+
+  def place(path, x):
+    if is_per_rank(x):
+      return jax.tree_util.tree_map_with_path(lambda p, a: per_rank(path + p, a), x)
+    return like(path, x)
+
+  return jax.tree_util.tree_map_with_path(place, state, is_leaf=is_per_rank)
 
 
 def data_parallel_init(tx: optax.GradientTransformation, params, *, mesh, axis_name="data"):
   """``tx.init(params)`` placed for :func:`data_parallel_step`.
 
-  Replicated state goes to every device (``P()``); per-rank state (the
-  error-feedback residuals of ``compressed_psum(error_feedback=True)``) gets
-  one slice per rank along ``axis_name``.
+  A leaf shaped like a parameter (Adam's moments) takes that parameter's
+  sharding, so optimizer state is sharded wherever the parameters are
+  (over model axes, and over the data axis for a sharded optimizer, see
+  :func:`zero_shardings`); per-rank state (the error-feedback residuals of
+  ``error_feedback=True``) gets one slice per rank along ``axis_name``;
+  everything else is replicated.
   """
+  axes = axis_names(axis_name)
   state = tx.init(params)
-  n = mesh.shape[axis_name]
-  repl = NamedSharding(mesh, P())
-  split = NamedSharding(mesh, P(axis_name))
+  n = int(np.prod([mesh.shape[a] for a in axes]))
+  specs = _param_like_specs(params, state, mesh, axes)
 
-  def place(x):
+  def place(x, spec):
     if is_per_rank(x):
-      return jax.tree.map(lambda a: jax.device_put(jnp.repeat(a, n, axis=0), split), x)
-    return jax.device_put(x, repl)
+      return jax.tree.map(lambda a, s: jax.device_put(jnp.repeat(a, n, axis=0),
+                                                      NamedSharding(mesh, s)), x, spec)
+    return jax.device_put(x, NamedSharding(mesh, spec))
 
-  return jax.tree.map(place, state, is_leaf=is_per_rank)
+  return jax.tree.map(place, state, specs, is_leaf=is_per_rank)
+
+
+def zero_shardings(params, *, mesh, axis_name="data", min_size: int = 1024):
+  """Shardings that split each parameter over ``axis_name`` too (ZeRO / FSDP / HSDP).
+
+  Each leaf keeps its sharding over the other mesh axes and is split over
+  ``axis_name`` along its largest dimension that divides and is not already
+  sharded (:func:`dynamiq_jax.scatter_dimensions`); leaves with fewer than
+  ``min_size`` coordinates, or no such dimension, stay replicated over it.
+  :func:`data_parallel_step` then all-gathers each split parameter at its own
+  precision before the forward pass, and a chain that starts with
+  :func:`dynamiq_jax.compressed_psum_scatter` updates only this rank's shard
+  (optimizer state included: place it with :func:`data_parallel_init`). For
+  HSDP pass the fast axis (``axis_name="local"``): the parameters are
+  sharded inside a host and replicated across hosts.
+
+  Args:
+    params: the parameters (arrays, placed or not).
+    mesh: the mesh.
+    axis_name: the mesh axis (or tuple of axes) to split the parameters over.
+    min_size: smaller leaves stay replicated over ``axis_name``.
+
+  Returns:
+    A pytree of ``NamedSharding`` shaped like ``params``
+    (``jax.device_put(params, zero_shardings(params, mesh=mesh))``).
+  """
+  from dynamiq_jax.scatter import scatter_dimensions
+  axes = axis_names(axis_name)
+  n = int(np.prod([mesh.shape[a] for a in axes]))
+  specs = jax.tree.map(lambda p: _mesh_spec(p, mesh), params)
+  dims = scatter_dimensions(params, n=n, specs=specs, min_size=min_size)
+  data = axes[0] if len(axes) == 1 else tuple(axes)
+
+  def one(p, spec, dim):
+    entries = list(tuple(spec)) + [None] * (jnp.ndim(p) - len(tuple(spec)))
+    if dim is not None:
+      entries[dim] = data
+    return NamedSharding(mesh, P(*entries))
+
+  return jax.tree.map(one, params, specs, dims, is_leaf=lambda x: isinstance(x, P) or x is None)
+
+
+# jax 0.10.2 replicates Explicit mesh axes at the boundary of a shard_map that is
+# manual over other axes (its in/out shardings name the manual axes only: an
+# all-gather in, a slice out); 0.12.0 keeps them (0.11 not checked). The steps
+# below then run the partial-manual shard_map with those axes made Auto.
+_EXPLICIT_PARTIAL_MANUAL_KEEPS_SHARDING = jax.__version_info__ >= (0, 12)
+
+
+def partial_manual(fn, *, mesh, manual, in_specs, out_specs, out_shardings, check_vma=True):
+  """``jax.shard_map(fn)`` manual over the ``manual`` axes only, the other mesh axes left to
+  the compiler (made Auto around the map where this jax would gather Explicit ones)."""
+  rest = [a for a in mesh.axis_names if a not in manual]
+  explicit = [a for a in rest if a in set(mesh.abstract_mesh.explicit_axes)]
+  if not explicit or _EXPLICIT_PARTIAL_MANUAL_KEEPS_SHARDING:
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names=frozenset(manual), check_vma=check_vma)
+
+  def auto(*args):
+    inner = jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs,
+                          out_specs=out_specs, axis_names=frozenset(manual),
+                          check_vma=check_vma)
+    return inner(*args)
+
+  return jax.sharding.auto_axes(auto, axes=tuple(explicit), out_sharding=out_shardings)
+
+
+def _mean_over(x, axes):
+  """The mean of ``x`` over the data ``axes`` in a fixed order (an exact all-gather, then a
+  local sum), so that it does not depend on how the backend sums (XLA CPU, gloo, NCCL)."""
+  axis = axes[0] if len(axes) == 1 else tuple(axes)
+  gathered = jax.lax.all_gather(x, axis, to="invarying") if _checked(axis) else (
+      jax.lax.all_gather(x, axis))
+  return jnp.mean(gathered, axis=0)
+
+
+def _checked(axis) -> bool:
+  from dynamiq_jax.schedules.context import varying_axes
+  return bool(set(axis_names(axis)) <= varying_axes(jax.lax.axis_index(axis)))
+
+
+def _gather(p, dims, axes):
+  """A parameter split over the data axes (``dims``: ``[(dim, axes)]``), all-gathered at
+  its own precision; a replicated one marked per-rank (so that ``jax.grad`` leaves its
+  gradient un-reduced)."""
+  gathered = set()
+  for k, over in dims:
+    p = jax.lax.all_gather(p, over, axis=k, tiled=True)
+    gathered |= set(axis_names(over))
+  rest = tuple(a for a in axes if a not in gathered)  # e.g. HSDP's host axis
+  return as_varying(p, rest) if rest else p
 
 
 def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
@@ -105,17 +263,28 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
                        donate: bool = True, sync_every: int | None = None):
   """A jitted data-parallel step: local gradients, ``tx`` all-reduces them.
 
-  ``tx`` must start with the all-reduce (``compressed_psum`` or
-  ``baseline_psum``) over ``axis_name``. The step runs under
-  ``jax.shard_map(check_vma=True)`` and differentiates with respect to a
-  per-rank copy of the parameters, so gradients reach ``tx`` un-reduced.
+  ``tx`` must start with the gradient reduction over ``axis_name``
+  (``compressed_psum``, ``compressed_psum_scatter`` or ``baseline_psum``).
+  The step runs under ``jax.shard_map(check_vma=True)``, manual over the
+  data axes only, and differentiates with respect to a per-rank copy of the
+  parameters, so gradients reach ``tx`` un-reduced.
+
+  Parameters keep the shardings they arrive with. Over other mesh axes
+  (tensor, FSDP) the compiler partitions the forward and backward passes as
+  usual and the reduction works on each device's shard, nothing gathered.
+  A parameter split over the data axis too (:func:`zero_shardings`) is
+  all-gathered at its own precision before the forward pass; ``tx`` must
+  then start with :func:`dynamiq_jax.compressed_psum_scatter`, which
+  returns this rank's shard of the mean gradient, and the rest of the chain
+  updates only that shard (a sharded optimizer: ZeRO, FSDP, HSDP).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
       ``has_aux``), the mean loss over this rank's part of the batch.
     tx: the optimizer chain.
     mesh: a mesh with axis ``axis_name``.
-    axis_name: the data-parallel mesh axis.
+    axis_name: the data-parallel mesh axis, or a tuple of axes (e.g.
+      ``("host", "local")`` for ``schedule="hierarchical"``).
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux is averaged
       over ranks (it must be a pytree of floats).
     donate: donate params and optimizer state buffers.
@@ -124,38 +293,70 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
       which avoids a deadlock of XLA's CPU collectives) and never on others.
 
   Returns:
-    ``step(params, opt_state, batch) -> (params, opt_state, loss[, aux])``
-    with params replicated, the optimizer state placed by
-    :func:`data_parallel_init` (or ``jax.device_put`` to ``P()`` when it has
-    no per-rank part), and every batch leaf split over ``axis_name`` along
-    its leading axis (``jax.device_put`` it with ``NamedSharding(mesh,
-    P(axis_name))`` first). ``loss`` is the mean over ranks.
+    ``step(params, opt_state, batch) -> (params, opt_state, loss[, aux])``.
+    Params and optimizer state come back with the shardings they came in
+    with (place the state with :func:`data_parallel_init`); every batch leaf
+    is split over ``axis_name`` along its leading axis (``jax.device_put``
+    it with ``NamedSharding(mesh, P(axis_name))`` first). ``loss`` is the
+    mean over ranks, summed in a fixed order.
   """
+  axes = axis_names(axis_name)
+  for a in axes:
+    if a not in mesh.shape:
+      raise ValueError(f"axis_name={axis_name!r}: {a!r} is not an axis of the mesh "
+                       f"{dict(mesh.shape)}; pass one of {tuple(mesh.shape)}")
+  batch_spec = P(axes[0] if len(axes) == 1 else tuple(axes))
+  model = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
 
-  def local(params, opt_state, batch):
-    mine = as_varying(params, axis_name)
-    out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(mine, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    out = jax.tree.map(lambda v: jax.lax.pmean(v, axis_name), out)
-    if has_aux:
-      return params, opt_state, out[0], out[1]
-    return params, opt_state, out
+  def build(param_specs, state_specs):
+    data_param = jax.tree.map(lambda s: _only_axes(s, axes), param_specs,
+                              is_leaf=lambda x: isinstance(x, P))
+    data_state = jax.tree.map(lambda s: _only_axes(s, axes), state_specs,
+                              is_leaf=lambda x: isinstance(x, P))
+    spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=lambda x: isinstance(x, P))
+    dims = [_data_dims(s, axes) for s in spec_leaves]
+    sharded = any(dims)
+    extra = {"specs": param_specs} if model else {}
 
-  def build(opt_state):
-    specs = _state_specs(opt_state, axis_name)
+    def local(params, opt_state, batch):
+      full = spec_def.unflatten(
+          [_gather(p, d, axes) for p, d in zip(spec_def.flatten_up_to(params), dims)])
+      out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(full, batch)
+      updates, opt_state = tx.update(grads, opt_state, params, **extra)
+      if sharded:
+        _check_shard_updates(updates, params)
+      params = optax.apply_updates(params, updates)
+      out = jax.tree.map(lambda v: _mean_over(v, axes), out)
+      if has_aux:
+        return params, opt_state, out[0], out[1]
+      return params, opt_state, out
+
     n_extra = 2 if has_aux else 1
-    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(axis_name)),
-                         out_specs=(P(), specs) + (P(),) * n_extra, check_vma=True)
-    # Replicated outputs carry the sharding P() that replicated inputs carry, so
-    # feeding a step's outputs to the next step hits the jit cache.
     shard = lambda spec: NamedSharding(mesh, spec)
-    out_shardings = ((shard(P()), jax.tree.map(shard, specs))
+    is_spec = lambda x: isinstance(x, P)
+    out_shardings = ((jax.tree.map(shard, param_specs, is_leaf=is_spec),
+                      jax.tree.map(shard, state_specs, is_leaf=is_spec))
                      + (shard(P()),) * n_extra)
-    return jax.jit(step, out_shardings=out_shardings,
-                   donate_argnums=(0, 1) if donate else ())
+    step = partial_manual(local, mesh=mesh, manual=axes,
+                          in_specs=(data_param, data_state, batch_spec),
+                          out_specs=(data_param, data_state) + (P(),) * n_extra,
+                          out_shardings=out_shardings)
+    # Outputs carry the shardings the inputs carry, so feeding a step's outputs to the
+    # next step hits the jit cache.
+    return jax.jit(step, out_shardings=out_shardings, donate_argnums=(0, 1) if donate else ())
 
-  return DataParallelStep(build, sync_every=resolve_sync_every(sync_every, mesh))
+  return DataParallelStep(build, mesh=mesh, axes=axes,
+                          sync_every=resolve_sync_every(sync_every, mesh))
+
+
+def _check_shard_updates(updates, params):
+  u_shapes = jax.tree.map(jnp.shape, updates)
+  p_shapes = jax.tree.map(jnp.shape, params)
+  if u_shapes != p_shapes:
+    raise ValueError(
+        "parameters split over the data axis (dq.zero_shardings) need a chain that returns "
+        "this rank's shard of the update: start it with dq.compressed_psum_scatter(...) "
+        f"(got updates shaped {u_shapes} for parameter shards {p_shapes})")
 
 
 CPU_SYNC_EVERY = 1
@@ -217,18 +418,40 @@ class DataParallelStep(SyncedStep):
 
   Attributes:
     jitted: the underlying ``jax.jit`` function (``.lower``, ``._cache_size``),
-      built at the first call (its shardings follow the optimizer state).
+      built at the first call (its shardings follow the arguments').
     sync_every: steps between waits (0: never).
   """
 
-  def __init__(self, build, sync_every: int):
+  def __init__(self, build, sync_every: int, *, mesh, axes):
     super().__init__(None, sync_every)
     self._build = build
     self._built = {}
+    self._mesh = mesh
+    self._axes = axes
 
   def __call__(self, params, opt_state, batch):
-    structure = jax.tree.structure(opt_state, is_leaf=is_per_rank)
-    if structure not in self._built:
-      self._built[structure] = self._build(opt_state)
-    self.jitted = self._built[structure]
+    param_specs = jax.tree.map(lambda p: _mesh_spec(p, self._mesh), params)
+    state_specs = _state_specs(opt_state, self._mesh, self._axes)
+    key = (jax.tree.structure(params), jax.tree.structure(opt_state, is_leaf=is_per_rank),
+           tuple(jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))),
+           tuple(jax.tree.leaves(state_specs, is_leaf=lambda x: isinstance(x, P))))
+    if key not in self._built:
+      self._built[key] = self._build(param_specs, state_specs)
+    self.jitted = self._built[key]
     return super().__call__(params, opt_state, batch)
+
+
+def _state_specs(opt_state, mesh, axes):
+  """Each optimizer-state leaf's spec as placed; per-rank leaves always split over ``axes``."""
+  data = axes[0] if len(axes) == 1 else tuple(axes)
+
+  def one(x):
+    if is_per_rank(x):
+      def per_rank(a):
+        spec = tuple(_mesh_spec(a, mesh))
+        rest = tuple(strip_axes(P(*spec[1:]), axes)) if spec else ()
+        return P(data, *rest)
+      return jax.tree.map(per_rank, x)
+    return _mesh_spec(x, mesh)
+
+  return jax.tree.map(one, opt_state, is_leaf=is_per_rank)

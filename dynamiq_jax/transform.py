@@ -1,4 +1,5 @@
-"""``compressed_psum``: the compressed all-reduce as an optax transform."""
+"""``compressed_psum`` and ``compressed_psum_scatter``: the compressed collectives as
+optax transforms."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from dynamiq_jax.allreduce import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.allreduce import allreduce
 from dynamiq_jax.allreduce import init_codec_state
 from dynamiq_jax.codecs.dynamiq import DynamiQ
+from dynamiq_jax.scatter import reduce_scatter
+from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
 
-__all__ = ["CompressedPsumState", "PerRank", "compressed_psum"]
+__all__ = ["CompressedPsumState", "PerRank", "compressed_psum", "compressed_psum_scatter"]
 
 
 class PerRank(NamedTuple):
@@ -52,6 +55,11 @@ class CompressedPsumState(NamedTuple):
   codec_state: Any = None
   residual: Any = None
   error_estimate: Any = 0.0
+
+
+def _zero_residual(params) -> PerRank:
+  """Error feedback's residual at step 0: zeros, one slice per rank (of size 1 here)."""
+  return PerRank(jax.tree.map(lambda p: jnp.zeros((1,) + tuple(p.shape), jnp.float32), params))
 
 
 def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
@@ -100,6 +108,9 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     An ``optax.GradientTransformationExtraArgs``. ``init`` accepts
     ``jax.ShapeDtypeStruct`` leaves; its state (:class:`CompressedPsumState`)
     is identical on every rank apart from the error-feedback residual.
+    ``update`` takes an extra keyword ``specs``: the gradient leaves'
+    ``PartitionSpec`` where other mesh axes are ``AxisType.Auto``
+    (:func:`dynamiq_jax.allreduce`; ``dq.data_parallel_step`` passes it).
 
   Examples:
     >>> import optax, dynamiq_jax as dq
@@ -108,10 +119,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
   codec = DynamiQ() if codec is None else codec
 
   def init_fn(params):
-    residual = None
-    if error_feedback:
-      residual = PerRank(jax.tree.map(
-          lambda p: jnp.zeros((1,) + tuple(p.shape), jnp.float32), params))
+    residual = _zero_residual(params) if error_feedback else None
     return CompressedPsumState(
         step=jnp.zeros([], jnp.int32),
         key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
@@ -120,7 +128,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                                      max_buckets=max_buckets, leaf_order=leaf_order),
         residual=residual, error_estimate=jnp.zeros([], jnp.float32))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, *, specs=None, **extra_args):
     del params, extra_args
     n = axis_size(axis_name)  # raises the library's UnboundAxisError under plain jax.jit
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
@@ -137,7 +145,8 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     reduced, stats = allreduce(
         grads, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
         average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-        leaf_order=leaf_order, implementation=implementation, codec_state=codec_state, return_own=error_feedback)
+        leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
+        return_own=error_feedback, specs=specs)
     residual = None
     if error_feedback:
       residual = PerRank(jax.tree.map(lambda p, c: (p - c)[None], grads, stats.own))
@@ -146,5 +155,126 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
         step=optax.safe_increment(state.step), key=state.key,
         codec_state=stats.codec_state if codec_state is not None else None,
         residual=residual, error_estimate=jnp.asarray(stats.error_estimate, jnp.float32))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _inferred_dims(updates, params, n: int):
+  """The dimension of each leaf along which ``params`` holds 1/n of ``updates`` (None:
+  the whole leaf), from their shapes."""
+  if params is None:
+    raise ValueError(
+        "compressed_psum_scatter needs params= (this rank's shards of the parameters) to "
+        "tell each gradient leaf's scattered dimension from its shape; pass them to "
+        "tx.update(grads, state, params), or give scatter_dimension= when building it")
+
+  def one(path, g, p):
+    gs, ps = tuple(jnp.shape(g)), tuple(jnp.shape(p))
+    if gs == ps:
+      return None
+    diff = [i for i, (a, b) in enumerate(zip(gs, ps)) if a != b]
+    if len(gs) != len(ps) or len(diff) != 1 or gs[diff[0]] != n * ps[diff[0]]:
+      raise ValueError(
+          f"gradient leaf {jax.tree_util.keystr(path)} has shape {gs} but its parameter "
+          f"shard has shape {ps}: a sharded parameter must hold 1/{n} of the gradient along "
+          f"one dimension (or the whole leaf). Fix: shard the parameters over the data axis "
+          f"with dq.zero_shardings, or pass scatter_dimension=")
+    return diff[0]
+
+  return jax.tree_util.tree_map_with_path(one, updates, params)
+
+
+def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ring",
+                            average: bool = True, seed: int = 0, scatter_dimension="params",
+                            bucket_size: int = DEFAULT_BUCKET_SIZE,
+                            max_buckets: int | None = DEFAULT_MAX_BUCKETS,
+                            leaf_order=None, implementation: str | None = None,
+                            error_feedback: bool = False,
+                            ) -> optax.GradientTransformationExtraArgs:
+  """The compressed reduce-scatter of gradients, for optimizers sharded over the data axis.
+
+  Put it first in the chain of a sharded optimizer (ZeRO, FSDP over the data
+  axis, HSDP), inside ``jax.shard_map`` over ``axis_name``, with the full
+  per-rank gradients and this rank's *shards* of the parameters::
+
+    tx = optax.chain(dq.compressed_psum_scatter("data"), optax.adamw(1e-3))
+    updates, state = tx.update(grads, state, param_shards)   # updates: shards
+
+  Each rank receives its shard of the mean gradient
+  (:func:`dynamiq_jax.reduce_scatter`: ``(n - 1) / n`` of the bucket on the
+  wire per rank, half of an all-reduce), so the rest of the chain updates
+  only its shard of the parameters and optimizer state; the parameters are
+  then all-gathered at their own precision, uncompressed, for the next
+  forward pass (``dq.data_parallel_step`` does all of this for parameters
+  placed with :func:`dynamiq_jax.zero_shardings`). The rest of the chain
+  sees shards: element-wise transforms (Adam, SGD, weight decay) are exact;
+  ones that reduce over a whole leaf or tree (``clip_by_global_norm``) see
+  only this rank's shard.
+
+  Args:
+    axis_name: the data-parallel axis; ``(slow, fast)`` with
+      ``schedule="hierarchical"`` (HSDP: parameters sharded over ``fast``,
+      replicated over ``slow``; the gradient reduced exactly over ``fast``
+      and with the codec over ``slow``).
+    codec: a codec that can reduce-scatter; ``None`` means ``DynamiQ(bits=5)``.
+    schedule: ``"ring"``, ``"butterfly"`` or ``"hierarchical"``.
+    average: mean (True) or sum.
+    seed: seeds the rounding streams (step t folds t into it).
+    scatter_dimension: ``"params"`` (each leaf's from the shapes of the
+      gradient and the parameter shard ``update`` receives: the dimension
+      where the shard holds 1/n of it; equal shapes: the leaf is all-reduced
+      whole), or as for :func:`dynamiq_jax.reduce_scatter`.
+    bucket_size, max_buckets, leaf_order, implementation: as for
+      :func:`compressed_psum`.
+    error_feedback: keep each rank's residual of its *whole* gradient
+      (:class:`PerRank`), for codecs that report their contribution.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` returns this
+    rank's shards; its state is a :class:`CompressedPsumState` (its
+    ``error_estimate`` is NaN when any leaf is scattered: no estimate is made
+    for a reduce-scatter; with every leaf whole, the all-reduce's, model-sharded
+    leaves included).
+    ``update`` takes the extra keyword ``specs`` as :func:`compressed_psum`.
+
+  Examples:
+    >>> import optax, dynamiq_jax as dq
+    >>> tx = optax.chain(dq.compressed_psum_scatter("data"), optax.adamw(1e-3))
+  """
+  codec = DynamiQ() if codec is None else codec
+  names = axis_names(axis_name)
+  if schedule in ("hierarchical", "hierarchical-butterfly") and len(names) != 2:
+    raise ValueError(f"schedule={schedule!r} needs axis_name=(slow, fast); got {axis_name!r}")
+
+  def init_fn(params):
+    residual = _zero_residual(params) if error_feedback else None
+    return CompressedPsumState(
+        step=jnp.zeros([], jnp.int32),
+        key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
+        residual=residual, error_estimate=jnp.zeros([], jnp.float32))
+
+  def update_fn(updates, state, params=None, *, specs=None, **extra_args):
+    del extra_args
+    hier = schedule in ("hierarchical", "hierarchical-butterfly")
+    n = axis_size(names[1] if hier else axis_name)  # the library's UnboundAxisError
+    dims = (_inferred_dims(updates, params, n) if isinstance(scatter_dimension, str)
+            and scatter_dimension == "params" else scatter_dimension)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
+    grads = updates
+    if error_feedback:
+      grads = jax.tree.map(lambda g, e: g.astype(jnp.float32) + e[0], updates,
+                           state.residual.tree)
+    shards, stats = reduce_scatter(
+        grads, axis_name=axis_name, codec=codec, key=key, scatter_dimension=dims,
+        schedule=schedule, average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+        leaf_order=leaf_order, implementation=implementation, return_own=error_feedback,
+        specs=specs)
+    residual = None
+    if error_feedback:
+      residual = PerRank(jax.tree.map(lambda p, c: (p - c)[None], grads, stats.own))
+      shards = jax.tree.map(lambda r, u: r.astype(u.dtype), shards, updates)
+    return shards, CompressedPsumState(
+        step=optax.safe_increment(state.step), key=state.key, residual=residual,
+        error_estimate=jnp.asarray(stats.error_estimate, jnp.float32))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -200,3 +200,34 @@ def test_overlap_tiny(tmp_path):
   assert all(0 < r["vs_best"] for r in payload["model"]["rows"])
   with open(os.path.join(tmp_path, "overlap_tiny.json")) as f:
     assert json.load(f)["runs"] == runs
+
+
+def test_sharded_tiny(tmp_path):
+  # F32 ring: the plumbing of the HLO and memory parts, without DynamiQ's compile time.
+  from dynamiq_jax.bench import sharded
+  payload = sharded.main(["--tiny", "--codec", "f32-ring", "--parts", "hlo,memory",
+                          "--bucket-sizes", "default", "--out", str(tmp_path)])
+  for row in payload["hlo"]:  # Auto axes (test_sharded.py compiles Explicit ones too)
+    assert row["all_gathers_over_model"] == 0, row["over_model"]
+    assert any(k.endswith("over data") for k in row["collectives"]), row["collectives"]
+  mem = {r["layout"]: r for r in payload["memory"]}
+  assert set(mem) == {"data", "zero", "hsdp"}
+  full = mem["data"]["optimizer_bytes_per_device"]
+  assert mem["zero"]["optimizer_bytes_per_device"] < full / 6  # split over 8 (small leaves not)
+  assert mem["hsdp"]["optimizer_bytes_per_device"] < full / 3  # split over 4
+  with open(os.path.join(tmp_path, "sharded.json")) as f:
+    assert json.load(f)["memory"] == payload["memory"]
+  assert "memory_analysis() per device" in (tmp_path / "sharded.md").read_text()
+
+
+@pytest.mark.slow  # .ci/run-slow: 2 worker processes; test_sharded.py trains hsdp in-process
+def test_sharded_tiny_processes(tmp_path):
+  from dynamiq_jax.bench import sharded
+  payload = sharded.main(["--tiny", "--codec", "f32-ring", "--parts", "hsdp",
+                          "--out", str(tmp_path)])
+  h = payload["hsdp"]
+  assert h["bit_identical"] and len(h["loss_bits_simulated"]) == 3
+  assert not h["namespaces"]  # --tiny never creates network namespaces
+  with open(os.path.join(tmp_path, "sharded.json")) as f:
+    assert json.load(f)["hsdp"]["loss_bits_processes"] == h["loss_bits_processes"]
+  assert "bit-identical to the one-process run: True" in (tmp_path / "sharded.md").read_text()

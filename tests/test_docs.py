@@ -34,8 +34,9 @@ BLOCKS = _python_blocks()
 def test_the_guide_has_its_sections():
   assert [h for h, _ in BLOCKS] == [
       "Using plain `jax.jit` with sharded arrays", "Flax NNX: `dq.nnx.DataParallel`",
-      "Checkpointing with Orbax", "Lowering for GPUs from a CPU host",
-      "A CPU run stops with a rendezvous timeout"]
+      "Sharded models: tensor, FSDP and HSDP meshes",
+      "Sharded models: tensor, FSDP and HSDP meshes", "Checkpointing with Orbax",
+      "Lowering for GPUs from a CPU host", "A CPU run stops with a rendezvous timeout"]
 
 
 @pytest.mark.parametrize("code", [c for _, c in BLOCKS], ids=[h for h, _ in BLOCKS])

@@ -92,11 +92,24 @@ def _finite_norms(gnorm):
   return jnp.where(jnp.isfinite(g), g, jnp.finfo(jnp.float32).max)
 
 
-def descending_order(gnorm, valid):
+def descending_order(gnorm, valid, chunks: int | None = None):
   """The permutation that sorts super-groups by norm, largest first, ties by
   index, the ones not ``valid`` (padding) last: the order in which the
-  allocation hands out widths."""
-  return jnp.argsort(jnp.where(valid, -_finite_norms(gnorm), jnp.inf), stable=True)
+  allocation hands out widths.
+
+  With ``chunks=n`` (a reduce-scatter, whose chunk c must hold super-groups
+  ``[c s, (c+1) s)``), each of the n contiguous blocks of ``s`` super-groups
+  is sorted on its own and the blocks are interleaved: position ``j n + c``
+  holds the j-th largest super-group of block c, so ``order.reshape(s, n).T``
+  gives chunk c its own super-groups, largest first, and position j of every
+  chunk the j-th largest of each.
+  """
+  key = jnp.where(valid, -_finite_norms(gnorm), jnp.inf)
+  if chunks is None:
+    return jnp.argsort(key, stable=True)
+  s = key.shape[0] // chunks
+  local = jnp.argsort(key.reshape(chunks, s), axis=1, stable=True)
+  return (local + (jnp.arange(chunks) * s)[:, None]).T.reshape(-1)
 
 
 def capacities_threshold(gnorm, valid, errors: Mapping[int, float], positions: int,

@@ -83,12 +83,17 @@ class Bucket(NamedTuple):
     implementation: ``None``, ``"pallas"`` or ``"xla"``: which implementation
       of its hop arithmetic a codec with Pallas kernels uses (the results are
       bit-identical; see :mod:`pallas_kernels.dynamiq`).
+    scatter: the bucket is reduce-scattered (:func:`dynamiq_jax.reduce_scatter`):
+      ``d`` is a multiple of ``n * granularity``, the rank that ends with chunk
+      c needs exactly coordinates ``[c d/n, (c+1) d/n)``, so the plan must cut
+      the chunks there (see :attr:`Codec.supports_scatter`).
   """
 
   index: int
   d: int
   n: int
   implementation: str | None = None
+  scatter: bool = False
 
 
 class Keys(NamedTuple):
@@ -233,6 +238,25 @@ class Codec(abc.ABC):
     """
     del d, n
     return None
+
+  @property
+  def supports_scatter(self) -> bool:
+    """Whether the codec can run a reduce-scatter (:func:`dynamiq_jax.reduce_scatter`).
+
+    True means: for a bucket with ``bucket.scatter`` (``d`` a multiple of
+    ``n * granularity``), :meth:`plan`'s chunk c holds coordinates
+    ``[c d/n, (c+1) d/n)`` of ``x`` (in any order inside the chunk), and
+    :meth:`finish`'s output there depends only on chunk c and ``aux``; so the
+    owner of chunk c can finish it alone. A codec that mixes coordinates
+    across chunks (a rotation, a top-k packing) cannot.
+    """
+    return False
+
+  def metadata_bits(self, d: int, n: int) -> int:
+    """The part of :meth:`wire_bits` that the metadata pass sends (a full all-reduce
+    even in a reduce-scatter, which sends only ``(n - 1) / n`` of the rest)."""
+    del d, n
+    return 0
 
   # -- pass 1: metadata -----------------------------------------------------------
 

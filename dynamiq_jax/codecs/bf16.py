@@ -28,6 +28,7 @@ class Cast(Codec):
   """
 
   reports_contribution = True
+  supports_scatter = True  # chunk c is coordinates [c d/n, (c+1) d/n)
 
   _dtype = None
 

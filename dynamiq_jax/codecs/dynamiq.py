@@ -143,6 +143,8 @@ class DynamiQ(Codec):
     All-reduce", SIGCOMM 2026 (arXiv 2602.08923).
   """
 
+  supports_scatter = True  # with bucket.scatter each chunk ranks its own super-groups
+
   bits: float = 5.0
   widths: tuple[int, ...] = DEFAULT_WIDTHS
   eps: tuple[tuple[int, float], ...] = DEFAULT_EPS
@@ -201,6 +203,10 @@ class DynamiQ(Codec):
   def wire_bits(self, d: int, n: int) -> int:
     """Exact bits of one all-reduce (all chunk payloads + statistics)."""
     return self.layout(d, n).wire_bits
+
+  def metadata_bits(self, d: int, n: int) -> int:
+    """The statistics' bits (:meth:`wire_bits` less the chunk payloads)."""
+    return self.layout(d, n).stats_bits
 
   def compresses(self, d: int, n: int) -> bool:
     """Whether this bucket is compressed; ``allreduce`` sends the others as bf16.
@@ -263,7 +269,7 @@ class DynamiQ(Codec):
     _, resid = self._rows(x, bucket)
     with jax.named_scope("dynamiq/allocate"):
       valid = jnp.arange(total) < lay.supergroups
-      order = allocation.descending_order(gnorm, valid)
+      order = allocation.descending_order(gnorm, valid, chunks=n if bucket.scatter else None)
       chunks = payload_lib.take_in_range(resid, order.reshape(s, n).T)  # [n, s, 256]
       unit_bits = payload_lib.unit_bytes(lay.plane_bits) * 8
       counts = allocation.capacities_threshold(

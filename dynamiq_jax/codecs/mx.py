@@ -64,6 +64,7 @@ class MX(Codec):
   """
 
   reports_contribution = True
+  supports_scatter = True  # chunk c is whole blocks [c d/n, (c+1) d/n)
 
   element: Literal["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"] = "e4m3"
   scale: Literal["bf16", "e8m0"] = "bf16"
@@ -102,6 +103,9 @@ class MX(Codec):
     if self.scale == "e8m0":
       return codes + 8 * padded
     return codes + 16 * m  # the bf16 block-max all-reduce
+
+  def metadata_bits(self, d: int, n: int) -> int:
+    return 0 if self.scale == "e8m0" else 16 * self._blocks(d, n)[0]
 
   # -- state (scale="bf16") -------------------------------------------------------
 

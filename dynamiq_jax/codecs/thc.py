@@ -117,6 +117,7 @@ class THC(IntegerSum):
   """
 
   reports_contribution = True
+  supports_scatter = False  # the rotation mixes coordinates of different chunks
 
   levels: int = 16
   overflow_frequency: float = 1024.0
@@ -242,6 +243,10 @@ class GlobalQSGD(IntegerSum):
   def wire_bits(self, d: int, n: int) -> int:
     self.levels(n)
     return padded_length(d, n) * self.bits + 32  # + the max all-reduce
+
+  def metadata_bits(self, d: int, n: int) -> int:
+    del d, n
+    return 32
 
   def metadata(self, x, bucket, state):
     del bucket, state

@@ -94,8 +94,15 @@ def execute(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
   return all_gather(plan, ctx, reduce_scatter(plan, ctx, chunks, ops), ops)
 
 
-def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
-  """The reduce phase: returns the encoded full sum of chunk ``rank - plan.root``."""
+def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps, *,
+                   encode_root: bool = True):
+  """The reduce phase: the full sum of chunk ``rank - plan.root`` (mod n).
+
+  With ``encode_root`` (the all-reduce's first half) the root encodes its
+  sum once more, for the gather phase to forward; without it (a
+  reduce-scatter, which forwards nothing) the root keeps the decoded sum, one
+  quantisation fewer. Each rank sends ``n - 1`` payloads of one chunk each.
+  """
   n = plan.n
   if ctx.n != n:
     raise ValueError(f"plan is for n={n} but the axis has size {ctx.n}")
@@ -105,7 +112,8 @@ def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
     return jnp.asarray(v, jnp.int32) % n
 
   if n == 1:
-    final = ops.encode(_take(chunks, 0), jnp.int32(0), jnp.int32(0))
+    own = _take(chunks, 0)
+    final = ops.encode(own, jnp.int32(0), jnp.int32(0)) if encode_root else own
   else:
     unrolled = plan.steps <= UNROLL_MAX_STEPS and _lowering_platform() not in LOOP_PLATFORMS
     acc, recv = chunks, None
@@ -139,11 +147,17 @@ def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
     c_root = mod(r - plan.root)
     with jax.named_scope("reduce/root"):
       if plan.fused(plan.steps - 1):
-        final = ops.decode_add_encode(recv, _take(acc, c_root), c_root, jnp.int32(plan.steps))
+        if encode_root:
+          final = ops.decode_add_encode(recv, _take(acc, c_root), c_root,
+                                        jnp.int32(plan.steps))
+        else:
+          final = ops.decode_add(recv, _take(acc, c_root))
       else:
         c_prev = mod(r - plan.edges[-1][1])
         acc = _put(acc, c_prev, ops.decode_add(recv, _take(acc, c_prev)))
-        final = ops.encode(_take(acc, c_root), c_root, jnp.int32(plan.steps))
+        final = _take(acc, c_root)
+        if encode_root:
+          final = ops.encode(final, c_root, jnp.int32(plan.steps))
   return final
 
 

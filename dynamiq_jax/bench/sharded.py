@@ -1,0 +1,415 @@
+"""Sharded models: what the compressed reduction talks over, what it costs in memory, and
+HSDP across processes over emulated links.
+
+    sudo python -m dynamiq_jax.bench.sharded           # all three parts
+    python -m dynamiq_jax.bench.sharded --tiny         # smoke test (no namespaces)
+
+The model is the byte-level transformer LM of ``examples/nnx_sharded_lm`` on 8
+devices, trained with ``dq.nnx.DataParallel`` and DynamiQ (5 bits):
+
+1. ``hlo``: the compiled training step of the ``tensor`` layout (mesh 4 data x 2
+   model, heads and MLP split over ``model``), with Auto and with Explicit axes:
+   every collective and the mesh axes its device groups span
+   (:mod:`dynamiq_jax.bench.hlo`). The reduction must talk over ``data`` only;
+   the tensor-parallel all-reduces of activations run over ``model``.
+2. ``memory``: ``compiled.memory_analysis()`` of the step, per device, for the
+   replicated layout (``data``: parameters and Adam state on every device,
+   ``compressed_psum``) against the sharded optimizer (``zero``: both split over
+   the 8 devices, ``compressed_psum_scatter``) and ``hsdp`` (split over the 4
+   devices of a host). Arguments are the parameters and the optimizer state.
+3. ``hsdp``: the ``hsdp`` layout (2 hosts x 4 devices) trained for ``--steps``
+   steps twice: on 8 simulated devices in this process, and as 2 processes x 4
+   CPU devices (:mod:`dynamiq_jax.multiprocess`, gloo), each process in its own
+   network namespace (:mod:`dynamiq_jax.bench.netns`), so that the ``host`` axis
+   is the only traffic on a process's link. Each process reads its link's byte
+   and packet counters around every step; the bytes are compared with what
+   ``dq.scatter_wire_stats`` says DynamiQ puts on the slow axis for the shards
+   of the 4 devices, and the losses with the one-process run, bit for bit.
+
+Writes ``docs/results/sharded.json`` and ``sharded.md`` (the printed report).
+Without root (or with ``--tiny``, which runs everything smaller and never
+creates namespaces) the processes talk over loopback and no bytes are
+measured; the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+
+import numpy as np
+
+from dynamiq_jax.bench import common
+
+__all__ = ["main", "collective_table", "memory_rows", "expected_slow_bytes"]
+
+HEADER_BYTES = 66
+"""Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes per packet."""
+
+MODEL = dict(dim=128, heads=4, layers=2, context=64, batch_size=32)
+TINY_MODEL = dict(dim=32, heads=2, layers=1, context=16, batch_size=16)
+MEMORY_MODEL = dict(dim=512, heads=8, layers=4, context=64, batch_size=32)
+
+
+def _config(layout: str, tiny: bool, **kw):
+  from examples.nnx_sharded_lm import train
+  sizes = TINY_MODEL if tiny else MODEL
+  model_axis = {"tensor": 2, "hsdp": 4}.get(layout, 1)
+  return train.Config(**dict(dict(sizes, layout=layout, model_axis=model_axis), **kw))
+
+
+def _lowered(config, devices, text):
+  """The training step of ``config`` lowered for ``devices`` (and its DataParallel)."""
+  import jax  # noqa: F401
+  from examples.nnx_sharded_lm import train
+  dp = train.build(config, devices)
+  step = dp.train_step(train.loss_fn)
+  return step.jitted.lower(dp.state, train.place_batch(dp, train.batch(config, text, 0))), dp
+
+
+def collective_table(tiny: bool, text, codec: str = "dynamiq") -> list[dict]:
+  """Part 1: the tensor layout's compiled step, Auto and Explicit axes (``tiny``: Auto
+  only; tests/test_sharded.py compiles both): every collective by op and mesh axes, and
+  those over ``model`` one by one (result type, JAX op name)."""
+  import re
+  import jax
+  from dynamiq_jax.bench import hlo
+
+  rows = []
+  for kind in ("auto",) if tiny else ("auto", "explicit"):
+    lowered, dp = _lowered(_config("tensor", tiny, axis_types=kind, codec=codec),
+                           jax.devices(), text)
+    found = hlo.collectives(lowered.compile().as_text(), dp.mesh)
+    model = []
+    for c in found:
+      if "model" in c.axes:
+        name = re.search(r'op_name="([^"]*)"', c.line)
+        model.append({"op": c.op, "axes": list(c.axes), "shape": c.shape,
+                      "op_name": name.group(1) if name else ""})
+    rows.append({"axis_types": kind, "mesh": dict(dp.mesh.shape),
+                 "collectives": hlo.summary(found), "over_model": model,
+                 "all_gathers_over_model": sum(m["op"] == "all-gather" for m in model)})
+  return rows
+
+
+def memory_rows(tiny: bool, text, codec: str = "dynamiq", bucket_sizes=(None,)) -> list[dict]:
+  """Part 2: ``memory_analysis()`` per device of the replicated, zero and hsdp steps, for
+  each of ``bucket_sizes`` (None: the library's default)."""
+  import jax
+  from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
+  rows = []
+  for layout, bucket_size in [(a, b) for b in bucket_sizes for a in ("data", "zero", "hsdp")]:
+    bucket_size = bucket_size or DEFAULT_BUCKET_SIZE
+    config = _config(layout, tiny, codec=codec, bucket_size=bucket_size,
+                     **({} if tiny else MEMORY_MODEL))
+    lowered, dp = _lowered(config, jax.devices(), text)
+    mem = lowered.compile().memory_analysis()
+    state = dp.state
+    params, opt = state[0], state[1]
+
+    def per_device(tree):
+      return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)))
+
+    full = int(sum(x.nbytes for x in jax.tree.leaves(params)))
+    rows.append({
+        "layout": layout, "mesh": dict(dp.mesh.shape), "bucket_size": bucket_size,
+        "params": int(sum(x.size for x in jax.tree.leaves(params))),
+        "param_bytes_per_device": per_device(params),
+        "gathered_param_bytes": full - per_device(params),
+        "optimizer_bytes_per_device": per_device(opt),
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "alias_bytes": int(mem.alias_size_in_bytes),
+    })
+  return rows
+
+
+def expected_slow_bytes(config, local_devices: int, hosts: int) -> dict:
+  """What DynamiQ sends over the slow axis per step, per device and per process."""
+  import jax
+  from flax import nnx
+  from examples.nnx_sharded_lm import train
+  import dynamiq_jax as dq
+  with nnx.use_eager_sharding(False):
+    model = nnx.eval_shape(lambda: train.ByteLM(config, rngs=nnx.Rngs(0)))
+  grads = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                       nnx.state(model, nnx.Param))
+  codec = dq.codec_from_name(config.codec, **({"bits": config.bits}
+                                              if config.codec == "dynamiq" else {}))
+  stats = dq.scatter_wire_stats(grads, codec=codec, n=local_devices, schedule="hierarchical",
+                                slow=hosts,
+                                scatter_dimension=dq.scatter_dimensions(grads, n=local_devices))
+  return {"per_device": stats.bytes_per_rank, "per_process": stats.bytes_per_rank * local_devices,
+          "bits_per_coord": stats.bits_per_coord, "coords": stats.coords}
+
+
+# ---------------------------------------------------------------------------
+# part 3: the worker processes
+
+
+def _counters():
+  base = "/sys/class/net/eth0/statistics"
+  try:
+    with open(f"{base}/tx_bytes") as a, open(f"{base}/tx_packets") as b, \
+         open(f"{base}/rx_bytes") as c, open(f"{base}/rx_packets") as d:
+      return [int(a.read()), int(b.read()), int(c.read()), int(d.read())]
+  except OSError:
+    return None
+
+
+def _worker(cfg: dict, rank: int, coordinator: str) -> None:
+  from dynamiq_jax import multiprocess
+  multiprocess.initialize(coordinator, num_processes=cfg["processes"], process_id=rank,
+                          local_devices=cfg["local_devices"])
+  import jax
+  from examples import datasets
+  from examples.nnx_sharded_lm import train
+
+  config = train.Config(**cfg["config"])
+  text = datasets.python_source_corpus(cfg["corpus_bytes"]).train
+  steps = []
+  before = [_counters()]
+
+  def on_step(i, loss):
+    after = _counters()
+    steps.append({"step": i, "loss_bits": int(np.asarray(loss, np.float32).view(np.uint32)),
+                  "counters": [before[0], after]})
+    before[0] = after
+
+  losses, _ = train.train(config, jax.devices(), text, on_step=on_step)
+  print("RESULT " + json.dumps({"rank": rank, "steps": steps}), flush=True)
+
+
+def _simulated(config, text) -> list[int]:
+  import jax
+  from examples.nnx_sharded_lm import train
+  losses, _ = train.train(config, jax.devices(), text)
+  return [int(np.asarray(v, np.float32).view(np.uint32)) for v in losses]
+
+
+def _link_rows(results) -> list[dict]:
+  rows = []
+  for res in sorted(results, key=lambda r: r["rank"]):
+    per_step = []
+    for s in res["steps"][1:]:  # step 0 also sets up gloo's connections
+      a, b = s["counters"]
+      if a is None or b is None:
+        continue
+      tx, txp, rx, rxp = (b[i] - a[i] for i in range(4))
+      per_step.append({"tx_bytes": tx, "tx_packets": txp, "rx_bytes": rx, "rx_packets": rxp})
+    if not per_step:
+      rows.append({"rank": res["rank"], "measured": False})
+      continue
+    med = {k: statistics.median(p[k] for p in per_step) for k in per_step[0]}
+    rows.append({"rank": res["rank"], "measured": True, "steps": len(per_step), **med,
+                 "tx_payload_estimate": med["tx_bytes"] - HEADER_BYTES * med["tx_packets"],
+                 "per_step": per_step})
+  return rows
+
+
+def hsdp_run(args, shaped: bool) -> dict:
+  """Part 3 (see the module docstring)."""
+  from examples import datasets
+  from dynamiq_jax.bench.netns import worker_job
+
+  config = _config("hsdp", args.tiny, steps=args.steps, codec=args.codec)
+  text = datasets.python_source_corpus(args.corpus_bytes).train
+  print(f"hsdp: {config.steps} steps on 8 simulated devices in this process ...", flush=True)
+  simulated = _simulated(config, text)
+  cfg = {"processes": 2, "local_devices": 4, "config": dataclasses.asdict(config),
+         "corpus_bytes": args.corpus_bytes}
+  with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump(cfg, f)
+    path = f.name
+  try:
+    with worker_job("dynamiq_jax.bench.sharded", 2, path, shaped=shaped) as (job, net):
+      if net:
+        net.set_rate(None)
+      results = [json.loads(s) for s in job.wait_lines("RESULT ", timeout=args.timeout)]
+      job.wait(timeout=120)
+  finally:
+    os.unlink(path)
+  losses = [[s["loss_bits"] for s in r["steps"]] for r in sorted(results, key=lambda r: r["rank"])]
+  same = all(lb == simulated for lb in losses)
+  links = _link_rows(results) if shaped else [{"rank": r["rank"], "measured": False}
+                                              for r in results]
+  expected = expected_slow_bytes(config, 4, 2)
+  return {"config": dataclasses.asdict(config), "namespaces": shaped,
+          "losses_simulated": [float(np.uint32(b).view(np.float32)) for b in simulated],
+          "loss_bits_simulated": simulated, "loss_bits_processes": losses,
+          "bit_identical": same, "expected": expected, "links": links}
+
+
+# ---------------------------------------------------------------------------
+# the driver
+
+
+def _lines(payload) -> list[str]:
+  """The report of ``payload`` (what main prints and writes to sharded.md)."""
+  out = []
+  for row in payload.get("hlo", []):
+    out.append(f"\n== compiled tensor-layout step, {row['axis_types']} axes, mesh "
+               f"{row['mesh']} ==")
+    for k, v in row["collectives"].items():
+      out.append(f"  {v:3d} x {k}")
+    out.append("  over model:")
+    for m in row["over_model"]:
+      out.append(f"    {m['op']:<20}{m['shape']:<40}{m['op_name'][-60:]}")
+  if payload.get("memory"):
+    rows = payload["memory"]
+    out.append(f"\n== memory_analysis() per device, bytes (x: of the {rows[0]['layout']} "
+               f"layout's at the same bucket size) ==")
+    out.append(f"{'layout':<8}{'mesh':<26}{'bucket':>10}{'params':>12}{'Adam state':>20}"
+               f"{'arguments':>13}{'temp':>20}{'temp - gathered':>23}")
+    base = {}
+    for r in rows:
+      size = r.get("bucket_size", 0)
+      opt, temp = r["optimizer_bytes_per_device"], r["temp_bytes"]
+      rest = temp - r.get("gathered_param_bytes", 0)
+      b = base.setdefault(size, (opt, temp, rest))
+      out.append(f"{r['layout']:<8}{str(r['mesh']):<26}{_pow2(size):>10}"
+                 f"{r['param_bytes_per_device']:>12,}{opt:>13,} {opt / b[0]:>5.3f}x"
+                 f"{r['argument_bytes']:>13,}{temp:>13,} {temp / b[1]:>5.3f}x"
+                 f"{rest:>16,} {rest / b[2]:>5.3f}x")
+    out.append("(arguments: parameters and optimizer state. temp: XLA's scratch at the step's "
+               "peak: activations kept for the backward pass, gradient buckets, and for zero "
+               "and hsdp the parameters all-gathered for the forward pass; temp - gathered "
+               "leaves those out)")
+  h = payload.get("hsdp")
+  if h:
+    how = "network namespaces" if h["namespaces"] else "loopback: bytes not measured"
+    out.append(f"\n== hsdp over 2 processes x 4 devices ({how}) ==")
+    out.append(f"losses bit-identical to the one-process run: {h['bit_identical']} "
+               f"({len(h['loss_bits_simulated'])} steps; last {h['losses_simulated'][-1]:.6f})")
+    e = h["expected"]
+    out.append(f"DynamiQ on the slow axis per step: {e['per_device']:,.0f} B per device, "
+               f"{e['per_process']:,.0f} B per process ({e['bits_per_coord']:.3f} bits/coord)")
+    for link in h["links"]:
+      if link.get("measured"):
+        out.append(f"process {link['rank']}: link tx {link['tx_bytes']:,.0f} B/step "
+                   f"({link['tx_packets']:.0f} packets; minus {HEADER_BYTES} B headers each: "
+                   f"{link['tx_payload_estimate']:,.0f} B = "
+                   f"{link['tx_payload_estimate'] / e['per_process']:.3f}x expected), "
+                   f"rx {link['rx_bytes']:,.0f} B/step")
+  return out
+
+
+def _pow2(size) -> str:
+  """``2^k`` for a power of two, else the number."""
+  size = int(size or 0)
+  return f"2^{size.bit_length() - 1}" if size and size & (size - 1) == 0 else f"{size:,}"
+
+
+def render(payload) -> str:
+  """``sharded.md``: the command, the machine and the report of ``payload``."""
+  m = payload["machine"]
+  head = [f"# Sharded models ({'tiny smoke run' if payload.get('tiny') else 'bench.sharded'})",
+          "", "Written by `python -m dynamiq_jax.bench.sharded`; do not edit.", "",
+          f"- command: `{payload['command']}`",
+          f"- machine: {m['platform']}, {m['cpu_count']} CPUs, jax {m['jax']}, "
+          f"{m['device_count']} {m['backend']} devices, commit {m.get('git_commit', '?')}, "
+          f"{m['date']}"]
+  for part, earlier in payload.get("kept", {}).items():
+    e = earlier["machine"]
+    head.append(f"- {part}: kept from `{earlier['command']}` (commit "
+                f"{e.get('git_commit', '?')}, {e['date']})")
+  head += ["", "```"]
+  return "\n".join(head + [line.lstrip("\n") if i == 0 else line
+                           for i, line in enumerate(_lines(payload))] + ["```", ""])
+
+
+def _keep_other_parts(payload: dict, path: str, parts) -> None:
+  """The parts of an earlier ``path`` that this run did not measure, kept in ``payload``
+  with the command and machine that did (``payload["kept"]``)."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    earlier = json.load(f)
+  for part in ("hlo", "memory", "hsdp"):
+    if part not in parts and part in earlier:
+      payload[part] = earlier[part]
+      source = earlier.get("kept", {}).get(part) or {"command": earlier["command"],
+                                                     "machine": earlier["machine"]}
+      payload.setdefault("kept", {})[part] = source
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The benchmark's flags."""
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.sharded", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--parts", default="hlo,memory,hsdp",
+                 help="comma-separated: hlo, memory, hsdp; the other parts of an existing "
+                      "sharded.json in --out are kept (with the command that measured them)")
+  p.add_argument("--bucket-sizes", default="default,1048576",
+                 help="memory: comma-separated bucket sizes in coordinates ('default': the "
+                      "library's)")
+  p.add_argument("--codec", default="dynamiq",
+                 help="dynamiq (5 bits), or a name in dq.REDUCERS that can reduce-scatter")
+  p.add_argument("--steps", type=int, default=8, help="hsdp training steps")
+  p.add_argument("--corpus-bytes", type=int, default=1_000_000, help="training text bytes")
+  p.add_argument("--tiny", action="store_true",
+                 help="smoke-test sizes (CI); never creates network namespaces")
+  p.add_argument("--no-shaping", action="store_true", help="loopback, no namespaces")
+  p.add_argument("--timeout", type=float, default=1500, help="seconds the processes may take")
+  p.add_argument("--out", default=None, help="results directory; unset: docs/results")
+  p.add_argument("--render", default=None, metavar="JSON",
+                 help="only rewrite sharded.md beside JSON from it (no measurement)")
+  p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--config", default=None, help=argparse.SUPPRESS)
+  return p
+
+
+def main(argv=None):
+  args = build_parser().parse_args(argv)
+  if args.render:  # sharded.md again from a results file (e.g. after a format change)
+    with open(args.render) as f:
+      payload = json.load(f)
+    with open(os.path.join(os.path.dirname(args.render), "sharded.md"), "w") as f:
+      f.write(render(payload))
+    return payload
+  if args.worker is not None:
+    with open(args.config) as f:
+      _worker(json.load(f), args.worker, args.coordinator)
+    return None
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)
+  from examples import datasets
+  from dynamiq_jax.bench.netns import shaping
+  parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+  unknown = set(parts) - {"hlo", "memory", "hsdp"}
+  if unknown:
+    raise SystemExit(f"--parts: unknown {sorted(unknown)}; use hlo, memory, hsdp")
+  if args.tiny:
+    args.steps = min(args.steps, 3)
+    args.corpus_bytes = min(args.corpus_bytes, 200_000)
+  text = datasets.python_source_corpus(args.corpus_bytes).train
+  payload = {"benchmark": "sharded", "command": common.command_line(),
+             "machine": common.machine(), "tiny": args.tiny}
+  if "hlo" in parts:
+    payload["hlo"] = collective_table(args.tiny, text, args.codec)
+  if "memory" in parts:
+    sizes = [None if b.strip() == "default" else int(b) for b in args.bucket_sizes.split(",")]
+    payload["memory"] = memory_rows(args.tiny, text, args.codec, sizes)
+  if "hsdp" in parts:
+    shaped = shaping(args.no_shaping or args.tiny)
+    payload["hsdp"] = hsdp_run(args, shaped)
+  out = common.results_dir(args.out)
+  _keep_other_parts(payload, os.path.join(out, "sharded.json"), parts)
+  print("\n".join(_lines(payload)))
+  path = common.write_json(os.path.join(out, "sharded.json"), payload)
+  with open(os.path.join(out, "sharded.md"), "w") as f:
+    f.write(render(payload))
+  print(f"\nwrote {path} and sharded.md")
+  if "hsdp" in parts and not payload["hsdp"]["bit_identical"]:
+    raise SystemExit("the processes' losses differ from the one-process run")
+  return payload
+
+
+if __name__ == "__main__":
+  main()

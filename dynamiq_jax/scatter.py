@@ -1,0 +1,543 @@
+"""``reduce_scatter``: the compressed reduce-scatter of a gradient pytree.
+
+A sharded optimizer (ZeRO-1/2, FSDP over the data axis, HSDP) needs on each
+rank only its shard of the mean gradient: the reduce half of the all-reduce's
+schedule, ``(n - 1) / n`` of the bucket per rank instead of ``2 (n - 1) / n``.
+Rank r ends with slice r of every leaf along its ``scatter_dimension``, as
+``jax.lax.psum_scatter(x, axis_name, scatter_dimension=k, tiled=True) / n``
+gives it.
+
+How a bucket is made: each scattered leaf is cut into its n rank slices
+(slice r: ``leaf`` split into n along dimension k, row-major), the slices
+of the bucket's leaves are laid side by side per rank, each rank's row padded
+to whole codec blocks, and row r is put where the schedule's reduce phase
+leaves the chunk that rank r owns. The codec cuts such a bucket at the rows
+(:attr:`~dynamiq_jax.codecs.Codec.supports_scatter`; DynamiQ then ranks each
+chunk's super-groups on their own, with this round's widths shared by
+position, so every chunk still gets the same code budget). Then, as in
+:func:`dynamiq_jax.allreduce`: the guard, the metadata pass (a full
+all-reduce of the small metadata), the reduce phase with compressed hops,
+and the owner keeps the decoded sum of its chunk (no last re-encode, no
+gather phase) and finishes it alone.
+
+``schedule="hierarchical"`` with ``axis_name=(slow, fast)`` is HSDP: each
+leaf is scattered over the fast axis only; the fast axis reduce-scatters the
+float32 bucket exactly (the ring of
+:func:`~dynamiq_jax.schedules.hierarchical.reduce_scatter_shares`), each fast
+rank all-reduces its own slice with the codec over the slow axis, and there
+is no all-gather back inside the fast axis.
+
+Leaves with ``scatter_dimension`` None are all-reduced whole
+(:func:`dynamiq_jax.allreduce`, in buckets of their own), e.g. biases too
+small to shard.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from dynamiq_jax._sizes import ceil_div, round_up
+from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.allreduce import DEFAULT_MAX_BUCKETS
+from dynamiq_jax.allreduce import HIERARCHICAL
+from dynamiq_jax.allreduce import AllReduceStats
+from dynamiq_jax.allreduce import _allreduce_local
+from dynamiq_jax.allreduce import _bucket_codec
+from dynamiq_jax.allreduce import _check_codec
+from dynamiq_jax.allreduce import _check_leaves
+from dynamiq_jax.allreduce import _check_varying
+from dynamiq_jax.allreduce import _codec_pass
+from dynamiq_jax.allreduce import _combine
+from dynamiq_jax.allreduce import _flat_specs
+from dynamiq_jax.allreduce import _group_keys
+from dynamiq_jax.allreduce import _group_order
+from dynamiq_jax.allreduce import _guard
+from dynamiq_jax.allreduce import _hierarchical_axes
+from dynamiq_jax.allreduce import _hop_ops
+from dynamiq_jax.allreduce import _key_data
+from dynamiq_jax.allreduce import _leaf_order
+from dynamiq_jax.allreduce import _one_after_another
+from dynamiq_jax.allreduce import _relative
+from dynamiq_jax.allreduce import _report
+from dynamiq_jax.allreduce import _sum_stats
+from dynamiq_jax.allreduce import _unguard
+from dynamiq_jax.allreduce import bucket_layout
+from dynamiq_jax.codecs.base import Bucket, Keys
+from dynamiq_jax.schedules import hierarchical
+from dynamiq_jax.schedules.context import axis_context, axis_names
+from dynamiq_jax.schedules.executor import reduce_scatter as reduce_phase
+from dynamiq_jax.schedules.local import local_specs, run_on_local_shards
+from dynamiq_jax.schedules.local import sharding_groups
+from dynamiq_jax.schedules.plan import get_plan
+
+__all__ = ["reduce_scatter", "scatter_dimensions", "scatter_wire_stats"]
+
+WHOLE_LEAVES_STREAM = 0x5CA7
+"""Folded into the key of the leaves all-reduced whole, so that their buckets' random
+streams differ from the scattered buckets' with the same index."""
+
+
+def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
+                   schedule: str = "ring", average: bool = True,
+                   bucket_size: int = DEFAULT_BUCKET_SIZE,
+                   max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
+                   implementation: str | None = None, return_own: bool = False, specs=None):
+  """Compressed reduce-scatter of a gradient pytree over ``axis_name``.
+
+  Args:
+    tree: pytree of floating arrays, this rank's (full) gradients.
+    axis_name: the data-parallel axis (bound by shard_map, pmap or vmap);
+      ``(slow, fast)`` for ``schedule="hierarchical"`` (HSDP: the leaves are
+      scattered over ``fast`` and all-reduced over ``slow``).
+    codec: a codec with ``supports_scatter`` (DynamiQ, MX, Bf16, F32,
+      GlobalQSGD; THC's rotation and OmniReduce's packing mix chunks) and no
+      state.
+    key: a ``jax.random`` key, identical on every rank.
+    scatter_dimension: the dimension of each leaf that is split over the
+      axis: an int for every leaf, or a pytree (a prefix of ``tree``) of int
+      or None; None all-reduces that leaf whole (every rank gets all of it).
+      The dimension's size must be a multiple of the number of ranks it is
+      split over (:func:`scatter_dimensions` picks such dimensions).
+    schedule: ``"ring"``, ``"butterfly"`` or ``"hierarchical"``.
+    average: the mean over ranks (workers pre-divide by n) or the sum.
+    bucket_size: the most coordinates in one bucket (all ranks' slices).
+    max_buckets: the most buckets of scattered leaves (and as many again of
+      whole ones).
+    leaf_order: as for :func:`dynamiq_jax.allreduce`.
+    implementation: as for :func:`dynamiq_jax.allreduce`.
+    return_own: also return this rank's whole input as the codec represented
+      it (``stats.own``, full leaves), for error feedback (flat schedules).
+    specs: the leaves' ``PartitionSpec`` on the mesh, needed where other mesh
+      axes are ``AxisType.Auto`` (:func:`dynamiq_jax.allreduce`). A leaf's
+      scattered dimension must not be sharded over another mesh axis.
+
+  Returns:
+    ``(tree, stats)``: each scattered leaf replaced by this rank's slice of the
+    mean (or sum), each other leaf by the whole mean; and
+    :class:`~dynamiq_jax.AllReduceStats`: ``bits_per_coord`` is the codec's
+    (as for an all-reduce), ``bytes_per_rank`` what each rank sends: per
+    scattered bucket ``(n - 1) / n`` of its payload plus the metadata's
+    all-reduce (HSDP: what the slow axis carries for a rank's slice);
+    ``error_estimate`` is NaN where a leaf was scattered (no estimate is made
+    for a reduce-scatter), else the all-reduce's (over every model shard).
+
+  Raises:
+    ValueError: a codec that cannot reduce-scatter, or keeps state; a
+      dimension that does not divide; the checks of :func:`dynamiq_jax.allreduce`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dynamiq_jax as dq
+    >>> g = jnp.arange(4 * 8 * 256, dtype=jnp.float32).reshape(4, 8, 256)
+    >>> f = lambda x: dq.reduce_scatter(x, axis_name="i", codec=dq.codecs.F32(),
+    ...                                 key=jax.random.key(0))[0]
+    >>> out = jax.vmap(f, axis_name="i")(g)  # rank r: rows 2r, 2r + 1 of the mean
+    >>> out.shape, bool(jnp.allclose(out.reshape(8, 256), g.mean(0)))
+    ((4, 2, 256), True)
+
+  References:
+    ZeRO++ (Wang et al., 2023) quantises the same collective, hierarchically (qgZ).
+  """
+  _check_codec(codec)
+  hier = schedule in HIERARCHICAL
+  if hier:
+    _hierarchical_axes(axis_name, codec, None, return_own)
+  if not codec.supports_scatter:
+    raise ValueError(
+        f"{codec!r} cannot reduce-scatter: its chunks mix coordinates that different ranks "
+        f"own (supports_scatter=False). Fix: use a codec that can (codecs.DynamiQ(), "
+        f"codecs.MX(scale='e8m0'), codecs.Bf16(), codecs.F32(), codecs.GlobalQSGD()), or all-reduce "
+        f"with dq.allreduce / dq.compressed_psum and keep each rank's slice")
+  if codec.stateful:
+    raise ValueError(
+        f"{codec!r} keeps state from one call to the next, computed from the whole result, "
+        f"which no rank of a reduce-scatter has. Fix: use a stateless codec (DynamiQ, "
+        f"MX(scale='e8m0'), Bf16, ...)")
+  if return_own and not codec.reports_contribution:
+    raise ValueError(f"{type(codec).__name__} cannot report a rank's own contribution, "
+                     f"which error feedback needs; use error_feedback=False")
+  leaves, treedef = _check_leaves(tree)
+  ctx = axis_context(tuple(axis_names(axis_name)) if hier else axis_name)
+  _check_varying(leaves, ctx)
+  n = axis_context(axis_names(axis_name)[1]).n if hier else ctx.n
+  dims = _dims(scatter_dimension, leaves, treedef, n)
+  local = local_specs(leaves, _flat_specs(specs, treedef), what="reduce_scatter")
+  run = functools.partial(
+      _reduce_scatter_local, dims=dims, axis_name=axis_name, codec=codec, schedule=schedule,
+      average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+      leaf_order=leaf_order, implementation=implementation, return_own=return_own)
+  if local is None:
+    out, stats, _, _ = run(tree, key=key)
+    return out, stats
+  for (path, _), spec, dim in zip(leaves, local, dims):
+    if dim is not None and dim < len(spec) and spec[dim] is not None:
+      raise ValueError(
+          f"leaf {jax.tree_util.keystr(path)} is sharded over {spec[dim]!r} on dimension "
+          f"{dim}, the dimension it would be scattered on: the slices would not line up with "
+          f"the mesh. Fix: scatter it on another dimension (scatter_dimension=), or shard it "
+          f"over that axis on another one")
+
+  groups = sharding_groups(local)
+  scattered = any(d is not None for d in dims)
+
+  def body(local_tree, *keys):  # each sharding group on its own (see schedules.local)
+    flat = treedef.flatten_up_to(local_tree)
+    outs, owns, parts, err_sum, ref_sum = [None] * len(flat), [None] * len(flat), [], 0.0, None
+    for (sharded_over, idx), k in zip(groups, keys):
+      out, stats, err, ref = _reduce_scatter_local(
+          [flat[i] for i in idx], dims=[dims[i] for i in idx], axis_name=axis_name,
+          codec=codec, schedule=schedule, key=k, average=average, bucket_size=bucket_size,
+          max_buckets=max_buckets, leaf_order=_group_order(leaf_order, idx, len(flat)),
+          implementation=implementation, return_own=return_own)
+      for j, i in enumerate(idx):
+        outs[i] = out[j]
+        owns[i] = stats.own[j] if return_own else None
+      if ref is not None:  # as in dq.allreduce: each coordinate counted once, over its shards
+        if sharded_over:
+          err, ref = jax.lax.psum((err, ref), sharded_over)
+        err_sum, ref_sum = err_sum + err, ref if ref_sum is None else ref_sum + ref
+      parts.append(stats._replace(own=None))
+    stats = _sum_stats(parts)
+    if scattered or ref_sum is None:  # no estimate for a scattered leaf, or from this codec
+      stats = stats._replace(error_estimate=jnp.float32(jnp.nan))
+    else:
+      stats = stats._replace(error_estimate=_relative(jnp.float32(err_sum),
+                                                      jnp.float32(ref_sum)))
+    return (jax.tree_util.tree_unflatten(treedef, outs),
+            jax.tree_util.tree_unflatten(treedef, owns) if return_own else None, stats)
+
+  def out_specs(tree_specs):
+    stats = AllReduceStats(P(), P(), P(), codec_state=None, own=None, uncompressed=P(),
+                           error_estimate=P())
+    return tree_specs, tree_specs if return_own else None, stats
+
+  out, own, stats = run_on_local_shards(body, tree, local, treedef, out_specs=out_specs,
+                                       replicated=_group_keys(key, len(groups)))
+  return out, stats._replace(own=own)
+
+
+def _dims(scatter_dimension, leaves, treedef, n: int) -> list:
+  """One int or None per leaf, checked against the leaves' (local) shapes."""
+  if scatter_dimension is None or isinstance(scatter_dimension, (int, np.integer)):
+    dims = [scatter_dimension] * len(leaves)
+  else:
+    try:
+      dims = treedef.flatten_up_to(scatter_dimension)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"scatter_dimension must be an int, None, or a pytree shaped like the "
+                       f"gradient (a prefix of it) of int or None: {e}") from None
+  out = []
+  for (path, leaf), dim in zip(leaves, dims):
+    shape = np.shape(leaf)
+    name = jax.tree_util.keystr(path) or "<root>"
+    if dim is None:
+      out.append(None)
+      continue
+    if not isinstance(dim, (int, np.integer)) or not -len(shape) <= dim < len(shape):
+      raise ValueError(f"scatter_dimension={dim!r} of leaf {name} (shape {shape}) is not one "
+                       f"of its dimensions; pass an index in [0, {len(shape)}) or None (all-"
+                       f"reduce the leaf whole)")
+    dim = int(dim) % len(shape)
+    if shape[dim] % n:
+      raise ValueError(
+          f"leaf {name} has shape {shape}: dimension {dim} ({shape[dim]}) cannot be split "
+          f"over {n} ranks. Fix: scatter another dimension, pass None for this leaf (it is "
+          f"then all-reduced whole), or pick the dimensions with "
+          f"dq.scatter_dimensions(tree, n={n})")
+    out.append(dim)
+  return out
+
+
+def scatter_dimensions(tree, *, n: int, specs=None, min_size: int = 0):
+  """For each leaf, a dimension that splits over ``n`` ranks, or None.
+
+  The largest dimension whose size is a multiple of ``n`` and that ``specs``
+  (optional, the leaves' ``PartitionSpec``) does not shard over another
+  mesh axis, ties to the first; None for leaves with fewer than ``min_size``
+  coordinates or no such dimension (they are all-reduced whole).
+
+  Args:
+    tree: the parameters or gradients (arrays or ``jax.ShapeDtypeStruct``).
+    n: the number of ranks to split over.
+    specs: optional pytree of ``PartitionSpec`` shaped like ``tree``.
+    min_size: leaves smaller than this stay whole.
+
+  Returns:
+    A pytree shaped like ``tree`` of int or None (``scatter_dimension=``).
+
+  Examples:
+    >>> import jax, dynamiq_jax as dq
+    >>> dq.scatter_dimensions({"w": jax.ShapeDtypeStruct((6, 16), "float32"),
+    ...                        "b": jax.ShapeDtypeStruct((3,), "float32")}, n=4)
+    {'b': None, 'w': 1}
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  spec_list = [None] * len(leaves) if specs is None else treedef.flatten_up_to(specs)
+  out = []
+  for leaf, spec in zip(leaves, spec_list):
+    shape = tuple(np.shape(leaf))
+    taken = {i for i, e in enumerate(tuple(spec or ())) if e is not None}
+    fits = [i for i, s in enumerate(shape) if s % n == 0 and s > 0 and i not in taken]
+    if not fits or int(np.prod(shape)) < min_size:
+      out.append(None)
+    else:
+      out.append(max(fits, key=lambda i: (shape[i], -i)))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _rank_rows(a, dim: int, n: int):
+  """leaf -> float32 [n, size / n]: row r is slice r along ``dim``, row-major."""
+  shape = a.shape
+  split = shape[:dim] + (n, shape[dim] // n) + shape[dim + 1:]
+  return jnp.moveaxis(a.astype(jnp.float32).reshape(split), dim, 0).reshape(n, -1)
+
+
+def _from_rank_rows(rows, shape, dim: int):
+  """Inverse of :func:`_rank_rows`: [n, size / n] -> the leaf's shape."""
+  n = rows.shape[0]
+  moved = (n,) + shape[:dim] + (shape[dim] // n,) + shape[dim + 1:]
+  return jnp.moveaxis(rows.reshape(moved), 0, dim).reshape(shape)
+
+
+def _shard_shape(shape, dim: int, n: int):
+  return shape[:dim] + (shape[dim] // n,) + shape[dim + 1:]
+
+
+def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, average, bucket_size,
+                          max_buckets, leaf_order, implementation, return_own):
+  """:func:`reduce_scatter` of local arrays -> ``(tree, stats, err, ref)``: ``err`` and
+  ``ref`` the whole leaves' expected squared error and squared norm (None: no whole
+  leaves, or no estimate from the codec), for a caller that weighs several groups."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  arrays = [jnp.asarray(a) for a in leaves]
+  hier = schedule in HIERARCHICAL
+  names = axis_names(axis_name)
+  ctx = axis_context(tuple(names) if hier else axis_name)
+  scat_ctx = axis_context(names[1]) if hier else ctx
+  n = scat_ctx.n
+  unit = codec.granularity
+  order = _leaf_order(len(arrays), leaf_order)
+  scat = [i for i in order if dims[i] is not None]
+  whole = [i for i in order if dims[i] is None]
+  outs: list = [None] * len(arrays)
+  owns: list = [None] * len(arrays)
+  parts = []  # AllReduceStats of the two groups
+
+  if scat:
+    rows_of = {i: _rank_rows(arrays[i], dims[i], n) for i in scat}
+    pieces = [jax.ShapeDtypeStruct((rows_of[i].shape[1],), jnp.float32) for i in scat]
+    layout = bucket_layout(pieces, codec=codec, max_buckets=max_buckets,
+                           bucket_size=max(unit, bucket_size // n // unit * unit))
+    buckets, widths = [], []
+    for segs in layout:
+      cols = [rows_of[scat[s.leaf]][:, s.start:s.stop] for s in segs]
+      rows = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)
+      width = rows.shape[1]
+      rows = jnp.pad(rows, ((0, 0), (0, round_up(width, unit) - width)))
+      buckets.append(rows / np.float32(ctx.n) if average else rows)
+      widths.append(width)
+    reduce_one = (_hsdp_bucket if hier else _scatter_bucket)(
+        ctx=ctx, scat_ctx=scat_ctx, codec=codec, schedule=schedule, key=key,
+        implementation=implementation, return_own=return_own, names=names)
+    results = _one_after_another(buckets, reduce_one)
+    mine = {i: [] for i in scat}
+    own_rows = {i: [] for i in scat}
+    for segs, width, (piece, own) in zip(layout, widths, results):
+      off = 0
+      for s in segs:
+        i = scat[s.leaf]
+        mine[i].append(piece[off:off + s.stop - s.start])
+        if return_own:
+          own_rows[i].append(own[:, off:off + s.stop - s.start])
+        off += s.stop - s.start
+    for i in scat:
+      flat = mine[i][0] if len(mine[i]) == 1 else jnp.concatenate(mine[i])
+      outs[i] = flat.reshape(_shard_shape(arrays[i].shape, dims[i], n)).astype(arrays[i].dtype)
+      if return_own:
+        rows = own_rows[i][0] if len(own_rows[i]) == 1 else jnp.concatenate(own_rows[i], axis=1)
+        rows = rows * np.float32(ctx.n) if average else rows
+        owns[i] = _from_rank_rows(rows, arrays[i].shape, dims[i])
+    parts.append(_scattered_report([rows.shape[1] for rows in buckets], codec, n, hier,
+                                   ctx.n // n, sum(int(np.prod(arrays[i].shape)) for i in scat)))
+
+  err = ref = None
+  if whole:
+    sub = [arrays[i] for i in whole]
+    out, stats, err, ref = _allreduce_local(
+        sub, axis_name=axis_name, codec=codec, schedule=schedule,
+        key=jax.random.fold_in(key, WHOLE_LEAVES_STREAM), average=average,
+        bucket_size=bucket_size, max_buckets=max_buckets, leaf_order=None,
+        implementation=implementation, codec_state=None, return_own=return_own)
+    for j, i in enumerate(whole):
+      outs[i] = out[j]
+      if return_own:
+        owns[i] = stats.own[j]
+    parts.append(stats._replace(error_estimate=err if ref is None else _relative(err, ref),
+                                own=None))
+
+  return jax.tree_util.tree_unflatten(treedef, outs), _sum_stats(parts)._replace(
+      own=jax.tree_util.tree_unflatten(treedef, owns) if return_own else None), err, ref
+
+
+def _scattered_report(widths, codec, n: int, hier: bool, slow: int, coords: int
+                      ) -> AllReduceStats:
+  """Wire accounting of the scattered buckets, each ``widths[b]`` (padded) coordinates per
+  rank: ``bits_per_coord`` per real coordinate; HSDP counts the slow axis only."""
+  if hier:  # each fast rank all-reduces its slices over the slow axis
+    report = _report(widths, codec, slow)
+    real = coords / n
+  else:
+    report = _scatter_report([w * n for w in widths], codec, n)
+    real = coords
+  total = float(report.bits_per_coord) * report.coords
+  return report._replace(bits_per_coord=total / real if real else 0.0, coords=coords,
+                         error_estimate=float("nan"))
+
+
+def _scatter_report(sizes, codec, n: int) -> AllReduceStats:
+  """Wire accounting of reduce-scattered buckets of ``sizes`` coordinates (all ranks)."""
+  total = sum(sizes)
+  if total == 0:
+    return AllReduceStats(0.0, 0.0, 0)
+  if n == 1:
+    return AllReduceStats(0.0, 0.0, total)
+  bits = sent = plain = 0
+  for d in sizes:
+    used = _bucket_codec(codec, d, n)
+    wire, meta = used.wire_bits(d, n), used.metadata_bits(d, n)
+    bits += wire
+    sent += (wire - meta) * (n - 1) / n + meta * 2 * (n - 1) / n
+    plain += d if used is not codec else 0
+  return AllReduceStats(bits / total, sent / 8, total, uncompressed=plain)
+
+
+def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
+                       schedule: str = "ring", slow: int = 1,
+                       bucket_size: int = DEFAULT_BUCKET_SIZE,
+                       max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None
+                       ) -> AllReduceStats:
+  """Exact wire accounting of :func:`reduce_scatter` of ``tree``, outside of tracing.
+
+  Args:
+    tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``), one rank's.
+    codec: the codec.
+    n: ranks the leaves are scattered over (the fast axis's size for
+      ``schedule="hierarchical"``).
+    scatter_dimension: as for :func:`reduce_scatter`.
+    schedule: ``"ring"``, ``"butterfly"`` or ``"hierarchical"``.
+    slow: the slow axis's size (``schedule="hierarchical"``).
+    bucket_size, max_buckets, leaf_order: as for :func:`reduce_scatter`.
+
+  Returns:
+    :class:`~dynamiq_jax.AllReduceStats` of Python numbers (``error_estimate``
+    NaN where leaves are scattered).
+  """
+  from dynamiq_jax.allreduce import wire_stats
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  dims = _dims(scatter_dimension, [((), a) for a in leaves], treedef, n)
+  order = _leaf_order(len(leaves), leaf_order)
+  hier = schedule in HIERARCHICAL
+  unit = codec.granularity
+  parts = []
+  scat = [i for i in order if dims[i] is not None]
+  whole = [i for i in order if dims[i] is None]
+  if scat:
+    pieces = [jax.ShapeDtypeStruct((int(np.prod(np.shape(leaves[i]))) // n,), jnp.float32)
+              for i in scat]
+    layout = bucket_layout(pieces, codec=codec, max_buckets=max_buckets,
+                           bucket_size=max(unit, bucket_size // n // unit * unit))
+    sizes = [round_up(sum(s.stop - s.start for s in segs), unit) for segs in layout]
+    parts.append(_scattered_report(sizes, codec, n, hier, slow,
+                                   sum(int(np.prod(np.shape(leaves[i]))) for i in scat)))
+  if whole:
+    sub = [leaves[i] for i in whole]
+    if hier:
+      from dynamiq_jax.allreduce import _bucket_sizes
+      lay = bucket_layout(sub, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets)
+      shares = [ceil_div(d, unit * n) * unit for d in _bucket_sizes(lay)]
+      parts.append(_report(shares, codec, slow)._replace(
+          coords=sum(int(np.prod(np.shape(a))) for a in sub), error_estimate=0.0))
+    else:
+      parts.append(wire_stats(sub, codec=codec, n=n, bucket_size=bucket_size,
+                              max_buckets=max_buckets))
+  if not parts:
+    return AllReduceStats(0.0, 0.0, 0)
+  coords = sum(p.coords for p in parts)
+  return AllReduceStats(
+      sum(p.bits_per_coord * p.coords for p in parts) / max(coords, 1),
+      sum(p.bytes_per_rank for p in parts), coords,
+      uncompressed=sum(p.uncompressed for p in parts),
+      error_estimate=parts[0].error_estimate if len(parts) == 1 else float("nan"))
+
+
+def _scatter_bucket(*, ctx, scat_ctx, codec, schedule, key, implementation, return_own, names):
+  """``reduce_one(b, rows, after)`` for a flat schedule: rows [n, m] in rank order ->
+  (this rank's reduced row [m], its contribution rows [n, m] or None)."""
+  del scat_ctx, names
+  n = ctx.n
+  plan = get_plan(schedule, n)
+
+  def reduce_one(b, rows, after):
+    m = rows.shape[1]
+    d = n * m
+    x = jnp.roll(rows, -plan.root, axis=0).reshape(-1)  # chunk c: rank (c + root) % n's row
+    with jax.named_scope("guard"):
+      nonfinite, x, scale = _guard(x, ctx, after)
+    if n == 1:
+      return _unguard(x, nonfinite, scale), (x / scale)[None] if return_own else None
+    used = _bucket_codec(codec, d, n)
+    bucket = Bucket(b, d, n, implementation, scatter=True)
+    keys = Keys.from_key(key, bucket=b, rank=ctx.rank())
+    meta = used.metadata(x, bucket, None)
+    if meta is not None:
+      with jax.named_scope("metadata"):
+        meta = _combine(meta, ctx, plan, keys)
+    p = used.plan(x, meta, bucket, None, keys)
+    with jax.named_scope("reduce_scatter"):
+      mine = reduce_phase(plan, ctx, p.chunks, _hop_ops(used, p.aux, keys), encode_root=False)
+    c = (ctx.rank() - plan.root) % n  # the chunk this rank owns: its own row
+    full = jax.tree.map(
+        lambda a: jax.lax.dynamic_update_index_in_dim(jnp.zeros((n,) + a.shape, a.dtype), a, c,
+                                                      axis=0), mine)
+    out, _ = used.finish(full, p.aux, bucket, None)
+    piece = jax.lax.dynamic_slice_in_dim(out, c * m, m)
+    own = None
+    if return_own:
+      own = jnp.roll((used.contribution(x, p.aux, bucket) / scale).reshape(n, m), plan.root,
+                     axis=0)
+    return _unguard(piece, nonfinite, scale), own
+
+  return reduce_one
+
+
+def _hsdp_bucket(*, ctx, scat_ctx, codec, schedule, key, implementation, return_own, names):
+  """``reduce_one(b, rows, after)`` for ``schedule="hierarchical"``: rows [L, m] in fast-rank
+  order -> this rank's row summed exactly over the fast axis, then with the codec over
+  the slow axis (no all-gather back)."""
+  del return_own
+  slow_ctx, fast_ctx = axis_context(names[0]), scat_ctx
+  plan = get_plan(HIERARCHICAL[schedule], slow_ctx.n)
+  root = hierarchical.ring_plan(fast_ctx.n).root if fast_ctx.n > 1 else 0
+  key = jax.random.fold_in(key, jax.lax.axis_index(names[1]))  # fresh rounding per fast rank
+
+  def reduce_one(b, rows, after):
+    n_fast, m = rows.shape
+    with jax.named_scope("guard"):  # over both axes: the fast reduce-scatter is guarded too
+      nonfinite, x, scale = _guard(rows.reshape(-1), ctx, after)
+    with jax.named_scope("fast_reduce_scatter"):  # rank r owns share (r - root) % L: its row
+      owned = hierarchical.reduce_scatter_shares(
+          fast_ctx, jnp.roll(x.reshape(n_fast, m), -root, axis=0))
+    reduced = owned
+    if slow_ctx.n > 1:
+      reduced, _, _, _ = _codec_pass(
+          owned, _bucket_codec(codec, m, slow_ctx.n), Bucket(b, m, slow_ctx.n, implementation),
+          None, Keys.from_key(key, bucket=b, rank=slow_ctx.rank()), plan, slow_ctx, False)
+    return _unguard(reduced, nonfinite, scale), None
+
+  return reduce_one
+
