@@ -1,0 +1,250 @@
+"""DynamiQ's decode kernels on the Pallas Mosaic GPU backend (``plgpu.kernel``).
+
+Two operations on one chunk payload in the planar layout
+(:mod:`pallas_kernels.dynamiq_planar`): :func:`decompress_planar` (payload
+-> float32) and :func:`decompress_accumulate_planar` (``decode(p) + x``),
+each one launch of ``ceil(S / BLOCK)`` programs of one warpgroup. The
+encoding kernels (compress and the fused ring hop) are not written yet:
+:mod:`pallas_kernels.dynamiq` still dispatches every operation to Triton or
+the reference, and nothing here is chosen by ``implementation=None``.
+
+Memory layout: a program handles :data:`BLOCK` = 8 super-groups, i.e. 8 x
+256 coordinates, held as a ``[64, 32]`` array in the WGMMA register layout:
+row ``r = 8 s + j`` is 32-coordinate word ``j`` of super-group ``s`` of the
+block, column ``c`` is bit ``c`` of that word, so the output, viewed as
+float32 ``[S * 8, 32]``, is the chunk ``[S, 256]`` itself. Every operand
+moves with one TMA block copy per program (no byte gather): the block's
+64 ``k`` words (uint16: ``k`` of scale groups ``2 j`` and ``2 j + 1``),
+its 8 super-group scales (bf16 bits), widths, and per plane ``p`` the 64
+words of units ``[off_p + s0, off_p + s0 + 8)``, a contiguous run of the
+unit plane at a data-dependent offset. A per-row word is broadcast along
+the columns (a row vector in the layout ``WGMMA.reduce(1)``), so that bit
+``c`` of plane ``p`` is ``(word >> c) & 1``. Rows of a super-group past
+``count_p`` (narrower codes, the tail past ``S``) are masked, so a plane copy
+that runs past the unit plane's end reads only masked rows: on a GPU the
+TMA unit fills such reads with zeros and drops writes past the output's
+end.
+
+Level lookups have no gather: the magnitude index ``l`` of a code and its
+sign come from its top bit, and ``lam[l]`` is a balanced select tree over
+the width's constant levels (``R`` selects), one tree per width of the set,
+chosen per row by the super-group's width. The arithmetic is the
+reference's: ``lam * (k * V)`` in float32 (exact: 8 x 16 significant bits),
+then ``+ x``; so the output equals
+:func:`~pallas_kernels.dynamiq_reference.decompress_reference` bit for bit
+(``tests/test_mosaic_gpu.py``, in GPU interpret mode).
+
+Only ``plane_bits=1`` is written (a ``NotImplementedError`` otherwise).
+GPU interpret mode (:data:`INTERPRET`) needs jax >= 0.12 (``jax.experimental.
+pallas.mosaic_gpu.InterpretGPUParams``; jax 0.10.2 has ``plgpu.kernel`` but
+no interpret mode).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import dynamiq_block as B
+from pallas_kernels import dynamiq_planar as P
+from pallas_kernels import dynamiq_reference as R
+
+__all__ = [
+    "BLOCK",
+    "has_interpret",
+    "interpret_params",
+    "decompress_planar",
+    "decompress_accumulate_planar",
+]
+
+BLOCK = 8
+"""Super-groups per program: 64 rows of 32 coordinates, one warpgroup's WGMMA layout."""
+
+_ROWS = BLOCK * B.SUPERGROUP // 32  # 64
+_WORDS = B.SUPERGROUP // 32  # 32-bit words of one plane unit (plane_bits=1)
+_PTAB = 16  # int32 entries of the plane table: off_p for p < 8, then the units used
+
+
+def has_interpret() -> bool:
+  """Whether this jax has Mosaic GPU's interpret mode (``InterpretGPUParams``, jax >= 0.12)."""
+  return hasattr(plgpu, "InterpretGPUParams")
+
+
+def interpret_params(detect_races: bool = True):
+  """GPU interpret mode for these kernels (CPU simulation of threads, shared memory,
+  barriers; races detected). Reads past an operand's end return uninitialised
+  values, as they are masked (the module docstring says why they happen).
+
+  Raises:
+    NotImplementedError: this jax has no GPU interpret mode (:func:`has_interpret`).
+  """
+  if not has_interpret():
+    raise NotImplementedError(
+        f"jax {jax.__version__} has no Mosaic GPU interpret mode "
+        "(jax.experimental.pallas.mosaic_gpu.InterpretGPUParams, jax >= 0.12)")
+  return plgpu.InterpretGPUParams(detect_races=detect_races, out_of_bounds_reads="uninitialized")
+
+
+def _plane_table(widths, units: int):
+  """int32 [16]: ``off_p`` for p < 8, then the units used; each at most ``units``."""
+  have = (widths[:, None] > jnp.arange(8, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+  counts = jnp.sum(have, axis=0)
+  ends = jnp.cumsum(counts)
+  table = jnp.concatenate([ends - counts, jnp.full((_PTAB - 8,), ends[-1], jnp.int32)])
+  return jnp.minimum(table, units).astype(jnp.int32)
+
+
+def _load(ref, layout):
+  """``ref[...]`` into registers in ``layout`` (jax 0.10.2's ``plgpu.load`` takes an index)."""
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
+def _select_tree(index, values, start: int = 0):
+  """``values[index - start]`` (static float values; ``index`` uint32, in range) by a
+  balanced tree of selects: ``len(values) - 1`` selects, no gather."""
+  if len(values) == 1:
+    return jnp.float32(values[0])
+  mid = len(values) // 2
+  return jnp.where(index < jnp.uint32(start + mid), _select_tree(index, values[:mid], start),
+                   _select_tree(index, values[mid:], start + mid))
+
+
+def _row_vector(scalars, row_sg, dtype):
+  """Row vector [64] whose row ``r`` is ``scalars[r // 8]`` (8 scalars): a select chain."""
+  out = jnp.zeros_like(row_sg, dtype) + scalars[0]
+  for i, v in enumerate(scalars[1:], start=1):
+    out = jnp.where(row_sg == i, v, out)
+  return out
+
+
+def _decode_kernel(*refs, tabs: B.LevelTables, planes: int, s_count: int, accumulate: bool):
+  """One program: 8 super-groups -> float32 [64, 32] (``+ x`` when ``accumulate``)."""
+  if accumulate:
+    (units_g, k_g, sc_g, w_g, ptab_g, x_g, out_g,
+     u_s, k_s, sc_s, w_s, ptab_s, x_s, o_s, bar) = refs
+  else:
+    (units_g, k_g, sc_g, w_g, ptab_g, out_g,
+     u_s, k_s, sc_s, w_s, ptab_s, o_s, bar) = refs
+    x_g = x_s = None
+  b = lax.axis_index("b")
+  s0 = b * BLOCK
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  copies = [(ptab_g, ptab_s), (k_g.at[pl.ds(s0 * BLOCK, _ROWS)], k_s),
+            (sc_g.at[pl.ds(s0, BLOCK)], sc_s), (w_g.at[pl.ds(s0, BLOCK)], w_s)]
+  if accumulate:
+    copies.append((x_g.at[pl.ds(s0 * BLOCK, _ROWS)], x_s))
+  for src, dst in copies:
+    plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+  for p in range(planes):
+    plgpu.copy_gmem_to_smem(units_g.at[pl.ds((ptab_s[p] + s0) * _WORDS, _ROWS)], u_s.at[p], bar)
+    plgpu.barrier_wait(bar)
+
+  shape = (_ROWS, 32)
+  col = plgpu.broadcasted_iota(jnp.uint32, shape, 1, layout=plgpu.Layout.WGMMA)
+  row_sg = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=row_layout) // _WORDS
+  sg = s0 + row_sg  # chunk index of each row's super-group
+  bcast = lambda v: lax.broadcast_in_dim(v, shape, (0,))
+
+  codes = jnp.zeros(shape, jnp.uint32)
+  for p in range(planes):
+    live = sg < ptab_s[p + 1] - ptab_s[p]  # count_p: super-groups with plane p
+    word = jnp.where(live, _load(u_s.at[p], row_layout), jnp.uint32(0))
+    codes = codes | (((bcast(word) >> col) & jnp.uint32(1)) << jnp.uint32(p))
+
+  w_row = _row_vector([w_s[i] for i in range(BLOCK)], row_sg, jnp.int32)
+  v_bits = [(sc_s[i].astype(jnp.uint32) << jnp.uint32(16)) for i in range(BLOCK)]
+  v_row = lax.bitcast_convert_type(_row_vector(v_bits, row_sg, jnp.uint32), jnp.float32)
+  k16 = bcast(_load(k_s, row_layout).astype(jnp.uint32))
+  k = jnp.where(col < jnp.uint32(16), k16 & jnp.uint32(0xFF), k16 >> jnp.uint32(8))
+  scale = k.astype(jnp.float32) * bcast(v_row)
+
+  wid = bcast(w_row)
+  lam = None
+  for i, w in enumerate(tabs.widths):  # the smallest width's levels for widths outside the set
+    r = 2 ** (w - 1) - 1
+    levels = [float(v) for v in tabs.table[tabs.base[i]:tabs.base[i] + r + 1]]
+    top = (codes >> jnp.uint32(w - 1)) & jnp.uint32(1)
+    m = codes & jnp.uint32(r)
+    mag = _select_tree(jnp.where(top == 1, m, jnp.uint32(r) - m), levels)
+    val = jnp.where(top == 1, mag, -mag)
+    lam = val if lam is None else jnp.where(wid == w, val, lam)
+  out = lam * scale
+  if accumulate:
+    out = out + x_s[...].astype(jnp.float32)
+  o_s[...] = out
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_s, out_g.at[pl.ds(s0 * BLOCK, _ROWS)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("units", "eps", "plane_bits", "width_set",
+                                             "interpret"))
+def _decode(planar, x, widths, *, units, eps, plane_bits, width_set, interpret):
+  s_count = widths.shape[0]
+  R.check_chunk(widths, units, plane_bits=plane_bits, width_set=width_set, x=x,
+                payload=planar)
+  if plane_bits != 1:
+    raise NotImplementedError(f"{plane_bits=}: the Mosaic GPU kernels are written for "
+                              "plane_bits=1 only; use implementation='pallas' (Triton) or 'xla'")
+  tabs = B.level_tables(eps, width_set)
+  planes = max(width_set)
+  k16, units_w, sc16 = P.planes(planar, s_count, units, plane_bits)
+  ptab = _plane_table(widths.astype(jnp.int32), units)
+  accumulate = x is not None
+  operands = [units_w, k16, sc16, widths.astype(jnp.int32), ptab]
+  scratch = [plgpu.SMEM((planes, _ROWS), jnp.uint32), plgpu.SMEM((_ROWS,), jnp.uint16),
+             plgpu.SMEM((BLOCK,), jnp.uint16), plgpu.SMEM((BLOCK,), jnp.int32),
+             plgpu.SMEM((_PTAB,), jnp.int32)]
+  if accumulate:
+    operands.append(x.reshape(s_count * _WORDS, 32))
+    scratch.append(plgpu.SMEM((_ROWS, 32), x.dtype))
+  scratch += [plgpu.SMEM((_ROWS, 32), jnp.float32), plgpu.Barrier()]
+  kernel = plgpu.kernel(
+      functools.partial(_decode_kernel, tabs=tabs, planes=planes, s_count=s_count,
+                        accumulate=accumulate),
+      out_type=jax.ShapeDtypeStruct((s_count * _WORDS, 32), jnp.float32),
+      grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
+      interpret=interpret_params() if interpret else None)
+  return kernel(*operands).reshape(s_count, B.SUPERGROUP)
+
+
+def decompress_planar(planar, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
+                      width_set=R.WIDTH_SET, interpret: bool = False):
+  """Decodes a planar chunk payload to float32 [S, 256] (one Mosaic GPU launch).
+
+  Args:
+    planar: uint8 ``[payload_bytes(S, units, plane_bits)]`` in the planar
+      layout (:func:`pallas_kernels.dynamiq_planar.to_planar`).
+    widths: int32 [S], widest first, each in ``width_set``.
+    units: code units of the payload (static).
+    eps: MEE eps per width: ``(width, eps)`` pairs.
+    plane_bits: 1 (2 raises ``NotImplementedError``).
+    width_set: the widths the chunk may use.
+    interpret: run in Mosaic GPU's interpret mode (:func:`interpret_params`).
+
+  Returns:
+    float32 [S, 256], equal to
+    :func:`~pallas_kernels.dynamiq_reference.decompress_reference` of the
+    record payload.
+  """
+  return _decode(planar, None, widths, units=units, eps=tuple(eps), plane_bits=plane_bits,
+                 width_set=tuple(width_set), interpret=interpret)
+
+
+def decompress_accumulate_planar(planar, x, widths, units: int, *, eps,
+                                 plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
+                                 interpret: bool = False):
+  """``decompress_planar(planar) + x`` in float32 [S, 256]; ``x`` float32, bfloat16
+  or float16 [S, 256] (see :func:`decompress_planar`)."""
+  return _decode(planar, x, widths, units=units, eps=tuple(eps), plane_bits=plane_bits,
+                 width_set=tuple(width_set), interpret=interpret)
+

@@ -1,0 +1,181 @@
+"""The planar payload layout (pallas_kernels.dynamiq_planar) and the Mosaic GPU decode
+kernels (pallas_kernels.dynamiq_mosaic), bit for bit against the jnp reference in
+Mosaic GPU's interpret mode (jax >= 0.12: skipped, saying so, where it does not
+exist), and their lowering for cuda on this CPU machine.
+
+Interpret-mode sizes: every case has a partial last block (S not a multiple of
+the kernel's 8 super-groups) and, together, they cover every width 2..8, one
+plane (2-bit only) up to eight, narrower codes' masked planes, unused units,
+a truncated payload (planes past the units masked), zero groups and a zero
+super-group, NaN/Inf, and float32/bfloat16/float16 addends.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dynamiq_jax.codecs import DynamiQ
+from pallas_kernels import dynamiq_mosaic as M
+from pallas_kernels import dynamiq_planar as P
+from pallas_kernels import dynamiq_reference as R
+
+from _helpers import lower_for
+
+EPS = {2: 0.23, 4: 0.18, 8: 0.10}
+WS6 = (2, 3, 4, 5, 6, 8)
+WS3 = (2, 4, 8)
+MOSAIC = re.compile(r"custom_call @mosaic_gpu")  # a Mosaic GPU kernel in StableHLO
+
+needs_interpret = pytest.mark.skipif(
+    not M.has_interpret(),
+    reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode (InterpretGPUParams: jax >= 0.12)")
+
+
+def _chunk(seed, s, width_set, kind="mixed", dtype=jnp.float32):
+  """x [s, 256] (a zero group, a zero super-group) and int32 widths, widest first."""
+  r = np.random.default_rng(seed)
+  x = r.standard_normal((s, 256)) * np.exp(r.normal(0, 3, (s, 1)))
+  x[0, :16] = 0.0
+  if s > 2:
+    x[2] = 0.0
+  if kind == "mixed":
+    w = np.concatenate([list(width_set), r.choice(width_set, max(s - len(width_set), 0))])[:s]
+  else:
+    w = np.full(s, int(kind))
+  return (jnp.asarray(x.astype(np.float32), dtype),
+          jnp.asarray(np.sort(w)[::-1].copy(), jnp.int32))
+
+
+def _random_payload(seed, s, units, plane_bits=1, edge=False):
+  """A record payload (uint8 ``[payload_bytes]``) of random bytes: random ``k`` (some
+  zero), bf16 super-group scales of random magnitude and, with ``edge``, NaN, +Inf and
+  subnormal scales; random code units (a decoder reads any bytes)."""
+  r = np.random.default_rng(seed)
+  k = r.integers(0, 256, (s, 16)).astype(np.uint8)
+  k[r.random((s, 16)) < 0.1] = 0
+  v = (np.abs(r.standard_normal(s)) * np.exp(r.normal(0, 10, s))).astype(np.float32)
+  bits = (v.view(np.uint32) >> 16).astype(np.uint16)
+  if edge:
+    bits[1:4] = [0x7FC0, 0x7F80, 0x0001][:len(bits[1:4])]
+  rec = np.concatenate([k, bits.view(np.uint8).reshape(s, 2)], axis=1)
+  body = r.integers(0, 256, units * R.unit_bytes(plane_bits)).astype(np.uint8)
+  return jnp.asarray(np.concatenate([rec.reshape(-1), body]))
+
+
+def _same(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.shape == b.shape and a.dtype == b.dtype
+  np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+# ----------------------------------------------------------------------------
+# The planar layout.
+
+
+@pytest.mark.parametrize("s,units,plane_bits", [(1, 5, 1), (13, 64, 1), (37, 150, 1),
+                                                (11, 20, 2), (300, 1200, 2)])
+def test_planar_payload_is_todays_size_with_aligned_planes(s, units, plane_bits):
+  k0, u0, s0, end = P.plane_offsets(s, units, plane_bits)
+  assert end == P.planar_bytes(s, units, plane_bits) == R.payload_bytes(s, units, plane_bits)
+  assert k0 % P.GRANULE == u0 % P.GRANULE == s0 % P.GRANULE == 0
+
+
+@pytest.mark.parametrize("d,n", [(1 << 20, 8), (100_000, 8), (300_001, 3)])
+def test_wire_bits_of_the_default_codec_unchanged(d, n):
+  """The default codec's chunk payloads, planar, give the same wire bits: 5.00 per
+  coordinate on test_dynamiq's budget size (2^20 over 8 ranks), padding included."""
+  lay = DynamiQ().layout(d, n)
+  s = lay.padded_supergroups // n
+  planar_bits = lay.stats_bits + 8 * n * P.planar_bytes(s, lay.units, lay.plane_bits)
+  assert planar_bits == lay.wire_bits
+  if d == 1 << 20:
+    assert f"{planar_bits / d:.2f}" == "5.00"
+
+
+@pytest.mark.parametrize("plane_bits,s,units", [(1, 13, 40), (2, 9, 7)])
+def test_planar_round_trip_is_bit_exact(plane_bits, s, units):
+  pay = _random_payload(0, s, units, plane_bits)
+  planar = P.to_planar(pay, s, units, plane_bits)
+  assert planar.shape == pay.shape
+  _same(P.from_planar(planar, s, units, plane_bits), pay)
+  # the planes hold the records' bytes: k, then the units unchanged, then the scales
+  rec = np.asarray(pay[:s * R.SCALE_BYTES]).reshape(s, R.SCALE_BYTES)
+  k16, words, sc16 = (np.asarray(a) for a in P.planes(planar, s, units, plane_bits))
+  np.testing.assert_array_equal(k16.view(np.uint8).reshape(s, 16), rec[:, :16])
+  np.testing.assert_array_equal(sc16.view(np.uint8).reshape(s, 2), rec[:, 16:])
+  np.testing.assert_array_equal(words.view(np.uint8), np.asarray(pay[s * R.SCALE_BYTES:]))
+
+
+def test_bad_planar_payload_names_the_fix():
+  with pytest.raises(ValueError, match=r"payload_bytes\(3, 4, 1\)"):
+    P.to_planar(jnp.zeros(10, jnp.uint8), 3, 4)
+
+
+# ----------------------------------------------------------------------------
+# The Mosaic GPU decode kernels, in GPU interpret mode.
+
+# (width_set, S, kind, room, addend dtype, payload: random bytes, "edge" with odd scales).
+# Random payloads decode like compressed ones (the decoder reads any bytes, and masks
+# the planes a width lacks); compress_reference's compile alone would cost ~13 s here.
+CASES = [
+    (WS6, 13, "mixed", 3, jnp.bfloat16, "random"),  # the default codec's widths, unused units
+    ((2, 3, 4, 5, 6, 7, 8), 9, "mixed", -4, jnp.float32, "random"),  # every width; truncated
+    ((2,), 3, "2", 0, jnp.float16, "random"),  # two planes only
+    (WS6, 5, "mixed", 0, jnp.float32, "edge"),  # NaN, +Inf, subnormal scales; NaN/Inf in x
+]
+
+
+@needs_interpret
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"w{''.join(map(str, c[0]))}-S{c[1]}-{c[5]}")
+def test_decode_kernels_equal_the_reference(case):
+  width_set, s, kind, room, dtype, payload = case
+  x, widths = _chunk(s, s, width_set, kind, dtype)
+  units = max(int(np.sum(np.asarray(widths))) + room, 0)
+  geo = dict(eps=EPS, width_set=width_set)
+  pay = _random_payload(s, s, units, edge=payload == "edge")
+  if payload == "edge":
+    x = x.at[3, 40].set(jnp.nan).at[4, 7].set(-jnp.inf)
+  planar = P.to_planar(pay, s, units)
+  eps = tuple(sorted(EPS.items()))
+  _same(M.decompress_planar(planar, widths, units, eps=eps, width_set=width_set,
+                            interpret=True),
+        R.decompress_reference(pay, widths, units, **geo))
+  _same(M.decompress_accumulate_planar(planar, x, widths, units, eps=eps,
+                                       width_set=width_set, interpret=True),
+        R.decompress_accumulate_reference(pay, x, widths, units, **geo))
+
+
+def test_two_bit_planes_are_not_written_yet():
+  x, widths = _chunk(0, 3, WS3)
+  with pytest.raises(NotImplementedError, match="plane_bits=1 only"):
+    M.decompress_planar(jnp.zeros(R.payload_bytes(3, 5, 2), jnp.uint8), widths, 5,
+                        eps=tuple(EPS.items()), plane_bits=2, width_set=WS3)
+
+
+@pytest.mark.skipif(M.has_interpret(), reason="this jax has the interpret mode")
+def test_interpret_mode_missing_says_which_jax_has_it():
+  with pytest.raises(NotImplementedError, match="jax >= 0.12"):
+    M.interpret_params()
+
+
+def test_decode_kernels_lower_for_cuda():
+  """Pallas -> Mosaic GPU lowering for an H100 on this CPU host: one Mosaic GPU custom
+  call, no Triton. (jax 0.10.2's Mosaic GPU rejects copies below 128 bytes: skipped.)"""
+  s, units = 37, 150
+  x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((s,), jnp.int32)
+  p = jax.ShapeDtypeStruct((R.payload_bytes(s, units),), jnp.uint8)
+  eps = tuple(sorted(EPS.items()))
+  fns = [(lambda p, w: M.decompress_planar(p, w, units, eps=eps), (p, w)),
+         (lambda p, x, w: M.decompress_accumulate_planar(p, x, w, units, eps=eps), (p, x, w))]
+  for f, args in fns:
+    try:
+      text = lower_for("cuda", jax.jit(f), *args)
+    except NotImplementedError as e:
+      if M.has_interpret():
+        raise
+      pytest.skip(f"jax {jax.__version__}: {e}")
+    assert len(MOSAIC.findall(text)) == 1 and "triton" not in text
