@@ -91,6 +91,11 @@ def interpret_params(detect_races: bool = True):
   return plgpu.InterpretGPUParams(detect_races=detect_races, out_of_bounds_reads="uninitialized")
 
 
+def _eps_key(eps):
+  """eps (a dict or ``(width, eps)`` pairs) as a hashable, sorted tuple of pairs."""
+  return tuple(sorted((int(w), float(e)) for w, e in dict(eps).items()))
+
+
 def _plane_table(widths, units: int):
   """int32 [16]: ``off_p`` for p < 8, then the units used; each at most ``units``."""
   have = (widths[:, None] > jnp.arange(8, dtype=jnp.int32)[None, :]).astype(jnp.int32)
@@ -226,7 +231,7 @@ def decompress_planar(planar, widths, units: int, *, eps, plane_bits: int = R.PL
       layout (:func:`pallas_kernels.dynamiq_planar.to_planar`).
     widths: int32 [S], widest first, each in ``width_set``.
     units: code units of the payload (static).
-    eps: MEE eps per width: ``(width, eps)`` pairs.
+    eps: MEE eps per width: a dict or ``(width, eps)`` pairs.
     plane_bits: 1 (2 raises ``NotImplementedError``).
     width_set: the widths the chunk may use.
     interpret: run in Mosaic GPU's interpret mode (:func:`interpret_params`).
@@ -236,7 +241,7 @@ def decompress_planar(planar, widths, units: int, *, eps, plane_bits: int = R.PL
     :func:`~pallas_kernels.dynamiq_reference.decompress_reference` of the
     record payload.
   """
-  return _decode(planar, None, widths, units=units, eps=tuple(eps), plane_bits=plane_bits,
+  return _decode(planar, None, widths, units=units, eps=_eps_key(eps), plane_bits=plane_bits,
                  width_set=tuple(width_set), interpret=interpret)
 
 
@@ -245,6 +250,6 @@ def decompress_accumulate_planar(planar, x, widths, units: int, *, eps,
                                  interpret: bool = False):
   """``decompress_planar(planar) + x`` in float32 [S, 256]; ``x`` float32, bfloat16
   or float16 [S, 256] (see :func:`decompress_planar`)."""
-  return _decode(planar, x, widths, units=units, eps=tuple(eps), plane_bits=plane_bits,
+  return _decode(planar, x, widths, units=units, eps=_eps_key(eps), plane_bits=plane_bits,
                  width_set=tuple(width_set), interpret=interpret)
 

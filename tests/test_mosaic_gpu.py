@@ -139,7 +139,7 @@ def test_decode_kernels_equal_the_reference(case):
   if payload == "edge":
     x = x.at[3, 40].set(jnp.nan).at[4, 7].set(-jnp.inf)
   planar = P.to_planar(pay, s, units)
-  eps = tuple(sorted(EPS.items()))
+  eps = EPS
   _same(M.decompress_planar(planar, widths, units, eps=eps, width_set=width_set,
                             interpret=True),
         R.decompress_reference(pay, widths, units, **geo))
@@ -152,7 +152,7 @@ def test_two_bit_planes_are_not_written_yet():
   x, widths = _chunk(0, 3, WS3)
   with pytest.raises(NotImplementedError, match="plane_bits=1 only"):
     M.decompress_planar(jnp.zeros(R.payload_bytes(3, 5, 2), jnp.uint8), widths, 5,
-                        eps=tuple(EPS.items()), plane_bits=2, width_set=WS3)
+                        eps=EPS, plane_bits=2, width_set=WS3)
 
 
 @pytest.mark.skipif(M.has_interpret(), reason="this jax has the interpret mode")
@@ -168,7 +168,7 @@ def test_decode_kernels_lower_for_cuda():
   x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((s,), jnp.int32)
   p = jax.ShapeDtypeStruct((R.payload_bytes(s, units),), jnp.uint8)
-  eps = tuple(sorted(EPS.items()))
+  eps = EPS
   fns = [(lambda p, w: M.decompress_planar(p, w, units, eps=eps), (p, w)),
          (lambda p, x, w: M.decompress_accumulate_planar(p, x, w, units, eps=eps), (p, x, w))]
   for f, args in fns:

@@ -1,0 +1,114 @@
+"""Deviceless H100 compile of the Mosaic GPU decode kernels, beside Triton's, from a CPU host.
+
+    python tools/mosaic_compile.py                # table on stdout
+    python tools/mosaic_compile.py --json docs/results/mosaic_compile.json
+
+A child process (:func:`dynamiq_jax.bench.gpu_compile.compile_in_child`, the
+``gpu-compile`` extra) compiles, each alone for one compile-only H100 (the
+recipe of ``tests/test_gpu_compile_units.py``: 37 super-groups, 150 units,
+bf16 local values, width set (2, 3, 4, 5, 6, 8), 1-bit planes), the decode
+and decode-accumulate kernels of both backends
+(:mod:`pallas_kernels.dynamiq_mosaic` on the planar payload,
+:mod:`pallas_kernels.dynamiq_triton` on the record payload), and reports per
+kernel the custom calls in the optimized HLO (``mosaic_gpu*`` or
+``__gpu$xla.gpu.triton``) and the seconds of its lower + compile.
+
+What this cannot report without a GPU: the Mosaic GPU kernel's registers and
+spills. XLA keeps a Mosaic GPU kernel as serialized MLIR in its custom call;
+the jaxlib runtime lowers it to PTX and a cubin when the executable is
+loaded on a GPU (``MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1
+MOSAIC_GPU_DUMP_TO=DIR`` dumps them then; on a CPU host they stay empty).
+The Triton kernels' registers are ``tools/sass_count.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+__all__ = ["compile_kernels", "main"]
+
+_S, _UNITS = 37, 150
+
+
+def compile_kernels() -> dict:
+  """Each decode kernel of both backends compiled alone for one H100 (runs in the child)."""
+  import warnings
+
+  import jax
+  import jax.numpy as jnp
+
+  from dynamiq_jax.bench import gpu_compile as G
+  from pallas_kernels import dynamiq_mosaic as M
+  from pallas_kernels import dynamiq_reference as R
+  from pallas_kernels import dynamiq_triton as T
+
+  [device] = G.h100_devices(1)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  eps = {2: 0.23, 4: 0.18, 8: 0.10}
+  geo = dict(eps=eps, plane_bits=1, width_set=R.WIDTH_SET)
+  x = jax.ShapeDtypeStruct((_S, 256), jnp.bfloat16, sharding=sharding)
+  w = jax.ShapeDtypeStruct((_S,), jnp.int32, sharding=sharding)
+  p = jax.ShapeDtypeStruct((R.payload_bytes(_S, _UNITS),), jnp.uint8, sharding=sharding)
+  fns = {
+      "mosaic/decompress": (lambda p, w: M.decompress_planar(p, w, _UNITS, **geo), (p, w)),
+      "mosaic/decompress_accumulate": (
+          lambda p, x, w: M.decompress_accumulate_planar(p, x, w, _UNITS, **geo), (p, x, w)),
+      "triton/decompress": (lambda p, w: T.decompress_pallas(p, w, _UNITS, **geo), (p, w)),
+      "triton/decompress_accumulate": (
+          lambda p, x, w: T.decompress_accumulate_pallas(p, x, w, _UNITS, **geo), (p, x, w)),
+  }
+  compiled, info = [], {}
+  for name, (f, args) in fns.items():
+    start = time.perf_counter()
+    with warnings.catch_warnings(), G.gpu_target(device):
+      warnings.filterwarnings("ignore", T.TRITON_DEPRECATION, DeprecationWarning)
+      compiled.append(jax.jit(f).trace(*args).lower().compile())
+    info[name] = {"seconds": round(time.perf_counter() - start, 2)}
+  return {"compiled": compiled, "info": {"names": list(fns), "kernels": info,
+                                         "jax": jax.__version__}}
+
+
+def measure() -> dict:
+  """The report: per kernel its custom calls and compile seconds."""
+  from dynamiq_jax.bench import gpu_compile as G
+  with G.compile_in_child(f"{__file__}:compile_kernels", ptx=False) as build:
+    info = build.info
+    for name, hlo in zip(info["names"], build.hlo):
+      targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+      info["kernels"][name]["custom_calls"] = {
+          t: targets.count(t) for t in sorted(set(targets))
+          if t.startswith("mosaic_gpu") or t == G.TRITON}
+    info["child_seconds"] = build.seconds
+  return info
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python tools/mosaic_compile.py",
+                              description=__doc__.split("\n")[0])
+  p.add_argument("--json", default=None, help="also write the report here (with the command)")
+  args = p.parse_args(argv)
+  from dynamiq_jax.bench import common
+  from dynamiq_jax.bench import gpu_compile as G
+  why = G.missing(need_ptxas=False)
+  if why:
+    sys.exit(why)
+  report = measure()
+  print(f"Deviceless compile for one H100 (jax {report['jax']}), S={_S}, units={_UNITS}, bf16")
+  print(f"{'kernel':<32} {'seconds':>8}  custom calls")
+  for name in report["names"]:
+    k = report["kernels"][name]
+    print(f"{name:<32} {k['seconds']:>8.2f}  {k['custom_calls']}")
+  if args.json:
+    command = " ".join(["python tools/mosaic_compile.py", *(argv or sys.argv[1:])])
+    path = common.write_json(args.json, {"command": command,
+                                         "machine": common.machine(), **report})
+    print(f"wrote {path}")
+  return report
+
+
+if __name__ == "__main__":
+  main()
