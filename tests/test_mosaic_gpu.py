@@ -117,20 +117,34 @@ def test_bad_planar_payload_names_the_fix():
 # ----------------------------------------------------------------------------
 # The Mosaic GPU decode kernels, in GPU interpret mode.
 
-# (width_set, S, kind, room, addend dtype, payload: random bytes, "edge" with odd scales).
+# (width_set, S, kind, room, addend dtype, payload: random bytes, "edge": odd values too).
 # Random payloads decode like compressed ones (the decoder reads any bytes, and masks
 # the planes a width lacks); compress_reference's compile alone would cost ~13 s here.
 CASES = [
-    (WS6, 13, "mixed", 3, jnp.bfloat16, "random"),  # the default codec's widths, unused units
+    # the default codec's widths, unused units; NaN, +Inf, subnormal scales, NaN/Inf in x
+    (WS6, 13, "mixed", 3, jnp.bfloat16, "edge"),
     ((2, 3, 4, 5, 6, 7, 8), 9, "mixed", -4, jnp.float32, "random"),  # every width; truncated
     ((2,), 3, "2", 0, jnp.float16, "random"),  # two planes only
-    (WS6, 5, "mixed", 0, jnp.float32, "edge"),  # NaN, +Inf, subnormal scales; NaN/Inf in x
 ]
 
 
+def _case_id(c):
+  return f"w{''.join(map(str, c[0]))}-S{c[1]}-{c[5]}"
+
+
 @needs_interpret
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"w{''.join(map(str, c[0]))}-S{c[1]}-{c[5]}")
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_decode_kernels_equal_the_reference(case):
+  _check_decode(case, interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (Hopper or newer)")
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_decode_kernels_on_a_gpu_equal_the_reference(case):
+  _check_decode(case, interpret=False)
+
+
+def _check_decode(case, interpret):
   width_set, s, kind, room, dtype, payload = case
   x, widths = _chunk(s, s, width_set, kind, dtype)
   units = max(int(np.sum(np.asarray(widths))) + room, 0)
@@ -139,12 +153,11 @@ def test_decode_kernels_equal_the_reference(case):
   if payload == "edge":
     x = x.at[3, 40].set(jnp.nan).at[4, 7].set(-jnp.inf)
   planar = P.to_planar(pay, s, units)
-  eps = EPS
-  _same(M.decompress_planar(planar, widths, units, eps=eps, width_set=width_set,
-                            interpret=True),
+  _same(M.decompress_planar(planar, widths, units, eps=EPS, width_set=width_set,
+                            interpret=interpret),
         R.decompress_reference(pay, widths, units, **geo))
-  _same(M.decompress_accumulate_planar(planar, x, widths, units, eps=eps,
-                                       width_set=width_set, interpret=True),
+  _same(M.decompress_accumulate_planar(planar, x, widths, units, eps=EPS,
+                                       width_set=width_set, interpret=interpret),
         R.decompress_accumulate_reference(pay, x, widths, units, **geo))
 
 
