@@ -54,6 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import dynamiq_block as B
 from pallas_kernels import dynamiq_planar as P
 from pallas_kernels import dynamiq_reference as R
+from pallas_kernels import rng
 
 __all__ = [
     "BLOCK",
@@ -253,3 +254,207 @@ def decompress_accumulate_planar(planar, x, widths, units: int, *, eps,
   return _decode(planar, x, widths, units=units, eps=_eps_key(eps), plane_bits=plane_bits,
                  width_set=tuple(width_set), interpret=interpret)
 
+
+
+# ----------------------------------------------------------------------------
+# Encode (work in progress: interpret-mode parity first; see compress_planar).
+
+
+def _to_int(v):
+  """float32 -> int32, truncated towards zero (NaN -> 0, saturating): the conversion."""
+  return v.astype(jnp.int32)
+
+
+def _floor(v):
+  """``jnp.floor`` without the floor primitive (Mosaic GPU has no Warpgroup rule for it):
+  exact for |v| < 2^31, NaN kept, beyond that a value that the callers clip alike."""
+  t = _to_int(v).astype(jnp.float32)
+  return jnp.where(v != v, v, t - (v < t).astype(jnp.float32))
+
+
+def _ceil(v):
+  """``jnp.ceil`` without the ceil primitive (as :func:`_floor`)."""
+  t = _to_int(v).astype(jnp.float32)
+  return jnp.where(v != v, v, t + (v > t).astype(jnp.float32))
+
+
+def _floor_int(v):
+  """``floor(v)`` as int32 (NaN -> 0, saturating), :class:`~pallas_kernels.dynamiq_block.BlockOps`'
+  ``floor_int`` without the floor primitive."""
+  t = _to_int(v)
+  return t - ((v < t.astype(jnp.float32)) & (t > jnp.int32(-2**31))).astype(jnp.int32)
+
+
+MOSAIC_OPS = B.BlockOps(floor_int=_floor_int)
+"""The block arithmetic's instructions in the Mosaic GPU kernels (the reference's, with
+``floor`` by conversion)."""
+
+
+def _int_select_tree(index, values, start: int = 0):
+  """``values[index - start]`` for int32 ``index`` in range: a balanced select tree."""
+  if len(values) == 1:
+    return jnp.float32(values[0])
+  mid = len(values) // 2
+  return jnp.where(index < jnp.int32(start + mid), _int_select_tree(index, values[:mid], start),
+                   _int_select_tree(index, values[mid:], start + mid))
+
+
+def _segment_max(v, vs_ref, col):
+  """Row vector [64] -> row vector: each row gets the max over its super-group's 8 rows.
+
+  The 64 values go through shared memory and come back as two column vectors
+  (32 values each, broadcast along rows: the layout ``WGMMA.reduce(0)``); a row
+  keeps the 8 columns of its super-group and reduces them along the row. NaN
+  propagates as ``jnp.max``'s does."""
+  vs_ref[...] = v
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  shape = (_ROWS, 32)
+  halves = [lax.broadcast_in_dim(_load(vs_ref.at[pl.ds(32 * h, 32)], col_layout), shape, (1,))
+            for h in range(2)]
+  row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+  both = jnp.where(row < 32, halves[0], halves[1])
+  mine = (col.astype(jnp.int32) // _WORDS) == (row // _WORDS) % 4
+  return jnp.max(jnp.where(mine, both, jnp.float32(0)), axis=1)
+
+
+def _encode_kernel(x_g, w_g, key_g, codes_g, k_g, v_g, x_s, w_s, key_s, codes_s, k_s, v_s,
+                   vs_s, bar, *, tabs: B.LevelTables, planes: int, strata: int,
+                   scale_rounding: str):
+  """One program: 8 super-groups -> their plane words, k bytes and scale bits (per row)."""
+  b = lax.axis_index("b")
+  s0 = b * BLOCK
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  for src, dst in ((x_g.at[pl.ds(s0 * BLOCK, _ROWS)], x_s), (w_g.at[pl.ds(s0, BLOCK)], w_s),
+                   (key_g, key_s)):
+    plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+  shape = (_ROWS, 32)
+  col = plgpu.broadcasted_iota(jnp.uint32, shape, 1, layout=plgpu.Layout.WGMMA)
+  row_i = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=row_layout)
+  row_sg = row_i // _WORDS
+  bcast = lambda v: lax.broadcast_in_dim(v, shape, (0,))
+  grow = (s0 * _WORDS + row_i).astype(jnp.uint32)  # the chunk's row of each row
+  left = col < jnp.uint32(16)
+
+  x = x_s[...].astype(jnp.float32)
+  a = jnp.abs(x)
+  gl = jnp.max(jnp.where(left, a, jnp.float32(0)), axis=1)
+  gr = jnp.max(jnp.where(left, jnp.float32(0), a), axis=1)
+  keys = tuple(key_s[i] for i in range(4))
+  rank = key_s[4].astype(jnp.int32)
+  kmax = B._K_MAX  # pylint: disable=protected-access
+  div_up = B._ceil_div_bf16  # pylint: disable=protected-access
+  if scale_rounding == "up":
+    v = div_up(_segment_max(jnp.maximum(gl, gr), vs_s, col), float(kmax))
+    ks = [B.ceil_quotient(g, v, kmax, ceil=_ceil) for g in (gl, gr)]
+    ss = [k * v for k in ks]
+  else:
+    gs = [div_up(g, 1.0) for g in (gl, gr)]
+    v = div_up(_segment_max(jnp.maximum(*gs), vs_s, col), float(kmax))
+    k0, k1 = keys[0], keys[1]
+    ks, ss = [], []
+    for h, g in enumerate(gs):
+      kf = B.floor_quotient(g, v, kmax, floor=_floor)
+      group_idx = grow * jnp.uint32(2) + jnp.uint32(h)
+      u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1,
+                                       group_idx))
+      ks.append(kf + ((u * v < g - kf * v) & (kf < kmax)).astype(jnp.float32))
+      ss.append(g)
+  live = v > 0
+  ks = [jnp.where(live, k, jnp.float32(0)) for k in ks]
+  s = jnp.where(left, bcast(ss[0]), bcast(ss[1]))
+
+  q = rng.strata_count(strata) * 2**rng.UNIFORM_BITS
+  neg = B.sign_mask(x)
+  idx = bcast(grow) * jnp.uint32(32) + col
+  draws = functools.partial(rng.uniforms, keys, rank, strata, group=idx >> jnp.uint32(4),
+                            lane=col & jnp.uint32(15))
+  if q & (q - 1) == 0:
+    u, frac = None, draws(fraction_of=neg)
+  else:
+    u, frac = rng.signed_draws(draws(), neg, q), None
+  w_row = _row_vector([w_s[i] for i in range(BLOCK)], row_sg, jnp.int32)
+  per = lambda values: bcast(_row_vector_of_width(w_row, tabs, values))
+  r = per(tabs.r)
+  consts = B.WidthConsts(per(tabs.lbase), r, per(tabs.c1k), per(tabs.k), per(tabs.c2))
+  lev = [float(t) for t in tabs.lev]
+  lvl = B.round_levels(a, s, consts, u, frac, q, ops=MOSAIC_OPS,
+                       levels=lambda i: _int_select_tree(i, lev))
+  codes = (r + 1 + (lvl ^ neg)).astype(jnp.uint32)
+
+  for p in range(planes):
+    codes_s[p] = jnp.sum(((codes >> jnp.uint32(p)) & jnp.uint32(1)) << col, axis=1)
+  k_s[...] = (ks[0].astype(jnp.uint32) | (ks[1].astype(jnp.uint32) << jnp.uint32(8))).astype(
+      jnp.uint16)
+  v_s[...] = (lax.bitcast_convert_type(v, jnp.uint32) >> jnp.uint32(16)).astype(jnp.uint16)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(codes_s, codes_g.at[:, pl.ds(s0 * BLOCK, _ROWS)])
+  plgpu.copy_smem_to_gmem(k_s, k_g.at[pl.ds(s0 * BLOCK, _ROWS)])
+  plgpu.copy_smem_to_gmem(v_s, v_g.at[pl.ds(s0 * BLOCK, _ROWS)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _row_vector_of_width(w_row, tabs: B.LevelTables, values):
+  """Row vector of the per-width constant ``values[index of the row's width]`` (the
+  smallest width's for a width outside the set): :meth:`LevelTables.select`."""
+  out = jnp.zeros_like(w_row, jnp.asarray(values).dtype) + values[0]
+  for i, w in enumerate(tabs.widths[1:], start=1):
+    out = jnp.where(w_row == w, values[i], out)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("units", "eps", "strata", "scale_rounding",
+                                             "plane_bits", "width_set", "interpret"))
+def _compress(x, widths, keys, rank, *, units, eps, strata, scale_rounding, plane_bits,
+              width_set, interpret):
+  s_count = widths.shape[0]
+  R.check_chunk(widths, units, plane_bits=plane_bits, width_set=width_set,
+                scale_rounding=scale_rounding, x=x)
+  if plane_bits != 1:
+    raise NotImplementedError(f"{plane_bits=}: the Mosaic GPU kernels are written for "
+                              "plane_bits=1 only; use implementation='pallas' (Triton) or 'xla'")
+  tabs = B.level_tables(eps, width_set)
+  planes = max(width_set)
+  rows = s_count * _WORDS
+  scratch = [plgpu.SMEM((_ROWS, 32), x.dtype), plgpu.SMEM((BLOCK,), jnp.int32),
+             plgpu.SMEM((8,), jnp.uint32), plgpu.SMEM((planes, _ROWS), jnp.uint32),
+             plgpu.SMEM((_ROWS,), jnp.uint16), plgpu.SMEM((_ROWS,), jnp.uint16),
+             plgpu.SMEM((_ROWS,), jnp.float32), plgpu.Barrier()]
+  kernel = plgpu.kernel(
+      functools.partial(_encode_kernel, tabs=tabs, planes=planes, strata=strata,
+                        scale_rounding=scale_rounding),
+      out_type=(jax.ShapeDtypeStruct((planes, rows), jnp.uint32),
+                jax.ShapeDtypeStruct((rows,), jnp.uint16),
+                jax.ShapeDtypeStruct((rows,), jnp.uint16)),
+      grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
+      interpret=interpret_params() if interpret else None)
+  words, k16, v16 = kernel(x.reshape(rows, 32), widths.astype(jnp.int32),
+                           rng.key_operand(keys, rank))
+  # placement of the planes at their units (the reference's, by XLA after the kernel)
+  plane_bytes = jax.lax.bitcast_convert_type(words.reshape(planes, s_count, _WORDS),
+                                             jnp.uint8).reshape(planes, s_count, -1)
+  body = R._place(jnp.moveaxis(plane_bytes, 0, 1), widths, units, plane_bits)  # pylint: disable=protected-access
+  u8 = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(-1)
+  return jnp.concatenate([u8(k16), body.reshape(-1), u8(v16.reshape(s_count, _WORDS)[:, 0])])
+
+
+def compress_planar(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
+                    scale_rounding="up", plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
+                    interpret: bool = False):
+  """Compresses a chunk ``x`` float [S, 256] into a planar payload (work in progress).
+
+  One Mosaic GPU launch computes each super-group's scales and codes (the
+  reference's arithmetic, :func:`~pallas_kernels.dynamiq_block.round_levels`,
+  with levels from a select tree) and writes its plane words; XLA then places
+  the planes at their units (:func:`~pallas_kernels.dynamiq_reference._place`)
+  and concatenates the planes, extra passes a finished kernel would not make.
+
+  Args: as :func:`~pallas_kernels.dynamiq_reference.compress_reference`.
+
+  Returns:
+    uint8 ``[payload_bytes(S, units, plane_bits)]`` in the planar layout.
+  """
+  return _compress(x, widths, tuple(jnp.asarray(k, jnp.uint32) for k in keys),
+                   jnp.asarray(rank, jnp.int32), units=units, eps=_eps_key(eps), strata=strata,
+                   scale_rounding=scale_rounding, plane_bits=plane_bits,
+                   width_set=tuple(width_set), interpret=interpret)
