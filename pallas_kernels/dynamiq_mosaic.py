@@ -131,29 +131,9 @@ def _row_vector(scalars, row_sg, dtype):
   return out
 
 
-def _decode_kernel(*refs, tabs: B.LevelTables, planes: int, s_count: int, accumulate: bool):
-  """One program: 8 super-groups -> float32 [64, 32] (``+ x`` when ``accumulate``)."""
-  if accumulate:
-    (units_g, k_g, sc_g, w_g, ptab_g, x_g, out_g,
-     u_s, k_s, sc_s, w_s, ptab_s, x_s, o_s, bar) = refs
-  else:
-    (units_g, k_g, sc_g, w_g, ptab_g, out_g,
-     u_s, k_s, sc_s, w_s, ptab_s, o_s, bar) = refs
-    x_g = x_s = None
-  b = lax.axis_index("b")
-  s0 = b * BLOCK
+def _decode_rows(u_s, k_s, sc_s, w_s, ptab_s, s0, *, tabs: B.LevelTables, planes: int):
+  """The decoded block float32 [64, 32] from the operands in shared memory."""
   row_layout = plgpu.Layout.WGMMA.reduce(1)
-  copies = [(ptab_g, ptab_s), (k_g.at[pl.ds(s0 * BLOCK, _ROWS)], k_s),
-            (sc_g.at[pl.ds(s0, BLOCK)], sc_s), (w_g.at[pl.ds(s0, BLOCK)], w_s)]
-  if accumulate:
-    copies.append((x_g.at[pl.ds(s0 * BLOCK, _ROWS)], x_s))
-  for src, dst in copies:
-    plgpu.copy_gmem_to_smem(src, dst, bar)
-    plgpu.barrier_wait(bar)
-  for p in range(planes):
-    plgpu.copy_gmem_to_smem(units_g.at[pl.ds((ptab_s[p] + s0) * _WORDS, _ROWS)], u_s.at[p], bar)
-    plgpu.barrier_wait(bar)
-
   shape = (_ROWS, 32)
   col = plgpu.broadcasted_iota(jnp.uint32, shape, 1, layout=plgpu.Layout.WGMMA)
   row_sg = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=row_layout) // _WORDS
@@ -183,7 +163,37 @@ def _decode_kernel(*refs, tabs: B.LevelTables, planes: int, s_count: int, accumu
     mag = _select_tree(jnp.where(top == 1, m, jnp.uint32(r) - m), levels)
     val = jnp.where(top == 1, mag, -mag)
     lam = val if lam is None else jnp.where(wid == w, val, lam)
-  out = lam * scale
+  return lam * scale
+
+
+def _fetch(gmem, smem, bar, s0, planes: int, more=()):
+  """The block's payload operands (and ``more`` (src, dst) copies) into shared memory:
+  plane table, ``k`` words, scales, widths, then each plane's 64 unit words."""
+  units_g, k_g, sc_g, w_g, ptab_g = gmem
+  u_s, k_s, sc_s, w_s, ptab_s = smem
+  copies = [(ptab_g, ptab_s), (k_g.at[pl.ds(s0 * BLOCK, _ROWS)], k_s),
+            (sc_g.at[pl.ds(s0, BLOCK)], sc_s), (w_g.at[pl.ds(s0, BLOCK)], w_s), *more]
+  for src, dst in copies:
+    plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+  for p in range(planes):
+    plgpu.copy_gmem_to_smem(units_g.at[pl.ds((ptab_s[p] + s0) * _WORDS, _ROWS)], u_s.at[p], bar)
+    plgpu.barrier_wait(bar)
+
+
+def _decode_kernel(*refs, tabs: B.LevelTables, planes: int, s_count: int, accumulate: bool):
+  """One program: 8 super-groups -> float32 [64, 32] (``+ x`` when ``accumulate``)."""
+  if accumulate:
+    (units_g, k_g, sc_g, w_g, ptab_g, x_g, out_g,
+     u_s, k_s, sc_s, w_s, ptab_s, x_s, o_s, bar) = refs
+  else:
+    (units_g, k_g, sc_g, w_g, ptab_g, out_g,
+     u_s, k_s, sc_s, w_s, ptab_s, o_s, bar) = refs
+    x_g = x_s = None
+  s0 = lax.axis_index("b") * BLOCK
+  _fetch((units_g, k_g, sc_g, w_g, ptab_g), (u_s, k_s, sc_s, w_s, ptab_s), bar, s0, planes,
+         [(x_g.at[pl.ds(s0 * BLOCK, _ROWS)], x_s)] if accumulate else [])
+  out = _decode_rows(u_s, k_s, sc_s, w_s, ptab_s, s0, tabs=tabs, planes=planes)
   if accumulate:
     out = out + x_s[...].astype(jnp.float32)
   o_s[...] = out
@@ -318,16 +328,34 @@ def _segment_max(v, vs_ref, col):
 
 
 def _encode_kernel(x_g, w_g, key_g, codes_g, k_g, v_g, x_s, w_s, key_s, codes_s, k_s, v_s,
-                   vs_s, bar, *, tabs: B.LevelTables, planes: int, strata: int,
-                   scale_rounding: str):
+                   vs_s, bar, **static):
   """One program: 8 super-groups -> their plane words, k bytes and scale bits (per row)."""
-  b = lax.axis_index("b")
-  s0 = b * BLOCK
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  s0 = lax.axis_index("b") * BLOCK
   for src, dst in ((x_g.at[pl.ds(s0 * BLOCK, _ROWS)], x_s), (w_g.at[pl.ds(s0, BLOCK)], w_s),
                    (key_g, key_s)):
     plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
+  _encode_rows(x_s[...].astype(jnp.float32), w_s, key_s, (codes_s, k_s, v_s), vs_s, s0,
+               **static)
+  _store_encoded((codes_s, k_s, v_s), (codes_g, k_g, v_g), s0)
+
+
+def _store_encoded(smem, gmem, s0):
+  """Plane words, k words and scale bits of the block from shared to global memory."""
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem[0], gmem[0].at[:, pl.ds(s0 * BLOCK, _ROWS)])
+  for src, dst in zip(smem[1:], gmem[1:]):
+    plgpu.copy_smem_to_gmem(src, dst.at[pl.ds(s0 * BLOCK, _ROWS)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _encode_rows(x, w_s, key_s, out_s, vs_s, s0, *, tabs: B.LevelTables, planes: int,
+                 strata: int, scale_rounding: str):
+  """Encodes the block x float32 [64, 32] into ``out_s``: plane words uint32 [planes,
+  64], k words uint16 [64] (groups 2 j, 2 j + 1 of each row), bf16 scale bits uint16
+  [64] (each row its super-group's)."""
+  codes_s, k_s, v_s = out_s
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
   shape = (_ROWS, 32)
   col = plgpu.broadcasted_iota(jnp.uint32, shape, 1, layout=plgpu.Layout.WGMMA)
   row_i = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=row_layout)
@@ -336,7 +364,6 @@ def _encode_kernel(x_g, w_g, key_g, codes_g, k_g, v_g, x_s, w_s, key_s, codes_s,
   grow = (s0 * _WORDS + row_i).astype(jnp.uint32)  # the chunk's row of each row
   left = col < jnp.uint32(16)
 
-  x = x_s[...].astype(jnp.float32)
   a = jnp.abs(x)
   gl = jnp.max(jnp.where(left, a, jnp.float32(0)), axis=1)
   gr = jnp.max(jnp.where(left, jnp.float32(0), a), axis=1)
@@ -387,11 +414,6 @@ def _encode_kernel(x_g, w_g, key_g, codes_g, k_g, v_g, x_s, w_s, key_s, codes_s,
   k_s[...] = (ks[0].astype(jnp.uint32) | (ks[1].astype(jnp.uint32) << jnp.uint32(8))).astype(
       jnp.uint16)
   v_s[...] = (lax.bitcast_convert_type(v, jnp.uint32) >> jnp.uint32(16)).astype(jnp.uint16)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(codes_s, codes_g.at[:, pl.ds(s0 * BLOCK, _ROWS)])
-  plgpu.copy_smem_to_gmem(k_s, k_g.at[pl.ds(s0 * BLOCK, _ROWS)])
-  plgpu.copy_smem_to_gmem(v_s, v_g.at[pl.ds(s0 * BLOCK, _ROWS)])
-  plgpu.wait_smem_to_gmem(0)
 
 
 def _row_vector_of_width(w_row, tabs: B.LevelTables, values):
@@ -417,25 +439,82 @@ def _compress(x, widths, keys, rank, *, units, eps, strata, scale_rounding, plan
   planes = max(width_set)
   rows = s_count * _WORDS
   scratch = [plgpu.SMEM((_ROWS, 32), x.dtype), plgpu.SMEM((BLOCK,), jnp.int32),
-             plgpu.SMEM((8,), jnp.uint32), plgpu.SMEM((planes, _ROWS), jnp.uint32),
-             plgpu.SMEM((_ROWS,), jnp.uint16), plgpu.SMEM((_ROWS,), jnp.uint16),
-             plgpu.SMEM((_ROWS,), jnp.float32), plgpu.Barrier()]
+             *_encode_scratch(planes), plgpu.Barrier()]
   kernel = plgpu.kernel(
       functools.partial(_encode_kernel, tabs=tabs, planes=planes, strata=strata,
                         scale_rounding=scale_rounding),
-      out_type=(jax.ShapeDtypeStruct((planes, rows), jnp.uint32),
-                jax.ShapeDtypeStruct((rows,), jnp.uint16),
-                jax.ShapeDtypeStruct((rows,), jnp.uint16)),
+      out_type=_encode_outputs(rows, planes),
       grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
       interpret=interpret_params() if interpret else None)
   words, k16, v16 = kernel(x.reshape(rows, 32), widths.astype(jnp.int32),
                            rng.key_operand(keys, rank))
-  # placement of the planes at their units (the reference's, by XLA after the kernel)
+  return _assemble(words, k16, v16, widths, units, planes)
+
+
+def _assemble(words, k16, v16, widths, units: int, planes: int):
+  """The planar payload from an encode's outputs: the plane words placed at their units
+  (the reference's placement, by XLA after the kernel), the k and scale planes."""
+  s_count = widths.shape[0]
   plane_bytes = jax.lax.bitcast_convert_type(words.reshape(planes, s_count, _WORDS),
                                              jnp.uint8).reshape(planes, s_count, -1)
-  body = R._place(jnp.moveaxis(plane_bytes, 0, 1), widths, units, plane_bits)  # pylint: disable=protected-access
+  body = R._place(jnp.moveaxis(plane_bytes, 0, 1), widths, units, 1)  # pylint: disable=protected-access
   u8 = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(-1)
   return jnp.concatenate([u8(k16), body.reshape(-1), u8(v16.reshape(s_count, _WORDS)[:, 0])])
+
+
+def _encode_outputs(rows: int, planes: int):
+  return (jax.ShapeDtypeStruct((planes, rows), jnp.uint32),
+          jax.ShapeDtypeStruct((rows,), jnp.uint16), jax.ShapeDtypeStruct((rows,), jnp.uint16))
+
+
+def _encode_scratch(planes: int):
+  return [plgpu.SMEM((8,), jnp.uint32), plgpu.SMEM((planes, _ROWS), jnp.uint32),
+          plgpu.SMEM((_ROWS,), jnp.uint16), plgpu.SMEM((_ROWS,), jnp.uint16),
+          plgpu.SMEM((_ROWS,), jnp.float32)]
+
+
+def _dar_kernel(units_g, k_g, sc_g, w_g, ptab_g, x_g, key_g, codes_g, ko_g, vo_g,
+                u_s, k_s, sc_s, w_s, ptab_s, x_s, key_s, codes_s, ko_s, vo_s, vs_s, bar, *,
+                tabs: B.LevelTables, planes: int, **static):
+  """One program of the ring hop: decode 8 super-groups, add x, encode the sum (kept in
+  registers) into plane words, k words and scale bits."""
+  s0 = lax.axis_index("b") * BLOCK
+  _fetch((units_g, k_g, sc_g, w_g, ptab_g), (u_s, k_s, sc_s, w_s, ptab_s), bar, s0, planes,
+         [(x_g.at[pl.ds(s0 * BLOCK, _ROWS)], x_s), (key_g, key_s)])
+  acc = _decode_rows(u_s, k_s, sc_s, w_s, ptab_s, s0, tabs=tabs, planes=planes)
+  acc = acc + x_s[...].astype(jnp.float32)
+  _encode_rows(acc, w_s, key_s, (codes_s, ko_s, vo_s), vs_s, s0, tabs=tabs, planes=planes,
+               **static)
+  _store_encoded((codes_s, ko_s, vo_s), (codes_g, ko_g, vo_g), s0)
+
+
+@functools.partial(jax.jit, static_argnames=("units", "eps", "strata", "scale_rounding",
+                                             "plane_bits", "width_set", "interpret"))
+def _dar(planar, x, widths, keys, rank, *, units, eps, strata, scale_rounding, plane_bits,
+         width_set, interpret):
+  s_count = widths.shape[0]
+  R.check_chunk(widths, units, plane_bits=plane_bits, width_set=width_set,
+                scale_rounding=scale_rounding, x=x, payload=planar)
+  if plane_bits != 1:
+    raise NotImplementedError(f"{plane_bits=}: the Mosaic GPU kernels are written for "
+                              "plane_bits=1 only; use implementation='pallas' (Triton) or 'xla'")
+  tabs = B.level_tables(eps, width_set)
+  planes = max(width_set)
+  rows = s_count * _WORDS
+  k16, units_w, sc16 = P.planes(planar, s_count, units, plane_bits)
+  scratch = [plgpu.SMEM((planes, _ROWS), jnp.uint32), plgpu.SMEM((_ROWS,), jnp.uint16),
+             plgpu.SMEM((BLOCK,), jnp.uint16), plgpu.SMEM((BLOCK,), jnp.int32),
+             plgpu.SMEM((_PTAB,), jnp.int32), plgpu.SMEM((_ROWS, 32), x.dtype),
+             *_encode_scratch(planes), plgpu.Barrier()]
+  kernel = plgpu.kernel(
+      functools.partial(_dar_kernel, tabs=tabs, planes=planes, strata=strata,
+                        scale_rounding=scale_rounding),
+      out_type=_encode_outputs(rows, planes), grid=(-(-s_count // BLOCK),), grid_names=("b",),
+      scratch_types=scratch, interpret=interpret_params() if interpret else None)
+  words, ko, vo = kernel(units_w, k16, sc16, widths.astype(jnp.int32),
+                         _plane_table(widths.astype(jnp.int32), units), x.reshape(rows, 32),
+                         rng.key_operand(keys, rank))
+  return _assemble(words, ko, vo, widths, units, planes)
 
 
 def compress_planar(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
@@ -458,3 +537,22 @@ def compress_planar(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1
                    jnp.asarray(rank, jnp.int32), units=units, eps=_eps_key(eps), strata=strata,
                    scale_rounding=scale_rounding, plane_bits=plane_bits,
                    width_set=tuple(width_set), interpret=interpret)
+
+
+def decompress_accumulate_recompress_planar(planar, x, widths, units: int, *, eps, keys, rank=0,
+                                            strata: int = 1, scale_rounding="up",
+                                            plane_bits: int = R.PLANE_BITS,
+                                            width_set=R.WIDTH_SET, interpret: bool = False):
+  """One ring hop on planar payloads: ``compress(decompress(planar) + x)`` in one Mosaic GPU
+  launch, the sum kept in registers (then XLA's placement, as :func:`compress_planar`).
+
+  Args: as :func:`~pallas_kernels.dynamiq_reference.decompress_accumulate_recompress_reference`,
+    with ``planar`` in the planar layout.
+
+  Returns:
+    uint8 ``[payload_bytes(S, units, plane_bits)]`` in the planar layout.
+  """
+  return _dar(planar, x, widths, tuple(jnp.asarray(k, jnp.uint32) for k in keys),
+              jnp.asarray(rank, jnp.int32), units=units, eps=_eps_key(eps), strata=strata,
+              scale_rounding=scale_rounding, plane_bits=plane_bits, width_set=tuple(width_set),
+              interpret=interpret)
