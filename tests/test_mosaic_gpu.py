@@ -1,13 +1,15 @@
-"""The planar payload layout (pallas_kernels.dynamiq_planar) and the Mosaic GPU decode
-kernels (pallas_kernels.dynamiq_mosaic), bit for bit against the jnp reference in
-Mosaic GPU's interpret mode (jax >= 0.12: skipped, saying so, where it does not
-exist), and their lowering for cuda on this CPU machine.
+"""The planar payload layout (pallas_kernels.dynamiq_planar) and the Mosaic GPU kernels
+(pallas_kernels.dynamiq_mosaic: decompress, decompress-accumulate, compress, the ring
+hop), bit for bit against the jnp reference in Mosaic GPU's interpret mode (jax >=
+0.12: skipped, saying so, where it does not exist), and their lowering for cuda on
+this CPU machine.
 
 Interpret-mode sizes: every case has a partial last block (S not a multiple of
-the kernel's 8 super-groups) and, together, they cover every width 2..8, one
-plane (2-bit only) up to eight, narrower codes' masked planes, unused units,
-a truncated payload (planes past the units masked), zero groups and a zero
-super-group, NaN/Inf, and float32/bfloat16/float16 addends.
+the kernel's 8 super-groups) and, together, they cover every width 2..8 (one to
+eight planes), narrower codes' masked planes, unused units, a truncated payload
+(planes past the units masked), zero groups and a zero super-group, NaN/Inf/
+subnormal scales, NaN/Inf values, bfloat16/float16 values (float32 in the slow
+encode case), both scale roundings and power-of-two and other stratum counts.
 """
 
 import re
@@ -21,6 +23,7 @@ from dynamiq_jax.codecs import DynamiQ
 from pallas_kernels import dynamiq_mosaic as M
 from pallas_kernels import dynamiq_planar as P
 from pallas_kernels import dynamiq_reference as R
+from pallas_kernels import rng
 
 from _helpers import lower_for
 
@@ -32,6 +35,12 @@ MOSAIC = re.compile(r"custom_call @mosaic_gpu")  # a Mosaic GPU kernel in Stable
 needs_interpret = pytest.mark.skipif(
     not M.has_interpret(),
     reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode (InterpretGPUParams: jax >= 0.12)")
+
+
+def _keys(seed):
+  k0, k1 = rng.derive_key(seed, 1)
+  s0, s1 = rng.derive_key(seed, 2)
+  return (k0, k1, s0, s1)
 
 
 def _chunk(seed, s, width_set, kind="mixed", dtype=jnp.float32):
@@ -123,8 +132,7 @@ def test_bad_planar_payload_names_the_fix():
 CASES = [
     # the default codec's widths, unused units; NaN, +Inf, subnormal scales, NaN/Inf in x
     (WS6, 13, "mixed", 3, jnp.bfloat16, "edge"),
-    ((2, 3, 4, 5, 6, 7, 8), 9, "mixed", -4, jnp.float32, "random"),  # every width; truncated
-    ((2,), 3, "2", 0, jnp.float16, "random"),  # two planes only
+    ((2, 3, 4, 5, 6, 7, 8), 9, "mixed", -4, jnp.float16, "random"),  # every width; truncated
 ]
 
 
@@ -161,6 +169,51 @@ def _check_decode(case, interpret):
         R.decompress_accumulate_reference(pay, x, widths, units, **geo))
 
 
+# (width_set, S, dtype): compress runs with the default codec's rounding (stochastic
+# scales, 8 strata: a power-of-two q), the ring hop with the other paths ("up", 3 strata)
+ENCODE_CASES = [
+    (WS6, 13, jnp.bfloat16),
+    pytest.param(((2, 3, 4, 5, 6, 7, 8), 9, jnp.float32), marks=pytest.mark.slow),
+]
+
+
+def _encode_id(c):
+  return f"w{''.join(map(str, c[0]))}-S{c[1]}"
+
+
+@needs_interpret
+@pytest.mark.parametrize("case", ENCODE_CASES, ids=_encode_id)
+def test_encode_kernels_equal_the_reference(case):
+  """compress and the ring hop, planar, equal the reference's record payloads read back:
+  NaN, -Inf, a zero group and a zero super-group in x, a partial last block, unused
+  units."""
+  _check_encode(case, interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (Hopper or newer)")
+@pytest.mark.parametrize("case", ENCODE_CASES, ids=_encode_id)
+def test_encode_kernels_on_a_gpu_equal_the_reference(case):
+  _check_encode(case, interpret=False)
+
+
+def _check_encode(case, interpret):
+  width_set, s, dtype = case
+  x, widths = _chunk(s, s, width_set, "mixed", dtype)
+  x = x.at[3, 40].set(jnp.nan).at[4, 7].set(-jnp.inf)
+  units = int(np.sum(np.asarray(widths))) + 3
+  geo = dict(eps=EPS, width_set=width_set)
+  enc = dict(keys=_keys(1), rank=5, strata=8, scale_rounding="stochastic", **geo)
+  pay = R.compress_reference(x, widths, units, **enc)
+  _same(P.from_planar(M.compress_planar(x, widths, units, **enc, interpret=interpret), s,
+                      units),
+        pay)
+  y = x[::-1]  # another chunk's values, same widths
+  hop = dict(keys=_keys(2), rank=2, strata=3, scale_rounding="up", **geo)
+  _same(P.from_planar(M.decompress_accumulate_recompress_planar(
+      P.to_planar(pay, s, units), y, widths, units, **hop, interpret=interpret), s, units),
+        R.decompress_accumulate_recompress_reference(pay, y, widths, units, **hop))
+
+
 def test_two_bit_planes_are_not_written_yet():
   x, widths = _chunk(0, 3, WS3)
   with pytest.raises(NotImplementedError, match="plane_bits=1 only"):
@@ -174,16 +227,20 @@ def test_interpret_mode_missing_says_which_jax_has_it():
     M.interpret_params()
 
 
-def test_decode_kernels_lower_for_cuda():
-  """Pallas -> Mosaic GPU lowering for an H100 on this CPU host: one Mosaic GPU custom
-  call, no Triton. (jax 0.10.2's Mosaic GPU rejects copies below 128 bytes: skipped.)"""
+def test_kernels_lower_for_cuda():
+  """Pallas -> Mosaic GPU lowering of three kernels for an H100 on this CPU host: one
+  Mosaic GPU custom call each, no Triton. (jax 0.10.2's Mosaic GPU rejects copies below 128 bytes: skipped.)"""
   s, units = 37, 150
   x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((s,), jnp.int32)
   p = jax.ShapeDtypeStruct((R.payload_bytes(s, units),), jnp.uint8)
   eps = EPS
+  enc = dict(eps=eps, keys=_keys(0), strata=8, scale_rounding="stochastic")
+  # (decompress_accumulate is decompress's body and an add: the ring hop covers both)
   fns = [(lambda p, w: M.decompress_planar(p, w, units, eps=eps), (p, w)),
-         (lambda p, x, w: M.decompress_accumulate_planar(p, x, w, units, eps=eps), (p, x, w))]
+         (lambda x, w: M.compress_planar(x, w, units, **enc), (x, w)),
+         (lambda p, x, w: M.decompress_accumulate_recompress_planar(p, x, w, units, **enc),
+          (p, x, w))]
   for f, args in fns:
     try:
       text = lower_for("cuda", jax.jit(f), *args)
