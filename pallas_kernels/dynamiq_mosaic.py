@@ -62,6 +62,13 @@ __all__ = [
     "interpret_params",
     "decompress_planar",
     "decompress_accumulate_planar",
+    "compress_planar",
+    "decompress_accumulate_recompress_planar",
+    "MOSAIC_OPS",
+    "compress_mosaic",
+    "decompress_mosaic",
+    "decompress_accumulate_mosaic",
+    "decompress_accumulate_recompress_mosaic",
 ]
 
 BLOCK = 8
@@ -208,9 +215,7 @@ def _decode(planar, x, widths, *, units, eps, plane_bits, width_set, interpret):
   s_count = widths.shape[0]
   R.check_chunk(widths, units, plane_bits=plane_bits, width_set=width_set, x=x,
                 payload=planar)
-  if plane_bits != 1:
-    raise NotImplementedError(f"{plane_bits=}: the Mosaic GPU kernels are written for "
-                              "plane_bits=1 only; use implementation='pallas' (Triton) or 'xla'")
+  _planes_supported(plane_bits)
   tabs = B.level_tables(eps, width_set)
   planes = max(width_set)
   k16, units_w, sc16 = P.planes(planar, s_count, units, plane_bits)
@@ -432,9 +437,7 @@ def _compress(x, widths, keys, rank, *, units, eps, strata, scale_rounding, plan
   s_count = widths.shape[0]
   R.check_chunk(widths, units, plane_bits=plane_bits, width_set=width_set,
                 scale_rounding=scale_rounding, x=x)
-  if plane_bits != 1:
-    raise NotImplementedError(f"{plane_bits=}: the Mosaic GPU kernels are written for "
-                              "plane_bits=1 only; use implementation='pallas' (Triton) or 'xla'")
+  _planes_supported(plane_bits)
   tabs = B.level_tables(eps, width_set)
   planes = max(width_set)
   rows = s_count * _WORDS
@@ -495,9 +498,7 @@ def _dar(planar, x, widths, keys, rank, *, units, eps, strata, scale_rounding, p
   s_count = widths.shape[0]
   R.check_chunk(widths, units, plane_bits=plane_bits, width_set=width_set,
                 scale_rounding=scale_rounding, x=x, payload=planar)
-  if plane_bits != 1:
-    raise NotImplementedError(f"{plane_bits=}: the Mosaic GPU kernels are written for "
-                              "plane_bits=1 only; use implementation='pallas' (Triton) or 'xla'")
+  _planes_supported(plane_bits)
   tabs = B.level_tables(eps, width_set)
   planes = max(width_set)
   rows = s_count * _WORDS
@@ -556,3 +557,49 @@ def decompress_accumulate_recompress_planar(planar, x, widths, units: int, *, ep
               jnp.asarray(rank, jnp.int32), units=units, eps=_eps_key(eps), strata=strata,
               scale_rounding=scale_rounding, plane_bits=plane_bits, width_set=tuple(width_set),
               interpret=interpret)
+
+
+# ----------------------------------------------------------------------------
+# Entry points on record payloads (implementation="mosaic"): the planar kernels between
+# dynamiq_planar's conversions, which are XLA copies around each launch until the codecs
+# send planar payloads.
+
+
+def compress_mosaic(x, widths, units: int, *, plane_bits: int = R.PLANE_BITS, **kw):
+  """:func:`compress_planar`, returning the record payload of
+  :func:`~pallas_kernels.dynamiq_reference.compress_reference`."""
+  return P.from_planar(compress_planar(x, widths, units, plane_bits=plane_bits, **kw),
+                       widths.shape[0], units, plane_bits)
+
+
+def decompress_mosaic(payload, widths, units: int, *, plane_bits: int = R.PLANE_BITS, **kw):
+  """:func:`decompress_planar` of a record payload."""
+  _planes_supported(plane_bits)
+  return decompress_planar(P.to_planar(payload, widths.shape[0], units, plane_bits), widths,
+                           units, plane_bits=plane_bits, **kw)
+
+
+def decompress_accumulate_mosaic(payload, x, widths, units: int, *,
+                                 plane_bits: int = R.PLANE_BITS, **kw):
+  """:func:`decompress_accumulate_planar` of a record payload."""
+  _planes_supported(plane_bits)
+  return decompress_accumulate_planar(P.to_planar(payload, widths.shape[0], units, plane_bits),
+                                      x, widths, units, plane_bits=plane_bits, **kw)
+
+
+def decompress_accumulate_recompress_mosaic(payload, x, widths, units: int, *,
+                                            plane_bits: int = R.PLANE_BITS, **kw):
+  """:func:`decompress_accumulate_recompress_planar` on record payloads."""
+  _planes_supported(plane_bits)
+  s_count = widths.shape[0]
+  out = decompress_accumulate_recompress_planar(
+      P.to_planar(payload, s_count, units, plane_bits), x, widths, units,
+      plane_bits=plane_bits, **kw)
+  return P.from_planar(out, s_count, units, plane_bits)
+
+
+def _planes_supported(plane_bits: int):
+  """Raises NotImplementedError (dispatch falls back) unless ``plane_bits`` is 1."""
+  if plane_bits != 1:
+    raise NotImplementedError(f"{plane_bits=}: the Mosaic GPU kernels are written for "
+                              "plane_bits=1 only; use implementation='pallas' (Triton) or 'xla'")
