@@ -1,4 +1,4 @@
-"""Deviceless H100 compile of the Mosaic GPU decode kernels, beside Triton's, from a CPU host.
+"""Deviceless H100 compile of the Mosaic GPU hop kernels, beside Triton's, from a CPU host.
 
     python tools/mosaic_compile.py                # table on stdout
     python tools/mosaic_compile.py --json docs/results/mosaic_compile.json
@@ -6,8 +6,8 @@
 A child process (:func:`dynamiq_jax.bench.gpu_compile.compile_in_child`, the
 ``gpu-compile`` extra) compiles, each alone for one compile-only H100 (the
 recipe of ``tests/test_gpu_compile_units.py``: 37 super-groups, 150 units,
-bf16 local values, width set (2, 3, 4, 5, 6, 8), 1-bit planes), the decode
-and decode-accumulate kernels of both backends
+bf16 local values, width set (2, 3, 4, 5, 6, 8), 1-bit planes, ``strata=8``,
+stochastic scales), the four hop kernels of both backends
 (:mod:`pallas_kernels.dynamiq_mosaic` on the planar payload,
 :mod:`pallas_kernels.dynamiq_triton` on the record payload), and reports per
 kernel the custom calls in the optimized HLO (``mosaic_gpu*`` or
@@ -40,6 +40,7 @@ def compile_kernels() -> dict:
 
   import jax
   import jax.numpy as jnp
+  import numpy as np
 
   from dynamiq_jax.bench import gpu_compile as G
   from pallas_kernels import dynamiq_mosaic as M
@@ -53,14 +54,20 @@ def compile_kernels() -> dict:
   x = jax.ShapeDtypeStruct((_S, 256), jnp.bfloat16, sharding=sharding)
   w = jax.ShapeDtypeStruct((_S,), jnp.int32, sharding=sharding)
   p = jax.ShapeDtypeStruct((R.payload_bytes(_S, _UNITS),), jnp.uint8, sharding=sharding)
-  fns = {
-      "mosaic/decompress": (lambda p, w: M.decompress_planar(p, w, _UNITS, **geo), (p, w)),
-      "mosaic/decompress_accumulate": (
-          lambda p, x, w: M.decompress_accumulate_planar(p, x, w, _UNITS, **geo), (p, x, w)),
-      "triton/decompress": (lambda p, w: T.decompress_pallas(p, w, _UNITS, **geo), (p, w)),
-      "triton/decompress_accumulate": (
-          lambda p, x, w: T.decompress_accumulate_pallas(p, x, w, _UNITS, **geo), (p, x, w)),
-  }
+  enc = dict(geo, keys=tuple(np.uint32(v) for v in (1, 2, 3, 4)), strata=8,
+             scale_rounding="stochastic")
+  fns = {}
+  for name, mod, sfx in (("mosaic", M, "planar"), ("triton", T, "pallas")):
+    op = lambda o: getattr(mod, f"{o}_{sfx}")
+    fns.update({
+        f"{name}/compress": (lambda x, w, f=op("compress"): f(x, w, _UNITS, **enc), (x, w)),
+        f"{name}/decompress": (lambda p, w, f=op("decompress"): f(p, w, _UNITS, **geo), (p, w)),
+        f"{name}/decompress_accumulate": (
+            lambda p, x, w, f=op("decompress_accumulate"): f(p, x, w, _UNITS, **geo), (p, x, w)),
+        f"{name}/decompress_accumulate_recompress": (
+            lambda p, x, w, f=op("decompress_accumulate_recompress"): f(p, x, w, _UNITS, **enc),
+            (p, x, w)),
+    })
   compiled, info = [], {}
   for name, (f, args) in fns.items():
     start = time.perf_counter()
@@ -98,10 +105,10 @@ def main(argv=None):
     sys.exit(why)
   report = measure()
   print(f"Deviceless compile for one H100 (jax {report['jax']}), S={_S}, units={_UNITS}, bf16")
-  print(f"{'kernel':<32} {'seconds':>8}  custom calls")
+  print(f"{'kernel':<42} {'seconds':>8}  custom calls")
   for name in report["names"]:
     k = report["kernels"][name]
-    print(f"{name:<32} {k['seconds']:>8.2f}  {k['custom_calls']}")
+    print(f"{name:<42} {k['seconds']:>8.2f}  {k['custom_calls']}")
   if args.json:
     command = " ".join(["python tools/mosaic_compile.py", *(argv or sys.argv[1:])])
     path = common.write_json(args.json, {"command": command,
