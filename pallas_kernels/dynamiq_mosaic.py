@@ -235,7 +235,7 @@ def _decode(planar, x, widths, *, units, eps, plane_bits, width_set, interpret):
       out_type=jax.ShapeDtypeStruct((s_count * _WORDS, 32), jnp.float32),
       grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
       interpret=interpret_params() if interpret else None)
-  return kernel(*operands).reshape(s_count, B.SUPERGROUP)
+  return _vary_like(kernel(*operands), operands).reshape(s_count, B.SUPERGROUP)
 
 
 def decompress_planar(planar, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
@@ -449,8 +449,8 @@ def _compress(x, widths, keys, rank, *, units, eps, strata, scale_rounding, plan
       out_type=_encode_outputs(rows, planes),
       grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
       interpret=interpret_params() if interpret else None)
-  words, k16, v16 = kernel(x.reshape(rows, 32), widths.astype(jnp.int32),
-                           rng.key_operand(keys, rank))
+  operands = (x.reshape(rows, 32), widths.astype(jnp.int32), rng.key_operand(keys, rank))
+  words, k16, v16 = _vary_like(kernel(*operands), operands)
   return _assemble(words, k16, v16, widths, units, planes)
 
 
@@ -466,8 +466,21 @@ def _assemble(words, k16, v16, widths, units: int, planes: int):
 
 
 def _encode_outputs(rows: int, planes: int):
+  """An encode's output types: plane words, k words, scale bits."""
   return (jax.ShapeDtypeStruct((planes, rows), jnp.uint32),
           jax.ShapeDtypeStruct((rows,), jnp.uint16), jax.ShapeDtypeStruct((rows,), jnp.uint16))
+
+
+def _vary_like(outs, args):
+  """``outs`` varying over every mesh axis one of ``args`` varies over (inside
+  ``shard_map(check_vma=True)``): ``plgpu.kernel`` returns its outputs unvarying."""
+  avals = [jax.typeof(a) for a in args]
+  if getattr(avals[0], "manual_axis_type", None) is None:
+    return outs
+  varying = tuple(sorted(frozenset().union(*(a.manual_axis_type.varying for a in avals))))
+  if not varying:
+    return outs
+  return jax.tree.map(lambda o: jax.lax.pcast(o, varying, to="varying"), outs)
 
 
 def _encode_scratch(planes: int):
@@ -512,9 +525,10 @@ def _dar(planar, x, widths, keys, rank, *, units, eps, strata, scale_rounding, p
                         scale_rounding=scale_rounding),
       out_type=_encode_outputs(rows, planes), grid=(-(-s_count // BLOCK),), grid_names=("b",),
       scratch_types=scratch, interpret=interpret_params() if interpret else None)
-  words, ko, vo = kernel(units_w, k16, sc16, widths.astype(jnp.int32),
-                         _plane_table(widths.astype(jnp.int32), units), x.reshape(rows, 32),
-                         rng.key_operand(keys, rank))
+  operands = (units_w, k16, sc16, widths.astype(jnp.int32),
+              _plane_table(widths.astype(jnp.int32), units), x.reshape(rows, 32),
+              rng.key_operand(keys, rank))
+  words, ko, vo = _vary_like(kernel(*operands), operands)
   return _assemble(words, ko, vo, widths, units, planes)
 
 
