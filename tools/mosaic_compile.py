@@ -13,6 +13,14 @@ stochastic scales), the four hop kernels of both backends
 kernel the custom calls in the optimized HLO (``mosaic_gpu*`` or
 ``__gpu$xla.gpu.triton``) and the seconds of its lower + compile.
 
+``--step`` also compiles the README's training step for 8 compile-only
+H100s (``tests/test_gpu_compile.py``'s ``compile_step``: a 512 x 256 weight,
+``dq.compressed_psum`` in ``shard_map(check_vma=True)``) with
+``implementation=None`` (Triton) and ``"mosaic"``, and counts per step (from
+the call graph and the loops' trip counts,
+:func:`~dynamiq_jax.bench.gpu_compile.per_step`) each backend's kernel
+launches, by the op that launched them, and the payload hops.
+
 What this cannot report without a GPU: the Mosaic GPU kernel's registers and
 spills. XLA keeps a Mosaic GPU kernel as serialized MLIR in its custom call;
 the jaxlib runtime lowers it to PTX and a cubin when the executable is
@@ -79,6 +87,70 @@ def compile_kernels() -> dict:
                                          "jax": jax.__version__}}
 
 
+def compile_step(implementation=None):
+  """The README's step for 8 x H100 with ``implementation`` (runs in the child)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import dynamiq_jax as dq
+  from dynamiq_jax.bench import gpu_compile as G
+
+  mesh = G.h100_mesh((8,), ("data",))
+  tx = optax.chain(dq.compressed_psum("data", implementation=implementation),
+                   optax.adamw(1e-3))
+
+  def loss_fn(params, batch):
+    x, y = batch
+    return jnp.mean((x @ params["w"] - y) ** 2)
+
+  def local(params, opt_state, batch):
+    grads = jax.grad(loss_fn)(dq.as_varying(params, "data"), batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def spec(shape, dtype, *axes):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*axes)))
+
+  params = {"w": spec((512, 256), jnp.float32)}
+  opt_state = jax.tree.map(lambda s: spec(s.shape, s.dtype), jax.eval_shape(tx.init, params))
+  batch = (spec((64, 512), jnp.float32, "data"), spec((64, 256), jnp.float32, "data"))
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
+                               out_specs=(P(), P()), check_vma=True))
+  return step.trace(params, opt_state, batch).lower().compile()
+
+
+def _launcher(line: str) -> str:
+  """The op that launched a kernel, from its metadata (the jitted wrapper's name)."""
+  name = re.search(r'op_name="([^"]+)"', line)
+  found = re.findall(r"jit\((_\w+)\)|(dynamiq_units_\w+)", name.group(1) if name else "")
+  return "".join(found[-1]) if found else "?"
+
+
+def measure_step() -> dict:
+  """Per implementation: kernel launches per step by launcher, payload hops, seconds."""
+  import collections
+
+  from dynamiq_jax.bench import gpu_compile as G
+  out = {}
+  for impl in (None, "mosaic"):
+    with G.compile_in_child(f"{__file__}:compile_step", kwargs={"implementation": impl},
+                            ptx=False, xla_flags=G.DEVICELESS_XLA_FLAGS) as build:
+      comps = G.parse_hlo(build.hlo[0])
+      runs, _ = G.executions(comps)
+      launches = collections.Counter()
+      for name, comp in comps.items():
+        for ins in comp.instructions:
+          if ins.opcode == "custom-call" and ("mosaic_gpu" in ins.line or G.TRITON in ins.line):
+            backend = "mosaic_gpu" if "mosaic_gpu" in ins.line else "triton"
+            launches[f"{backend}:{_launcher(ins.line)}"] += runs.get(name, 1)
+      out[str(impl)] = {"launches_per_step": dict(sorted(launches.items())),
+                        "payload_hops_per_step": G.per_step(comps, G.is_payload_hop),
+                        "seconds": build.seconds}
+  return out
+
+
 def measure() -> dict:
   """The report: per kernel its custom calls and compile seconds."""
   from dynamiq_jax.bench import gpu_compile as G
@@ -97,6 +169,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(prog="python tools/mosaic_compile.py",
                               description=__doc__.split("\n")[0])
   p.add_argument("--json", default=None, help="also write the report here (with the command)")
+  p.add_argument("--step", action="store_true",
+                 help="also compile the README's step for 8 x H100 with both backends")
   args = p.parse_args(argv)
   from dynamiq_jax.bench import common
   from dynamiq_jax.bench import gpu_compile as G
@@ -109,6 +183,11 @@ def main(argv=None):
   for name in report["names"]:
     k = report["kernels"][name]
     print(f"{name:<42} {k['seconds']:>8.2f}  {k['custom_calls']}")
+  if args.step:
+    report["step_8xh100"] = measure_step()
+    for impl, r in report["step_8xh100"].items():
+      print(f"8 x H100 step, implementation={impl}: {r['payload_hops_per_step']} payload hops, "
+            f"launches {r['launches_per_step']}, {r['seconds']} s")
   if args.json:
     command = " ".join(["python tools/mosaic_compile.py", *(argv or sys.argv[1:])])
     path = common.write_json(args.json, {"command": command,
