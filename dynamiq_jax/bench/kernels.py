@@ -23,13 +23,14 @@ out (decoded float32 out for decompress) — and are set against the device's
 copy bandwidth measured in the same run (read + write of a large float32
 array).
 
-On a GPU it also times the Mosaic GPU decode kernel
-(:func:`pallas_kernels.dynamiq_mosaic.decompress_planar`, ``impl`` "mosaic")
-beside Triton's decompress, on the same payload in the planar layout
-(converted once, outside the timed loop); a Mosaic GPU failure is recorded
-in its row (``error``) and printed, and the other rows still run. Off GPU it
-is not timed (GPU interpret mode is a simulator; ``tests/test_mosaic_gpu.py``
-checks its bits). The encoding Mosaic GPU kernels do not exist yet.
+On a GPU it also times the Mosaic GPU kernels
+(:mod:`pallas_kernels.dynamiq_mosaic`, ``impl`` "mosaic") beside Triton's,
+for every op, on the same payloads in the planar layout (converted once,
+outside the timed loop). Compress and the ring hop include the XLA placement
+of the plane units that follows their launch. A Mosaic GPU failure is
+recorded in its row (``error``) and printed, and the other rows still run.
+Off GPU the Mosaic GPU kernels are not timed: GPU interpret mode is a
+simulator, and ``tests/test_mosaic_gpu.py`` checks their bits.
 
 It also records which Pallas GPU backends can lower a level-table gather
 (the capability that decided Triton over Mosaic GPU).
@@ -248,18 +249,29 @@ def main(argv=None):
                        "minimal_bytes": minimal[op], "gbs": minimal[op] / sec / 1e9,
                        "coords_per_s": size / sec,
                        "fraction_of_copy": minimal[op] / sec / 1e9 / copy_gbs})
-      if on_gpu:  # Mosaic GPU's decode, on the planar payload
+      if on_gpu:  # Mosaic GPU's kernels, on planar payloads
         planar = P.to_planar(payload, s_count, units, R.PLANE_BITS)
-        row = {"width": width, "coords": size, "op": "decompress", "impl": "mosaic",
-               "minimal_bytes": minimal["decompress"]}
-        try:
-          sec = timed(lambda i, p: M.decompress_planar(p, widths, units, eps=DEFAULT_EPS,
-                                                       width_set=R.WIDTH_SET), planar)
-          row.update(seconds=sec, gbs=minimal["decompress"] / sec / 1e9, coords_per_s=size / sec,
-                     fraction_of_copy=minimal["decompress"] / sec / 1e9 / copy_gbs)
-        except Exception as e:  # recorded, so that the Triton and XLA rows still come back
-          row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
-        rows.append(row)
+        mgeo = dict(eps=DEFAULT_EPS, width_set=R.WIDTH_SET)
+        mosaic = {
+            "compress": (lambda i, x: M.compress_planar(x, widths, units, keys=keys_of(i),
+                                                        strata=8, **mgeo), (x,)),
+            "decompress_accumulate_recompress": (
+                lambda i, p, x: M.decompress_accumulate_recompress_planar(
+                    p, x, widths, units, keys=keys_of(i), strata=8, **mgeo), (planar, x)),
+            "decompress": (lambda i, p: M.decompress_planar(p, widths, units, **mgeo),
+                           (planar,)),
+        }
+        for op in OPS:
+          f, operands = mosaic[op]
+          row = {"width": width, "coords": size, "op": op, "impl": "mosaic",
+                 "minimal_bytes": minimal[op]}
+          try:
+            sec = timed(f, *operands)
+            row.update(seconds=sec, gbs=minimal[op] / sec / 1e9, coords_per_s=size / sec,
+                       fraction_of_copy=minimal[op] / sec / 1e9 / copy_gbs)
+          except Exception as e:  # recorded, so that the Triton and XLA rows still come back
+            row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+          rows.append(row)
   target, backends = backend_check()
   print(f"\nDynamiQ kernels on {kind} ({jax.default_backend()}, "
         f"jax {jax.__version__}); local values {args.dtype}; copy bandwidth {copy_gbs:.1f} GB/s")
