@@ -121,12 +121,13 @@ def _load(ref, layout):
 
 
 def _select_tree(index, values, start: int = 0):
-  """``values[index - start]`` (static float values; ``index`` uint32, in range) by a
-  balanced tree of selects: ``len(values) - 1`` selects, no gather."""
+  """``values[index - start]`` (static float values; ``index`` an int32 or uint32 array,
+  in range) by a balanced tree of selects: ``len(values) - 1`` selects, no gather."""
   if len(values) == 1:
     return jnp.float32(values[0])
   mid = len(values) // 2
-  return jnp.where(index < jnp.uint32(start + mid), _select_tree(index, values[:mid], start),
+  bound = jnp.asarray(start + mid, index.dtype)
+  return jnp.where(index < bound, _select_tree(index, values[:mid], start),
                    _select_tree(index, values[mid:], start + mid))
 
 
@@ -305,15 +306,6 @@ MOSAIC_OPS = B.BlockOps(floor_int=_floor_int)
 ``floor`` by conversion)."""
 
 
-def _int_select_tree(index, values, start: int = 0):
-  """``values[index - start]`` for int32 ``index`` in range: a balanced select tree."""
-  if len(values) == 1:
-    return jnp.float32(values[0])
-  mid = len(values) // 2
-  return jnp.where(index < jnp.int32(start + mid), _int_select_tree(index, values[:mid], start),
-                   _int_select_tree(index, values[mid:], start + mid))
-
-
 def _segment_max(v, vs_ref, col):
   """Row vector [64] -> row vector: each row gets the max over its super-group's 8 rows.
 
@@ -411,7 +403,7 @@ def _encode_rows(x, w_s, key_s, out_s, vs_s, s0, *, tabs: B.LevelTables, planes:
   consts = B.WidthConsts(per(tabs.lbase), r, per(tabs.c1k), per(tabs.k), per(tabs.c2))
   lev = [float(t) for t in tabs.lev]
   lvl = B.round_levels(a, s, consts, u, frac, q, ops=MOSAIC_OPS,
-                       levels=lambda i: _int_select_tree(i, lev))
+                       levels=lambda i: _select_tree(i, lev))
   codes = (r + 1 + (lvl ^ neg)).astype(jnp.uint32)
 
   for p in range(planes):

@@ -32,7 +32,7 @@ The Triton kernels' registers are ``tools/sass_count.py``'s.
 from __future__ import annotations
 
 import argparse
-import json
+import pathlib
 import re
 import sys
 import time
@@ -40,6 +40,7 @@ import time
 __all__ = ["compile_kernels", "main"]
 
 _S, _UNITS = 37, 150
+_TESTS = str(pathlib.Path(__file__).resolve().parents[1] / "tests")
 
 
 def compile_kernels() -> dict:
@@ -87,40 +88,6 @@ def compile_kernels() -> dict:
                                          "jax": jax.__version__}}
 
 
-def compile_step(implementation=None):
-  """The README's step for 8 x H100 with ``implementation`` (runs in the child)."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  import dynamiq_jax as dq
-  from dynamiq_jax.bench import gpu_compile as G
-
-  mesh = G.h100_mesh((8,), ("data",))
-  tx = optax.chain(dq.compressed_psum("data", implementation=implementation),
-                   optax.adamw(1e-3))
-
-  def loss_fn(params, batch):
-    x, y = batch
-    return jnp.mean((x @ params["w"] - y) ** 2)
-
-  def local(params, opt_state, batch):
-    grads = jax.grad(loss_fn)(dq.as_varying(params, "data"), batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  def spec(shape, dtype, *axes):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*axes)))
-
-  params = {"w": spec((512, 256), jnp.float32)}
-  opt_state = jax.tree.map(lambda s: spec(s.shape, s.dtype), jax.eval_shape(tx.init, params))
-  batch = (spec((64, 512), jnp.float32, "data"), spec((64, 256), jnp.float32, "data"))
-  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
-                               out_specs=(P(), P()), check_vma=True))
-  return step.trace(params, opt_state, batch).lower().compile()
-
-
 def _launcher(line: str) -> str:
   """The op that launched a kernel, from its metadata (the jitted wrapper's name)."""
   name = re.search(r'op_name="([^"]+)"', line)
@@ -135,8 +102,9 @@ def measure_step() -> dict:
   from dynamiq_jax.bench import gpu_compile as G
   out = {}
   for impl in (None, "mosaic"):
-    with G.compile_in_child(f"{__file__}:compile_step", kwargs={"implementation": impl},
-                            ptx=False, xla_flags=G.DEVICELESS_XLA_FLAGS) as build:
+    with G.compile_in_child(f"{_TESTS}/test_gpu_compile.py:compile_step",
+                            kwargs={"implementation": impl}, path=[_TESTS], ptx=False,
+                            xla_flags=G.DEVICELESS_XLA_FLAGS) as build:
       comps = G.parse_hlo(build.hlo[0])
       runs, _ = G.executions(comps)
       launches = collections.Counter()
