@@ -170,6 +170,20 @@ def _check_decode(case, interpret):
         R.decompress_accumulate_reference(pay, x, widths, units, **geo))
 
 
+@needs_interpret
+def test_decode_under_vmap_equals_the_reference():
+  """The gather phase decodes every chunk under vmap: plgpu.kernel batches the launch."""
+  s, ws = 3, (2, 3)
+  _, widths = _chunk(4, s, ws)
+  units = int(np.sum(np.asarray(widths)))
+  pays = jnp.stack([_random_payload(i, s, units) for i in range(2)])
+  planars = jax.vmap(lambda p: P.to_planar(p, s, units))(pays)
+  _same(jax.vmap(lambda q: M.decompress_planar(q, widths, units, eps=EPS, width_set=ws,
+                                               interpret=True))(planars),
+        jax.vmap(lambda p: R.decompress_reference(p, widths, units, eps=EPS,
+                                                  width_set=ws))(pays))
+
+
 # (width_set, S, dtype): compress runs with the default codec's rounding (stochastic
 # scales, 8 strata: a power-of-two q), the ring hop with the other paths ("up", 3 strata)
 ENCODE_CASES = [
