@@ -314,6 +314,7 @@ def _segment_max(v, vs_ref, col):
   keeps the 8 columns of its super-group and reduces them along the row. NaN
   propagates as ``jnp.max``'s does."""
   vs_ref[...] = v
+  plgpu.commit_smem()  # a warpgroup barrier: each thread reads rows that others wrote
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   shape = (_ROWS, 32)
   halves = [lax.broadcast_in_dim(_load(vs_ref.at[pl.ds(32 * h, 32)], col_layout), shape, (1,))
