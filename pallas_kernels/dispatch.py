@@ -11,7 +11,11 @@ them by the platform being *lowered for*, not the host's backend
   a CPU host included) and the reference into every other (on CPU without
   interpret mode).
 * ``"pallas"`` forces the kernel (``interpret=True`` off GPU, which is how
-  CPU tests run it); ``"xla"`` forces the reference.
+  CPU tests run it); ``"xla"`` forces the reference. ``"mosaic"`` is
+  ``"pallas"`` for the Mosaic GPU kernel that the caller passes instead of
+  the Triton one (:mod:`pallas_kernels.dynamiq`), except off GPU, where it is
+  the reference unless ``interpret=True`` asks for Mosaic GPU's interpret
+  mode; ``None`` never picks it.
 * A kernel raises ``NotImplementedError`` for input it does not support, and
   dispatch falls back to the reference, logging the reason once.
 * On a process with a GPU, ``implementation=None`` first compiles each
@@ -56,7 +60,7 @@ __all__ = [
     "typed_like",
 ]
 
-Implementation = Literal["pallas", "xla"] | None
+Implementation = Literal["pallas", "mosaic", "xla"] | None
 
 _log = logging.getLogger("dynamiq_jax")
 _warned: set = set()
@@ -127,8 +131,9 @@ _probed: dict = {}  # (op, static args, operand types, GPU) -> error text, or No
 
 
 def _check_implementation(implementation: Implementation):
-  if implementation not in (None, "pallas", "xla"):
-    raise ValueError(f"implementation={implementation!r} must be None, 'pallas' or 'xla'")
+  if implementation not in (None, "pallas", "mosaic", "xla"):
+    raise ValueError(f"implementation={implementation!r} must be None, 'pallas' (Triton), "
+                     "'mosaic' (Mosaic GPU) or 'xla'")
 
 
 def _fallback(op: str, err: NotImplementedError):
@@ -266,7 +271,7 @@ def dispatch(op, kernel, reference, implementation, interpret, *args, **kwargs):
   _check_implementation(implementation)
   if implementation == "xla":
     return reference(*args, **kwargs)
-  if implementation == "pallas":
+  if implementation in ("pallas", "mosaic"):
     if interpret is not None:
       return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
 
@@ -274,6 +279,9 @@ def dispatch(op, kernel, reference, implementation, interpret, *args, **kwargs):
       return _kernel_or_fallback(op, kernel, reference, False, args, kwargs)
 
     def off_gpu():
+      if implementation == "mosaic":  # Mosaic GPU's interpret mode has ordered effects,
+        # which platform_dependent cannot mix with the GPU branch: interpret=True asks for it
+        return reference(*args, **kwargs)
       return _kernel_or_fallback(op, kernel, reference, True, args, kwargs)
 
     return jax.lax.platform_dependent(**{p: on_gpu for p in GPU_PLATFORMS}, default=off_gpu)

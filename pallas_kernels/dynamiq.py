@@ -22,13 +22,17 @@ Pallas ops:
   being lowered for (``implementation=``), the compile probe and the
   fallback.
 
-A second GPU backend is one more module beside ``dynamiq_triton`` with the
-same four ``*_pallas`` functions, passed to the dispatch here.
+* :mod:`pallas_kernels.dynamiq_mosaic`: the Mosaic GPU kernels (on the
+  planar payload of :mod:`pallas_kernels.dynamiq_planar`; ``*_mosaic`` take
+  record payloads and convert around the launch). ``implementation="mosaic"``
+  forces them; ``implementation=None`` keeps Triton for every GPU until they
+  have run on one.
 """
 
 from __future__ import annotations
 
 from pallas_kernels import dispatch as D
+from pallas_kernels import dynamiq_mosaic as M
 from pallas_kernels import dynamiq_reference as R
 from pallas_kernels import dynamiq_triton as T
 
@@ -38,6 +42,11 @@ __all__ = [
     "decompress_accumulate",
     "decompress_accumulate_recompress",
 ]
+
+
+def _kernel(implementation, triton, mosaic):
+  """The GPU kernel of ``implementation``: Mosaic GPU's for ``"mosaic"``, else Triton's."""
+  return mosaic if implementation == "mosaic" else triton
 
 
 def _eps_key(eps):
@@ -61,14 +70,16 @@ def compress(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1, scale
     scale_rounding: ``"up"`` or ``"stochastic"``.
     plane_bits: 1 (32-byte units, any widths) or 2 (64-byte units, even widths).
     width_set: the widths the chunk may use (a subset of 2..8).
-    implementation: None (the kernel when lowering for a GPU, else the
-      reference), ``"pallas"`` or ``"xla"`` (:func:`pallas_kernels.dispatch.dispatch`).
+    implementation: None (the Triton kernel when lowering for a GPU, else the
+      reference), ``"pallas"`` (Triton), ``"mosaic"`` (Mosaic GPU) or ``"xla"``
+      (:func:`pallas_kernels.dispatch.dispatch`).
     interpret: overrides the kernel's interpret mode.
 
   Returns:
     uint8 ``[payload_bytes(S, units, plane_bits)]``.
   """
-  return D.dispatch("compress", T.compress_pallas, R.compress_reference, implementation,
+  return D.dispatch("compress", _kernel(implementation, T.compress_pallas, M.compress_mosaic),
+                    R.compress_reference, implementation,
                     interpret, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
                     strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
                     width_set=tuple(width_set))
@@ -78,7 +89,9 @@ def decompress(payload, widths, units: int, *, eps, plane_bits: int = R.PLANE_BI
                width_set=R.WIDTH_SET, implementation: D.Implementation = None,
                interpret: bool | None = None):
   """Decodes a chunk payload (see :func:`compress`) to float32 [S, 256]."""
-  return D.dispatch("decompress", T.decompress_pallas, R.decompress_reference, implementation,
+  return D.dispatch("decompress",
+                    _kernel(implementation, T.decompress_pallas, M.decompress_mosaic),
+                    R.decompress_reference, implementation,
                     interpret, payload, widths, units, eps=_eps_key(eps),
                     plane_bits=plane_bits, width_set=tuple(width_set))
 
@@ -87,7 +100,9 @@ def decompress_accumulate(payload, x, widths, units: int, *, eps, plane_bits: in
                           width_set=R.WIDTH_SET, implementation: D.Implementation = None,
                           interpret: bool | None = None):
   """``decompress(payload) + x`` in float32 [S, 256]."""
-  return D.dispatch("decompress_accumulate", T.decompress_accumulate_pallas,
+  return D.dispatch("decompress_accumulate",
+                    _kernel(implementation, T.decompress_accumulate_pallas,
+                            M.decompress_accumulate_mosaic),
                     R.decompress_accumulate_reference, implementation, interpret, payload, x,
                     widths, units, eps=_eps_key(eps), plane_bits=plane_bits,
                     width_set=tuple(width_set))
@@ -100,7 +115,9 @@ def decompress_accumulate_recompress(payload, x, widths, units: int, *, eps, key
                                      interpret: bool | None = None):
   """``compress(decompress(payload) + x)`` in one pass (a ring hop); the sum is never
   stored."""
-  return D.dispatch("decompress_accumulate_recompress", T.decompress_accumulate_recompress_pallas,
+  return D.dispatch("decompress_accumulate_recompress",
+                    _kernel(implementation, T.decompress_accumulate_recompress_pallas,
+                            M.decompress_accumulate_recompress_mosaic),
                     R.decompress_accumulate_recompress_reference, implementation, interpret,
                     payload, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
                     strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,

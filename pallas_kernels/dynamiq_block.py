@@ -261,20 +261,21 @@ def _guess_operands(v, d, div):
   return v * f, d * f, div
 
 
-def ceil_quotient(v, d, kmax, div=None):
+def ceil_quotient(v, d, kmax, div=None, ceil=jnp.ceil):
   """ceil(v / d) clipped to [0, kmax], for d with <= 16 significant bits; exact
-  (``div``: any division within a few ulp, for the first guess only)."""
+  (``div``: any division within a few ulp, for the first guess only; ``ceil``:
+  an exact ``jnp.ceil`` for a backend without one)."""
   gv, gd, div = _guess_operands(v, d, div)
-  k = jnp.clip(jnp.ceil(div(gv, jnp.where(gd > 0, gd, 1.0))), 0, kmax)  # guess
+  k = jnp.clip(ceil(div(gv, jnp.where(gd > 0, gd, 1.0))), 0, kmax)  # guess
   k = jnp.where((k > 0) & ((k - 1) * d >= v), k - 1, k)  # exact products
   return jnp.where((k < kmax) & (k * d < v), k + 1, k)
 
 
-def floor_quotient(v, d, kmax, div=None):
+def floor_quotient(v, d, kmax, div=None, floor=jnp.floor):
   """floor(v / d) clipped to [0, kmax], for d with <= 16 significant bits; exact
-  (``div`` as for :func:`ceil_quotient`)."""
+  (``div`` and ``floor`` as for :func:`ceil_quotient`)."""
   gv, gd, div = _guess_operands(v, d, div)
-  k = jnp.clip(jnp.floor(div(gv, jnp.where(gd > 0, gd, 1.0))), 0, kmax)  # guess
+  k = jnp.clip(floor(div(gv, jnp.where(gd > 0, gd, 1.0))), 0, kmax)  # guess
   k = jnp.where((k > 0) & (k * d > v), k - 1, k)
   return jnp.where((k < kmax) & ((k + 1) * d <= v), k + 1, k)
 

@@ -43,8 +43,9 @@ OVERSIZED_BLOCK = 64  # super-groups per program, 4x the unit kernels' BLOCK: sp
 # The child: compile the step for the compile-only topology.
 
 
-def compile_step(block: int | None = None):
-  """The README's step for 8 x H100, compiled (runs in the child)."""
+def compile_step(block: int | None = None, implementation: str | None = None):
+  """The README's step for 8 x H100, compiled (runs in the child); ``implementation`` is
+  ``dq.compressed_psum``'s (tools/mosaic_compile.py compiles it with "mosaic")."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -56,7 +57,8 @@ def compile_step(block: int | None = None):
   if block is not None:  # read when the kernels are traced, below
     dynamiq_triton.BLOCK = block
   mesh = T.h100_mesh((DEVICES,), ("data",))
-  tx = optax.chain(dq.compressed_psum("data"), optax.adamw(1e-3))
+  tx = optax.chain(dq.compressed_psum("data", implementation=implementation),
+                   optax.adamw(1e-3))
 
   def loss_fn(params, batch):
     x, y = batch

@@ -23,6 +23,15 @@ out (decoded float32 out for decompress) — and are set against the device's
 copy bandwidth measured in the same run (read + write of a large float32
 array).
 
+On a GPU it also times the Mosaic GPU kernels
+(:mod:`pallas_kernels.dynamiq_mosaic`, ``impl`` "mosaic") beside Triton's,
+for every op, on the same payloads in the planar layout (converted once,
+outside the timed loop). Compress and the ring hop include the XLA placement
+of the plane units that follows their launch. A Mosaic GPU failure is
+recorded in its row (``error``) and printed, and the other rows still run.
+Off GPU the Mosaic GPU kernels are not timed: GPU interpret mode is a
+simulator, and ``tests/test_mosaic_gpu.py`` checks their bits.
+
 It also records which Pallas GPU backends can lower a level-table gather
 (the capability that decided Triton over Mosaic GPU).
 """
@@ -187,6 +196,8 @@ def main(argv=None):
   from dynamiq_jax.bench import common
   from dynamiq_jax.codecs.dynamiq import DEFAULT_EPS
   from pallas_kernels import dynamiq as K
+  from pallas_kernels import dynamiq_mosaic as M
+  from pallas_kernels import dynamiq_planar as P
   from pallas_kernels import dynamiq_reference as R
   from pallas_kernels import rng
 
@@ -238,6 +249,29 @@ def main(argv=None):
                        "minimal_bytes": minimal[op], "gbs": minimal[op] / sec / 1e9,
                        "coords_per_s": size / sec,
                        "fraction_of_copy": minimal[op] / sec / 1e9 / copy_gbs})
+      if on_gpu:  # Mosaic GPU's kernels, on planar payloads
+        planar = P.to_planar(payload, s_count, units, R.PLANE_BITS)
+        mgeo = dict(eps=DEFAULT_EPS, width_set=R.WIDTH_SET)
+        mosaic = {
+            "compress": (lambda i, x: M.compress_planar(x, widths, units, keys=keys_of(i),
+                                                        strata=8, **mgeo), (x,)),
+            "decompress_accumulate_recompress": (
+                lambda i, p, x: M.decompress_accumulate_recompress_planar(
+                    p, x, widths, units, keys=keys_of(i), strata=8, **mgeo), (planar, x)),
+            "decompress": (lambda i, p: M.decompress_planar(p, widths, units, **mgeo),
+                           (planar,)),
+        }
+        for op in OPS:
+          f, operands = mosaic[op]
+          row = {"width": width, "coords": size, "op": op, "impl": "mosaic",
+                 "minimal_bytes": minimal[op]}
+          try:
+            sec = timed(f, *operands)
+            row.update(seconds=sec, gbs=minimal[op] / sec / 1e9, coords_per_s=size / sec,
+                       fraction_of_copy=minimal[op] / sec / 1e9 / copy_gbs)
+          except Exception as e:  # recorded, so that the Triton and XLA rows still come back
+            row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+          rows.append(row)
   target, backends = backend_check()
   print(f"\nDynamiQ kernels on {kind} ({jax.default_backend()}, "
         f"jax {jax.__version__}); local values {args.dtype}; copy bandwidth {copy_gbs:.1f} GB/s")
@@ -245,6 +279,9 @@ def main(argv=None):
     print("no GPU: Pallas runs in interpret mode; these numbers only show that the benchmark runs")
   print(f"{'w':>2} {'coords':>10} {'op':<34} {'impl':<7} {'ms':>9} {'GB/s':>8} {'coords/s':>10}")
   for r in rows:
+    if "error" in r:
+      print(f"{r['width']:>2} {r['coords']:>10} {r['op']:<34} {r['impl']:<7} {r['error']}")
+      continue
     print(f"{r['width']:>2} {r['coords']:>10} {r['op']:<34} {r['impl']:<7} "
           f"{r['seconds'] * 1e3:>9.3f} {r['gbs']:>8.1f} {r['coords_per_s']:>10.3e}")
   out = common.results_dir(args.out)

@@ -80,7 +80,8 @@ class Bucket(NamedTuple):
     index: the bucket's position in the gradient (keys its random streams).
     d: coordinates in the bucket.
     n: ranks taking part.
-    implementation: ``None``, ``"pallas"`` or ``"xla"``: which implementation
+    implementation: ``None``, ``"pallas"`` (Triton), ``"mosaic"`` (Mosaic GPU, DynamiQ
+      only) or ``"xla"``: which implementation
       of its hop arithmetic a codec with Pallas kernels uses (the results are
       bit-identical; see :mod:`pallas_kernels.dynamiq`).
     scatter: the bucket is reduce-scattered (:func:`dynamiq_jax.reduce_scatter`):

@@ -1,0 +1,168 @@
+"""Deviceless H100 compile of the Mosaic GPU hop kernels, beside Triton's, from a CPU host.
+
+    python tools/mosaic_compile.py                # table on stdout
+    python tools/mosaic_compile.py --json docs/results/mosaic_compile.json
+
+A child process (:func:`dynamiq_jax.bench.gpu_compile.compile_in_child`, the
+``gpu-compile`` extra) compiles, each alone for one compile-only H100 (the
+recipe of ``tests/test_gpu_compile_units.py``: 37 super-groups, 150 units,
+bf16 local values, width set (2, 3, 4, 5, 6, 8), 1-bit planes, ``strata=8``,
+stochastic scales), the four hop kernels of both backends
+(:mod:`pallas_kernels.dynamiq_mosaic` on the planar payload,
+:mod:`pallas_kernels.dynamiq_triton` on the record payload), and reports per
+kernel the custom calls in the optimized HLO (``mosaic_gpu*`` or
+``__gpu$xla.gpu.triton``) and the seconds of its lower + compile.
+
+``--step`` also compiles the README's training step for 8 compile-only
+H100s (``tests/test_gpu_compile.py``'s ``compile_step``: a 512 x 256 weight,
+``dq.compressed_psum`` in ``shard_map(check_vma=True)``) with
+``implementation=None`` (Triton) and ``"mosaic"``, and counts per step (from
+the call graph and the loops' trip counts,
+:func:`~dynamiq_jax.bench.gpu_compile.per_step`) each backend's kernel
+launches, by the op that launched them, and the payload hops.
+
+What this cannot report without a GPU: the Mosaic GPU kernel's registers and
+spills. XLA keeps a Mosaic GPU kernel as serialized MLIR in its custom call;
+the jaxlib runtime lowers it to PTX and a cubin when the executable is
+loaded on a GPU (``MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1
+MOSAIC_GPU_DUMP_TO=DIR`` dumps them then; on a CPU host they stay empty).
+The Triton kernels' registers are ``tools/sass_count.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+import time
+
+__all__ = ["compile_kernels", "main"]
+
+_S, _UNITS = 37, 150
+_TESTS = str(pathlib.Path(__file__).resolve().parents[1] / "tests")
+
+
+def compile_kernels() -> dict:
+  """Each decode kernel of both backends compiled alone for one H100 (runs in the child)."""
+  import warnings
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from dynamiq_jax.bench import gpu_compile as G
+  from pallas_kernels import dynamiq_mosaic as M
+  from pallas_kernels import dynamiq_reference as R
+  from pallas_kernels import dynamiq_triton as T
+
+  [device] = G.h100_devices(1)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  eps = {2: 0.23, 4: 0.18, 8: 0.10}
+  geo = dict(eps=eps, plane_bits=1, width_set=R.WIDTH_SET)
+  x = jax.ShapeDtypeStruct((_S, 256), jnp.bfloat16, sharding=sharding)
+  w = jax.ShapeDtypeStruct((_S,), jnp.int32, sharding=sharding)
+  p = jax.ShapeDtypeStruct((R.payload_bytes(_S, _UNITS),), jnp.uint8, sharding=sharding)
+  enc = dict(geo, keys=tuple(np.uint32(v) for v in (1, 2, 3, 4)), strata=8,
+             scale_rounding="stochastic")
+  fns = {}
+  for name, mod, sfx in (("mosaic", M, "planar"), ("triton", T, "pallas")):
+    op = lambda o: getattr(mod, f"{o}_{sfx}")
+    fns.update({
+        f"{name}/compress": (lambda x, w, f=op("compress"): f(x, w, _UNITS, **enc), (x, w)),
+        f"{name}/decompress": (lambda p, w, f=op("decompress"): f(p, w, _UNITS, **geo), (p, w)),
+        f"{name}/decompress_accumulate": (
+            lambda p, x, w, f=op("decompress_accumulate"): f(p, x, w, _UNITS, **geo), (p, x, w)),
+        f"{name}/decompress_accumulate_recompress": (
+            lambda p, x, w, f=op("decompress_accumulate_recompress"): f(p, x, w, _UNITS, **enc),
+            (p, x, w)),
+    })
+  compiled, info = [], {}
+  for name, (f, args) in fns.items():
+    start = time.perf_counter()
+    with warnings.catch_warnings(), G.gpu_target(device):
+      warnings.filterwarnings("ignore", T.TRITON_DEPRECATION, DeprecationWarning)
+      compiled.append(jax.jit(f).trace(*args).lower().compile())
+    info[name] = {"seconds": round(time.perf_counter() - start, 2)}
+  return {"compiled": compiled, "info": {"names": list(fns), "kernels": info,
+                                         "jax": jax.__version__}}
+
+
+def _launcher(line: str) -> str:
+  """The op that launched a kernel, from its metadata (the jitted wrapper's name)."""
+  name = re.search(r'op_name="([^"]+)"', line)
+  found = re.findall(r"jit\((_\w+)\)|(dynamiq_units_\w+)", name.group(1) if name else "")
+  return "".join(found[-1]) if found else "?"
+
+
+def measure_step() -> dict:
+  """Per implementation: kernel launches per step by launcher, payload hops, seconds."""
+  import collections
+
+  from dynamiq_jax.bench import gpu_compile as G
+  out = {}
+  for impl in (None, "mosaic"):
+    with G.compile_in_child(f"{_TESTS}/test_gpu_compile.py:compile_step",
+                            kwargs={"implementation": impl}, path=[_TESTS], ptx=False,
+                            xla_flags=G.DEVICELESS_XLA_FLAGS) as build:
+      comps = G.parse_hlo(build.hlo[0])
+      runs, _ = G.executions(comps)
+      launches = collections.Counter()
+      for name, comp in comps.items():
+        for ins in comp.instructions:
+          if ins.opcode == "custom-call" and ("mosaic_gpu" in ins.line or G.TRITON in ins.line):
+            backend = "mosaic_gpu" if "mosaic_gpu" in ins.line else "triton"
+            launches[f"{backend}:{_launcher(ins.line)}"] += runs.get(name, 1)
+      out[str(impl)] = {"launches_per_step": dict(sorted(launches.items())),
+                        "payload_hops_per_step": G.per_step(comps, G.is_payload_hop),
+                        "seconds": build.seconds}
+  return out
+
+
+def measure() -> dict:
+  """The report: per kernel its custom calls and compile seconds."""
+  from dynamiq_jax.bench import gpu_compile as G
+  with G.compile_in_child(f"{__file__}:compile_kernels", ptx=False) as build:
+    info = build.info
+    for name, hlo in zip(info["names"], build.hlo):
+      targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+      info["kernels"][name]["custom_calls"] = {
+          t: targets.count(t) for t in sorted(set(targets))
+          if t.startswith("mosaic_gpu") or t == G.TRITON}
+    info["child_seconds"] = build.seconds
+  return info
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python tools/mosaic_compile.py",
+                              description=__doc__.split("\n")[0])
+  p.add_argument("--json", default=None, help="also write the report here (with the command)")
+  p.add_argument("--step", action="store_true",
+                 help="also compile the README's step for 8 x H100 with both backends")
+  args = p.parse_args(argv)
+  from dynamiq_jax.bench import common
+  from dynamiq_jax.bench import gpu_compile as G
+  why = G.missing(need_ptxas=False)
+  if why:
+    sys.exit(why)
+  report = measure()
+  print(f"Deviceless compile for one H100 (jax {report['jax']}), S={_S}, units={_UNITS}, bf16")
+  print(f"{'kernel':<42} {'seconds':>8}  custom calls")
+  for name in report["names"]:
+    k = report["kernels"][name]
+    print(f"{name:<42} {k['seconds']:>8.2f}  {k['custom_calls']}")
+  if args.step:
+    report["step_8xh100"] = measure_step()
+    for impl, r in report["step_8xh100"].items():
+      print(f"8 x H100 step, implementation={impl}: {r['payload_hops_per_step']} payload hops, "
+            f"launches {r['launches_per_step']}, {r['seconds']} s")
+  if args.json:
+    command = " ".join(["python tools/mosaic_compile.py", *(argv or sys.argv[1:])])
+    path = common.write_json(args.json, {"command": command,
+                                         "machine": common.machine(), **report})
+    print(f"wrote {path}")
+  return report
+
+
+if __name__ == "__main__":
+  main()
