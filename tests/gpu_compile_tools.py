@@ -15,21 +15,16 @@ from dynamiq_jax.bench import gpu_compile
 from dynamiq_jax.bench.gpu_compile import *  # noqa: F401,F403  (the tests' namespace)
 from dynamiq_jax.bench.gpu_compile import __all__ as _SHARED
 
-__all__ = ["ROOT", "DEFAULT_OPT_LEVEL", *_SHARED]
+__all__ = ["ROOT", *_SHARED]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_OPT_LEVEL = "--xla_backend_optimization_level=3"
-"""XLA's default LLVM level. The root conftest compiles the tests' CPU programs at -O1 and
-the child inherits that; the GPU builds measured here (registers, spills) must be the ones
-users get, so this comes last in the child's XLA_FLAGS (the last occurrence of a flag wins)."""
 
 
 def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(),
                      timeout: float = 600) -> gpu_compile.Build:
   """:func:`dynamiq_jax.bench.gpu_compile.compile_in_child` of ``target``
   (``"test_module:function"``), ``tests/`` and the repository root first on the
-  child's path, with PTX and warnings as errors, at XLA's default LLVM level."""
-  return gpu_compile.compile_in_child(target, kwargs=kwargs,
-                                      xla_flags=(*xla_flags, DEFAULT_OPT_LEVEL),
+  child's path, with PTX and warnings as errors."""
+  return gpu_compile.compile_in_child(target, kwargs=kwargs, xla_flags=xla_flags,
                                       path=(ROOT / "tests", ROOT), cwd=ROOT, ptx=True,
                                       strict_warnings=True, timeout=timeout)
