@@ -537,7 +537,7 @@ class DropComputeStep:
     self._accumulate = _accumulate_program(loss_fn)
 
   def _global_step(self, opt_state):
-    specs = _state_specs(opt_state, self.axis_name)
+    specs = _state_specs(opt_state, self.mesh, (self.axis_name,))
     leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
     return _global_program(self.tx, self.mesh, self.axis_name, self.micro_batches,
                            self.policy.enabled, treedef, tuple(leaves))
@@ -726,7 +726,7 @@ def simulated_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation
   def step(params, opt_state, batches, mask):
     structure = jax.tree.structure(opt_state, is_leaf=is_per_rank)
     if structure not in built:
-      specs = _state_specs(opt_state, axis_name)
+      specs = _state_specs(opt_state, mesh, (axis_name,))
       fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(axis_name), P(axis_name)),
                          out_specs=(P(), specs, P(), P()), check_vma=True)
       built[structure] = jax.jit(fn)
