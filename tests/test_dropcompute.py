@@ -381,7 +381,9 @@ def test_a_slow_process_ends_its_step_within_the_budget():
   res = [dict(line.split("=", 1) for line in text.split() if "=" in line) for text in outs]
   assert res[0]["digest"] == res[1]["digest"]
   finished = [int(x) for x in res[0]["finished"].split(",")]
-  assert finished == [8, 3]  # 0.15 + 0.15 + 0.15 + 0.15 > 0.5: the slow one stops after 3
+  # 4 x 0.15 > 0.5: the slow one stops after 3 (after fewer where a loaded host makes its
+  # micro-batches slower still); the other finishes all 8
+  assert finished[0] == 8 and 1 <= finished[1] <= 3, finished
   allreduce_s = float(res[0]["allreduce_s"])
   for r in res:
     assert float(r["slow_step_s"]) <= 0.5 + allreduce_s + 0.25, r
