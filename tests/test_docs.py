@@ -22,7 +22,8 @@ def _python_blocks() -> list[tuple[str, str]]:
   fence = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
   text = GUIDE.read_text()
   for match in fence.finditer(text):
-    headings = re.findall(r"^#+ (.*)$", text[:match.start()], re.M)
+    prose = re.sub(r"^```.*?^```$", "", text[:match.start()], flags=re.S | re.M)  # no comments
+    headings = re.findall(r"^#+ (.*)$", prose, re.M)
     heading = headings[-1] if headings else heading
     blocks.append((heading, match.group(1)))
   return blocks
