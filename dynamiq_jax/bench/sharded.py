@@ -338,10 +338,14 @@ def _keep_other_parts(payload: dict, path: str, parts) -> None:
       payload.setdefault("kept", {})[part] = source
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """The module docstring as written, and every flag's default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The benchmark's flags."""
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.sharded", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              formatter_class=_HelpFormatter)
   p.add_argument("--parts", default="hlo,memory,hsdp",
                  help="comma-separated: hlo, memory, hsdp; the other parts of an existing "
                       "sharded.json in --out are kept (with the command that measured them)")

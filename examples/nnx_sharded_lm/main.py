@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="simulated CPU devices in one process (default: 8)")
   p.add_argument("--num_processes", type=int, default=1,
                  help="processes in a multi-process job (default: 1)")
-  p.add_argument("--process_id", type=int, default=0, help="this process's rank")
-  p.add_argument("--coordinator", default=None, help="host:port of process 0")
+  p.add_argument("--process_id", type=int, default=0, help="this process's rank (default: 0)")
+  p.add_argument("--coordinator", default=None, help="host:port of process 0 (default: None)")
   p.add_argument("--local_devices", type=int, default=4,
                  help="CPU devices per process in a multi-process job (default: 4)")
   return p
