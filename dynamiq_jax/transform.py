@@ -138,10 +138,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                                max_buckets=max_buckets, leaf_order=leaf_order)
       codec_state = jax.tree.map(lambda f, o: jnp.where(state.step == 0, f, o),
                                  fresh, codec_state)
-    grads = updates
-    if error_feedback:
-      grads = jax.tree.map(lambda g, e: g.astype(jnp.float32) + e[0], updates,
-                           state.residual.tree)
+    grads = _with_residual(updates, state) if error_feedback else updates
     reduced, stats = allreduce(
         grads, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
         average=average, bucket_size=bucket_size, max_buckets=max_buckets,
@@ -149,14 +146,25 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
         return_own=error_feedback, specs=specs)
     residual = None
     if error_feedback:
-      residual = PerRank(jax.tree.map(lambda p, c: (p - c)[None], grads, stats.own))
-      reduced = jax.tree.map(lambda r, u: r.astype(u.dtype), reduced, updates)
+      reduced, residual = _feedback(reduced, grads, stats.own, updates)
     return reduced, CompressedPsumState(
         step=optax.safe_increment(state.step), key=state.key,
         codec_state=stats.codec_state if codec_state is not None else None,
         residual=residual, error_estimate=jnp.asarray(stats.error_estimate, jnp.float32))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _with_residual(updates, state):
+  """Error feedback, before the collective: each gradient plus this rank's residual, in f32."""
+  return jax.tree.map(lambda g, e: g.astype(jnp.float32) + e[0], updates, state.residual.tree)
+
+
+def _feedback(out, grads, own, updates):
+  """Error feedback, after the collective: ``out`` in the gradients' dtypes, and the next
+  residual (what this rank meant to send, ``grads``, less what its codec sent, ``own``)."""
+  residual = PerRank(jax.tree.map(lambda p, c: (p - c)[None], grads, own))
+  return jax.tree.map(lambda r, u: r.astype(u.dtype), out, updates), residual
 
 
 def _inferred_dims(updates, params, n: int):
@@ -260,10 +268,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
     dims = (_inferred_dims(updates, params, n) if isinstance(scatter_dimension, str)
             and scatter_dimension == "params" else scatter_dimension)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-    grads = updates
-    if error_feedback:
-      grads = jax.tree.map(lambda g, e: g.astype(jnp.float32) + e[0], updates,
-                           state.residual.tree)
+    grads = _with_residual(updates, state) if error_feedback else updates
     shards, stats = reduce_scatter(
         grads, axis_name=axis_name, codec=codec, key=key, scatter_dimension=dims,
         schedule=schedule, average=average, bucket_size=bucket_size, max_buckets=max_buckets,
@@ -271,8 +276,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
         specs=specs)
     residual = None
     if error_feedback:
-      residual = PerRank(jax.tree.map(lambda p, c: (p - c)[None], grads, stats.own))
-      shards = jax.tree.map(lambda r, u: r.astype(u.dtype), shards, updates)
+      shards, residual = _feedback(shards, grads, stats.own, updates)
     return shards, CompressedPsumState(
         step=optax.safe_increment(state.step), key=state.key, residual=residual,
         error_estimate=jnp.asarray(stats.error_estimate, jnp.float32))
