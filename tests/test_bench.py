@@ -9,8 +9,15 @@ import pytest
 from dynamiq_jax.bench import kernels, schedules, vnmse
 
 
-def test_vnmse_tiny(tmp_path):
-  results, scaling = vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", ""])
+@pytest.fixture(scope="module")
+def lm_cache(tmp_path_factory):
+  """One gradient cache for the benchmarks here: the first run captures the tiny LM's
+  gradients (bench.lm), the later ones load them (its ``.npz`` path)."""
+  return str(tmp_path_factory.mktemp("lm-grads"))
+
+
+def test_vnmse_tiny(tmp_path, lm_cache):
+  results, scaling = vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", lm_cache])
   assert {r["table"] for r in results} == {"table3", "table4", "table6"}
   assert all(r["vnmse"] > 0 for r in results)
   assert {r["codec"] for r in results if r["table"] == "table3"} == {
@@ -31,25 +38,25 @@ def test_vnmse_tiny(tmp_path):
   assert all(os.path.exists(os.path.join(tmp_path, png)) for png in pngs)
   # --resume measures only what an interrupted run lacks, and refuses a finished run
   with pytest.raises(SystemExit, match="finished run"):
-    vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", "", "--resume"])
+    vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", lm_cache, "--resume"])
   cut = dict(saved, complete=False, results=saved["results"][:-1], scaling=saved["scaling"][:-1])
   with open(path, "w") as f:
     json.dump(cut, f)
   assert scaling[-1]["codec"] != "DynamiQ 5b"
-  results2, scaling2 = vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", "", "--resume",
-                                   "--scaling-codecs", "DynamiQ 5b"])
+  results2, scaling2 = vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", lm_cache,
+                                   "--resume", "--scaling-codecs", "DynamiQ 5b"])
   assert results2[:-1] == cut["results"] and scaling2 == cut["scaling"]  # not a DynamiQ point
   assert results2[-1]["vnmse"] == results[-1]["vnmse"]  # the same point, measured again
   with open(path) as f:
     assert json.load(f)["complete"] is False
-  _, scaling3 = vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", "", "--resume"])
+  _, scaling3 = vnmse.main(["--tiny", "--out", str(tmp_path), "--cache", lm_cache, "--resume"])
   assert scaling3[:-1] == cut["scaling"] and scaling3[-1]["vnmse"] == scaling[-1]["vnmse"]
   with open(path) as f:
     assert json.load(f)["complete"] is True
 
 
-def test_schedules_tiny(tmp_path):
-  rows = schedules.main(["--tiny", "--out", str(tmp_path), "--cache", ""])
+def test_schedules_tiny(tmp_path, lm_cache):
+  rows = schedules.main(["--tiny", "--out", str(tmp_path), "--cache", lm_cache])
   labels = {schedules._label(*s) for s in schedules.SCHEDULES}
   assert {(r["codec"], r["schedule"]) for r in rows} == {
       (c, s) for c in ("DynamiQ 5b", "MXFP8") for s in labels}
@@ -149,9 +156,9 @@ def test_smoothing_and_target():
   assert train.steps_to_target([3.0, 2.5], 2.0) is None
 
 
-def test_robustness_tiny(tmp_path):
+def test_robustness_tiny(tmp_path, lm_cache):
   from dynamiq_jax.bench import robustness
-  rows, sweep = robustness.main(["--tiny", "--out", str(tmp_path), "--cache", ""])
+  rows, sweep = robustness.main(["--tiny", "--out", str(tmp_path), "--cache", lm_cache])
   by = {r["data"]: r for r in rows}
   assert {"dense", "signal_noise", "layered", "paper"} <= set(by)
   # no family is noise to the default codec (dense, flat norms: the static-capacity
