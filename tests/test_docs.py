@@ -22,7 +22,8 @@ def _python_blocks() -> list[tuple[str, str]]:
   fence = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
   text = GUIDE.read_text()
   for match in fence.finditer(text):
-    prose = re.sub(r"^```.*?^```$", "", text[:match.start()], flags=re.S | re.M)  # no comments
+    # the prose before the block: a "# " comment inside an earlier code block is no heading
+    prose = re.sub(r"^```.*?^```$", "", text[:match.start()], flags=re.S | re.M)
     headings = re.findall(r"^#+ (.*)$", prose, re.M)
     heading = headings[-1] if headings else heading
     blocks.append((heading, match.group(1)))

@@ -19,26 +19,29 @@ import dataclasses
 PROG = "python -m examples.nnx_sharded_lm.main"
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """The module docstring as written, and every flag's default (argparse adds it)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The example's flags (every field of ``train.Config``, and the process layout)."""
   from . import train  # noqa: PLC0415 (jax starts only after the flags are read)
 
-  p = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_HelpFormatter)
   for field in dataclasses.fields(train.Config):
     kind = type(field.default)
     p.add_argument(f"--{field.name}", type=kind, default=field.default,
                    choices={"layout": train.LAYOUTS, "axis_types": ("auto", "explicit")}.get(
                        field.name),
-                   help=f"(default: {field.default})")
+                   help=f"train.Config.{field.name}")
   p.add_argument("--devices", type=int, default=8,
-                 help="simulated CPU devices in one process (default: 8)")
+                 help="simulated CPU devices in one process")
   p.add_argument("--num_processes", type=int, default=1,
-                 help="processes in a multi-process job (default: 1)")
-  p.add_argument("--process_id", type=int, default=0, help="this process's rank (default: 0)")
-  p.add_argument("--coordinator", default=None, help="host:port of process 0 (default: None)")
+                 help="processes in a multi-process job")
+  p.add_argument("--process_id", type=int, default=0, help="this process's rank")
+  p.add_argument("--coordinator", default=None, help="host:port of process 0")
   p.add_argument("--local_devices", type=int, default=4,
-                 help="CPU devices per process in a multi-process job (default: 4)")
+                 help="CPU devices per process in a multi-process job")
   return p
 
 
