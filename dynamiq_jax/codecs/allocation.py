@@ -180,12 +180,21 @@ def capacities_threshold(gnorm, valid, errors: Mapping[int, float], positions: i
   def cost(lam):
     return sum(c * s for c, s in zip(at_least(lam), step))  # int32: fits for buckets < 2^31 bits
 
-  lo = jnp.uint32(0)  # lam = 0: all widest, over budget (checked above)
-  hi = jnp.uint32(0x7F800000)  # lam = inf: all narrowest, fits
-  for _ in range(31):
+  def bisect(_, bounds):
+    lo, hi = bounds
     mid = lo + (hi - lo) // 2
     ok = cost(jax.lax.bitcast_convert_type(mid, jnp.float32)) <= limit
-    lo, hi = jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+    return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+  def search(unroll):
+    # lam = 0: all widest, over budget (checked above); lam = inf: all narrowest, fits
+    bounds = (jnp.uint32(0), jnp.uint32(0x7F800000))
+    return jax.lax.fori_loop(0, 31, bisect, bounds, unroll=unroll)
+
+  # The same 31 integer steps either way. Unrolled on accelerators, where a loop
+  # would read its predicate back to the host at every step; a loop on CPU,
+  # where unrolled they made most of the program and of its compile time.
+  lo, hi = jax.lax.platform_dependent(cpu=lambda: search(1), default=lambda: search(True))
   c = at_least(jax.lax.bitcast_convert_type(hi, jnp.float32))
   # Spend what is left on the positions that tie at the switching multiplier:
   # those that take the next width at ``lo`` but not at ``hi`` (a prefix
