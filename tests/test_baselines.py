@@ -10,7 +10,7 @@ import pytest
 
 import dynamiq_jax as dq
 from dynamiq_jax.bench import lm
-from dynamiq_jax.bench.reference import REFERENCE, vnmse
+from dynamiq_jax.bench.reference import REFERENCE, allreduce_over_keys, vnmse
 from dynamiq_jax.bench.vnmse import ladder
 from dynamiq_jax.codecs import MX, THC, DynamiQ, GlobalQSGD, OmniReduce
 from dynamiq_jax.codecs.minifloat import ELEMENTS
@@ -109,14 +109,7 @@ def test_unbiased(codec):
   can tell from bias.
   """
   g = np.random.default_rng(4).standard_normal((N, 1 << 12)).astype(np.float32)
-
-  def one(key):
-    f = lambda x: dq.allreduce(x, axis_name="i", codec=codec, key=key)[0]
-    return jax.vmap(f, axis_name="i")(g)[0]
-
-  y = np.asarray(jax.jit(jax.lax.map, static_argnums=0)(one, jax.random.split(jax.random.key(1), 512)),
-                 np.float64)
-  ref = g.astype(np.float64).mean(0)
+  y, ref = allreduce_over_keys(codec, g, 512, key_seed=1)
   err, var = y.mean(0) - ref, y.var(0, ddof=1) / y.shape[0]
   for w in (np.ones_like(ref), np.sign(ref)):
     blocks = (w * err).reshape(-1, 256).sum(1) / np.sqrt(var.reshape(-1, 256).sum(1) + 1e-300)
