@@ -58,6 +58,7 @@ from pallas_kernels import rng
 
 __all__ = [
     "BLOCK",
+    "KERNEL_PREFIX",
     "has_interpret",
     "interpret_params",
     "decompress_planar",
@@ -73,6 +74,10 @@ __all__ = [
 
 BLOCK = 8
 """Super-groups per program: 64 rows of 32 coordinates, one warpgroup's WGMMA layout."""
+
+KERNEL_PREFIX = "dynamiq_mosaic_"
+"""Each kernel's name (``plgpu.kernel(kernel_name=...)``) is this and its operation's: it
+names the kernel in the HLO's op names and its PTX entry."""
 
 _ROWS = BLOCK * B.SUPERGROUP // 32  # 64
 _WORDS = B.SUPERGROUP // 32  # 32-bit words of one plane unit (plane_bits=1)
@@ -235,6 +240,7 @@ def _decode(planar, x, widths, *, units, eps, plane_bits, width_set, interpret):
                         accumulate=accumulate),
       out_type=jax.ShapeDtypeStruct((s_count * _WORDS, 32), jnp.float32),
       grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
+      kernel_name=f"{KERNEL_PREFIX}decompress{'_accumulate' if accumulate else ''}",
       interpret=interpret_params() if interpret else None)
   return _vary_like(kernel(*operands), operands).reshape(s_count, B.SUPERGROUP)
 
@@ -441,6 +447,7 @@ def _compress(x, widths, keys, rank, *, units, eps, strata, scale_rounding, plan
                         scale_rounding=scale_rounding),
       out_type=_encode_outputs(rows, planes),
       grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
+      kernel_name=f"{KERNEL_PREFIX}compress",
       interpret=interpret_params() if interpret else None)
   operands = (x.reshape(rows, 32), widths.astype(jnp.int32), rng.key_operand(keys, rank))
   words, k16, v16 = _vary_like(kernel(*operands), operands)
@@ -517,7 +524,8 @@ def _dar(planar, x, widths, keys, rank, *, units, eps, strata, scale_rounding, p
       functools.partial(_dar_kernel, tabs=tabs, planes=planes, strata=strata,
                         scale_rounding=scale_rounding),
       out_type=_encode_outputs(rows, planes), grid=(-(-s_count // BLOCK),), grid_names=("b",),
-      scratch_types=scratch, interpret=interpret_params() if interpret else None)
+      scratch_types=scratch, kernel_name=f"{KERNEL_PREFIX}decompress_accumulate_recompress",
+      interpret=interpret_params() if interpret else None)
   operands = (units_w, k16, sc16, widths.astype(jnp.int32),
               _plane_table(widths.astype(jnp.int32), units), x.reshape(rows, 32),
               rng.key_operand(keys, rank))

@@ -43,19 +43,24 @@ OVERSIZED_BLOCK = 64  # super-groups per program, 4x the unit kernels' BLOCK: sp
 # The child: compile the step for the compile-only topology.
 
 
-def compile_step(block: int | None = None, implementation: str | None = None):
+def compile_step(block: int | None = None, implementation: str | None = None,
+                 mosaic_block: int | None = None):
   """The README's step for 8 x H100, compiled (runs in the child); ``implementation`` is
-  ``dq.compressed_psum``'s (tools/mosaic_compile.py compiles it with "mosaic")."""
+  ``dq.compressed_psum``'s (tools/mosaic_compile.py compiles it with "mosaic"); ``block``
+  and ``mosaic_block``: super-groups per program of the Triton and the Mosaic GPU kernels
+  (None: their own)."""
   import jax
   import jax.numpy as jnp
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import dynamiq_jax as dq
-  from pallas_kernels import dynamiq_triton
+  from pallas_kernels import dynamiq_mosaic, dynamiq_triton
 
   if block is not None:  # read when the kernels are traced, below
     dynamiq_triton.BLOCK = block
+  if mosaic_block is not None:  # the rows of a program's [rows, 32] block follow it
+    dynamiq_mosaic.BLOCK, dynamiq_mosaic._ROWS = mosaic_block, mosaic_block * 8
   mesh = T.h100_mesh((DEVICES,), ("data",))
   tx = optax.chain(dq.compressed_psum("data", implementation=implementation),
                    optax.adamw(1e-3))
@@ -86,18 +91,22 @@ def compile_step(block: int | None = None, implementation: str | None = None):
 
 
 def report_of(hlo: str, spills: dict[str, dict[str, int]]) -> dict:
-  """Kernel custom calls, launches and payload hops per step, spill bytes per kernel."""
+  """Kernel custom calls (by backend), launches and payload hops per step, registers and
+  spill bytes per kernel."""
   comps = T.parse_hlo(hlo)
   runs, unknown = T.executions(comps)
-  kernels = collections.Counter(T.kernel_name(i) for c in comps.values()
-                                for i in c.instructions if T.kernel_name(i))
+  calls = [i for c in comps.values() for i in c.instructions if T.kernel_name(i)]
+  kernels = collections.Counter(T.kernel_name(i) for i in calls)
   return {
       "kernel_custom_calls": sum(kernels.values()),
+      "by_backend": dict(sorted(collections.Counter(
+          "triton" if T.TRITON in i.attributes else "mosaic_gpu" for i in calls).items())),
       "by_kernel": dict(sorted(kernels.items())),
       "kernel_launches_per_step": T.per_step(comps, lambda i: T.kernel_name(i) is not None),
       "payload_hops_per_step": T.per_step(comps, T.is_payload_hop),
       "while_loops": sum(i.opcode == "while" for c in comps.values() for i in c.instructions),
       "unknown_trip_counts": len(unknown),
+      "registers": {k: spills[k]["registers"] if k in spills else None for k in sorted(kernels)},
       "spill_bytes": {k: spills[k]["spill_bytes"] if k in spills else None
                       for k in sorted(kernels)},
       "hop_computations_without_kernel": sorted(
@@ -107,25 +116,50 @@ def report_of(hlo: str, spills: dict[str, dict[str, int]]) -> dict:
   }
 
 
-def check(block: int | None = None) -> dict:
+def expected_backend(implementation: str | None = None) -> str:
+  """The backend of the step's kernels: ``implementation=None`` picks Mosaic GPU where it
+  lowers for the H100, which on the jax versions CI tests is jax >= 0.12 (0.10.2 refuses
+  the kernels at lowering; pallas_kernels.dispatch)."""
+  import jax
+  if implementation == "pallas" or (implementation is None and jax.__version_info__ < (0, 12)):
+    return "triton"
+  return "mosaic_gpu"
+
+
+def check(block: int | None = None, implementation: str | None = None,
+          mosaic_block: int | None = None) -> dict:
   """Compiles the step in a child process and checks it; raises AssertionError.
 
   Args:
-    block: super-groups per kernel program (None: the kernels' own).
+    block: super-groups per Triton kernel program (None: the kernels' own).
+    implementation: ``dq.compressed_psum``'s (None: the default dispatch).
+    mosaic_block: super-groups per Mosaic GPU kernel program (None: the kernels' own).
 
   Returns:
-    The report: custom-call counts, launches and hops per step, spill bytes
-    per kernel, seconds taken.
+    The report: custom-call counts, launches and hops per step, registers and spill bytes
+    per kernel (``ptxas -v``: on XLA's PTX for Triton, the Mosaic GPU pipeline's own for
+    Mosaic GPU), seconds taken.
   """
-  with T.compile_in_child("test_gpu_compile:compile_step", kwargs={"block": block}) as build:
-    report = report_of(build.hlo[0], T.ptxas_report(build.ptx))
+  with T.compile_in_child("test_gpu_compile:compile_step",
+                          kwargs={"block": block, "implementation": implementation,
+                                  "mosaic_block": mosaic_block}) as build:
+    spills = {**T.ptxas_report(build.ptx), **T.mosaic_ptxas_report(build.mosaic_ptxas)}
+    report = report_of(build.hlo[0], spills)
     report["seconds"] = build.seconds
+    fallback = [line for line in build.stderr.splitlines() if "KernelFallbackWarning" in line]
   problems = []
   kernels = report["by_kernel"]
+  backend = expected_backend(implementation)
   if not kernels:
-    problems.append("no Pallas kernel (Triton custom call) in the optimized GPU HLO")
+    problems.append("no Pallas kernel (Triton or Mosaic GPU custom call) in the optimized "
+                    "GPU HLO")
   if "?" in kernels:
-    problems.append("a Triton custom call that is not a dynamiq kernel")
+    problems.append("a kernel custom call that is not a dynamiq kernel")
+  others = sorted(set(report["by_backend"]) - {backend})
+  if others:
+    problems.append(f"{others} kernels in the step where {implementation=} picks {backend} "
+                    f"kernels only on jax {'>=' if backend == 'mosaic_gpu' else '<'} 0.12"
+                    + "".join(f"; {line.strip()}" for line in fallback))
   for name in report["hop_computations_without_kernel"]:
     problems.append(f"computation {name} sends payload hops without a kernel")
   if report["unknown_trip_counts"]:
@@ -138,7 +172,7 @@ def check(block: int | None = None) -> dict:
     problems.append("fewer kernel launches than ring hops")
   for name, spilled in report["spill_bytes"].items():
     if spilled is None:
-      problems.append(f"kernel {name} not found in the PTX XLA wrote")
+      problems.append(f"kernel {name} not found in the ptxas -v output")
     elif spilled:
       problems.append(f"kernel {name} spills {spilled} bytes (ptxas -v, sm_90a)")
   if problems:

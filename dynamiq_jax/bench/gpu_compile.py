@@ -28,7 +28,12 @@ the same on jax 0.10.2 and 0.12:
   ``--xla_dump_emitter_re=ptx`` (:data:`PTX_FLAGS`). XLA 0.10.2 dumped PTX
   whenever dumping was on; XLA 0.12 dumps it only when asked for this way.
   :func:`ptxas_report` runs ``ptxas -v --gpu-name=sm_90a`` on it: registers
-  and spill bytes per kernel.
+  and spill bytes per kernel. A Mosaic GPU kernel is compiled by the CUDA
+  plugin's own Mosaic GPU pipeline, which XLA's deviceless compile runs too
+  (jax 0.12); its PTX is version 9.0, newer than the ``ptxas`` of the
+  ``nvidia-cuda-nvcc-cu12`` wheel reads, so the pipeline's own ``ptxas -v``
+  output is read instead (:data:`MOSAIC_DUMP_ENV`,
+  :func:`mosaic_ptxas_report`).
 * **HLO readers**: :func:`parse_hlo` (computations and their instructions,
   from the text of jax 0.10.2 and 0.12: ``%`` before names or not, jax
   0.12's nested tuple shapes of asynchronous starts), :func:`executions`
@@ -58,10 +63,10 @@ import tempfile
 import time
 
 __all__ = [
-    "TARGET_CONFIG", "TRITON", "PTX_FLAGS", "DEVICELESS_XLA_FLAGS", "H100_KIND",
+    "TARGET_CONFIG", "TRITON", "MOSAIC", "MOSAIC_DUMP_ENV", "PTX_FLAGS", "DEVICELESS_XLA_FLAGS", "H100_KIND",
     "missing", "ptxas",
     "h100", "gpu_target", "abstract_h100_mesh", "h100_topology", "h100_devices", "h100_mesh",
-    "Build", "compile_in_child", "build_parser", "ptxas_report",
+    "Build", "compile_in_child", "build_parser", "ptxas_report", "mosaic_ptxas_report",
     "Instruction", "Computation", "parse_hlo", "executions", "per_step",
     "kernel_name", "is_payload_hop", "is_gemm", "Window", "async_windows",
 ]
@@ -70,6 +75,11 @@ TARGET_CONFIG = pathlib.Path(__file__).resolve().parent / "h100_sxm.txtpb"
 """XLA's H100 SXM GPU spec: the target of the compile-only topology."""
 TRITON = "__gpu$xla.gpu.triton"
 """custom_call_target of a Pallas Triton kernel in GPU HLO."""
+MOSAIC = "mosaic_gpu"
+"""custom_call_target prefix of a Pallas Mosaic GPU kernel in GPU HLO (``mosaic_gpu_v2``)."""
+MOSAIC_DUMP_ENV = ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")
+"""Environment of the CUDA plugin's Mosaic GPU pipeline: ``ptxas -v`` output of each kernel it
+compiles (``<kernel>_<n>.ptxas``, beside its PTX and MLIR) into the directory the second names."""
 PTX_FLAGS = ("--xla_dump_emitter_re=ptx",)
 """With ``--xla_dump_to``: XLA writes each module's PTX (``*.ptx``) there."""
 DEVICELESS_XLA_FLAGS = ("--xla_gpu_enable_cub_radix_sort=false",)
@@ -191,6 +201,9 @@ class Build:
     info: the JSON-able ``"info"`` the function returned beside its
       executables (``{}`` if none).
     ptx: PTX files XLA wrote (kept until ``cleanup()``; none unless ``ptx``).
+    mosaic_ptxas: ``ptxas -v`` outputs of the Mosaic GPU pipeline, one per kernel
+      compiled (none unless ``ptx``, and none on jax 0.10.2, whose Mosaic GPU does not
+      lower the kernels).
     seconds: wall time of the child.
     stderr: the child's standard error.
   """
@@ -199,6 +212,7 @@ class Build:
   ptx: list[pathlib.Path]
   seconds: float
   stderr: str
+  mosaic_ptxas: list[pathlib.Path] = dataclasses.field(default_factory=list)
   _tmp: tempfile.TemporaryDirectory | None = None
 
   def cleanup(self):
@@ -236,7 +250,8 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
     path: directories put first on the child's ``sys.path`` (``PYTHONPATH``).
     cwd: the child's working directory (None: this process's).
     ptx: dump the PTX XLA makes (``--xla_dump_to`` and :data:`PTX_FLAGS`)
-      into :attr:`Build.ptx`.
+      into :attr:`Build.ptx`, and the Mosaic GPU pipeline's ``ptxas -v``
+      (:data:`MOSAIC_DUMP_ENV`) into :attr:`Build.mosaic_ptxas`.
     strict_warnings: run the child with ``-W error::DeprecationWarning``.
     timeout: seconds before the child is stopped.
 
@@ -255,6 +270,8 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
   flags = [env.get("XLA_FLAGS", ""), *xla_flags]
   if ptx:
     flags += [f"--xla_dump_to={dump}", *PTX_FLAGS]
+    (out / "mosaic").mkdir()  # the pipeline writes nothing into a directory that is not there
+    env.update(dict(zip(MOSAIC_DUMP_ENV, ("1", str(out / "mosaic")))))
   env["XLA_FLAGS"] = " ".join(f for f in flags if f)
   env["PYTHONPATH"] = os.pathsep.join([str(p) for p in path] +
                                       [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -269,7 +286,8 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
                                        key=lambda p: int(p.stem.split("_")[1]))]
   return Build(hlo=hlo, info=json.loads((out / "info.json").read_text()),
                ptx=sorted(dump.glob("*.ptx")), seconds=round(time.perf_counter() - start, 1),
-               stderr=res.stderr, _tmp=tmp)
+               stderr=res.stderr, mosaic_ptxas=sorted((out / "mosaic").glob("*.ptxas")),
+               _tmp=tmp)
 
 
 def _load(target: str):
@@ -312,15 +330,32 @@ def ptxas_report(ptx_files, prefix: str = "") -> dict[str, dict[str, int]]:
   for path in ptx_files:
     res = subprocess.run([ptxas(), "-v", "--gpu-name=sm_90a", str(path), "-o", os.devnull],
                          capture_output=True, text=True, check=True)
-    for name, stores, loads, regs in re.findall(
-        r"Function properties for (\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores,"
-        r" (\d+) bytes spill loads\s*\n[^\n]*Used (\d+) registers", res.stderr):
-      if not name.startswith(prefix):
-        continue
-      prev = out.get(name, {"registers": 0, "spill_bytes": 0})
-      out[name] = {"registers": max(prev["registers"], int(regs)),
-                   "spill_bytes": max(prev["spill_bytes"], int(stores) + int(loads))}
+    _read_ptxas(res.stderr, out, prefix)
   return out
+
+
+def mosaic_ptxas_report(ptxas_files) -> dict[str, dict[str, int]]:
+  """``{kernel: {"registers": n, "spill_bytes": stores + loads}}`` from the Mosaic GPU
+  pipeline's own ``ptxas -v`` output (:attr:`Build.mosaic_ptxas`), by kernel name (the
+  ``kernel_name`` given to ``plgpu.kernel``; the PTX entry adds ``_mosaic_gpu_kernel``);
+  a kernel compiled in several shapes keeps its largest figures."""
+  out = {}
+  for path in ptxas_files:
+    _read_ptxas(pathlib.Path(path).read_text(), out, "", strip="_mosaic_gpu_kernel")
+  return out
+
+
+def _read_ptxas(text: str, out: dict, prefix: str, strip: str = "") -> None:
+  for name, stores, loads, regs in re.findall(
+      r"Function properties for (\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores,"
+      r" (\d+) bytes spill loads\s*\n[^\n]*Used (\d+) registers", text):
+    if not name.startswith(prefix):
+      continue
+    if strip and name.endswith(strip):
+      name = name[:-len(strip)]
+    prev = out.get(name, {"registers": 0, "spill_bytes": 0})
+    out[name] = {"registers": max(prev["registers"], int(regs)),
+                 "spill_bytes": max(prev["spill_bytes"], int(stores) + int(loads))}
 
 
 # ----------------------------------------------------------------------------
@@ -467,10 +502,17 @@ def per_step(comps: dict[str, Computation], predicate) -> int:
 
 
 def kernel_name(ins: Instruction) -> str | None:
-  """The Pallas kernel a Triton custom call launches (``"?"`` if unnamed), else None."""
-  if ins.opcode != "custom-call" or TRITON not in ins.attributes:
+  """The Pallas kernel a Triton or Mosaic GPU custom call launches (``"?"`` if unnamed),
+  else None. A Mosaic GPU kernel is named by the ``kernel_name`` given to ``plgpu.kernel``
+  (``dynamiq_mosaic_*``), which its op name carries."""
+  if ins.opcode != "custom-call":
     return None
-  m = re.search(r'/(dynamiq_\w+)/pallas_call', ins.attributes)
+  if TRITON in ins.attributes:
+    m = re.search(r'/(dynamiq_\w+)/pallas_call', ins.attributes)
+  elif f'custom_call_target="{MOSAIC}' in ins.attributes:
+    m = re.search(r'op_name="[^"]*/(dynamiq_mosaic_\w+)/', ins.attributes)
+  else:
+    return None
   return m.group(1) if m else "?"
 
 
