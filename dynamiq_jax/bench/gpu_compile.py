@@ -33,7 +33,10 @@ the same on jax 0.10.2 and 0.12:
   (jax 0.12); its PTX is version 9.0, newer than the ``ptxas`` of the
   ``nvidia-cuda-nvcc-cu12`` wheel reads, so the pipeline's own ``ptxas -v``
   output is read instead (:data:`MOSAIC_DUMP_ENV`,
-  :func:`mosaic_ptxas_report`).
+  :func:`mosaic_ptxas_report`). ``MOSAIC_GPU_DUMP_TO`` is not used: it turns
+  on every dump (MLIR after each pass, layout constraint systems: about a
+  minute more for the 8 x H100 step), and writes nothing into a directory
+  that does not exist.
 * **HLO readers**: :func:`parse_hlo` (computations and their instructions,
   from the text of jax 0.10.2 and 0.12: ``%`` before names or not, jax
   0.12's nested tuple shapes of asynchronous starts), :func:`executions`
@@ -77,9 +80,9 @@ TRITON = "__gpu$xla.gpu.triton"
 """custom_call_target of a Pallas Triton kernel in GPU HLO."""
 MOSAIC = "mosaic_gpu"
 """custom_call_target prefix of a Pallas Mosaic GPU kernel in GPU HLO (``mosaic_gpu_v2``)."""
-MOSAIC_DUMP_ENV = ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")
-"""Environment of the CUDA plugin's Mosaic GPU pipeline: ``ptxas -v`` output of each kernel it
-compiles (``<kernel>_<n>.ptxas``, beside its PTX and MLIR) into the directory the second names."""
+MOSAIC_DUMP_ENV = {"MOSAIC_GPU_DUMP_PTXAS": "1"}
+"""Environment of the CUDA plugin's Mosaic GPU pipeline: it prints the ``ptxas -v`` output of
+each kernel it compiles on standard output."""
 PTX_FLAGS = ("--xla_dump_emitter_re=ptx",)
 """With ``--xla_dump_to``: XLA writes each module's PTX (``*.ptx``) there."""
 DEVICELESS_XLA_FLAGS = ("--xla_gpu_enable_cub_radix_sort=false",)
@@ -201,9 +204,9 @@ class Build:
     info: the JSON-able ``"info"`` the function returned beside its
       executables (``{}`` if none).
     ptx: PTX files XLA wrote (kept until ``cleanup()``; none unless ``ptx``).
-    mosaic_ptxas: ``ptxas -v`` outputs of the Mosaic GPU pipeline, one per kernel
-      compiled (none unless ``ptx``, and none on jax 0.10.2, whose Mosaic GPU does not
-      lower the kernels).
+    mosaic_ptxas: the child's standard output, where the Mosaic GPU pipeline prints
+      the ``ptxas -v`` output of each kernel it compiles when ``ptx`` is asked for
+      (none on jax 0.10.2, whose Mosaic GPU does not lower the kernels).
     seconds: wall time of the child.
     stderr: the child's standard error.
   """
@@ -212,7 +215,7 @@ class Build:
   ptx: list[pathlib.Path]
   seconds: float
   stderr: str
-  mosaic_ptxas: list[pathlib.Path] = dataclasses.field(default_factory=list)
+  mosaic_ptxas: str = ""
   _tmp: tempfile.TemporaryDirectory | None = None
 
   def cleanup(self):
@@ -250,8 +253,8 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
     path: directories put first on the child's ``sys.path`` (``PYTHONPATH``).
     cwd: the child's working directory (None: this process's).
     ptx: dump the PTX XLA makes (``--xla_dump_to`` and :data:`PTX_FLAGS`)
-      into :attr:`Build.ptx`, and the Mosaic GPU pipeline's ``ptxas -v``
-      (:data:`MOSAIC_DUMP_ENV`) into :attr:`Build.mosaic_ptxas`.
+      into :attr:`Build.ptx`, and keep the Mosaic GPU pipeline's ``ptxas -v``
+      (:data:`MOSAIC_DUMP_ENV`) in :attr:`Build.mosaic_ptxas`.
     strict_warnings: run the child with ``-W error::DeprecationWarning``.
     timeout: seconds before the child is stopped.
 
@@ -270,8 +273,7 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
   flags = [env.get("XLA_FLAGS", ""), *xla_flags]
   if ptx:
     flags += [f"--xla_dump_to={dump}", *PTX_FLAGS]
-    (out / "mosaic").mkdir()  # the pipeline writes nothing into a directory that is not there
-    env.update(dict(zip(MOSAIC_DUMP_ENV, ("1", str(out / "mosaic")))))
+    env.update(MOSAIC_DUMP_ENV)
   env["XLA_FLAGS"] = " ".join(f for f in flags if f)
   env["PYTHONPATH"] = os.pathsep.join([str(p) for p in path] +
                                       [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -286,8 +288,7 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
                                        key=lambda p: int(p.stem.split("_")[1]))]
   return Build(hlo=hlo, info=json.loads((out / "info.json").read_text()),
                ptx=sorted(dump.glob("*.ptx")), seconds=round(time.perf_counter() - start, 1),
-               stderr=res.stderr, mosaic_ptxas=sorted((out / "mosaic").glob("*.ptxas")),
-               _tmp=tmp)
+               stderr=res.stderr, mosaic_ptxas=res.stdout if ptx else "", _tmp=tmp)
 
 
 def _load(target: str):
@@ -334,14 +335,13 @@ def ptxas_report(ptx_files, prefix: str = "") -> dict[str, dict[str, int]]:
   return out
 
 
-def mosaic_ptxas_report(ptxas_files) -> dict[str, dict[str, int]]:
+def mosaic_ptxas_report(text: str) -> dict[str, dict[str, int]]:
   """``{kernel: {"registers": n, "spill_bytes": stores + loads}}`` from the Mosaic GPU
   pipeline's own ``ptxas -v`` output (:attr:`Build.mosaic_ptxas`), by kernel name (the
   ``kernel_name`` given to ``plgpu.kernel``; the PTX entry adds ``_mosaic_gpu_kernel``);
   a kernel compiled in several shapes keeps its largest figures."""
   out = {}
-  for path in ptxas_files:
-    _read_ptxas(pathlib.Path(path).read_text(), out, "", strip="_mosaic_gpu_kernel")
+  _read_ptxas(text, out, "", strip="_mosaic_gpu_kernel")
   return out
 
 
