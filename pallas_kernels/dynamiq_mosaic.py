@@ -1,12 +1,14 @@
-"""DynamiQ's decode kernels on the Pallas Mosaic GPU backend (``plgpu.kernel``).
+"""DynamiQ's hop kernels on the Pallas Mosaic GPU backend (``plgpu.kernel``).
 
-Two operations on one chunk payload in the planar layout
+Four operations on one chunk payload in the planar layout
 (:mod:`pallas_kernels.dynamiq_planar`): :func:`decompress_planar` (payload
--> float32) and :func:`decompress_accumulate_planar` (``decode(p) + x``),
-each one launch of ``ceil(S / BLOCK)`` programs of one warpgroup. The
-encoding kernels (compress and the fused ring hop) are not written yet:
-:mod:`pallas_kernels.dynamiq` still dispatches every operation to Triton or
-the reference, and nothing here is chosen by ``implementation=None``.
+-> float32), :func:`decompress_accumulate_planar` (``decode(p) + x``),
+:func:`compress_planar` and :func:`decompress_accumulate_recompress_planar`
+(the ring hop), each one launch of ``ceil(S / BLOCK)`` programs of one
+warpgroup, named ``dynamiq_mosaic_<operation>`` (:data:`KERNEL_PREFIX`).
+:mod:`pallas_kernels.dynamiq` calls them (through the ``*_mosaic`` entry
+points on record payloads) under ``implementation=None`` for a ``cuda``
+lowering where they lower for the target GPU, and under ``"mosaic"``.
 
 Memory layout: a program handles :data:`BLOCK` = 8 super-groups, i.e. 8 x
 256 coordinates, held as a ``[64, 32]`` array in the WGMMA register layout:
