@@ -8,7 +8,8 @@ by the platform being *lowered for*, not the host's backend
 (``jax.lax.platform_dependent``):
 
 * ``implementation=None``: in a lowering for ``cuda``, the Mosaic GPU kernel
-  where it lowers for the target GPU (:func:`_mosaic_lowers`), else the
+  where it lowers for the target GPU (:func:`_mosaic_lowers`; only while
+  :data:`MOSAIC_FIRST` is on, which it is not yet), else the
   Triton kernel where it compiles (:func:`_kernel_compiles`), else the XLA
   reference; in a lowering for ``rocm``, the Triton kernel, else the
   reference; on every other platform the reference (on CPU without
@@ -70,6 +71,7 @@ __all__ = [
     "KernelFallbackWarning",
     "Kernels",
     "MIN_MOSAIC_CAPABILITY",
+    "MOSAIC_FIRST",
     "dispatch",
     "map_batch_rule",
     "map_over_batch",
@@ -149,6 +151,15 @@ _mosaic_probed: dict = {}  # (op, static args, operand types, GPU, jax) -> why n
 MIN_MOSAIC_CAPABILITY = 90
 """Compute capability (x 10) the Mosaic GPU kernels need: TMA copies and the WGMMA
 register layout (Hopper)."""
+
+MOSAIC_FIRST = False
+"""Whether ``implementation=None`` tries the Mosaic GPU kernels first in a ``cuda``
+lowering (:func:`_mosaic_lowers`). Off: Triton's path, as before. Kept off because of two
+measurements of the deviceless 8 x H100 compile on jax 0.12.0.1 (docs/design.md, "Mosaic
+GPU"): every Mosaic GPU kernel uses 255 registers and spills, and with them the 12-layer
+step of ``tests/test_overlap.py`` places fewer backward GEMMs inside collective windows
+than ``pmean`` does (11 against 13; Triton's: 17). Tests turn it on to check the
+mechanism; turning it on here makes ``implementation=None`` Mosaic-first everywhere."""
 
 
 class Kernels(NamedTuple):
@@ -323,7 +334,8 @@ def _first_line(err: BaseException) -> str:
 def _mosaic_lowers(op, kernels: Kernels) -> bool:
   """Whether ``op``'s Mosaic GPU kernel is used for the GPU being lowered for.
 
-  False without a Mosaic GPU kernel; without an NVIDIA GPU in context (the
+  False while :data:`MOSAIC_FIRST` is off; without a Mosaic GPU kernel; without an
+  NVIDIA GPU in context (the
   abstract mesh's) or on this process (the branch is traced for programs of
   every platform: a CPU program must not lower a GPU kernel); and for a GPU
   older than Hopper (:data:`MIN_MOSAIC_CAPABILITY`; logged once). Else the small instance
@@ -334,7 +346,7 @@ def _mosaic_lowers(op, kernels: Kernels) -> bool:
   0.10.2 refuses these kernels at lowering) warns once
   (:class:`KernelFallbackWarning`). Either way Triton's path follows.
   """
-  if kernels.mosaic is None or kernels.mosaic_probe is None:
+  if not MOSAIC_FIRST or kernels.mosaic is None or kernels.mosaic_probe is None:
     return False
   kind, capability = _target_gpu()
   if kind is None or kind.startswith("gfx"):

@@ -13,9 +13,10 @@ def mesh():
 
 
 def pytest_configure(config):
-  """On jax < 0.12 (0.10.2 in CI) Mosaic GPU refuses the hop kernels at lowering, so every
-  ``implementation=None`` lowering for an NVIDIA GPU warns once that Triton runs instead
-  (pallas_kernels.dispatch): expected there, and not an error for the tests that lower
+  """On jax < 0.12 (0.10.2 in CI) Mosaic GPU refuses the hop kernels at lowering, so with
+  Mosaic-first dispatch on (pallas_kernels.dispatch.MOSAIC_FIRST) every
+  ``implementation=None`` lowering for an NVIDIA GPU warns once that Triton runs instead:
+  expected there, and not an error for the tests that lower
   for cuda. ``tests/test_kernel_dispatch.py::TestMosaicFirst`` checks the warning itself
   (``pytest.warns`` records it whatever the filters say). On jax 0.12 it stays an error."""
   if jax.__version_info__ < (0, 12):

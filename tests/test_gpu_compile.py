@@ -9,15 +9,16 @@ asking XLA for the kernels' PTX and the Mosaic GPU pipeline for its ``ptxas -v``
 output. This test then checks
 
 * the optimized HLO carries the Pallas kernels of the backend
-  ``implementation=None`` picks (:func:`expected_backend`: Mosaic GPU on jax
-  >= 0.12, Triton on 0.10.2) and no other, in every computation that sends
+  ``implementation`` picks (:func:`expected_backend`: for None Triton, while
+  Mosaic-first dispatch is off; ``"mosaic"`` in the slow Mosaic GPU step) and
+  no other, in every computation that sends
   a payload hop, and at least as many kernel launches per step as payload
   hops, of which a ring over 8 devices makes at least 7 (counted per step
   from the call graph and the loops' trip counts, however XLA peels or
   unrolls the hop loop);
 * ``ptxas -v`` (sm_90a) reports every kernel's registers and spills, and 0
   spill bytes for every Triton kernel; the Mosaic GPU kernels' spills are
-  reported, not failed (they spill today: docs/design.md, "Mosaic GPU");
+  reported, not failed (every one spills today: docs/design.md, "Mosaic GPU");
 * no DeprecationWarning escapes the build (the child runs with
   ``-W error::DeprecationWarning``);
 * the negative controls: the same check fails when the Triton kernels' block
@@ -38,6 +39,7 @@ import json
 import re
 import sys
 
+import jax
 import pytest
 
 import gpu_compile_tools as T
@@ -127,12 +129,15 @@ def report_of(hlo: str, spills: dict[str, dict[str, int]]) -> dict:
 
 def expected_backend(implementation: str | None = None) -> str:
   """The backend of the step's kernels: ``implementation=None`` picks Mosaic GPU where it
-  lowers for the H100, which on the jax versions CI tests is jax >= 0.12 (0.10.2 refuses
-  the kernels at lowering; pallas_kernels.dispatch)."""
-  import jax
-  if implementation == "pallas" or (implementation is None and jax.__version_info__ < (0, 12)):
-    return "triton"
-  return "mosaic_gpu"
+  lowers for the H100 when Mosaic-first dispatch is on
+  (``pallas_kernels.dispatch.MOSAIC_FIRST``, off today), which on the jax versions CI
+  tests is jax >= 0.12 (0.10.2 refuses the kernels at lowering)."""
+  from pallas_kernels import dispatch
+  if implementation == "mosaic":
+    return "mosaic_gpu"
+  if implementation is None and dispatch.MOSAIC_FIRST and jax.__version_info__ >= (0, 12):
+    return "mosaic_gpu"
+  return "triton"
 
 
 def check(block: int | None = None, implementation: str | None = None,
@@ -211,6 +216,19 @@ def test_default_step_compiles_for_8_h100_with_kernels(record_property):
 
 
 @needs_compiler
+@pytest.mark.slow  # 50 s; test_mosaic_gpu lowers each kernel, the negative control below
+@pytest.mark.skipif(jax.__version_info__ < (0, 12),
+                    reason="jax < 0.12: Mosaic GPU does not lower the kernels")
+def test_mosaic_step_compiles_for_8_h100_with_registers_reported(record_property):
+  """``implementation="mosaic"``: Mosaic GPU kernels only, in every hop computation, with
+  registers and spills read from the Mosaic GPU pipeline's ptxas output."""
+  report = check(implementation="mosaic")
+  record_property("gpu_compile_mosaic", json.dumps(report))
+  assert set(report["by_backend"]) == {"mosaic_gpu"} and report["kernel_custom_calls"] >= 3
+  assert all(r is not None and r > 0 for r in report["registers"].values())
+
+
+@needs_compiler
 def test_an_oversized_block_fails_the_check(record_property):
   """Negative control: the same check fails when the Triton kernels spill registers."""
   with pytest.raises(AssertionError, match=r"spills \d+ bytes") as err:
@@ -221,7 +239,7 @@ def test_an_oversized_block_fails_the_check(record_property):
 
 
 @needs_compiler
-@pytest.mark.skipif(expected_backend() != "mosaic_gpu",
+@pytest.mark.skipif(jax.__version_info__ < (0, 12),
                     reason="jax < 0.12: Mosaic GPU does not lower the kernels at any size")
 def test_an_oversized_mosaic_block_fails_the_check(record_property):
   """Negative control for Mosaic GPU: a program of 64 super-groups would copy 512-row

@@ -176,8 +176,10 @@ A100 = "NVIDIA A100-SXM4-40GB"
 
 
 @pytest.fixture
-def mosaic_fresh():
-  """The Mosaic GPU probe from scratch, and its log lines and warnings again."""
+def mosaic_fresh(monkeypatch):
+  """Mosaic-first dispatch on (:data:`pallas_kernels.dispatch.MOSAIC_FIRST`), its probe
+  from scratch, and its log lines and warnings again."""
+  monkeypatch.setattr(D, "MOSAIC_FIRST", True)
   D._mosaic_probed.clear()
   D._warned.clear()
   yield
@@ -201,8 +203,15 @@ def _lower_on(device, f, args, platform="cuda"):
 
 
 class TestMosaicFirst:
-  """``implementation=None`` in a ``cuda`` lowering: Mosaic GPU where it lowers for the
-  target GPU, Triton where it does not, each chosen by a probe that lowers."""
+  """``implementation=None`` in a ``cuda`` lowering with Mosaic-first dispatch on: Mosaic
+  GPU where it lowers for the target GPU, Triton where it does not, each chosen by a probe
+  that lowers."""
+
+  def test_off_as_shipped_none_is_triton(self, monkeypatch):
+    monkeypatch.setattr(D, "_mosaic_probed", {})
+    assert not D.MOSAIC_FIRST  # docs/design.md says why; this test states the default
+    text = _lower_on(GT.h100(), *_hop(None))
+    assert text.count(TRITON) == 1 and MOSAIC not in text and not D._mosaic_probed
 
   def test_h100_gets_mosaic_gpu_on_jax_012_and_triton_with_a_warning_on_0_10(self,
                                                                               mosaic_fresh):
