@@ -24,11 +24,12 @@ Pallas ops:
 
 * :mod:`pallas_kernels.dynamiq_mosaic`: the Mosaic GPU kernels (on the
   planar payload of :mod:`pallas_kernels.dynamiq_planar`; ``*_mosaic`` take
-  record payloads and convert around the launch). ``implementation=None``
-  picks them for ``cuda`` where they lower for the target GPU (Hopper or
-  newer; each probed on a small instance of the call's configuration,
-  :func:`_probe`), Triton where they do not (older GPUs, jax 0.10.2), the
-  reference last; ``"mosaic"`` forces them.
+  record payloads and convert around the launch). ``"mosaic"`` forces them.
+  With Mosaic-first dispatch on (:data:`pallas_kernels.dispatch.MOSAIC_FIRST`,
+  off today: docs/design.md says why) ``implementation=None`` picks them for
+  ``cuda`` where they lower for the target GPU (Hopper or newer; each probed
+  on a small instance of the call's configuration, :func:`_probe`), Triton
+  where they do not (older GPUs, jax 0.10.2), the reference last.
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ def compress(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1, scale
     scale_rounding: ``"up"`` or ``"stochastic"``.
     plane_bits: 1 (32-byte units, any widths) or 2 (64-byte units, even widths).
     width_set: the widths the chunk may use (a subset of 2..8).
-    implementation: None (for ``cuda`` the Mosaic GPU kernel where it lowers, else
-      Triton's; for ``rocm`` Triton's; else the reference), ``"pallas"`` (Triton),
-      ``"mosaic"`` (Mosaic GPU) or ``"xla"`` (:func:`pallas_kernels.dispatch.dispatch`).
+    implementation: None (the Triton kernel in a GPU lowering, or for ``cuda`` the
+      Mosaic GPU kernel where it lowers if ``dispatch.MOSAIC_FIRST``; else the
+      reference), ``"pallas"`` (Triton), ``"mosaic"`` (Mosaic GPU) or ``"xla"``
+      (:func:`pallas_kernels.dispatch.dispatch`).
     interpret: overrides the kernel's interpret mode.
 
   Returns:

@@ -7,8 +7,9 @@ Four operations on one chunk payload in the planar layout
 (the ring hop), each one launch of ``ceil(S / BLOCK)`` programs of one
 warpgroup, named ``dynamiq_mosaic_<operation>`` (:data:`KERNEL_PREFIX`).
 :mod:`pallas_kernels.dynamiq` calls them (through the ``*_mosaic`` entry
-points on record payloads) under ``implementation=None`` for a ``cuda``
-lowering where they lower for the target GPU, and under ``"mosaic"``.
+points on record payloads) under ``"mosaic"``, and under ``implementation=None``
+for a ``cuda`` lowering where they lower for the target GPU once Mosaic-first
+dispatch is on (:data:`pallas_kernels.dispatch.MOSAIC_FIRST`, off today).
 
 Memory layout: a program handles :data:`BLOCK` = 8 super-groups, i.e. 8 x
 256 coordinates, held as a ``[64, 32]`` array in the WGMMA register layout:
