@@ -142,7 +142,8 @@ GPU_PLATFORMS = ("cuda", "rocm")
 """Lowering platforms that get the kernels under ``implementation=None``."""
 
 class KernelFallbackWarning(RuntimeWarning):
-  """A kernel did not compile on this GPU; the XLA reference runs instead."""
+  """A kernel did not compile on this GPU (the XLA reference runs instead), or a Mosaic GPU
+  kernel did not lower for it (Triton's path runs instead)."""
 
 
 _probed: dict = {}  # (op, static args, operand types, GPU) -> error text, or None if it compiled
