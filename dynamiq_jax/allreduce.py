@@ -374,9 +374,11 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     leaf_order: the order the backward pass produces the leaves, which is
       the order buckets fill: ``None``/``"reverse"`` (reverse leaf order),
       ``"forward"``, or a permutation of leaf indices.
-    implementation: ``None`` (Pallas kernels on GPU, the jnp reference
-      elsewhere), ``"pallas"`` (kernels; interpreted off GPU) or ``"xla"``.
-      Both give bit-identical results.
+    implementation: ``None`` (Pallas kernels on GPU: Triton's, or Mosaic GPU's
+      where they lower once ``pallas_kernels.dispatch.MOSAIC_FIRST`` is on; the
+      jnp reference elsewhere),
+      ``"pallas"`` (Triton kernels; interpreted off GPU), ``"mosaic"`` (Mosaic GPU
+      kernels, DynamiQ only) or ``"xla"``. All give bit-identical results.
     codec_state: the state of a stateful codec from the previous call
       (``stats.codec_state``); None starts from :func:`init_codec_state`.
     return_own: also return this rank's contribution as represented

@@ -1,29 +1,47 @@
 """Dispatch of the Pallas kernels: by the platform being lowered for, with a fallback.
 
 Every kernel of this package is called through :func:`dispatch`, which
-knows no kernel: it gets the kernel (one GPU backend's function, with an
-``interpret=`` argument) and its pure-jnp reference, and chooses between
-them by the platform being *lowered for*, not the host's backend
+knows no kernel: it gets an operation's GPU kernels (:class:`Kernels`: the
+Triton kernel, and the Mosaic GPU kernel where one exists, each with an
+``interpret=`` argument) and its pure-jnp reference, and chooses among them
+by the platform being *lowered for*, not the host's backend
 (``jax.lax.platform_dependent``):
 
-* ``implementation=None`` puts the kernel into every lowering for ``cuda`` /
-  ``rocm`` (:data:`GPU_PLATFORMS`; a deviceless or AOT compile for GPUs from
-  a CPU host included) and the reference into every other (on CPU without
+* ``implementation=None``: in a lowering for ``cuda``, the Mosaic GPU kernel
+  where it lowers for the target GPU (:func:`_mosaic_lowers`; only while
+  :data:`MOSAIC_FIRST` is on, which it is not yet), else the
+  Triton kernel where it compiles (:func:`_kernel_compiles`), else the XLA
+  reference; in a lowering for ``rocm``, the Triton kernel, else the
+  reference; on every other platform the reference (on CPU without
   interpret mode).
-* ``"pallas"`` forces the kernel (``interpret=True`` off GPU, which is how
-  CPU tests run it); ``"xla"`` forces the reference. ``"mosaic"`` is
-  ``"pallas"`` for the Mosaic GPU kernel that the caller passes instead of
-  the Triton one (:mod:`pallas_kernels.dynamiq`), except off GPU, where it is
-  the reference unless ``interpret=True`` asks for Mosaic GPU's interpret
-  mode; ``None`` never picks it.
-* A kernel raises ``NotImplementedError`` for input it does not support, and
-  dispatch falls back to the reference, logging the reason once.
-* On a process with a GPU, ``implementation=None`` first compiles each
-  kernel alone (once per kernel, static arguments and operand types); if
-  that fails (a new jax, a new GPU) it warns once
-  (:class:`KernelFallbackWarning`, naming the kernel, the error and both ways
-  to force a path) and the program uses the reference: the same bits,
-  slower.
+* ``"pallas"`` forces the Triton kernel (``interpret=True`` off GPU, which
+  is how CPU tests run it); ``"xla"`` forces the reference. ``"mosaic"``
+  forces the Mosaic GPU kernel in a GPU lowering; off GPU it is the
+  reference unless ``interpret=True`` asks for Mosaic GPU's interpret mode.
+  A forced path is never probed.
+* A kernel raises ``NotImplementedError`` for input it does not support
+  (``plane_bits=2`` for the Mosaic GPU kernels), and dispatch falls back (to
+  Triton from Mosaic GPU under ``None``, else to the reference), logging the
+  reason once.
+* **The Mosaic GPU probe** (``None``, ``cuda``). Without an NVIDIA GPU to
+  lower for (none in the abstract mesh in context, none on this process:
+  every program traces the ``cuda`` branch, a CPU one too) it keeps Triton
+  and probes nothing. A target GPU older than
+  Hopper (compute capability under 9.0, when jax can tell) keeps Triton, by
+  design, with a log line. Otherwise a small instance of the same kernel
+  configuration (:attr:`Kernels.mosaic_probe`) is lowered by itself for the
+  target GPU, once per (operation, configuration, GPU kind, jax version): on
+  a process whose GPU is the target, lowered and compiled; else (a
+  deviceless or AOT lowering) lowered for ``cuda`` in the caller's context.
+  Mosaic GPU refuses some kernels at lowering, not at trace (jax 0.10.2:
+  copies under 128 bytes), which is why the probe lowers. If it fails, one
+  :class:`KernelFallbackWarning` names the kernel, the GPU, the jax version,
+  the error and both ways to force a path, and Triton's path follows.
+* **The Triton probe** (``None``, a process with a GPU): the Triton kernel is
+  compiled alone first (once per kernel, static arguments and operand
+  types); if that fails (a new jax, a new GPU) one
+  :class:`KernelFallbackWarning` names it, and the program uses the
+  reference: the same bits, slower.
 
 jax >= 0.11 deprecates the Triton backend and warns at every Triton
 lowering; the Triton kernels' entry points filter that DeprecationWarning,
@@ -35,16 +53,13 @@ the program is lowered for a GPU of another kind than the local one
 Also here, for every kernel wrapper: :func:`typed_like` (a ``pallas_call``'s
 output type inside ``shard_map(check_vma=True)``) and :func:`map_over_batch`
 (``vmap`` as a map over the batch).
-
-It takes one kernel per operation (the Triton backend's); a second GPU
-backend would give it one kernel per backend to choose among.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Literal
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +69,9 @@ __all__ = [
     "GPU_PLATFORMS",
     "Implementation",
     "KernelFallbackWarning",
+    "Kernels",
+    "MIN_MOSAIC_CAPABILITY",
+    "MOSAIC_FIRST",
     "dispatch",
     "map_batch_rule",
     "map_over_batch",
@@ -124,10 +142,41 @@ GPU_PLATFORMS = ("cuda", "rocm")
 """Lowering platforms that get the kernels under ``implementation=None``."""
 
 class KernelFallbackWarning(RuntimeWarning):
-  """A kernel did not compile on this GPU; the XLA reference runs instead."""
+  """A kernel did not compile on this GPU (the XLA reference runs instead), or a Mosaic GPU
+  kernel did not lower for it (Triton's path runs instead)."""
 
 
 _probed: dict = {}  # (op, static args, operand types, GPU) -> error text, or None if it compiled
+_mosaic_probed: dict = {}  # (op, static args, operand types, GPU, jax) -> why not, or None
+
+MIN_MOSAIC_CAPABILITY = 90
+"""Compute capability (x 10) the Mosaic GPU kernels need: TMA copies and the WGMMA
+register layout (Hopper)."""
+
+MOSAIC_FIRST = False
+"""Whether ``implementation=None`` tries the Mosaic GPU kernels first in a ``cuda``
+lowering (:func:`_mosaic_lowers`). Off: Triton's path, as before. Kept off because of two
+measurements of the deviceless 8 x H100 compile on jax 0.12.0.1 (docs/design.md, "Mosaic
+GPU"): every Mosaic GPU kernel uses 255 registers and spills, and with them the 12-layer
+step of ``tests/test_overlap.py`` places fewer backward GEMMs inside collective windows
+than ``pmean`` does (11 against 13; Triton's: 17). Tests turn it on to check the
+mechanism; turning it on here makes ``implementation=None`` Mosaic-first everywhere."""
+
+
+class Kernels(NamedTuple):
+  """One operation's GPU kernels, each called as ``kernel(*args, **kwargs, interpret=...)``.
+
+  Attributes:
+    triton: the Pallas Triton kernel.
+    mosaic: the Pallas Mosaic GPU kernel (None: the operation has none).
+    mosaic_probe: ``() -> (args, kwargs)``: a small instance of the call's
+      configuration (the same static arguments and dtypes, arrays as
+      ``jax.ShapeDtypeStruct``), which :func:`_mosaic_lowers` lowers alone.
+  """
+
+  triton: Callable
+  mosaic: Callable | None = None
+  mosaic_probe: Callable | None = None
 
 
 def _check_implementation(implementation: Implementation):
@@ -136,12 +185,11 @@ def _check_implementation(implementation: Implementation):
                      "'mosaic' (Mosaic GPU) or 'xla'")
 
 
-def _fallback(op: str, err: NotImplementedError):
-  key = (op, str(err))
+def _fallback(op: str, err: NotImplementedError, instead: str = "the XLA reference"):
+  key = (op, str(err), instead)
   if key not in _warned:
     _warned.add(key)
-    _log.warning("dynamiq_jax: Pallas %s does not support %s; using the XLA reference.",
-                 op, err)
+    _log.warning("dynamiq_jax: Pallas %s does not support %s; using %s.", op, err, instead)
 
 
 def _local_gpus():
@@ -166,13 +214,16 @@ def _targets_another_gpu(gpu) -> bool:
           and target.device_kind != gpu.device_kind)
 
 
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+
 def _split(args, kwargs):
   """(operands, rebuild): the arrays among a call's arguments, and ``rebuild(operands)``.
 
   Everything else (the format, ``strata``, Python scalars) stays as given.
   """
   leaves, tree = jax.tree.flatten((args, kwargs))
-  where = [i for i, v in enumerate(leaves) if isinstance(v, (jax.Array, np.ndarray, np.generic))]
+  where = [i for i, v in enumerate(leaves) if isinstance(v, _ARRAYS)]
 
   def rebuild(operands):
     full = list(leaves)
@@ -187,8 +238,7 @@ def _compile_alone(kernel, device, args, kwargs):
   """Compiles ``kernel(*args, **kwargs)`` by itself for ``device``; raises what XLA raises."""
   operands, rebuild = _split(args, kwargs)
   sharding = jax.sharding.SingleDeviceSharding(device)
-  structs = [jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v), sharding=sharding)
-             for v in operands]
+  structs = [jax.ShapeDtypeStruct(np.shape(v), _dtype(v), sharding=sharding) for v in operands]
 
   def alone(*operands):
     a, kw = rebuild(operands)
@@ -215,9 +265,9 @@ def _kernel_compiles(op, kernel, args, kwargs) -> bool:
   if not gpus or _targets_another_gpu(gpus[0]):
     return True
   operands, _ = _split(args, kwargs)
-  types = tuple(f"{jnp.result_type(v)}{list(np.shape(v))}" for v in operands)
+  types = _types(operands)
   static = tuple(repr(v) for v in jax.tree.leaves((args, kwargs))
-                 if not isinstance(v, (jax.Array, np.ndarray, np.generic)))
+                 if not isinstance(v, _ARRAYS))
   key = (op, static, types, gpus[0].device_kind)  # static: the format, strata, ...
   if key not in _probed:
     try:
@@ -238,6 +288,118 @@ def _kernel_compiles(op, kernel, args, kwargs) -> bool:
   return _probed[key] is None
 
 
+def _dtype(v):
+  return v.dtype if isinstance(v, jax.ShapeDtypeStruct) else jnp.result_type(v)
+
+
+def _types(operands) -> tuple:
+  return tuple(f"{_dtype(v)}{list(np.shape(v))}" for v in operands)
+
+
+def _target_gpu():
+  """``(device_kind, compute capability x 10 or None)`` of the GPU a lowering is for:
+  the abstract mesh's GPU in context, else this process's first GPU; ``(None, None)``
+  when neither says (jax 0.10.2 lowering for ``cuda`` on a CPU host)."""
+  target = jax.sharding.get_abstract_mesh().abstract_device
+  if target is not None and target.platform in ("gpu", *GPU_PLATFORMS):
+    kind = target.device_kind
+  else:
+    gpus = _local_gpus()
+    kind = gpus[0].device_kind if gpus else None
+  return kind, _capability(kind)
+
+
+def _capability(kind) -> int | None:
+  """Compute capability x 10 of the GPU ``kind`` (a local GPU's own, else jax's table of
+  known kinds), or None where neither knows it (jax 0.10.2 has no such table)."""
+  if kind is None:
+    return None
+  for gpu in _local_gpus():
+    cc = getattr(gpu, "compute_capability", None)
+    if gpu.device_kind == kind and isinstance(cc, str) and cc.replace(".", "").isdigit():
+      return int(cc.replace(".", ""))
+  try:  # jax >= 0.11: the table Pallas itself reads for a GPU of the abstract mesh
+    from jax._src.pallas.triton import gpu_info  # pylint: disable=import-outside-toplevel
+    version = gpu_info.gpu_version_from_device_kind(kind)
+    return None if version is None else gpu_info.get_gpu_info_from_version(version) \
+        .compute_capability
+  except (ImportError, AttributeError, ValueError):
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+  text = str(err).strip().splitlines()
+  return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+
+
+def _mosaic_lowers(op, kernels: Kernels) -> bool:
+  """Whether ``op``'s Mosaic GPU kernel is used for the GPU being lowered for.
+
+  False while :data:`MOSAIC_FIRST` is off; without a Mosaic GPU kernel; without an
+  NVIDIA GPU in context (the
+  abstract mesh's) or on this process (the branch is traced for programs of
+  every platform: a CPU program must not lower a GPU kernel); and for a GPU
+  older than Hopper (:data:`MIN_MOSAIC_CAPABILITY`; logged once). Else the small instance
+  :attr:`Kernels.mosaic_probe` is traced, then lowered by itself, once per
+  (op, static arguments, operand types, GPU kind, jax version): compiled too
+  when this process's GPU is the target. ``NotImplementedError`` at trace
+  (input the kernel does not support) is logged; any failure after it (jax
+  0.10.2 refuses these kernels at lowering) warns once
+  (:class:`KernelFallbackWarning`). Either way Triton's path follows.
+  """
+  if not MOSAIC_FIRST or kernels.mosaic is None or kernels.mosaic_probe is None:
+    return False
+  kind, capability = _target_gpu()
+  if kind is None or kind.startswith("gfx"):
+    # No NVIDIA GPU in context or on this process: ``platform_dependent`` traces this
+    # branch for every program (one for the CPU or ROCm too), so there is nothing to probe
+    # for; Triton, as before (a deviceless lowering for cuda names its GPU, gpu_target).
+    return False
+  if capability is not None and capability < MIN_MOSAIC_CAPABILITY:
+    _fallback(f"{op} (Mosaic GPU)", NotImplementedError(
+        f"{kind} (compute capability {capability / 10:.1f}; the kernels need "
+        f"{MIN_MOSAIC_CAPABILITY / 10:.1f})"), "the Triton kernel")
+    return False
+  args, kwargs = kernels.mosaic_probe()
+  operands, rebuild = _split(args, kwargs)
+  static = tuple(repr(v) for v in jax.tree.leaves((args, kwargs)) if not isinstance(v, _ARRAYS))
+  key = (op, static, _types(operands), kind, jax.__version__)
+  if key in _mosaic_probed:
+    return _mosaic_probed[key] is None
+  gpus = _local_gpus()
+  local = gpus[0] if gpus and gpus[0].device_kind == kind else None
+  sharding = None if local is None else jax.sharding.SingleDeviceSharding(local)
+  structs = [jax.ShapeDtypeStruct(np.shape(v), _dtype(v), sharding=sharding) for v in operands]
+
+  def alone(*ops):
+    a, kw = rebuild(ops)
+    return kernels.mosaic(*a, **kw, interpret=False)
+
+  with warnings.catch_warnings():
+    try:
+      traced = jax.jit(alone).trace(*structs)
+    except NotImplementedError as err:
+      _mosaic_probed[key] = _first_line(err)
+      _fallback(f"{op} (Mosaic GPU)", err, "the Triton kernel")
+      return False
+    try:
+      lowered = traced.lower(lowering_platforms=("cuda",))
+      if local is not None:
+        lowered.compile()
+      _mosaic_probed[key] = None
+    except Exception as err:  # noqa: BLE001 - whatever Mosaic GPU raised, do not use it
+      _mosaic_probed[key] = _first_line(err)
+  if _mosaic_probed[key] is not None:
+    warnings.warn(
+        f"dynamiq_jax: the Mosaic GPU kernel {op!r} does not "
+        f"{'compile' if local is not None else 'lower'} for {kind or 'cuda'} "
+        f"(jax {jax.__version__}): {_mosaic_probed[key]}\n"
+        "Using the Triton kernel instead: the same results. implementation='pallas' "
+        "chooses Triton without this check; implementation='mosaic' uses Mosaic GPU "
+        "regardless (and raises its error).", KernelFallbackWarning, stacklevel=3)
+  return _mosaic_probed[key] is None
+
+
 def _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs):
   try:
     return kernel(*args, **kwargs, interpret=interpret)
@@ -246,32 +408,53 @@ def _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs):
     return reference(*args, **kwargs)
 
 
-def _gpu_path(op, kernel, reference, interpret, args, kwargs):
-  """The program for a GPU lowering under ``implementation=None``."""
+def _triton_path(op, kernel, reference, interpret, args, kwargs):
+  """The program for a GPU lowering under ``implementation=None``, from the Triton kernel on."""
   if interpret or _kernel_compiles(op, kernel, args, kwargs):
     return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
   return reference(*args, **kwargs)
 
 
-def dispatch(op, kernel, reference, implementation, interpret, *args, **kwargs):
-  """Runs ``op`` (its name, for messages) by the platform being lowered for, not the
-  host's backend: ``kernel(*args, **kwargs, interpret=...)`` or
-  ``reference(*args, **kwargs)``.
+def _gpu_path(op, kernels: Kernels, reference, interpret, args, kwargs):
+  """The program for a ``cuda`` lowering under ``implementation=None``: Mosaic GPU where it
+  lowers (not in interpret mode, whose ordered effects ``platform_dependent`` cannot mix
+  with the GPU branch), else Triton's path."""
+  if not interpret and _mosaic_lowers(op, kernels):
+    try:
+      return kernels.mosaic(*args, **kwargs, interpret=False)
+    except NotImplementedError as err:
+      _fallback(f"{op} (Mosaic GPU)", err, "the Triton kernel")
+  return _triton_path(op, kernels.triton, reference, interpret, args, kwargs)
 
-  ``implementation=None``: the kernel in a lowering for a GPU
-  (:data:`GPU_PLATFORMS`; unless it fails to compile on this process's GPU,
-  see :func:`_kernel_compiles`), the XLA reference for every other platform.
-  ``"pallas"``: the kernel everywhere, interpreted off GPU. ``"xla"``: the
+
+def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs):
+  """Runs ``op`` (its name, for messages) by the platform being lowered for, not the
+  host's backend: one of ``kernels`` (:class:`Kernels`, or the Triton kernel alone) as
+  ``kernel(*args, **kwargs, interpret=...)``, or ``reference(*args, **kwargs)``.
+
+  ``implementation=None``: in a lowering for ``cuda`` the Mosaic GPU kernel where
+  it lowers for the target GPU (:func:`_mosaic_lowers`), else the Triton kernel
+  (unless it fails to compile on this process's GPU, see
+  :func:`_kernel_compiles`), else the reference; for ``rocm`` Triton's path;
+  the reference for every other platform. ``"pallas"``: the Triton kernel
+  everywhere, interpreted off GPU. ``"mosaic"``: the Mosaic GPU kernel on GPU
+  (the reference off GPU unless ``interpret=True``). ``"xla"``: the
   reference. ``interpret``, when given, overrides the interpret mode of the
-  kernel wherever the kernel runs. Both branches are traced;
+  kernel wherever the kernel runs. Every branch is traced;
   ``jax.lax.platform_dependent`` keeps only the one for the lowering
   platform (a deviceless compile for GPUs from a CPU host included), and
   an eager call runs only the branch of the default device.
   """
   _check_implementation(implementation)
+  if not isinstance(kernels, Kernels):
+    kernels = Kernels(kernels)
   if implementation == "xla":
     return reference(*args, **kwargs)
   if implementation in ("pallas", "mosaic"):
+    kernel = kernels.mosaic if implementation == "mosaic" else kernels.triton
+    if kernel is None:
+      raise ValueError(f"implementation='mosaic': {op!r} has no Mosaic GPU kernel; use "
+                       "None, 'pallas' (Triton) or 'xla'")
     if interpret is not None:
       return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
 
@@ -286,10 +469,13 @@ def dispatch(op, kernel, reference, implementation, interpret, *args, **kwargs):
 
     return jax.lax.platform_dependent(**{p: on_gpu for p in GPU_PLATFORMS}, default=off_gpu)
 
-  def gpu():
-    return _gpu_path(op, kernel, reference, bool(interpret), args, kwargs)
+  def cuda():
+    return _gpu_path(op, kernels, reference, bool(interpret), args, kwargs)
+
+  def rocm():
+    return _triton_path(op, kernels.triton, reference, bool(interpret), args, kwargs)
 
   def other():
     return reference(*args, **kwargs)
 
-  return jax.lax.platform_dependent(**{p: gpu for p in GPU_PLATFORMS}, default=other)
+  return jax.lax.platform_dependent(cuda=cuda, rocm=rocm, default=other)

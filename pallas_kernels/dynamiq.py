@@ -24,12 +24,21 @@ Pallas ops:
 
 * :mod:`pallas_kernels.dynamiq_mosaic`: the Mosaic GPU kernels (on the
   planar payload of :mod:`pallas_kernels.dynamiq_planar`; ``*_mosaic`` take
-  record payloads and convert around the launch). ``implementation="mosaic"``
-  forces them; ``implementation=None`` keeps Triton for every GPU until they
-  have run on one.
+  record payloads and convert around the launch). ``"mosaic"`` forces them.
+  With Mosaic-first dispatch on (:data:`pallas_kernels.dispatch.MOSAIC_FIRST`,
+  off today: docs/design.md says why) ``implementation=None`` picks them for
+  ``cuda`` where they lower for the target GPU (Hopper or newer; each probed
+  on a small instance of the call's configuration, :func:`_probe`), Triton
+  where they do not (older GPUs, jax 0.10.2), the reference last.
 """
 
 from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import dispatch as D
 from pallas_kernels import dynamiq_mosaic as M
@@ -44,9 +53,33 @@ __all__ = [
 ]
 
 
-def _kernel(implementation, triton, mosaic):
-  """The GPU kernel of ``implementation``: Mosaic GPU's for ``"mosaic"``, else Triton's."""
-  return mosaic if implementation == "mosaic" else triton
+_PROBE_SUPERGROUPS = M.BLOCK + 1
+"""Super-groups of the Mosaic GPU probe's instance: two programs, the last one partial."""
+
+
+def _probe(x_dtype, payload: bool, encode: bool, *, width_set, plane_bits, **static):
+  """A small instance of a call's configuration, as ``(args, kwargs)`` of ShapeDtypeStructs
+  (:attr:`pallas_kernels.dispatch.Kernels.mosaic_probe`): the same static arguments and
+  dtypes, :data:`_PROBE_SUPERGROUPS` super-groups, every one at the widest width."""
+  s = _PROBE_SUPERGROUPS
+  units = s * max(width_set)
+  args = []
+  if payload:
+    args.append(jax.ShapeDtypeStruct((R.payload_bytes(s, units, plane_bits),), jnp.uint8))
+  if x_dtype is not None:
+    args.append(jax.ShapeDtypeStruct((s, 256), x_dtype))
+  args += [jax.ShapeDtypeStruct((s,), jnp.int32), units]
+  kwargs = dict(static, width_set=width_set, plane_bits=plane_bits)
+  if encode:
+    kwargs.update(keys=tuple(jax.ShapeDtypeStruct((), jnp.uint32) for _ in range(4)),
+                  rank=jax.ShapeDtypeStruct((), jnp.int32))
+  return tuple(args), kwargs
+
+
+def _kernels(triton, mosaic, x, payload: bool, encode: bool, **static) -> D.Kernels:
+  """The Triton and Mosaic GPU kernels of one call, with the probe of its configuration."""
+  x_dtype = None if x is None else np.dtype(jnp.result_type(x))
+  return D.Kernels(triton, mosaic, functools.partial(_probe, x_dtype, payload, encode, **static))
 
 
 def _eps_key(eps):
@@ -70,7 +103,8 @@ def compress(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1, scale
     scale_rounding: ``"up"`` or ``"stochastic"``.
     plane_bits: 1 (32-byte units, any widths) or 2 (64-byte units, even widths).
     width_set: the widths the chunk may use (a subset of 2..8).
-    implementation: None (the Triton kernel when lowering for a GPU, else the
+    implementation: None (the Triton kernel in a GPU lowering, or for ``cuda`` the
+      Mosaic GPU kernel where it lowers if ``dispatch.MOSAIC_FIRST``; else the
       reference), ``"pallas"`` (Triton), ``"mosaic"`` (Mosaic GPU) or ``"xla"``
       (:func:`pallas_kernels.dispatch.dispatch`).
     interpret: overrides the kernel's interpret mode.
@@ -78,7 +112,10 @@ def compress(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1, scale
   Returns:
     uint8 ``[payload_bytes(S, units, plane_bits)]``.
   """
-  return D.dispatch("compress", _kernel(implementation, T.compress_pallas, M.compress_mosaic),
+  return D.dispatch("compress",
+                    _kernels(T.compress_pallas, M.compress_mosaic, x, False, True, eps=_eps_key(eps),
+                             strata=strata, scale_rounding=scale_rounding,
+                             plane_bits=plane_bits, width_set=tuple(width_set)),
                     R.compress_reference, implementation,
                     interpret, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
                     strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
@@ -90,7 +127,9 @@ def decompress(payload, widths, units: int, *, eps, plane_bits: int = R.PLANE_BI
                interpret: bool | None = None):
   """Decodes a chunk payload (see :func:`compress`) to float32 [S, 256]."""
   return D.dispatch("decompress",
-                    _kernel(implementation, T.decompress_pallas, M.decompress_mosaic),
+                    _kernels(T.decompress_pallas, M.decompress_mosaic, None, True, False,
+                             eps=_eps_key(eps), plane_bits=plane_bits,
+                             width_set=tuple(width_set)),
                     R.decompress_reference, implementation,
                     interpret, payload, widths, units, eps=_eps_key(eps),
                     plane_bits=plane_bits, width_set=tuple(width_set))
@@ -101,8 +140,9 @@ def decompress_accumulate(payload, x, widths, units: int, *, eps, plane_bits: in
                           interpret: bool | None = None):
   """``decompress(payload) + x`` in float32 [S, 256]."""
   return D.dispatch("decompress_accumulate",
-                    _kernel(implementation, T.decompress_accumulate_pallas,
-                            M.decompress_accumulate_mosaic),
+                    _kernels(T.decompress_accumulate_pallas, M.decompress_accumulate_mosaic,
+                             x, True, False, eps=_eps_key(eps), plane_bits=plane_bits,
+                             width_set=tuple(width_set)),
                     R.decompress_accumulate_reference, implementation, interpret, payload, x,
                     widths, units, eps=_eps_key(eps), plane_bits=plane_bits,
                     width_set=tuple(width_set))
@@ -116,8 +156,10 @@ def decompress_accumulate_recompress(payload, x, widths, units: int, *, eps, key
   """``compress(decompress(payload) + x)`` in one pass (a ring hop); the sum is never
   stored."""
   return D.dispatch("decompress_accumulate_recompress",
-                    _kernel(implementation, T.decompress_accumulate_recompress_pallas,
-                            M.decompress_accumulate_recompress_mosaic),
+                    _kernels(T.decompress_accumulate_recompress_pallas,
+                             M.decompress_accumulate_recompress_mosaic, x, True, True,
+                             eps=_eps_key(eps), strata=strata, scale_rounding=scale_rounding,
+                             plane_bits=plane_bits, width_set=tuple(width_set)),
                     R.decompress_accumulate_recompress_reference, implementation, interpret,
                     payload, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
                     strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,

@@ -1,12 +1,15 @@
-"""DynamiQ's decode kernels on the Pallas Mosaic GPU backend (``plgpu.kernel``).
+"""DynamiQ's hop kernels on the Pallas Mosaic GPU backend (``plgpu.kernel``).
 
-Two operations on one chunk payload in the planar layout
+Four operations on one chunk payload in the planar layout
 (:mod:`pallas_kernels.dynamiq_planar`): :func:`decompress_planar` (payload
--> float32) and :func:`decompress_accumulate_planar` (``decode(p) + x``),
-each one launch of ``ceil(S / BLOCK)`` programs of one warpgroup. The
-encoding kernels (compress and the fused ring hop) are not written yet:
-:mod:`pallas_kernels.dynamiq` still dispatches every operation to Triton or
-the reference, and nothing here is chosen by ``implementation=None``.
+-> float32), :func:`decompress_accumulate_planar` (``decode(p) + x``),
+:func:`compress_planar` and :func:`decompress_accumulate_recompress_planar`
+(the ring hop), each one launch of ``ceil(S / BLOCK)`` programs of one
+warpgroup, named ``dynamiq_mosaic_<operation>`` (:data:`KERNEL_PREFIX`).
+:mod:`pallas_kernels.dynamiq` calls them (through the ``*_mosaic`` entry
+points on record payloads) under ``"mosaic"``, and under ``implementation=None``
+for a ``cuda`` lowering where they lower for the target GPU once Mosaic-first
+dispatch is on (:data:`pallas_kernels.dispatch.MOSAIC_FIRST`, off today).
 
 Memory layout: a program handles :data:`BLOCK` = 8 super-groups, i.e. 8 x
 256 coordinates, held as a ``[64, 32]`` array in the WGMMA register layout:
@@ -58,6 +61,7 @@ from pallas_kernels import rng
 
 __all__ = [
     "BLOCK",
+    "KERNEL_PREFIX",
     "has_interpret",
     "interpret_params",
     "decompress_planar",
@@ -73,6 +77,10 @@ __all__ = [
 
 BLOCK = 8
 """Super-groups per program: 64 rows of 32 coordinates, one warpgroup's WGMMA layout."""
+
+KERNEL_PREFIX = "dynamiq_mosaic_"
+"""Each kernel's name (``plgpu.kernel(kernel_name=...)``) is this and its operation's: it
+names the kernel in the HLO's op names and its PTX entry."""
 
 _ROWS = BLOCK * B.SUPERGROUP // 32  # 64
 _WORDS = B.SUPERGROUP // 32  # 32-bit words of one plane unit (plane_bits=1)
@@ -235,6 +243,7 @@ def _decode(planar, x, widths, *, units, eps, plane_bits, width_set, interpret):
                         accumulate=accumulate),
       out_type=jax.ShapeDtypeStruct((s_count * _WORDS, 32), jnp.float32),
       grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
+      kernel_name=f"{KERNEL_PREFIX}decompress{'_accumulate' if accumulate else ''}",
       interpret=interpret_params() if interpret else None)
   return _vary_like(kernel(*operands), operands).reshape(s_count, B.SUPERGROUP)
 
@@ -441,6 +450,7 @@ def _compress(x, widths, keys, rank, *, units, eps, strata, scale_rounding, plan
                         scale_rounding=scale_rounding),
       out_type=_encode_outputs(rows, planes),
       grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
+      kernel_name=f"{KERNEL_PREFIX}compress",
       interpret=interpret_params() if interpret else None)
   operands = (x.reshape(rows, 32), widths.astype(jnp.int32), rng.key_operand(keys, rank))
   words, k16, v16 = _vary_like(kernel(*operands), operands)
@@ -517,7 +527,8 @@ def _dar(planar, x, widths, keys, rank, *, units, eps, strata, scale_rounding, p
       functools.partial(_dar_kernel, tabs=tabs, planes=planes, strata=strata,
                         scale_rounding=scale_rounding),
       out_type=_encode_outputs(rows, planes), grid=(-(-s_count // BLOCK),), grid_names=("b",),
-      scratch_types=scratch, interpret=interpret_params() if interpret else None)
+      scratch_types=scratch, kernel_name=f"{KERNEL_PREFIX}decompress_accumulate_recompress",
+      interpret=interpret_params() if interpret else None)
   operands = (units_w, k16, sc16, widths.astype(jnp.int32),
               _plane_table(widths.astype(jnp.int32), units), x.reshape(rows, 32),
               rng.key_operand(keys, rank))

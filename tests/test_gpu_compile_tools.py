@@ -102,3 +102,34 @@ ENTRY %main (a: f32[8,64], b: f32[64,256]) -> f32[8,256] {
   comps = T.parse_hlo(text)
   gemms = [i.name for i in comps["ENTRY"].instructions if T.is_gemm(i, comps)]
   assert gemms == ["gemm_fusion_dot.1", "cublas", "lt"]
+
+
+_MOSAIC_PTXAS = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'dynamiq_mosaic_compress_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for dynamiq_mosaic_compress_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 125 registers, used 2 barriers, 1 bytes smem
+ptxas warning : Registers are spilled to local memory in function 'dynamiq_mosaic_compress_mosaic_gpu_kernel', 96 bytes spill stores, 96 bytes spill loads
+ptxas info    : Function properties for dynamiq_mosaic_compress_mosaic_gpu_kernel
+    96 bytes stack frame, 96 bytes spill stores, 96 bytes spill loads
+ptxas info    : Used 255 registers, used 2 barriers, 96 bytes cumulative stack size, 1 bytes smem
+"""
+
+
+def test_mosaic_ptxas_output_is_read_by_kernel_name():
+  """The Mosaic GPU pipeline's ``ptxas -v`` lines (the layout jax 0.12.0.1 prints): named
+  by ``plgpu.kernel``'s ``kernel_name``, the largest figures of two compiles kept."""
+  assert T.mosaic_ptxas_report(_MOSAIC_PTXAS) == {
+      "dynamiq_mosaic_compress": {"registers": 255, "spill_bytes": 192}}
+  assert T.mosaic_ptxas_report("") == {}
+
+
+def test_a_mosaic_gpu_custom_call_is_a_kernel_named_by_its_op_name():
+  mosaic = _module(1, 1, 6).replace(
+      _KERNEL, 'custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/jit(_dar)/'
+               'dynamiq_mosaic_decompress_accumulate_recompress/mpmd_map"}')
+  comps = T.parse_hlo(mosaic)
+  assert T.kernel_name(comps["body"].instructions[0]) == (
+      "dynamiq_mosaic_decompress_accumulate_recompress")
+  assert T.per_step(comps, lambda i: T.kernel_name(i) is not None) == 7

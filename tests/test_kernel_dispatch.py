@@ -15,6 +15,7 @@ import dynamiq_jax as dq
 from dynamiq_jax.codecs import DynamiQ
 from pallas_kernels import dispatch as D
 from pallas_kernels import dynamiq as K
+from pallas_kernels import dynamiq_mosaic as M
 from pallas_kernels import dynamiq_reference as R
 from pallas_kernels import dynamiq_triton as T
 from pallas_kernels import rng
@@ -54,7 +55,11 @@ def _cuda_text(f, *args, target=True):
 
 
 @pytest.fixture
-def fresh():
+def fresh(monkeypatch):
+  """Triton's compile probe from scratch, with the Mosaic GPU kernels out of the way
+  (``implementation=None`` would choose them first for an H100 on jax 0.12:
+  :class:`TestMosaicFirst` tests that choice)."""
+  monkeypatch.setattr(D, "_mosaic_lowers", lambda op, kernels: False)
   D._probed.clear()
   yield
   D._probed.clear()
@@ -99,7 +104,7 @@ class TestCompileFallback:
     p = K.compress(_x(2), _w(), UNITS, eps=EPS, keys=_keys(2), implementation="xla")
     kw = dict(eps=tuple(EPS.items()), keys=_keys(1), rank=3, strata=8)
     with pytest.warns(D.KernelFallbackWarning, match="decompress_accumulate_recompress"):
-      out = D._gpu_path("decompress_accumulate_recompress",
+      out = D._triton_path("decompress_accumulate_recompress",
                         T.decompress_accumulate_recompress_pallas,
                         R.decompress_accumulate_recompress_reference, False,
                         (p, x, _w(), UNITS), kw)
@@ -165,9 +170,150 @@ class TestCompileFallback:
     assert len(D._probed) >= 4 and all(v is None for v in D._probed.values())
 
 
+MOSAIC = "custom_call @mosaic_gpu"  # a Mosaic GPU kernel in StableHLO (``mosaic_gpu_v2``)
+MOSAIC_LOWERS = M.has_interpret()  # jax >= 0.12; jax 0.10.2 refuses these kernels at lowering
+A100 = "NVIDIA A100-SXM4-40GB"
+
+
+@pytest.fixture
+def mosaic_fresh(monkeypatch):
+  """Mosaic-first dispatch on (:data:`pallas_kernels.dispatch.MOSAIC_FIRST`), its probe
+  from scratch, and its log lines and warnings again."""
+  monkeypatch.setattr(D, "MOSAIC_FIRST", True)
+  D._mosaic_probed.clear()
+  D._warned.clear()
+  yield
+  D._mosaic_probed.clear()
+
+
+def _hop(implementation, s=3, plane_bits=1):
+  """A ring hop on ``s`` super-groups of two widths, and its operand types: the smallest
+  kernels (two-leaf select trees), cheap to lower."""
+  units, ws = s * 4, ((2, 3) if plane_bits == 1 else (2, 4))  # 2-bit planes: even widths
+  f = jax.jit(lambda p, x: K.decompress_accumulate_recompress(
+      p, x, jnp.full((s,), ws[-1], jnp.int32), units, eps=EPS, width_set=ws, keys=_keys(3),
+      strata=8, plane_bits=plane_bits, implementation=implementation))
+  return f, (jax.ShapeDtypeStruct((R.payload_bytes(s, units, plane_bits),), jnp.uint8),
+             jax.ShapeDtypeStruct((s, 256), jnp.float32))
+
+
+def _lower_on(device, f, args, platform="cuda"):
+  with GT.gpu_target(device):
+    return f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+class TestMosaicFirst:
+  """``implementation=None`` in a ``cuda`` lowering with Mosaic-first dispatch on: Mosaic
+  GPU where it lowers for the target GPU, Triton where it does not, each chosen by a probe
+  that lowers."""
+
+  def test_off_as_shipped_none_is_triton(self, monkeypatch):
+    monkeypatch.setattr(D, "_mosaic_probed", {})
+    assert not D.MOSAIC_FIRST  # docs/design.md says why; this test states the default
+    text = _lower_on(GT.h100(), *_hop(None))
+    assert text.count(TRITON) == 1 and MOSAIC not in text and not D._mosaic_probed
+
+  def test_h100_gets_mosaic_gpu_on_jax_012_and_triton_with_a_warning_on_0_10(self,
+                                                                              mosaic_fresh):
+    f, args = _hop(None)
+    if MOSAIC_LOWERS:
+      with warnings.catch_warnings():
+        warnings.simplefilter("error", D.KernelFallbackWarning)
+        text = _lower_on(GT.h100(), f, args)
+      assert text.count(MOSAIC) == 1 and TRITON not in text
+    else:
+      with pytest.warns(D.KernelFallbackWarning) as record:
+        text = _lower_on(GT.h100(), f, args)
+      assert text.count(TRITON) == 1 and MOSAIC not in text
+      [warning] = record
+      for part in ("Mosaic GPU kernel 'decompress_accumulate_recompress'", "does not lower",
+                   GT.H100_KIND, f"jax {jax.__version__}", "warpgroup size",
+                   "implementation='pallas'", "implementation='mosaic'"):
+        assert part in str(warning.message), (part, str(warning.message))
+    assert list(D._mosaic_probed.values()) == [None if MOSAIC_LOWERS else ANY_ERROR]
+
+  def test_forcing_each_backend(self, mosaic_fresh):
+    def lowered(impl):
+      f, args = _hop(impl)
+      return _lower_on(GT.h100(), f, args)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", D.KernelFallbackWarning)
+      triton, xla = lowered("pallas"), lowered("xla")
+      if MOSAIC_LOWERS:
+        mosaic = lowered("mosaic")
+        assert mosaic.count(MOSAIC) == 1 and TRITON not in mosaic
+      else:  # forced, the error is the user's to see
+        with pytest.raises(NotImplementedError, match="warpgroup size"):
+          lowered("mosaic")
+    assert triton.count(TRITON) == 1 and MOSAIC not in triton
+    assert TRITON not in xla and MOSAIC not in xla
+    assert not D._mosaic_probed  # a forced path is never probed
+
+  def test_probed_once_per_configuration_not_per_size(self, mosaic_fresh):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", D.KernelFallbackWarning)  # jax 0.10.2: tested above
+      texts = [_lower_on(GT.h100(), *_hop(None, s=s)) for s in (3, 20)]
+    assert len(D._mosaic_probed) == 1
+    kernel = MOSAIC if MOSAIC_LOWERS else TRITON
+    assert all(t.count(kernel) == 1 for t in texts)
+
+  def test_a100_gets_triton(self, mosaic_fresh):
+    """Older than Hopper: Triton. jax >= 0.11 knows the A100's compute capability (8.0) and
+    does not probe; jax 0.10.2 cannot tell, probes, and the lowering fails (warned)."""
+    a100 = jax.sharding.AbstractDevice(device_kind=A100, num_cores=108, platform="gpu")
+    with warnings.catch_warnings(record=True) as record:
+      warnings.simplefilter("always", D.KernelFallbackWarning)
+      text = _lower_on(a100, *_hop(None))
+    assert text.count(TRITON) == 1 and MOSAIC not in text
+    warned = [r for r in record if issubclass(r.category, D.KernelFallbackWarning)]
+    if D._capability(A100) is not None:
+      assert D._capability(A100) == 80 and not warned and not D._mosaic_probed
+    else:
+      assert len(warned) == 1 and A100 in str(warned[0].message)
+
+  def test_rocm_and_cpu_programs_never_probe_mosaic_gpu(self, monkeypatch, mosaic_fresh):
+    """``platform_dependent`` traces the cuda branch for every program: a CPU or ROCm
+    program must not lower a Mosaic GPU kernel."""
+    monkeypatch.setattr(D, "_mosaic_lowers", _no_probe(D._mosaic_lowers))
+    f, (p, x) = _hop(None)
+    assert TRITON not in f.trace(p, x).lower(lowering_platforms=("cpu",)).as_text()
+    mi300 = jax.sharding.AbstractDevice(device_kind="gfx942", num_cores=304, platform="gpu")
+    assert _lower_on(mi300, f, (p, x), platform="rocm").count(TRITON) == 1
+    assert not D._mosaic_probed
+
+  def test_unsupported_input_falls_back_to_triton_without_a_warning(self, mosaic_fresh):
+    """``plane_bits=2``: the Mosaic GPU kernels raise NotImplementedError (not written);
+    the probe reads that as unsupported input, logs it, and Triton runs."""
+    f, args = _hop(None, plane_bits=2)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", D.KernelFallbackWarning)
+      text = _lower_on(GT.h100(), f, args)
+    assert text.count(TRITON) == 1 and MOSAIC not in text
+    assert "plane_bits=1 only" in next(iter(D._mosaic_probed.values()))
+
+
+class _AnyError:
+  def __eq__(self, other):
+    return isinstance(other, str) and other.startswith("NotImplementedError")
+
+
+ANY_ERROR = _AnyError()
+
+
+def _no_probe(probe):
+  """``probe`` that fails the test if it would lower anything."""
+  def guarded(op, kernels):
+    kind, _ = D._target_gpu()
+    if kind is not None and not kind.startswith("gfx"):
+      pytest.fail(f"probed Mosaic GPU for {kind}")
+    return probe(op, kernels)
+  return guarded
+
+
 def test_jax_triton_deprecation_is_ignored_and_only_it():
   """jax >= 0.11 warns at each Triton lowering; tracing a kernel for GPU filters that alone."""
-  _cuda_text(_compress, _x(0))
+  _cuda_text(lambda x: K.compress(x, _w(), UNITS, eps=EPS, keys=_keys(0),
+                                  implementation="pallas"), _x(0))
   warnings.warn("The Pallas Triton backend is deprecated and will be removed in a future JAX "
                 "version.", DeprecationWarning)  # ignored (pytest turns warnings into errors)
   with pytest.raises(DeprecationWarning):
@@ -194,7 +340,7 @@ for program in programs:
   for _ in range(2):  # the second time the kernel's own jitted launch is a cached trace
     with warnings.catch_warnings(), T.gpu_target():  # restores the filters on exit
       text = jax.jit(program).trace(x, w, p).lower(lowering_platforms=("cuda",)).as_text()
-    assert T.TRITON in text
+    assert T.TRITON in text or "mosaic_gpu" in text  # None: Mosaic GPU first on jax 0.12
 print("lowered", len(programs) * 2)
 """
 

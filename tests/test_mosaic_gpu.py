@@ -231,8 +231,9 @@ def _check_encode(case, interpret):
 
 def test_implementation_mosaic_forces_the_mosaic_kernels():
   """The public hop (record payloads) lowered for cuda: implementation="mosaic" carries the
-  Mosaic GPU kernel (whose bits test_encode_kernels_equal_the_reference checks), None
-  still the Triton one, and off GPU "mosaic" is the reference."""
+  Mosaic GPU kernel (whose bits test_encode_kernels_equal_the_reference checks), None the
+  Triton one (Mosaic-first dispatch is off: test_kernel_dispatch.TestMosaicFirst); off GPU
+  "mosaic" is the reference."""
   s, units, ws = 3, 9, (2, 3)
   p = jax.ShapeDtypeStruct((R.payload_bytes(s, units),), jnp.uint8)
   x = jax.ShapeDtypeStruct((s, 256), jnp.float32)
@@ -240,13 +241,13 @@ def test_implementation_mosaic_forces_the_mosaic_kernels():
   geo = dict(eps=EPS, width_set=ws, keys=_keys(3), strata=8, scale_rounding="stochastic")
   hop = lambda impl: jax.jit(lambda p, x: K.decompress_accumulate_recompress(
       p, x, widths, units, **geo, implementation=impl))
+  default = lower_for("cuda", hop(None), p, x)
   if M.has_interpret():
     mosaic = lower_for("cuda", hop("mosaic"), p, x)
     assert len(MOSAIC.findall(mosaic)) == 1 and "triton" not in mosaic
   else:  # jax 0.10.2's Mosaic GPU refuses copies under 128 bytes, at lowering: forced, it raises
     with pytest.raises(NotImplementedError, match="warpgroup size"):
       lower_for("cuda", hop("mosaic"), p, x)
-  default = lower_for("cuda", hop(None), p, x)
   assert not MOSAIC.findall(default) and "triton" in default
   on_cpu = lower_for("cpu", hop("mosaic"), p, x)
   assert not MOSAIC.findall(on_cpu) and "triton" not in on_cpu

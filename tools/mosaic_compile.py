@@ -11,22 +11,23 @@ stochastic scales), the four hop kernels of both backends
 (:mod:`pallas_kernels.dynamiq_mosaic` on the planar payload,
 :mod:`pallas_kernels.dynamiq_triton` on the record payload), and reports per
 kernel the custom calls in the optimized HLO (``mosaic_gpu*`` or
-``__gpu$xla.gpu.triton``) and the seconds of its lower + compile.
+``__gpu$xla.gpu.triton``), its registers and spill bytes (``ptxas -v``,
+sm_90a: for Triton on the PTX XLA writes, for Mosaic GPU the output of the
+CUDA plugin's own Mosaic GPU pipeline, which runs in the deviceless compile:
+:func:`dynamiq_jax.bench.gpu_compile.mosaic_ptxas_report`) and the seconds of
+its lower + compile (with those dumps).
 
 ``--step`` also compiles the README's training step for 8 compile-only
 H100s (``tests/test_gpu_compile.py``'s ``compile_step``: a 512 x 256 weight,
 ``dq.compressed_psum`` in ``shard_map(check_vma=True)``) with
-``implementation=None`` (Triton) and ``"mosaic"``, and counts per step (from
-the call graph and the loops' trip counts,
+``implementation=None`` (what the dispatch picks: Mosaic GPU on jax >= 0.12,
+Triton on 0.10.2), ``"mosaic"`` and ``"pallas"`` (Triton), and counts per
+step (from the call graph and the loops' trip counts,
 :func:`~dynamiq_jax.bench.gpu_compile.per_step`) each backend's kernel
-launches, by the op that launched them, and the payload hops.
+launches, by the op that launched them, the payload hops, and each kernel's
+registers and spill bytes.
 
-What this cannot report without a GPU: the Mosaic GPU kernel's registers and
-spills. XLA keeps a Mosaic GPU kernel as serialized MLIR in its custom call;
-the jaxlib runtime lowers it to PTX and a cubin when the executable is
-loaded on a GPU (``MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1
-MOSAIC_GPU_DUMP_TO=DIR`` dumps them then; on a CPU host they stay empty).
-The Triton kernels' registers are ``tools/sass_count.py``'s.
+The Triton kernels' static instruction counts are ``tools/sass_count.py``'s.
 """
 
 from __future__ import annotations
@@ -95,15 +96,23 @@ def _launcher(line: str) -> str:
   return "".join(found[-1]) if found else "?"
 
 
+def _ptxas(build) -> dict:
+  """Registers and spill bytes per kernel of a build, both backends."""
+  from dynamiq_jax.bench import gpu_compile as G
+  return {**G.ptxas_report(build.ptx, prefix="dynamiq_"),
+          **G.mosaic_ptxas_report(build.mosaic_ptxas)}
+
+
 def measure_step() -> dict:
-  """Per implementation: kernel launches per step by launcher, payload hops, seconds."""
+  """Per implementation: kernel launches per step by launcher, payload hops, registers and
+  spill bytes per kernel, seconds."""
   import collections
 
   from dynamiq_jax.bench import gpu_compile as G
   out = {}
-  for impl in (None, "mosaic"):
+  for impl in (None, "mosaic", "pallas"):
     with G.compile_in_child(f"{_TESTS}/test_gpu_compile.py:compile_step",
-                            kwargs={"implementation": impl}, path=[_TESTS], ptx=False,
+                            kwargs={"implementation": impl}, path=[_TESTS], ptx=True,
                             xla_flags=G.DEVICELESS_XLA_FLAGS) as build:
       comps = G.parse_hlo(build.hlo[0])
       runs, _ = G.executions(comps)
@@ -115,20 +124,25 @@ def measure_step() -> dict:
             launches[f"{backend}:{_launcher(ins.line)}"] += runs.get(name, 1)
       out[str(impl)] = {"launches_per_step": dict(sorted(launches.items())),
                         "payload_hops_per_step": G.per_step(comps, G.is_payload_hop),
+                        "ptxas": dict(sorted(_ptxas(build).items())),
                         "seconds": build.seconds}
   return out
 
 
 def measure() -> dict:
-  """The report: per kernel its custom calls and compile seconds."""
+  """The report: per kernel its custom calls, registers, spill bytes and compile seconds."""
   from dynamiq_jax.bench import gpu_compile as G
-  with G.compile_in_child(f"{__file__}:compile_kernels", ptx=False) as build:
+  with G.compile_in_child(f"{__file__}:compile_kernels", ptx=True) as build:
     info = build.info
+    ptxas = _ptxas(build)
     for name, hlo in zip(info["names"], build.hlo):
       targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
       info["kernels"][name]["custom_calls"] = {
           t: targets.count(t) for t in sorted(set(targets))
           if t.startswith("mosaic_gpu") or t == G.TRITON}
+      backend, op = name.split("/")
+      entry = f"dynamiq_mosaic_{op}" if backend == "mosaic" else f"dynamiq_units_{op}_p1"
+      info["kernels"][name].update(ptxas.get(entry, {"registers": None, "spill_bytes": None}))
     info["child_seconds"] = build.seconds
   return info
 
@@ -142,20 +156,23 @@ def main(argv=None):
   args = p.parse_args(argv)
   from dynamiq_jax.bench import common
   from dynamiq_jax.bench import gpu_compile as G
-  why = G.missing(need_ptxas=False)
+  why = G.missing()
   if why:
     sys.exit(why)
   report = measure()
   print(f"Deviceless compile for one H100 (jax {report['jax']}), S={_S}, units={_UNITS}, bf16")
-  print(f"{'kernel':<42} {'seconds':>8}  custom calls")
+  print(f"{'kernel':<42} {'seconds':>8} {'registers':>9} {'spill B':>7}  custom calls")
   for name in report["names"]:
     k = report["kernels"][name]
-    print(f"{name:<42} {k['seconds']:>8.2f}  {k['custom_calls']}")
+    print(f"{name:<42} {k['seconds']:>8.2f} {k['registers']!s:>9} {k['spill_bytes']!s:>7}  "
+          f"{k['custom_calls']}")
   if args.step:
     report["step_8xh100"] = measure_step()
     for impl, r in report["step_8xh100"].items():
       print(f"8 x H100 step, implementation={impl}: {r['payload_hops_per_step']} payload hops, "
             f"launches {r['launches_per_step']}, {r['seconds']} s")
+      for kernel, k in r["ptxas"].items():
+        print(f"  {kernel:<52} {k['registers']:>4} registers, {k['spill_bytes']:>5} spill bytes")
   if args.json:
     command = " ".join(["python tools/mosaic_compile.py", *(argv or sys.argv[1:])])
     path = common.write_json(args.json, {"command": command,

@@ -28,7 +28,15 @@ the same on jax 0.10.2 and 0.12:
   ``--xla_dump_emitter_re=ptx`` (:data:`PTX_FLAGS`). XLA 0.10.2 dumped PTX
   whenever dumping was on; XLA 0.12 dumps it only when asked for this way.
   :func:`ptxas_report` runs ``ptxas -v --gpu-name=sm_90a`` on it: registers
-  and spill bytes per kernel.
+  and spill bytes per kernel. A Mosaic GPU kernel is compiled by the CUDA
+  plugin's own Mosaic GPU pipeline, which XLA's deviceless compile runs too
+  (jax 0.12); its PTX is version 9.0, newer than the ``ptxas`` of the
+  ``nvidia-cuda-nvcc-cu12`` wheel reads, so the pipeline's own ``ptxas -v``
+  output is read instead (:data:`MOSAIC_DUMP_ENV`,
+  :func:`mosaic_ptxas_report`). ``MOSAIC_GPU_DUMP_TO`` is not used: it turns
+  on every dump (MLIR after each pass, layout constraint systems: about a
+  minute more for the 8 x H100 step), and writes nothing into a directory
+  that does not exist.
 * **HLO readers**: :func:`parse_hlo` (computations and their instructions,
   from the text of jax 0.10.2 and 0.12: ``%`` before names or not, jax
   0.12's nested tuple shapes of asynchronous starts), :func:`executions`
@@ -58,10 +66,10 @@ import tempfile
 import time
 
 __all__ = [
-    "TARGET_CONFIG", "TRITON", "PTX_FLAGS", "DEVICELESS_XLA_FLAGS", "H100_KIND",
+    "TARGET_CONFIG", "TRITON", "MOSAIC", "MOSAIC_DUMP_ENV", "PTX_FLAGS", "DEVICELESS_XLA_FLAGS", "H100_KIND",
     "missing", "ptxas",
     "h100", "gpu_target", "abstract_h100_mesh", "h100_topology", "h100_devices", "h100_mesh",
-    "Build", "compile_in_child", "build_parser", "ptxas_report",
+    "Build", "compile_in_child", "build_parser", "ptxas_report", "mosaic_ptxas_report",
     "Instruction", "Computation", "parse_hlo", "executions", "per_step",
     "kernel_name", "is_payload_hop", "is_gemm", "Window", "async_windows",
 ]
@@ -70,6 +78,11 @@ TARGET_CONFIG = pathlib.Path(__file__).resolve().parent / "h100_sxm.txtpb"
 """XLA's H100 SXM GPU spec: the target of the compile-only topology."""
 TRITON = "__gpu$xla.gpu.triton"
 """custom_call_target of a Pallas Triton kernel in GPU HLO."""
+MOSAIC = "mosaic_gpu"
+"""custom_call_target prefix of a Pallas Mosaic GPU kernel in GPU HLO (``mosaic_gpu_v2``)."""
+MOSAIC_DUMP_ENV = {"MOSAIC_GPU_DUMP_PTXAS": "1"}
+"""Environment of the CUDA plugin's Mosaic GPU pipeline: it prints the ``ptxas -v`` output of
+each kernel it compiles on standard output."""
 PTX_FLAGS = ("--xla_dump_emitter_re=ptx",)
 """With ``--xla_dump_to``: XLA writes each module's PTX (``*.ptx``) there."""
 DEVICELESS_XLA_FLAGS = ("--xla_gpu_enable_cub_radix_sort=false",)
@@ -191,6 +204,9 @@ class Build:
     info: the JSON-able ``"info"`` the function returned beside its
       executables (``{}`` if none).
     ptx: PTX files XLA wrote (kept until ``cleanup()``; none unless ``ptx``).
+    mosaic_ptxas: the child's standard output, where the Mosaic GPU pipeline prints
+      the ``ptxas -v`` output of each kernel it compiles when ``ptx`` is asked for
+      (none on jax 0.10.2, whose Mosaic GPU does not lower the kernels).
     seconds: wall time of the child.
     stderr: the child's standard error.
   """
@@ -199,6 +215,7 @@ class Build:
   ptx: list[pathlib.Path]
   seconds: float
   stderr: str
+  mosaic_ptxas: str = ""
   _tmp: tempfile.TemporaryDirectory | None = None
 
   def cleanup(self):
@@ -236,7 +253,8 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
     path: directories put first on the child's ``sys.path`` (``PYTHONPATH``).
     cwd: the child's working directory (None: this process's).
     ptx: dump the PTX XLA makes (``--xla_dump_to`` and :data:`PTX_FLAGS`)
-      into :attr:`Build.ptx`.
+      into :attr:`Build.ptx`, and keep the Mosaic GPU pipeline's ``ptxas -v``
+      (:data:`MOSAIC_DUMP_ENV`) in :attr:`Build.mosaic_ptxas`.
     strict_warnings: run the child with ``-W error::DeprecationWarning``.
     timeout: seconds before the child is stopped.
 
@@ -255,6 +273,7 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
   flags = [env.get("XLA_FLAGS", ""), *xla_flags]
   if ptx:
     flags += [f"--xla_dump_to={dump}", *PTX_FLAGS]
+    env.update(MOSAIC_DUMP_ENV)
   env["XLA_FLAGS"] = " ".join(f for f in flags if f)
   env["PYTHONPATH"] = os.pathsep.join([str(p) for p in path] +
                                       [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -269,7 +288,7 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
                                        key=lambda p: int(p.stem.split("_")[1]))]
   return Build(hlo=hlo, info=json.loads((out / "info.json").read_text()),
                ptx=sorted(dump.glob("*.ptx")), seconds=round(time.perf_counter() - start, 1),
-               stderr=res.stderr, _tmp=tmp)
+               stderr=res.stderr, mosaic_ptxas=res.stdout if ptx else "", _tmp=tmp)
 
 
 def _load(target: str):
@@ -312,15 +331,31 @@ def ptxas_report(ptx_files, prefix: str = "") -> dict[str, dict[str, int]]:
   for path in ptx_files:
     res = subprocess.run([ptxas(), "-v", "--gpu-name=sm_90a", str(path), "-o", os.devnull],
                          capture_output=True, text=True, check=True)
-    for name, stores, loads, regs in re.findall(
-        r"Function properties for (\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores,"
-        r" (\d+) bytes spill loads\s*\n[^\n]*Used (\d+) registers", res.stderr):
-      if not name.startswith(prefix):
-        continue
-      prev = out.get(name, {"registers": 0, "spill_bytes": 0})
-      out[name] = {"registers": max(prev["registers"], int(regs)),
-                   "spill_bytes": max(prev["spill_bytes"], int(stores) + int(loads))}
+    _read_ptxas(res.stderr, out, prefix)
   return out
+
+
+def mosaic_ptxas_report(text: str) -> dict[str, dict[str, int]]:
+  """``{kernel: {"registers": n, "spill_bytes": stores + loads}}`` from the Mosaic GPU
+  pipeline's own ``ptxas -v`` output (:attr:`Build.mosaic_ptxas`), by kernel name (the
+  ``kernel_name`` given to ``plgpu.kernel``; the PTX entry adds ``_mosaic_gpu_kernel``);
+  a kernel compiled in several shapes keeps its largest figures."""
+  out = {}
+  _read_ptxas(text, out, "", strip="_mosaic_gpu_kernel")
+  return out
+
+
+def _read_ptxas(text: str, out: dict, prefix: str, strip: str = "") -> None:
+  for name, stores, loads, regs in re.findall(
+      r"Function properties for (\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores,"
+      r" (\d+) bytes spill loads\s*\n[^\n]*Used (\d+) registers", text):
+    if not name.startswith(prefix):
+      continue
+    if strip and name.endswith(strip):
+      name = name[:-len(strip)]
+    prev = out.get(name, {"registers": 0, "spill_bytes": 0})
+    out[name] = {"registers": max(prev["registers"], int(regs)),
+                 "spill_bytes": max(prev["spill_bytes"], int(stores) + int(loads))}
 
 
 # ----------------------------------------------------------------------------
@@ -467,10 +502,17 @@ def per_step(comps: dict[str, Computation], predicate) -> int:
 
 
 def kernel_name(ins: Instruction) -> str | None:
-  """The Pallas kernel a Triton custom call launches (``"?"`` if unnamed), else None."""
-  if ins.opcode != "custom-call" or TRITON not in ins.attributes:
+  """The Pallas kernel a Triton or Mosaic GPU custom call launches (``"?"`` if unnamed),
+  else None. A Mosaic GPU kernel is named by the ``kernel_name`` given to ``plgpu.kernel``
+  (``dynamiq_mosaic_*``), which its op name carries."""
+  if ins.opcode != "custom-call":
     return None
-  m = re.search(r'/(dynamiq_\w+)/pallas_call', ins.attributes)
+  if TRITON in ins.attributes:
+    m = re.search(r'/(dynamiq_\w+)/pallas_call', ins.attributes)
+  elif f'custom_call_target="{MOSAIC}' in ins.attributes:
+    m = re.search(r'op_name="[^"]*/(dynamiq_mosaic_\w+)/', ins.attributes)
+  else:
+    return None
   return m.group(1) if m else "?"
 
 
