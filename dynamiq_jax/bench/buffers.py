@@ -122,7 +122,10 @@ def parse_dump(hlo: str, assignment: str, live_range: str,
     ``temp_live_at_peak`` (bytes), ``at_peak`` (category -> scratch bytes live
     at the peak), ``arguments`` (category -> argument bytes), ``own_max``
     (category, or group, -> the most scratch bytes of it live at once, at
-    any instant), ``xla_peak`` (the peak XLA's live-range file reports,
+    any instant), ``own_max_time`` (category or group -> the instruction index
+    where that most is first reached), ``last_defined`` (category -> the index of
+    the last instruction defining a scratch value of it; for the backward pass,
+    where it ends), ``program_length`` (instructions in the schedule), ``xla_peak`` (the peak XLA's live-range file reports,
     arguments included, its values counted as it counts them) and
     ``xla_peak_recounted`` (that sum recomputed here from the parsed ranges:
     equal when this parser reads the files as XLA wrote them).
@@ -167,6 +170,7 @@ def parse_dump(hlo: str, assignment: str, live_range: str,
   owner = {}  # slot -> category of its first live value
   by_cat = collections.Counter()
   own_max = collections.Counter()
+  own_max_time, last_defined = {}, {}
   live = best = 0
   best_time, best_split = 0, {}
   for t in sorted(temp_events):
@@ -176,10 +180,13 @@ def parse_dump(hlo: str, assignment: str, live_range: str,
           owner[slot] = cat
           live += slot[1]
           by_cat[cat] += slot[1]
-          own_max[cat] = max(own_max[cat], by_cat[cat])
+          if by_cat[cat] > own_max[cat]:
+            own_max[cat], own_max_time[cat] = by_cat[cat], t
+          last_defined[cat] = t
           for group, members in (groups or {}).items():
-            if cat in members:
-              own_max[group] = max(own_max[group], sum(by_cat[c] for c in members))
+            total = sum(by_cat[c] for c in members)
+            if cat in members and total > own_max[group]:
+              own_max[group], own_max_time[group] = total, t
         slots[slot] += 1
       else:
         slots[slot] -= 1
@@ -190,6 +197,8 @@ def parse_dump(hlo: str, assignment: str, live_range: str,
       best, best_time, best_split = live, t, {k: v for k, v in by_cat.items() if v}
   return {"peak_time": best_time, "temp_live_at_peak": best, "at_peak": best_split,
           "arguments": dict(arguments), "own_max": dict(own_max),
+          "own_max_time": own_max_time, "last_defined": last_defined,
+          "program_length": max(end for _, _, _, end in ranges) + 1,
           "xla_peak": int(xla_peak.group(1).replace(" ", "")) if xla_peak else None,
           "xla_peak_recounted": recount if peak else None, "unmatched_values": missing}
 

@@ -171,7 +171,8 @@ def memory_rows(tiny: bool, text, codec: str = "dynamiq", bucket_sizes=(None,),
         "alias_bytes": peak["alias_bytes"],
         "peak": {k: peak[k] for k in ("at_peak", "own_max", "arguments", "temp_live_at_peak",
                                       "packing", "peak_time", "xla_peak",
-                                      "xla_peak_recounted")},
+                                      "xla_peak_recounted", "own_max_time", "last_defined",
+                                      "program_length")},
     })
   return rows
 
@@ -377,7 +378,7 @@ def _memory_lines(rows) -> list[str]:
   out.append(f"\n== the most bytes of each category live at once, at any point of the step, "
              f"per device, {unit} ==")
   out.append(f"{'layout':<8}{'bucket':>7}" + "".join(f"{c.split()[0][:10]:>12}" for c in CATEGORIES)
-             + f"{'gradient':>10}{'x':>7}{'whole':>8}")
+             + f"{'gradient':>10}{'x':>7}{'whole':>8}{'at':>7}{'bwd end':>9}")
   base = {}
   for r in split:
     most = r["peak"]["own_max"]
@@ -385,16 +386,31 @@ def _memory_lines(rows) -> list[str]:
     b = base.setdefault(r["bucket_size"], grad)
     out.append(f"{r['layout']:<8}{_pow2(r['bucket_size']):>7}"
                + "".join(f"{mb(most.get(c, 0)):>12}" for c in CATEGORIES)
-               + f"{mb(grad):>10}{grad / max(b, 1):>6.3f}x{mb(r['param_bytes']):>8}")
+               + f"{mb(grad):>10}{grad / max(b, 1):>6.3f}x{mb(r['param_bytes']):>8}"
+               + _when(r["peak"]))
   out.append("(categories by the op_name of the instruction defining each buffer: gathered: "
              "the gather_params scope; activations: jvp(...), the forward pass; backward: "
              "transpose(jvp(...)), parameter gradients and activation cotangents; reduction: "
              "the compressed_psum / compressed_psum_scatter scopes, gradient buckets, codec "
              "buffers, the reduced gradient; optimizer: the rest of the optimizer scope. "
-             "gradient = backward + reduction; x: of the data layout's. live: scratch bytes "
+             "gradient = backward + reduction; x: of the data layout's. at: where in the "
+             "step's schedule the gradient is at its most, bwd end: where the backward pass "
+             "defines its last buffer, both as fractions of the scheduled instructions. live: "
+             "scratch bytes "
              "live at the peak (buffers sharing a slot counted once); packing: temp - live, "
              "what XLA's heap layout adds; whole: the model's parameter bytes)")
   return out
+
+
+def _when(p) -> str:
+  """Where the gradient is at its most and where the backward pass ends, as fractions of
+  the schedule (blank for results written before these were recorded)."""
+  if "own_max_time" not in p or "gradient" not in p["own_max_time"]:
+    return ""
+  length = max(p["program_length"], 1)
+  end = p["last_defined"].get("backward")
+  return (f"{p['own_max_time']['gradient'] / length:>7.2f}"
+          + (f"{end / length:>9.2f}" if end is not None else f"{'-':>9}"))
 
 
 def _pow2(size) -> str:
