@@ -3,8 +3,8 @@ buffer assignment.
 
 ``compiled.memory_analysis()`` says how large the argument buffers and the
 scratch ("temp") allocation are, not what the scratch holds. :func:`breakdown`
-compiles a lowered program once more with XLA's dump switched on for that
-compile only (``compiler_options={"xla_dump_to": ...}``, in a temporary
+compiles a lowered program with XLA's dump switched on for that compile
+only (``compiler_options={"xla_dump_to": ...}``, in a temporary
 directory), and reads three files XLA writes for the optimized module:
 
 * ``*after_optimizations.txt``, the HLO: each instruction's ``op_name``
