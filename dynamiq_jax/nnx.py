@@ -259,7 +259,8 @@ class DataParallel:
       # reduces them (compressed), not XLA.
       loss, grads = jax.value_and_grad(loss_of)(self._full_params(params, (0,)))
       extra = {"specs": self._param_specs(params, (0,))} if model_axes else {}
-      optimizer.update(model, grads, **extra)
+      with jax.named_scope("optimizer"):  # the reduction and the update, labelled in profiles
+        optimizer.update(model, grads, **extra)
       return nnx.state((model, optimizer)), _mean_over(loss, axes)
 
     data_specs = self._data_specs()

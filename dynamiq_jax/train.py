@@ -246,6 +246,7 @@ def _checked(axis) -> bool:
   return bool(set(axis_names(axis)) <= varying_axes(jax.lax.axis_index(axis)))
 
 
+@jax.named_scope("gather_params")  # labels the gathered parameters in profiles
 def _gather(p, dims, axes):
   """A parameter split over the data axes (``dims``: ``[(dim, axes)]``), all-gathered at
   its own precision; a replicated one marked per-rank (so that ``jax.grad`` leaves its
@@ -322,7 +323,8 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
       full = spec_def.unflatten(
           [_gather(p, d, axes) for p, d in zip(spec_def.flatten_up_to(params), dims)])
       out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(full, batch)
-      updates, opt_state = tx.update(grads, opt_state, params, **extra)
+      with jax.named_scope("optimizer"):
+        updates, opt_state = tx.update(grads, opt_state, params, **extra)
       if sharded:
         _check_shard_updates(updates, params)
       params = optax.apply_updates(params, updates)

@@ -128,6 +128,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                                      max_buckets=max_buckets, leaf_order=leaf_order),
         residual=residual, error_estimate=jnp.zeros([], jnp.float32))
 
+  @jax.named_scope("compressed_psum")  # labels the reduction's buffers and ops in profiles
   def update_fn(updates, state, params=None, *, specs=None, **extra_args):
     del params, extra_args
     n = axis_size(axis_name)  # raises the library's UnboundAxisError under plain jax.jit
@@ -261,6 +262,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
         key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
         residual=residual, error_estimate=jnp.zeros([], jnp.float32))
 
+  @jax.named_scope("compressed_psum_scatter")  # as compressed_psum's
   def update_fn(updates, state, params=None, *, specs=None, **extra_args):
     del extra_args
     hier = schedule in ("hierarchical", "hierarchical-butterfly")

@@ -220,11 +220,33 @@ def test_sharded_tiny(tmp_path):
   mem = {r["layout"]: r for r in payload["memory"]}
   assert set(mem) == {"data", "zero", "hsdp"}
   full = mem["data"]["optimizer_bytes_per_device"]
-  assert mem["zero"]["optimizer_bytes_per_device"] < full / 6  # split over 8 (small leaves not)
-  assert mem["hsdp"]["optimizer_bytes_per_device"] < full / 3  # split over 4
+  # every leaf of the tiny LM splits (min_size=0): Adam's moments are 1/n per device, up to
+  # scalars such as the step count
+  assert full / 8 <= mem["zero"]["optimizer_bytes_per_device"] < 1.01 * full / 8
+  assert full / 4 <= mem["hsdp"]["optimizer_bytes_per_device"] < 1.01 * full / 4
+  for r in mem.values():  # the scratch split (bench.buffers) holds all of the live scratch
+    assert sum(r["peak"]["at_peak"].values()) == r["peak"]["temp_live_at_peak"] > 0
+    assert r["peak"]["xla_peak_recounted"] == r["peak"]["xla_peak"]
+    assert r["peak"]["own_max"]["gradient"] > 0
+  for layout in ("zero", "hsdp"):  # they gather the parameters for the forward pass
+    assert mem[layout]["peak"]["own_max"]["gathered parameters"] >= mem[layout]["param_bytes"] / 2
+  assert "gathered parameters" not in mem["data"]["peak"]["own_max"]
+  # The gradient (backward values + the reduction's buffers), at the step's peak and at its
+  # own most: NOT 1/n today (docs/results/sharded.md: the whole local gradient exists after
+  # the backward pass in every layout, and the reduce-scatter's buffers are its bucket's
+  # size). With the default buckets the sharded steps hold no more gradient than the
+  # replicated one (1.00x here with F32; 0.74x / 0.59x with DynamiQ at full size): a change
+  # that makes them hold more (a copy of the gradient, a bucket kept longer) fails here.
+  for layout in ("zero", "hsdp"):
+    for when in ("at_peak", "own_max"):
+      got, ref = mem[layout]["peak"][when], mem["data"]["peak"][when]
+      got, ref = ((sharded.gradient_bytes(got), sharded.gradient_bytes(ref))
+                  if when == "at_peak" else (got["gradient"], ref["gradient"]))
+      assert got <= 1.05 * ref, (layout, when, got, ref)
   with open(os.path.join(tmp_path, "sharded.json")) as f:
     assert json.load(f)["memory"] == payload["memory"]
-  assert "memory_analysis() per device" in (tmp_path / "sharded.md").read_text()
+  text = (tmp_path / "sharded.md").read_text()
+  assert "memory_analysis() per device" in text and "the scratch at the step's peak" in text
 
 
 @pytest.mark.slow  # .ci/run-slow: 2 worker processes; test_sharded.py trains hsdp in-process

@@ -16,7 +16,12 @@ devices, trained with ``dq.nnx.DataParallel`` and DynamiQ (5 bits):
    replicated layout (``data``: parameters and Adam state on every device,
    ``compressed_psum``) against the sharded optimizer (``zero``: both split over
    the 8 devices, ``compressed_psum_scatter``) and ``hsdp`` (split over the 4
-   devices of a host). Arguments are the parameters and the optimizer state.
+   devices of a host). Arguments are the parameters and the optimizer state;
+   the scratch is split by what its buffers hold (gathered parameters,
+   activations, backward values, the reduction's buckets and codec buffers,
+   the optimizer's update) from XLA's own buffer assignment
+   (:mod:`dynamiq_jax.bench.buffers`, :func:`categorize`), at the step's peak and
+   as each category's own maximum over the step.
 3. ``hsdp``: the ``hsdp`` layout (2 hosts x 4 devices) trained for ``--steps``
    steps twice: on 8 simulated devices in this process, and as 2 processes x 4
    CPU devices (:mod:`dynamiq_jax.multiprocess`, gloo), each process in its own
@@ -45,7 +50,8 @@ import numpy as np
 
 from dynamiq_jax.bench import common
 
-__all__ = ["main", "collective_table", "memory_rows", "expected_slow_bytes"]
+__all__ = ["main", "collective_table", "memory_rows", "expected_slow_bytes", "categorize",
+           "CATEGORIES", "gradient_bytes"]
 
 HEADER_BYTES = 66
 """Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes per packet."""
@@ -96,18 +102,55 @@ def collective_table(tiny: bool, text, codec: str = "dynamiq") -> list[dict]:
   return rows
 
 
-def memory_rows(tiny: bool, text, codec: str = "dynamiq", bucket_sizes=(None,)) -> list[dict]:
+CATEGORIES = ("gathered parameters", "activations", "backward", "reduction", "optimizer update",
+              "other")
+"""The scratch categories of :func:`categorize`, in the order the report prints them."""
+
+
+def categorize(op_name: str, is_argument: bool) -> str:
+  """The category of a buffer of the training step, from the ``op_name`` of the
+  instruction that defines it (:mod:`dynamiq_jax.bench.buffers`).
+
+  Arguments: ``parameters`` (``state[0]``, the model), ``optimizer state``
+  (``state[1]``), ``other`` (the batch). Scratch: ``reduction`` (the named scopes
+  ``compressed_psum`` / ``compressed_psum_scatter``: gradient buckets, codec buffers,
+  the reduced gradient), ``gathered parameters`` (``gather_params``: parameters
+  all-gathered for the forward pass), ``backward`` (``transpose(jvp(...))``: parameter
+  gradients and the activations' cotangents), ``activations`` (``jvp(...)``: forward
+  values, kept for the backward pass), ``optimizer update`` (the rest of the
+  ``optimizer`` scope: Adam's arithmetic), ``other``.
+  """
+  if is_argument:
+    return ("parameters" if op_name.startswith("state[0]") else
+            "optimizer state" if op_name.startswith("state[1]") else "other")
+  if "compressed_psum" in op_name:
+    return "reduction"
+  if "gather_params" in op_name:
+    return "gathered parameters"
+  if "transpose(" in op_name:
+    return "backward"
+  if "jvp(" in op_name:
+    return "activations"
+  if "optimizer" in op_name:
+    return "optimizer update"
+  return "other"
+
+
+def memory_rows(tiny: bool, text, codec: str = "dynamiq", bucket_sizes=(None,),
+                layouts=("data", "zero", "hsdp")) -> list[dict]:
   """Part 2: ``memory_analysis()`` per device of the replicated, zero and hsdp steps, for
-  each of ``bucket_sizes`` (None: the library's default)."""
+  each of ``bucket_sizes`` (None: the library's default), and what the step's scratch
+  holds at its peak, by :func:`categorize` (:func:`dynamiq_jax.bench.buffers.breakdown`)."""
   import jax
   from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
+  from dynamiq_jax.bench import buffers
   rows = []
-  for layout, bucket_size in [(a, b) for b in bucket_sizes for a in ("data", "zero", "hsdp")]:
+  for layout, bucket_size in [(a, b) for b in bucket_sizes for a in layouts]:
     bucket_size = bucket_size or DEFAULT_BUCKET_SIZE
     config = _config(layout, tiny, codec=codec, bucket_size=bucket_size,
                      **({} if tiny else MEMORY_MODEL))
     lowered, dp = _lowered(config, jax.devices(), text)
-    mem = lowered.compile().memory_analysis()
+    peak, _ = buffers.breakdown(lowered, categorize, {"gradient": GRADIENT})
     state = dp.state
     params, opt = state[0], state[1]
 
@@ -118,15 +161,29 @@ def memory_rows(tiny: bool, text, codec: str = "dynamiq", bucket_sizes=(None,)) 
     rows.append({
         "layout": layout, "mesh": dict(dp.mesh.shape), "bucket_size": bucket_size,
         "params": int(sum(x.size for x in jax.tree.leaves(params))),
+        "param_bytes": full,
         "param_bytes_per_device": per_device(params),
         "gathered_param_bytes": full - per_device(params),
         "optimizer_bytes_per_device": per_device(opt),
-        "argument_bytes": int(mem.argument_size_in_bytes),
-        "output_bytes": int(mem.output_size_in_bytes),
-        "temp_bytes": int(mem.temp_size_in_bytes),
-        "alias_bytes": int(mem.alias_size_in_bytes),
+        "argument_bytes": peak["argument_bytes"],
+        "output_bytes": peak["output_bytes"],
+        "temp_bytes": peak["temp_bytes"],
+        "alias_bytes": peak["alias_bytes"],
+        "peak": {k: peak[k] for k in ("at_peak", "own_max", "arguments", "temp_live_at_peak",
+                                      "packing", "peak_time", "xla_peak",
+                                      "xla_peak_recounted", "own_max_time", "last_defined",
+                                      "program_length")},
     })
   return rows
+
+
+GRADIENT = ("backward", "reduction")
+"""The categories that together hold the gradient."""
+
+
+def gradient_bytes(split: dict) -> int:
+  """The gradient's bytes in a category split (:data:`GRADIENT`)."""
+  return int(sum(split.get(c, 0) for c in GRADIENT))
 
 
 def expected_slow_bytes(config, local_devices: int, hosts: int) -> dict:
@@ -261,25 +318,7 @@ def _lines(payload) -> list[str]:
     for m in row["over_model"]:
       out.append(f"    {m['op']:<20}{m['shape']:<40}{m['op_name'][-60:]}")
   if payload.get("memory"):
-    rows = payload["memory"]
-    out.append(f"\n== memory_analysis() per device, bytes (x: of the {rows[0]['layout']} "
-               f"layout's at the same bucket size) ==")
-    out.append(f"{'layout':<8}{'mesh':<26}{'bucket':>10}{'params':>12}{'Adam state':>20}"
-               f"{'arguments':>13}{'temp':>20}{'temp - gathered':>23}")
-    base = {}
-    for r in rows:
-      size = r.get("bucket_size", 0)
-      opt, temp = r["optimizer_bytes_per_device"], r["temp_bytes"]
-      rest = temp - r.get("gathered_param_bytes", 0)
-      b = base.setdefault(size, (opt, temp, rest))
-      out.append(f"{r['layout']:<8}{str(r['mesh']):<26}{_pow2(size):>10}"
-                 f"{r['param_bytes_per_device']:>12,}{opt:>13,} {opt / b[0]:>5.3f}x"
-                 f"{r['argument_bytes']:>13,}{temp:>13,} {temp / b[1]:>5.3f}x"
-                 f"{rest:>16,} {rest / b[2]:>5.3f}x")
-    out.append("(arguments: parameters and optimizer state. temp: XLA's scratch at the step's "
-               "peak: activations kept for the backward pass, gradient buckets, and for zero "
-               "and hsdp the parameters all-gathered for the forward pass; temp - gathered "
-               "leaves those out)")
+    out += _memory_lines(payload["memory"])
   h = payload.get("hsdp")
   if h:
     how = "network namespaces" if h["namespaces"] else "loopback: bytes not measured"
@@ -297,6 +336,81 @@ def _lines(payload) -> list[str]:
                    f"{link['tx_payload_estimate'] / e['per_process']:.3f}x expected), "
                    f"rx {link['rx_bytes']:,.0f} B/step")
   return out
+
+
+def _memory_lines(rows) -> list[str]:
+  """The memory part of the report: memory_analysis() per layout, then the peak's split."""
+  big = max(r["temp_bytes"] for r in rows) >= 1e7
+  unit, scale = ("MB", 1e6) if big else ("kB", 1e3)
+  mb = lambda b: f"{b / scale:.1f}"
+  out = [f"\n== memory_analysis() per device, bytes (x: of the {rows[0]['layout']} "
+         f"layout's at the same bucket size) ==",
+         f"{'layout':<8}{'mesh':<26}{'bucket':>10}{'params':>12}{'Adam state':>20}"
+         f"{'arguments':>13}{'temp':>20}"]
+  base = {}
+  for r in rows:
+    size = r.get("bucket_size", 0)
+    opt, temp = r["optimizer_bytes_per_device"], r["temp_bytes"]
+    b = base.setdefault(size, (opt, temp))
+    out.append(f"{r['layout']:<8}{str(r['mesh']):<26}{_pow2(size):>10}"
+               f"{r['param_bytes_per_device']:>12,}{opt:>13,} {opt / b[0]:>5.3f}x"
+               f"{r['argument_bytes']:>13,}{temp:>13,} {temp / b[1]:>5.3f}x")
+  out.append("(arguments: parameters and optimizer state, every step. temp: XLA's scratch "
+             "allocation for the step, split below)")
+  split = [r for r in rows if "peak" in r]
+  if not split:
+    return out
+  out.append(f"\n== the scratch at the step's peak, per device, {unit} (XLA's buffer "
+             f"assignment, dynamiq_jax.bench.buffers) ==")
+  head = (f"{'layout':<8}{'bucket':>7}" + "".join(f"{c.split()[0][:10]:>12}" for c in CATEGORIES)
+          + f"{'live':>9}{'packing':>9}{'temp':>9}{'gradient':>10}{'x':>7}")
+  out.append(head)
+  base = {}
+  for r in split:
+    p = r["peak"]
+    at = p["at_peak"]
+    grad = gradient_bytes(at)
+    b = base.setdefault(r["bucket_size"], grad)
+    out.append(f"{r['layout']:<8}{_pow2(r['bucket_size']):>7}"
+               + "".join(f"{mb(at.get(c, 0)):>12}" for c in CATEGORIES)
+               + f"{mb(p['temp_live_at_peak']):>9}{mb(p['packing']):>9}{mb(r['temp_bytes']):>9}"
+               f"{mb(grad):>10}{grad / max(b, 1):>6.3f}x")
+  out.append(f"\n== the most bytes of each category live at once, at any point of the step, "
+             f"per device, {unit} ==")
+  out.append(f"{'layout':<8}{'bucket':>7}" + "".join(f"{c.split()[0][:10]:>12}" for c in CATEGORIES)
+             + f"{'gradient':>10}{'x':>7}{'whole':>8}{'at':>7}{'bwd end':>9}")
+  base = {}
+  for r in split:
+    most = r["peak"]["own_max"]
+    grad = most.get("gradient", 0)
+    b = base.setdefault(r["bucket_size"], grad)
+    out.append(f"{r['layout']:<8}{_pow2(r['bucket_size']):>7}"
+               + "".join(f"{mb(most.get(c, 0)):>12}" for c in CATEGORIES)
+               + f"{mb(grad):>10}{grad / max(b, 1):>6.3f}x{mb(r['param_bytes']):>8}"
+               + _when(r["peak"]))
+  out.append("(categories by the op_name of the instruction defining each buffer: gathered: "
+             "the gather_params scope; activations: jvp(...), the forward pass; backward: "
+             "transpose(jvp(...)), parameter gradients and activation cotangents; reduction: "
+             "the compressed_psum / compressed_psum_scatter scopes, gradient buckets, codec "
+             "buffers, the reduced gradient; optimizer: the rest of the optimizer scope. "
+             "gradient = backward + reduction; x: of the data layout's. at: where in the "
+             "step's schedule the gradient is at its most, bwd end: where the backward pass "
+             "defines its last buffer, both as fractions of the scheduled instructions. live: "
+             "scratch bytes "
+             "live at the peak (buffers sharing a slot counted once); packing: temp - live, "
+             "what XLA's heap layout adds; whole: the model's parameter bytes)")
+  return out
+
+
+def _when(p) -> str:
+  """Where the gradient is at its most and where the backward pass ends, as fractions of
+  the schedule (blank for results written before these were recorded)."""
+  if "own_max_time" not in p or "gradient" not in p["own_max_time"]:
+    return ""
+  length = max(p["program_length"], 1)
+  end = p["last_defined"].get("backward")
+  return (f"{p['own_max_time']['gradient'] / length:>7.2f}"
+          + (f"{end / length:>9.2f}" if end is not None else f"{'-':>9}"))
 
 
 def _pow2(size) -> str:
