@@ -130,13 +130,16 @@ def _load(ref, layout):
 
 def _select_tree(index, values, start: int = 0):
   """``values[index - start]`` (static float values; ``index`` an int32 or uint32 array,
-  in range) by a balanced tree of selects: ``len(values) - 1`` selects, no gather."""
-  if len(values) == 1:
-    return jnp.float32(values[0])
-  mid = len(values) // 2
-  bound = jnp.asarray(start + mid, index.dtype)
-  return jnp.where(index < bound, _select_tree(index, values[:mid], start),
-                   _select_tree(index, values[mid:], start + mid))
+  in range) by a chain of selects: ``len(values) - 1`` compares and selects, no gather.
+
+  A chain (``out = where(index >= start + i, values[i], out)`` for ascending ``i``)
+  keeps one partial result live; a balanced tree of as many selects keeps up to half
+  its leaves live, which for a width's 128 levels held all 255 registers of a thread
+  and spilled (``python tools/mosaic_regs.py``)."""
+  out = jnp.float32(values[0])
+  for i, v in enumerate(values[1:], start=1):
+    out = jnp.where(index >= jnp.asarray(start + i, index.dtype), jnp.float32(v), out)
+  return out
 
 
 def _row_vector(scalars, row_sg, dtype):
