@@ -29,8 +29,9 @@ TMA unit fills such reads with zeros and drops writes past the output's
 end.
 
 Level lookups have no gather: the magnitude index ``l`` of a code and its
-sign come from its top bit, and ``lam[l]`` is a balanced select tree over
-the width's constant levels (``R`` selects), one tree per width of the set,
+sign come from its top bit, and ``lam[l]`` is a chain of selects over
+the width's constant levels (``R`` selects, one partial result live: a
+balanced tree spilled, :func:`_select_tree`), one chain per width of the set,
 chosen per row by the super-group's width. The arithmetic is the
 reference's: ``lam * (k * V)`` in float32 (exact: 8 x 16 significant bits),
 then ``+ x``; so the output equals
@@ -546,7 +547,7 @@ def compress_planar(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1
 
   One Mosaic GPU launch computes each super-group's scales and codes (the
   reference's arithmetic, :func:`~pallas_kernels.dynamiq_block.round_levels`,
-  with levels from a select tree) and writes its plane words; XLA then places
+  with levels from a select chain) and writes its plane words; XLA then places
   the planes at their units (:func:`~pallas_kernels.dynamiq_reference._place`)
   and concatenates the planes, extra passes a finished kernel would not make.
 

@@ -11,7 +11,9 @@ the ``gpu-compile`` extra) compiles the four kernels of
 stochastic scales; each other row changes one knob), each under its own
 kernel name prefix so that the Mosaic GPU pipeline's ``ptxas -v`` output
 (:func:`~dynamiq_jax.bench.gpu_compile.mosaic_ptxas_report`) tells them
-apart. The super-groups per program (:data:`~pallas_kernels.dynamiq_mosaic.BLOCK`
+apart. ``None``: the operation does not depend on that row's knob (the
+decode kernels on the value dtype, scale rounding or strata), so jax reuses
+the kernel of an earlier row and compiles nothing. The super-groups per program (:data:`~pallas_kernels.dynamiq_mosaic.BLOCK`
 = 8, 64 rows) and the warpgroup per program are not knobs: the kernels use
 the WGMMA register layout, whose tile is 64 rows for one warpgroup of 128
 threads (16 values of a ``[64, 32]`` array per thread).
