@@ -155,11 +155,12 @@ register layout (Hopper)."""
 
 MOSAIC_FIRST = False
 """Whether ``implementation=None`` tries the Mosaic GPU kernels first in a ``cuda``
-lowering (:func:`_mosaic_lowers`). Off: Triton's path, as before. Kept off because of two
-measurements of the deviceless 8 x H100 compile on jax 0.12.0.1 (docs/design.md, "Mosaic
-GPU"): every Mosaic GPU kernel uses 255 registers and spills, and with them the 12-layer
-step of ``tests/test_overlap.py`` places fewer backward GEMMs inside collective windows
-than ``pmean`` does (11 against 13; Triton's: 17). Tests turn it on to check the
+lowering (:func:`_mosaic_lowers`). Off: Triton's path, as before. Kept off because of a
+measurement of the deviceless 8 x H100 compile on jax 0.12.0.1 (docs/design.md, "Mosaic
+GPU"): with the Mosaic GPU kernels the 12-layer step of ``tests/test_overlap.py`` placed
+fewer backward GEMMs inside collective windows than ``pmean`` does (11 against 13;
+Triton's: 17; the same with the spill-free kernels of the select chains).
+Their speed against Triton's is not measured (no GPU). Tests turn it on to check the
 mechanism; turning it on here makes ``implementation=None`` Mosaic-first everywhere."""
 
 

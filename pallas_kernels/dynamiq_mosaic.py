@@ -29,8 +29,9 @@ TMA unit fills such reads with zeros and drops writes past the output's
 end.
 
 Level lookups have no gather: the magnitude index ``l`` of a code and its
-sign come from its top bit, and ``lam[l]`` is a balanced select tree over
-the width's constant levels (``R`` selects), one tree per width of the set,
+sign come from its top bit, and ``lam[l]`` is a chain of selects over
+the width's constant levels (``R`` selects, one partial result live: a
+balanced tree spilled, :func:`_select_tree`), one chain per width of the set,
 chosen per row by the super-group's width. The arithmetic is the
 reference's: ``lam * (k * V)`` in float32 (exact: 8 x 16 significant bits),
 then ``+ x``; so the output equals
@@ -130,13 +131,16 @@ def _load(ref, layout):
 
 def _select_tree(index, values, start: int = 0):
   """``values[index - start]`` (static float values; ``index`` an int32 or uint32 array,
-  in range) by a balanced tree of selects: ``len(values) - 1`` selects, no gather."""
-  if len(values) == 1:
-    return jnp.float32(values[0])
-  mid = len(values) // 2
-  bound = jnp.asarray(start + mid, index.dtype)
-  return jnp.where(index < bound, _select_tree(index, values[:mid], start),
-                   _select_tree(index, values[mid:], start + mid))
+  in range) by a chain of selects: ``len(values) - 1`` compares and selects, no gather.
+
+  A chain (``out = where(index >= start + i, values[i], out)`` for ascending ``i``)
+  keeps one partial result live; a balanced tree of as many selects keeps up to half
+  its leaves live, which for a width's 128 levels held all 255 registers of a thread
+  and spilled (``python tools/mosaic_regs.py``)."""
+  out = jnp.float32(values[0])
+  for i, v in enumerate(values[1:], start=1):
+    out = jnp.where(index >= jnp.asarray(start + i, index.dtype), jnp.float32(v), out)
+  return out
 
 
 def _row_vector(scalars, row_sg, dtype):
@@ -543,7 +547,7 @@ def compress_planar(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1
 
   One Mosaic GPU launch computes each super-group's scales and codes (the
   reference's arithmetic, :func:`~pallas_kernels.dynamiq_block.round_levels`,
-  with levels from a select tree) and writes its plane words; XLA then places
+  with levels from a select chain) and writes its plane words; XLA then places
   the planes at their units (:func:`~pallas_kernels.dynamiq_reference._place`)
   and concatenates the planes, extra passes a finished kernel would not make.
 

@@ -20,8 +20,9 @@ its lower + compile (with those dumps).
 ``--step`` also compiles the README's training step for 8 compile-only
 H100s (``tests/test_gpu_compile.py``'s ``compile_step``: a 512 x 256 weight,
 ``dq.compressed_psum`` in ``shard_map(check_vma=True)``) with
-``implementation=None`` (what the dispatch picks: Mosaic GPU on jax >= 0.12,
-Triton on 0.10.2), ``"mosaic"`` and ``"pallas"`` (Triton), and counts per
+``implementation=None`` (what the dispatch picks: Triton while
+:data:`pallas_kernels.dispatch.MOSAIC_FIRST` is off; with it on, Mosaic GPU on
+jax >= 0.12 and Triton on 0.10.2), ``"mosaic"`` and ``"pallas"`` (Triton), and counts per
 step (from the call graph and the loops' trip counts,
 :func:`~dynamiq_jax.bench.gpu_compile.per_step`) each backend's kernel
 launches, by the op that launched them, the payload hops, and each kernel's
