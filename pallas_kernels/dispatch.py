@@ -159,7 +159,9 @@ lowering (:func:`_mosaic_lowers`). Off: Triton's path, as before. Kept off becau
 measurement of the deviceless 8 x H100 compile on jax 0.12.0.1 (docs/design.md, "Mosaic
 GPU"): with the Mosaic GPU kernels the 12-layer step of ``tests/test_overlap.py`` placed
 fewer backward GEMMs inside collective windows than ``pmean`` does (11 against 13;
-Triton's: 17; the same with the spill-free kernels of the select chains).
+Triton's: 17; the same with the spill-free kernels of the select chains): the XLA
+fusions that convert record <-> planar payloads around each launch sit between the ring
+hops (``tools/mosaic_overlap.py``).
 Their speed against Triton's is not measured (no GPU). Tests turn it on to check the
 mechanism; turning it on here makes ``implementation=None`` Mosaic-first everywhere."""
 
