@@ -237,18 +237,34 @@ def _split(args, kwargs):
   return [leaves[i] for i in where], rebuild
 
 
-def _compile_alone(kernel, device, args, kwargs):
-  """Compiles ``kernel(*args, **kwargs)`` by itself for ``device``; raises what XLA raises."""
+def _alone(kernel, args, kwargs, device=None):
+  """``(jitted, structs)``: ``kernel(*args, **kwargs, interpret=False)`` by itself, as a
+  jitted function of the call's operands, and those operands as ``jax.ShapeDtypeStruct``
+  (placed on ``device`` when given)."""
   operands, rebuild = _split(args, kwargs)
-  sharding = jax.sharding.SingleDeviceSharding(device)
+  sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
   structs = [jax.ShapeDtypeStruct(np.shape(v), _dtype(v), sharding=sharding) for v in operands]
 
   def alone(*operands):
     a, kw = rebuild(operands)
     return kernel(*a, **kw, interpret=False)
 
+  return jax.jit(alone), structs
+
+
+def _signature(args, kwargs) -> tuple:
+  """``(static, types)`` of a call, which key a probe's result: the non-array arguments
+  (their repr: the format, strata, ...) and the operands' dtypes and shapes."""
+  operands, _ = _split(args, kwargs)
+  static = tuple(repr(v) for v in jax.tree.leaves((args, kwargs)) if not isinstance(v, _ARRAYS))
+  return static, _types(operands)
+
+
+def _compile_alone(kernel, device, args, kwargs):
+  """Compiles ``kernel(*args, **kwargs)`` by itself for ``device``; raises what XLA raises."""
+  jitted, structs = _alone(kernel, args, kwargs, device)
   with warnings.catch_warnings():
-    jax.jit(alone).lower(*structs).compile()
+    jitted.lower(*structs).compile()
 
 
 def _kernel_compiles(op, kernel, args, kwargs) -> bool:
@@ -267,11 +283,8 @@ def _kernel_compiles(op, kernel, args, kwargs) -> bool:
   gpus = _local_gpus()
   if not gpus or _targets_another_gpu(gpus[0]):
     return True
-  operands, _ = _split(args, kwargs)
-  types = _types(operands)
-  static = tuple(repr(v) for v in jax.tree.leaves((args, kwargs))
-                 if not isinstance(v, _ARRAYS))
-  key = (op, static, types, gpus[0].device_kind)  # static: the format, strata, ...
+  static, types = _signature(args, kwargs)
+  key = (op, static, types, gpus[0].device_kind)
   if key not in _probed:
     try:
       _compile_alone(kernel, gpus[0], args, kwargs)
@@ -364,23 +377,16 @@ def _mosaic_lowers(op, kernels: Kernels) -> bool:
         f"{MIN_MOSAIC_CAPABILITY / 10:.1f})"), "the Triton kernel")
     return False
   args, kwargs = kernels.mosaic_probe()
-  operands, rebuild = _split(args, kwargs)
-  static = tuple(repr(v) for v in jax.tree.leaves((args, kwargs)) if not isinstance(v, _ARRAYS))
-  key = (op, static, _types(operands), kind, jax.__version__)
+  key = (op, *_signature(args, kwargs), kind, jax.__version__)
   if key in _mosaic_probed:
     return _mosaic_probed[key] is None
   gpus = _local_gpus()
   local = gpus[0] if gpus and gpus[0].device_kind == kind else None
-  sharding = None if local is None else jax.sharding.SingleDeviceSharding(local)
-  structs = [jax.ShapeDtypeStruct(np.shape(v), _dtype(v), sharding=sharding) for v in operands]
-
-  def alone(*ops):
-    a, kw = rebuild(ops)
-    return kernels.mosaic(*a, **kw, interpret=False)
+  jitted, structs = _alone(kernels.mosaic, args, kwargs, local)
 
   with warnings.catch_warnings():
     try:
-      traced = jax.jit(alone).trace(*structs)
+      traced = jitted.trace(*structs)
     except NotImplementedError as err:
       _mosaic_probed[key] = _first_line(err)
       _fallback(f"{op} (Mosaic GPU)", err, "the Triton kernel")
@@ -432,7 +438,7 @@ def _gpu_path(op, kernels: Kernels, reference, interpret, args, kwargs):
 
 def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs):
   """Runs ``op`` (its name, for messages) by the platform being lowered for, not the
-  host's backend: one of ``kernels`` (:class:`Kernels`, or the Triton kernel alone) as
+  host's backend: one of ``kernels`` (:class:`Kernels`) as
   ``kernel(*args, **kwargs, interpret=...)``, or ``reference(*args, **kwargs)``.
 
   ``implementation=None``: in a lowering for ``cuda`` the Mosaic GPU kernel where
@@ -449,8 +455,6 @@ def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs)
   an eager call runs only the branch of the default device.
   """
   _check_implementation(implementation)
-  if not isinstance(kernels, Kernels):
-    kernels = Kernels(kernels)
   if implementation == "xla":
     return reference(*args, **kwargs)
   if implementation in ("pallas", "mosaic"):
