@@ -39,10 +39,42 @@ import re
 import sys
 import time
 
-__all__ = ["compile_kernels", "main"]
+__all__ = ["kernel_calls", "compile_kernels", "main"]
 
 _S, _UNITS = 37, 150
+_EPS = {2: 0.23, 4: 0.18, 8: 0.10}
 _TESTS = str(pathlib.Path(__file__).resolve().parents[1] / "tests")
+
+
+def kernel_calls(mod, suffix: str, device, *, width_set=None, dtype="bfloat16",
+                 strata: int = 8, scale_rounding: str = "stochastic") -> dict:
+  """``{op: (f, args)}``: the four hop kernels of ``mod`` (its ``<op>_<suffix>``
+  functions) on one instance (``_S`` super-groups, ``_UNITS`` units, ``plane_bits=1``),
+  their arguments as ``jax.ShapeDtypeStruct`` on ``device``; the keyword arguments are the
+  knobs (``tools/mosaic_regs.py`` varies them; ``width_set=None``: the default codec's)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_kernels import dynamiq_reference as R
+
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  geo = dict(eps=_EPS, plane_bits=1, width_set=tuple(width_set or R.WIDTH_SET))
+  x = jax.ShapeDtypeStruct((_S, 256), jnp.dtype(dtype), sharding=sharding)
+  w = jax.ShapeDtypeStruct((_S,), jnp.int32, sharding=sharding)
+  p = jax.ShapeDtypeStruct((R.payload_bytes(_S, _UNITS),), jnp.uint8, sharding=sharding)
+  enc = dict(geo, keys=tuple(np.uint32(v) for v in (1, 2, 3, 4)), strata=strata,
+             scale_rounding=scale_rounding)
+  op = lambda o: getattr(mod, f"{o}_{suffix}")
+  return {
+      "compress": (lambda x, w, f=op("compress"): f(x, w, _UNITS, **enc), (x, w)),
+      "decompress": (lambda p, w, f=op("decompress"): f(p, w, _UNITS, **geo), (p, w)),
+      "decompress_accumulate": (
+          lambda p, x, w, f=op("decompress_accumulate"): f(p, x, w, _UNITS, **geo), (p, x, w)),
+      "decompress_accumulate_recompress": (
+          lambda p, x, w, f=op("decompress_accumulate_recompress"): f(p, x, w, _UNITS, **enc),
+          (p, x, w)),
+  }
 
 
 def compile_kernels() -> dict:
@@ -50,35 +82,15 @@ def compile_kernels() -> dict:
   import warnings
 
   import jax
-  import jax.numpy as jnp
-  import numpy as np
 
   from dynamiq_jax.bench import gpu_compile as G
   from pallas_kernels import dynamiq_mosaic as M
-  from pallas_kernels import dynamiq_reference as R
   from pallas_kernels import dynamiq_triton as T
 
   [device] = G.h100_devices(1)
-  sharding = jax.sharding.SingleDeviceSharding(device)
-  eps = {2: 0.23, 4: 0.18, 8: 0.10}
-  geo = dict(eps=eps, plane_bits=1, width_set=R.WIDTH_SET)
-  x = jax.ShapeDtypeStruct((_S, 256), jnp.bfloat16, sharding=sharding)
-  w = jax.ShapeDtypeStruct((_S,), jnp.int32, sharding=sharding)
-  p = jax.ShapeDtypeStruct((R.payload_bytes(_S, _UNITS),), jnp.uint8, sharding=sharding)
-  enc = dict(geo, keys=tuple(np.uint32(v) for v in (1, 2, 3, 4)), strata=8,
-             scale_rounding="stochastic")
-  fns = {}
-  for name, mod, sfx in (("mosaic", M, "planar"), ("triton", T, "pallas")):
-    op = lambda o: getattr(mod, f"{o}_{sfx}")
-    fns.update({
-        f"{name}/compress": (lambda x, w, f=op("compress"): f(x, w, _UNITS, **enc), (x, w)),
-        f"{name}/decompress": (lambda p, w, f=op("decompress"): f(p, w, _UNITS, **geo), (p, w)),
-        f"{name}/decompress_accumulate": (
-            lambda p, x, w, f=op("decompress_accumulate"): f(p, x, w, _UNITS, **geo), (p, x, w)),
-        f"{name}/decompress_accumulate_recompress": (
-            lambda p, x, w, f=op("decompress_accumulate_recompress"): f(p, x, w, _UNITS, **enc),
-            (p, x, w)),
-    })
+  fns = {f"{name}/{op}": call
+         for name, mod, sfx in (("mosaic", M, "planar"), ("triton", T, "pallas"))
+         for op, call in kernel_calls(mod, sfx, device).items()}
   compiled, info = [], {}
   for name, (f, args) in fns.items():
     start = time.perf_counter()

@@ -22,11 +22,12 @@ threads (16 values of a ``[64, 32]`` array per thread).
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 
 __all__ = ["CONFIGS", "compile_configs", "main"]
 
-_S, _UNITS = 37, 150
+_TOOLS = str(pathlib.Path(__file__).resolve().parent)
 _BASE = dict(width_set=(2, 3, 4, 5, 6, 8), dtype="bfloat16", strata=8,
              scale_rounding="stochastic")
 CONFIGS = {
@@ -51,35 +52,15 @@ def compile_configs(names) -> dict:
   import time
 
   import jax
-  import jax.numpy as jnp
-  import numpy as np
 
   from dynamiq_jax.bench import gpu_compile as G
+  from mosaic_compile import kernel_calls  # tools/, on the child's path (measure)
   from pallas_kernels import dynamiq_mosaic as M
-  from pallas_kernels import dynamiq_reference as R
 
   [device] = G.h100_devices(1)
-  sharding = jax.sharding.SingleDeviceSharding(device)
-  eps = {2: 0.23, 4: 0.18, 8: 0.10}  # tools/mosaic_compile.py's
   compiled, info = [], {}
   for i, name in enumerate(names):
-    cfg = {**_BASE, **CONFIGS[name]}
-    ws = tuple(cfg["width_set"])
-    geo = dict(eps=eps, plane_bits=1, width_set=ws)
-    enc = dict(geo, keys=tuple(np.uint32(v) for v in (1, 2, 3, 4)), strata=cfg["strata"],
-               scale_rounding=cfg["scale_rounding"])
-    x = jax.ShapeDtypeStruct((_S, 256), jnp.dtype(cfg["dtype"]), sharding=sharding)
-    w = jax.ShapeDtypeStruct((_S,), jnp.int32, sharding=sharding)
-    p = jax.ShapeDtypeStruct((R.payload_bytes(_S, _UNITS),), jnp.uint8, sharding=sharding)
-    fns = {
-        "compress": (lambda x, w: M.compress_planar(x, w, _UNITS, **enc), (x, w)),
-        "decompress": (lambda p, w: M.decompress_planar(p, w, _UNITS, **geo), (p, w)),
-        "decompress_accumulate": (
-            lambda p, x, w: M.decompress_accumulate_planar(p, x, w, _UNITS, **geo), (p, x, w)),
-        "decompress_accumulate_recompress": (
-            lambda p, x, w: M.decompress_accumulate_recompress_planar(p, x, w, _UNITS, **enc),
-            (p, x, w)),
-    }
+    fns = kernel_calls(M, "planar", device, **{**_BASE, **CONFIGS[name]})
     M.KERNEL_PREFIX = f"cfg{i}_"
     for op, (f, args) in fns.items():
       start = time.perf_counter()
@@ -93,7 +74,7 @@ def measure(names) -> dict:
   """``{config: {op: {"registers", "spill_bytes", "seconds"}}}``."""
   from dynamiq_jax.bench import gpu_compile as G
   with G.compile_in_child(f"{__file__}:compile_configs", kwargs={"names": list(names)},
-                          ptx=True) as build:
+                          path=[_TOOLS], ptx=True) as build:
     report = G.mosaic_ptxas_report(build.mosaic_ptxas)
     out = {}
     for i, name in enumerate(names):
@@ -116,6 +97,7 @@ def main(argv=None):
   if why:
     sys.exit(why)
   report = measure(args.only or list(CONFIGS))
+  from mosaic_compile import _S, _UNITS  # tools/: this script's directory, on sys.path
   print(f"Deviceless compile for one H100 (jax {report['jax']}), S={_S}, units={_UNITS}; "
         "registers / spill bytes")
   print(f"{'configuration':<18} " + " ".join(f"{op[:24]:>26}" for op in _OPS))
