@@ -123,8 +123,11 @@ def _plane_table(widths, units: int):
 
 
 def _load(ref, layout):
-  """``ref[...]`` into registers in ``layout`` (jax 0.10.2's ``plgpu.load`` takes an index)."""
-  if "idx" in inspect.signature(plgpu.load).parameters:
+  """``ref[...]`` into registers in ``layout``. jax 0.10.2's ``plgpu.load`` requires an
+  index; jax 0.11 deprecates passing one (it defaults there) and 0.12 has no such
+  parameter."""
+  idx = inspect.signature(plgpu.load).parameters.get("idx")
+  if idx is not None and idx.default is inspect.Parameter.empty:
     return plgpu.load(ref, (), layout=layout)
   return plgpu.load(ref, layout=layout)
 
@@ -249,7 +252,7 @@ def _decode(planar, x, widths, *, units, eps, plane_bits, width_set, interpret):
       grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
       kernel_name=f"{KERNEL_PREFIX}decompress{'_accumulate' if accumulate else ''}",
       interpret=interpret_params() if interpret else None)
-  return _vary_like(kernel(*operands), operands).reshape(s_count, B.SUPERGROUP)
+  return _launch(kernel, operands).reshape(s_count, B.SUPERGROUP)
 
 
 def decompress_planar(planar, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
@@ -457,7 +460,7 @@ def _compress(x, widths, keys, rank, *, units, eps, strata, scale_rounding, plan
       kernel_name=f"{KERNEL_PREFIX}compress",
       interpret=interpret_params() if interpret else None)
   operands = (x.reshape(rows, 32), widths.astype(jnp.int32), rng.key_operand(keys, rank))
-  words, k16, v16 = _vary_like(kernel(*operands), operands)
+  words, k16, v16 = _launch(kernel, operands)
   return _assemble(words, k16, v16, widths, units, planes)
 
 
@@ -476,6 +479,21 @@ def _encode_outputs(rows: int, planes: int):
   """An encode's output types: plane words, k words, scale bits."""
   return (jax.ShapeDtypeStruct((planes, rows), jnp.uint32),
           jax.ShapeDtypeStruct((rows,), jnp.uint16), jax.ShapeDtypeStruct((rows,), jnp.uint16))
+
+
+def _launch(kernel, operands):
+  """``kernel(*operands)`` with every operand and result its own buffer.
+
+  The Mosaic GPU custom call requires 256-byte aligned input and output
+  buffers (it checks at run time: "Input buffer 0 is not 256-byte aligned").
+  The planes are slices of one payload at 16-byte offsets, and for small
+  chunks XLA:GPU's dynamic-slice fusion passes such a slice to the custom
+  call in place (seen on an H100, jax 0.11.2: a 13-super-group decompress
+  failed). ``optimization_barrier`` on both sides keeps every operand and
+  result a whole buffer of XLA's, which it allocates aligned
+  (``tests/test_mosaic_gpu.py::test_no_plane_reaches_a_mosaic_kernel_as_a_slice``)."""
+  operands = jax.lax.optimization_barrier(list(operands))
+  return jax.lax.optimization_barrier(_vary_like(kernel(*operands), operands))
 
 
 def _vary_like(outs, args):
@@ -536,7 +554,7 @@ def _dar(planar, x, widths, keys, rank, *, units, eps, strata, scale_rounding, p
   operands = (units_w, k16, sc16, widths.astype(jnp.int32),
               _plane_table(widths.astype(jnp.int32), units), x.reshape(rows, 32),
               rng.key_operand(keys, rank))
-  words, ko, vo = _vary_like(kernel(*operands), operands)
+  words, ko, vo = _launch(kernel, operands)
   return _assemble(words, ko, vo, widths, units, planes)
 
 
