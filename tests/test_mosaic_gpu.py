@@ -26,6 +26,7 @@ from pallas_kernels import dynamiq_planar as P
 from pallas_kernels import dynamiq_reference as R
 from pallas_kernels import rng
 
+import gpu_compile_tools as T
 from _helpers import lower_for
 
 EPS = {2: 0.23, 4: 0.18, 8: 0.10}
@@ -144,16 +145,10 @@ def _case_id(c):
 @needs_interpret
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_decode_kernels_equal_the_reference(case):
-  _check_decode(case, interpret=True)
+  _check_decode(case)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (Hopper or newer)")
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_decode_kernels_on_a_gpu_equal_the_reference(case):
-  _check_decode(case, interpret=False)
-
-
-def _check_decode(case, interpret):
+def _check_decode(case):
   width_set, s, kind, room, dtype, payload = case
   x, widths = _chunk(s, s, width_set, kind, dtype)
   units = max(int(np.sum(np.asarray(widths))) + room, 0)
@@ -163,10 +158,10 @@ def _check_decode(case, interpret):
     x = x.at[3, 40].set(jnp.nan).at[4, 7].set(-jnp.inf)
   planar = P.to_planar(pay, s, units)
   _same(M.decompress_planar(planar, widths, units, eps=EPS, width_set=width_set,
-                            interpret=interpret),
+                            interpret=True),
         R.decompress_reference(pay, widths, units, **geo))
   _same(M.decompress_accumulate_planar(planar, x, widths, units, eps=EPS,
-                                       width_set=width_set, interpret=interpret),
+                                       width_set=width_set, interpret=True),
         R.decompress_accumulate_reference(pay, x, widths, units, **geo))
 
 
@@ -202,16 +197,10 @@ def test_encode_kernels_equal_the_reference(case):
   """compress and the ring hop, planar, equal the reference's record payloads read back:
   NaN, -Inf, a zero group and a zero super-group in x, a partial last block, unused
   units."""
-  _check_encode(case, interpret=True)
+  _check_encode(case)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (Hopper or newer)")
-@pytest.mark.parametrize("case", ENCODE_CASES, ids=_encode_id)
-def test_encode_kernels_on_a_gpu_equal_the_reference(case):
-  _check_encode(case, interpret=False)
-
-
-def _check_encode(case, interpret):
+def _check_encode(case):
   width_set, s, dtype = case
   x, widths = _chunk(s, s, width_set, "mixed", dtype)
   x = x.at[3, 40].set(jnp.nan).at[4, 7].set(-jnp.inf)
@@ -219,13 +208,13 @@ def _check_encode(case, interpret):
   geo = dict(eps=EPS, width_set=width_set)
   enc = dict(keys=_keys(1), rank=5, strata=8, scale_rounding="stochastic", **geo)
   pay = R.compress_reference(x, widths, units, **enc)
-  _same(P.from_planar(M.compress_planar(x, widths, units, **enc, interpret=interpret), s,
+  _same(P.from_planar(M.compress_planar(x, widths, units, **enc, interpret=True), s,
                       units),
         pay)
   y = x[::-1]  # another chunk's values, same widths
   hop = dict(keys=_keys(2), rank=2, strata=3, scale_rounding="up", **geo)
   _same(P.from_planar(M.decompress_accumulate_recompress_planar(
-      P.to_planar(pay, s, units), y, widths, units, **hop, interpret=interpret), s, units),
+      P.to_planar(pay, s, units), y, widths, units, **hop, interpret=True), s, units),
         R.decompress_accumulate_recompress_reference(pay, y, widths, units, **hop))
 
 
@@ -294,3 +283,55 @@ def test_kernels_lower_for_cuda():
         raise
       pytest.skip(f"jax {jax.__version__}: {e}")
     assert len(MOSAIC.findall(text)) == 1 and "triton" not in text
+
+
+# ----------------------------------------------------------------------------
+# What the compiled GPU program hands the Mosaic GPU kernels.
+
+
+def compile_small_record_ops():
+  """Decompress (without, then with :func:`pallas_kernels.dynamiq_mosaic._launch`'s
+  barriers) and the ring hop, record payloads of 13 super-groups, forced to Mosaic GPU,
+  compiled for one compile-only H100 (runs in the child of
+  :func:`gpu_compile_tools.compile_in_child`)."""
+  [device] = T.h100_devices(1)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  s = 13
+  _, widths = _chunk(s, s, WS6)
+  widths = np.asarray(widths)
+  units = int(widths.sum()) + 3
+  p = jax.ShapeDtypeStruct((R.payload_bytes(s, units),), jnp.uint8, sharding=sharding)
+  x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
+  geo = dict(eps=EPS, width_set=WS6, implementation="mosaic")
+  decompress = lambda p: K.decompress(p, widths, units, **geo)
+  hop = lambda p, x: K.decompress_accumulate_recompress(p, x, widths, units, keys=_keys(1),
+                                                        strata=8, **geo)
+  out = []
+  launch = M._launch
+  for f, args, barriers in ((decompress, (p,), False), (decompress, (p,), True),
+                            (hop, (p, x), True)):
+    M._launch = launch if barriers else (lambda kernel, ops: M._vary_like(kernel(*ops), ops))
+    jax.clear_caches()  # the kernel wrappers are jitted: no trace of the other build
+    try:
+      with T.gpu_target(device):
+        out.append(jax.jit(f).trace(*args).lower().compile())
+    finally:
+      M._launch = launch
+  return out
+
+
+@pytest.mark.skipif(T.missing(need_ptxas=False) is not None,
+                    reason=str(T.missing(need_ptxas=False)))
+@pytest.mark.skipif(not M.has_interpret(),
+                    reason=f"jax {jax.__version__}'s Mosaic GPU refuses these kernels at lowering")
+def test_no_plane_reaches_a_mosaic_kernel_as_a_slice():
+  """The Mosaic GPU custom call needs 256-byte aligned buffers; a plane is a slice of the
+  payload at a 16-byte offset. Without the barriers, XLA:GPU hands a small chunk's plane
+  to the kernel in place (a dynamic-slice fusion: on an H100 "Input buffer 0 is not
+  256-byte aligned"); with them, every operand is a buffer of its own."""
+  with T.compile_in_child("test_mosaic_gpu:compile_small_record_ops") as build:
+    bare, decompress, hop = build.hlo
+  for text in (decompress, hop):
+    assert len(re.findall(r'custom_call_target="mosaic_gpu', text)) == 1
+    assert "dynamic_slice_fusion" not in text
+  assert "dynamic_slice_fusion" in bare  # the check sees the fusion where it forms
