@@ -27,8 +27,12 @@ On a GPU it also times the Mosaic GPU kernels
 (:mod:`pallas_kernels.dynamiq_mosaic`, ``impl`` "mosaic") beside Triton's,
 for every op, on the same payloads in the planar layout (converted once,
 outside the timed loop). Compress and the ring hop include the XLA placement
-of the plane units that follows their launch. A Mosaic GPU failure is
-recorded in its row (``error``) and printed, and the other rows still run.
+of the plane units that follows their launch. ``impl`` "mosaic_record" times
+the same kernels on the record payload through dispatch
+(``implementation="mosaic"``), the record <-> planar conversions included:
+the cost the training step pays while the wire carries records. A failure
+(a kernel that does not lower on this GPU or jax) is recorded in its row
+(``error``) and printed, and the other rows still run.
 Off GPU the Mosaic GPU kernels are not timed: GPU interpret mode is a
 simulator, and ``tests/test_mosaic_gpu.py`` checks their bits.
 
@@ -188,6 +192,24 @@ def _timer(reps: int, repeats: int):
   return timed
 
 
+def _timed_row(timed, f, operands, *, coords, minimal_bytes, copy_gbs, **row):
+  """One result row: ``f`` timed on ``operands``. A failure (a kernel that does not
+  lower on this GPU or jax) is recorded in the row's ``error`` and printed, so that
+  the other rows still run."""
+  row.update(coords=coords, minimal_bytes=minimal_bytes)
+  try:
+    sec = timed(f, *operands)
+  except Exception as e:  # recorded, so that the Triton and XLA rows still come back
+    row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    print(row, file=sys.stderr, flush=True)
+    return row
+  row.update(seconds=sec, gbs=minimal_bytes / sec / 1e9, coords_per_s=coords / sec,
+             fraction_of_copy=minimal_bytes / sec / 1e9 / copy_gbs)
+  print(f"  {row['op']} {row['impl']} w{row['width']} {coords}: {sec * 1e3:.3f} ms",
+        file=sys.stderr, flush=True)  # progress, in case the run is cut short
+  return row
+
+
 def main(argv=None):
   args = _parse(argv)
   import jax
@@ -232,8 +254,11 @@ def main(argv=None):
                    "minimal_bytes": minimal["copy"], "gbs": minimal["copy"] / sec / 1e9,
                    "coords_per_s": size / sec})
       for op in OPS:
-        for impl in ("pallas", "xla"):
-          kw = dict(implementation=impl, interpret=interpret if impl == "pallas" else None, **geo)
+        # "mosaic_record": the Mosaic GPU kernel on the record payload, as the
+        # training step calls it today (record <-> planar conversions included).
+        for impl in ("pallas", "xla") + (("mosaic_record",) if on_gpu else ()):
+          kw = dict(implementation="mosaic" if impl == "mosaic_record" else impl,
+                    interpret=interpret if impl == "pallas" else None, **geo)
           if op == "compress":
             f = lambda i, x: K.compress(x, widths, units, keys=keys_of(i), strata=8, **kw)
             operands = (x,)
@@ -244,11 +269,8 @@ def main(argv=None):
             f = lambda i, p, x: K.decompress_accumulate_recompress(
                 p, x, widths, units, keys=keys_of(i), strata=8, **kw)
             operands = (payload, x)
-          sec = timed(f, *operands)
-          rows.append({"width": width, "coords": size, "op": op, "impl": impl, "seconds": sec,
-                       "minimal_bytes": minimal[op], "gbs": minimal[op] / sec / 1e9,
-                       "coords_per_s": size / sec,
-                       "fraction_of_copy": minimal[op] / sec / 1e9 / copy_gbs})
+          rows.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
+                                 impl=impl, minimal_bytes=minimal[op], copy_gbs=copy_gbs))
       if on_gpu:  # Mosaic GPU's kernels, on planar payloads
         planar = P.to_planar(payload, s_count, units, R.PLANE_BITS)
         mgeo = dict(eps=DEFAULT_EPS, width_set=R.WIDTH_SET)
@@ -263,15 +285,8 @@ def main(argv=None):
         }
         for op in OPS:
           f, operands = mosaic[op]
-          row = {"width": width, "coords": size, "op": op, "impl": "mosaic",
-                 "minimal_bytes": minimal[op]}
-          try:
-            sec = timed(f, *operands)
-            row.update(seconds=sec, gbs=minimal[op] / sec / 1e9, coords_per_s=size / sec,
-                       fraction_of_copy=minimal[op] / sec / 1e9 / copy_gbs)
-          except Exception as e:  # recorded, so that the Triton and XLA rows still come back
-            row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
-          rows.append(row)
+          rows.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
+                                 impl="mosaic", minimal_bytes=minimal[op], copy_gbs=copy_gbs))
   target, backends = backend_check()
   print(f"\nDynamiQ kernels on {kind} ({jax.default_backend()}, "
         f"jax {jax.__version__}); local values {args.dtype}; copy bandwidth {copy_gbs:.1f} GB/s")
