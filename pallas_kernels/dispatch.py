@@ -7,28 +7,29 @@ Triton kernel, and the Mosaic GPU kernel where one exists, each with an
 by the platform being *lowered for*, not the host's backend
 (``jax.lax.platform_dependent``):
 
-* ``implementation=None``: in a lowering for ``cuda``, the Mosaic GPU kernel
-  where it lowers for the target GPU (:func:`_mosaic_lowers`; only while
-  :data:`MOSAIC_FIRST` is on, which it is not yet), else the
-  Triton kernel where it compiles (:func:`_kernel_compiles`), else the XLA
-  reference; in a lowering for ``rocm``, the Triton kernel, else the
-  reference; on every other platform the reference (on CPU without
-  interpret mode).
+* ``implementation=None``: in a lowering for ``cuda``, the Triton kernel
+  where this jax has the backend and the kernel compiles
+  (:func:`_kernel_compiles`), else the Mosaic GPU kernel where it lowers for
+  the target GPU (:func:`_mosaic_lowers`), else the XLA reference: Triton
+  first because it is the faster, measured on an H100
+  (:data:`MOSAIC_FIRST`, which puts Mosaic GPU first, is off). In a lowering
+  for ``rocm``, the Triton kernel, else the reference; on every other
+  platform the reference (on CPU without interpret mode).
 * ``"pallas"`` forces the Triton kernel (``interpret=True`` off GPU, which
   is how CPU tests run it); ``"xla"`` forces the reference. ``"mosaic"``
   forces the Mosaic GPU kernel in a GPU lowering; off GPU it is the
   reference unless ``interpret=True`` asks for Mosaic GPU's interpret mode.
   A forced path is never probed.
 * A kernel raises ``NotImplementedError`` for input it does not support
-  (``plane_bits=2`` for the Mosaic GPU kernels), and dispatch falls back (to
-  Triton from Mosaic GPU under ``None``, else to the reference), logging the
-  reason once.
+  (``plane_bits=2`` for the Mosaic GPU kernels), and dispatch falls back to
+  the next backend under ``None`` (the reference last), logging the reason
+  once.
 * **The Mosaic GPU probe** (``None``, ``cuda``). Without an NVIDIA GPU to
   lower for (none in the abstract mesh in context, none on this process:
-  every program traces the ``cuda`` branch, a CPU one too) it keeps Triton
-  and probes nothing. A target GPU older than
-  Hopper (compute capability under 9.0, when jax can tell) keeps Triton, by
-  design, with a log line. Otherwise a small instance of the same kernel
+  every program traces the ``cuda`` branch, a CPU one too) Mosaic GPU is
+  not used and nothing is probed. A target GPU older than
+  Hopper (compute capability under 9.0, when jax can tell) does not get
+  Mosaic GPU, by design, with a log line. Otherwise a small instance of the same kernel
   configuration (:attr:`Kernels.mosaic_probe`) is lowered by itself for the
   target GPU, once per (operation, configuration, GPU kind, jax version): on
   a process whose GPU is the target, lowered and compiled; else (a
@@ -36,12 +37,13 @@ by the platform being *lowered for*, not the host's backend
   Mosaic GPU refuses some kernels at lowering, not at trace (jax 0.10.2:
   copies under 128 bytes), which is why the probe lowers. If it fails, one
   :class:`KernelFallbackWarning` names the kernel, the GPU, the jax version,
-  the error and both ways to force a path, and Triton's path follows.
+  the error and the ways to force a path, and the next backend follows.
 * **The Triton probe** (``None``, a process with a GPU): the Triton kernel is
   compiled alone first (once per kernel, static arguments and operand
   types); if that fails (a new jax, a new GPU) one
-  :class:`KernelFallbackWarning` names it, and the program uses the
-  reference: the same bits, slower.
+  :class:`KernelFallbackWarning` names it, and the program uses the next
+  backend (for ``cuda`` the Mosaic GPU kernel where it lowers, else the
+  reference): the same bits.
 
 jax >= 0.11 deprecates the Triton backend and warns at every Triton
 lowering; the Triton kernels' entry points filter that DeprecationWarning,
@@ -57,6 +59,7 @@ output type inside ``shard_map(check_vma=True)``) and :func:`map_over_batch`
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import warnings
 from typing import Callable, Literal, NamedTuple
@@ -73,6 +76,7 @@ __all__ = [
     "MIN_MOSAIC_CAPABILITY",
     "MOSAIC_FIRST",
     "dispatch",
+    "triton_backend",
     "map_batch_rule",
     "map_over_batch",
     "typed_like",
@@ -154,16 +158,15 @@ MIN_MOSAIC_CAPABILITY = 90
 register layout (Hopper)."""
 
 MOSAIC_FIRST = False
-"""Whether ``implementation=None`` tries the Mosaic GPU kernels first in a ``cuda``
-lowering (:func:`_mosaic_lowers`). Off: Triton's path, as before. Kept off because of a
-measurement of the deviceless 8 x H100 compile on jax 0.12.0.1 (docs/design.md, "Mosaic
-GPU"): with the Mosaic GPU kernels the 12-layer step of ``tests/test_overlap.py`` placed
-fewer backward GEMMs inside collective windows than ``pmean`` does (11 against 13;
-Triton's: 17; the same with the spill-free kernels of the select chains): the XLA
-fusions that convert record <-> planar payloads around each launch sit between the ring
-hops (``tools/mosaic_overlap.py``).
-Their speed against Triton's is not measured (no GPU). Tests turn it on to check the
-mechanism; turning it on here makes ``implementation=None`` Mosaic-first everywhere."""
+"""Whether ``implementation=None`` tries the Mosaic GPU kernels before Triton's in a
+``cuda`` lowering. Off: Triton first, Mosaic GPU where Triton's kernel is not there
+or does not compile (:func:`_gpu_path`), the reference last. Off because Triton's
+kernels are the faster ones, measured: on an H100 (jax 0.11.2,
+``python -m dynamiq_jax.bench.kernels --gpu``; docs/results/kernels_gpu.md) the
+Mosaic GPU kernels took 7 to 39 times as long as Triton's (1.5 times for the smallest
+decompress); and in the deviceless 8 x H100 step they place fewer backward GEMMs inside
+collective windows than ``pmean`` (``tools/mosaic_overlap.py``). Tests turn it on to
+check the mechanism."""
 
 
 class Kernels(NamedTuple):
@@ -297,7 +300,8 @@ def _kernel_compiles(op, kernel, args, kwargs) -> bool:
           f"dynamiq_jax: the Pallas kernel {op!r} failed to compile on "
           f"{gpus[0].device_kind} (jax {jax.__version__}; operands {', '.join(types)}): "
           f"{_probed[key]}\n"
-          "Using the XLA reference instead: the same results, only slower. "
+          "Using the next backend instead (in a cuda lowering the Mosaic GPU kernel where "
+          "it lowers, else the XLA reference): the same results. "
           "implementation='xla' chooses the reference without this check; "
           "implementation='pallas' uses the kernel regardless (and raises its error).",
           KernelFallbackWarning, stacklevel=2)
@@ -351,7 +355,7 @@ def _first_line(err: BaseException) -> str:
 def _mosaic_lowers(op, kernels: Kernels) -> bool:
   """Whether ``op``'s Mosaic GPU kernel is used for the GPU being lowered for.
 
-  False while :data:`MOSAIC_FIRST` is off; without a Mosaic GPU kernel; without an
+  False without a Mosaic GPU kernel; without an
   NVIDIA GPU in context (the
   abstract mesh's) or on this process (the branch is traced for programs of
   every platform: a CPU program must not lower a GPU kernel); and for a GPU
@@ -361,9 +365,9 @@ def _mosaic_lowers(op, kernels: Kernels) -> bool:
   when this process's GPU is the target. ``NotImplementedError`` at trace
   (input the kernel does not support) is logged; any failure after it (jax
   0.10.2 refuses these kernels at lowering) warns once
-  (:class:`KernelFallbackWarning`). Either way Triton's path follows.
+  (:class:`KernelFallbackWarning`). Either way the next backend follows.
   """
-  if not MOSAIC_FIRST or kernels.mosaic is None or kernels.mosaic_probe is None:
+  if kernels.mosaic is None or kernels.mosaic_probe is None:
     return False
   kind, capability = _target_gpu()
   if kind is None or kind.startswith("gfx"):
@@ -403,9 +407,11 @@ def _mosaic_lowers(op, kernels: Kernels) -> bool:
         f"dynamiq_jax: the Mosaic GPU kernel {op!r} does not "
         f"{'compile' if local is not None else 'lower'} for {kind or 'cuda'} "
         f"(jax {jax.__version__}): {_mosaic_probed[key]}\n"
-        "Using the Triton kernel instead: the same results. implementation='pallas' "
-        "chooses Triton without this check; implementation='mosaic' uses Mosaic GPU "
-        "regardless (and raises its error).", KernelFallbackWarning, stacklevel=3)
+        "Using the next backend instead (Triton's kernel where it compiles, else the XLA "
+        "reference): the same results. implementation='pallas' chooses Triton and "
+        "implementation='xla' the reference without this check; implementation='mosaic' "
+        "uses Mosaic GPU regardless (and raises its error).", KernelFallbackWarning,
+        stacklevel=3)
   return _mosaic_probed[key] is None
 
 
@@ -417,23 +423,54 @@ def _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs):
     return reference(*args, **kwargs)
 
 
+def triton_backend() -> bool:
+  """Whether this jax has the Pallas Triton backend (deprecated in jax 0.11; the day it
+  is removed, ``implementation=None`` goes on with Mosaic GPU, then the reference)."""
+  return importlib.util.find_spec("jax.experimental.pallas.triton") is not None
+
+
+def _triton_usable(op, kernel, interpret, args, kwargs) -> bool:
+  """Whether Triton's kernel is there and compiles for this process's GPU
+  (:func:`_kernel_compiles`; interpret mode needs no GPU)."""
+  if kernel is None or not triton_backend():
+    return False
+  return bool(interpret) or _kernel_compiles(op, kernel, args, kwargs)
+
+
 def _triton_path(op, kernel, reference, interpret, args, kwargs):
-  """The program for a GPU lowering under ``implementation=None``, from the Triton kernel on."""
-  if interpret or _kernel_compiles(op, kernel, args, kwargs):
+  """The program for a ``rocm`` lowering under ``implementation=None``: Triton's kernel
+  where it is usable, else the reference."""
+  if _triton_usable(op, kernel, interpret, args, kwargs):
     return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
   return reference(*args, **kwargs)
 
 
 def _gpu_path(op, kernels: Kernels, reference, interpret, args, kwargs):
-  """The program for a ``cuda`` lowering under ``implementation=None``: Mosaic GPU where it
-  lowers (not in interpret mode, whose ordered effects ``platform_dependent`` cannot mix
-  with the GPU branch), else Triton's path."""
-  if not interpret and _mosaic_lowers(op, kernels):
+  """The program for a ``cuda`` lowering under ``implementation=None``: Triton's kernel
+  where it is usable (:func:`_triton_usable`), else the Mosaic GPU kernel where it lowers
+  (:func:`_mosaic_lowers`), else the reference; Mosaic GPU first while
+  :data:`MOSAIC_FIRST` is on. Never Mosaic GPU in interpret mode, whose ordered effects
+  ``platform_dependent`` cannot mix with the GPU branch."""
+
+  def mosaic():
+    if interpret or not _mosaic_lowers(op, kernels):
+      return None
     try:
       return kernels.mosaic(*args, **kwargs, interpret=False)
     except NotImplementedError as err:
-      _fallback(f"{op} (Mosaic GPU)", err, "the Triton kernel")
-  return _triton_path(op, kernels.triton, reference, interpret, args, kwargs)
+      _fallback(f"{op} (Mosaic GPU)", err, "the next backend")
+      return None
+
+  if MOSAIC_FIRST and (out := mosaic()) is not None:
+    return out
+  if _triton_usable(op, kernels.triton, interpret, args, kwargs):
+    try:
+      return kernels.triton(*args, **kwargs, interpret=interpret)
+    except NotImplementedError as err:
+      _fallback(op, err, "the next backend")
+  if not MOSAIC_FIRST and (out := mosaic()) is not None:
+    return out
+  return reference(*args, **kwargs)
 
 
 def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs):
@@ -441,10 +478,11 @@ def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs)
   host's backend: one of ``kernels`` (:class:`Kernels`) as
   ``kernel(*args, **kwargs, interpret=...)``, or ``reference(*args, **kwargs)``.
 
-  ``implementation=None``: in a lowering for ``cuda`` the Mosaic GPU kernel where
-  it lowers for the target GPU (:func:`_mosaic_lowers`), else the Triton kernel
-  (unless it fails to compile on this process's GPU, see
-  :func:`_kernel_compiles`), else the reference; for ``rocm`` Triton's path;
+  ``implementation=None``: in a lowering for ``cuda`` the Triton kernel (unless
+  this jax lacks the backend or the kernel fails to compile on this process's
+  GPU, see :func:`_kernel_compiles`), else the Mosaic GPU kernel where it lowers
+  for the target GPU (:func:`_mosaic_lowers`), else the reference (Mosaic GPU
+  before Triton while :data:`MOSAIC_FIRST` is on); for ``rocm`` Triton's path;
   the reference for every other platform. ``"pallas"``: the Triton kernel
   everywhere, interpreted off GPU. ``"mosaic"``: the Mosaic GPU kernel on GPU
   (the reference off GPU unless ``interpret=True``). ``"xla"``: the
@@ -459,6 +497,10 @@ def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs)
     return reference(*args, **kwargs)
   if implementation in ("pallas", "mosaic"):
     kernel = kernels.mosaic if implementation == "mosaic" else kernels.triton
+    if implementation == "pallas" and not triton_backend():
+      raise ValueError(f"implementation='pallas': jax {jax.__version__} has no Pallas Triton "
+                       "backend; use None (Mosaic GPU where it lowers, else the reference), "
+                       "'mosaic' or 'xla'")
     if kernel is None:
       raise ValueError(f"implementation='mosaic': {op!r} has no Mosaic GPU kernel; use "
                        "None, 'pallas' (Triton) or 'xla'")

@@ -292,6 +292,53 @@ class TestMosaicFirst:
     assert "plane_bits=1 only" in next(iter(D._mosaic_probed.values()))
 
 
+class TestMosaicAfterTriton:
+  """``implementation=None`` in a ``cuda`` lowering as shipped (Mosaic-first off): Triton's
+  kernel where it is usable, else Mosaic GPU's where it lowers, else the reference. The
+  day jax removes the Triton backend, or where a Triton kernel does not compile, the
+  fused hop stays fused."""
+
+  @pytest.fixture(autouse=True)
+  def fresh(self, monkeypatch):
+    monkeypatch.setattr(D, "_mosaic_probed", {})
+    monkeypatch.setattr(D, "_warned", set())
+
+  @pytest.mark.parametrize("why", ["no_triton_backend", "triton_does_not_compile"])
+  def test_mosaic_gpu_where_triton_is_not_usable(self, monkeypatch, why):
+    if why == "no_triton_backend":
+      monkeypatch.setattr(D, "triton_backend", lambda: False)
+    else:  # what the compile probe says on a GPU where the Triton kernel fails
+      monkeypatch.setattr(D, "_kernel_compiles", lambda *args: False)
+    f, args = _hop(None)
+    if MOSAIC_LOWERS:
+      with warnings.catch_warnings():
+        warnings.simplefilter("error", D.KernelFallbackWarning)
+        text = _lower_on(GT.h100(), f, args)
+      assert text.count(MOSAIC) == 1 and TRITON not in text
+    else:  # jax 0.10.2: Mosaic GPU refuses the kernels, so the reference, with a warning
+      with pytest.warns(D.KernelFallbackWarning, match="the next backend"):
+        text = _lower_on(GT.h100(), f, args)
+      assert MOSAIC not in text and TRITON not in text
+    assert len(D._mosaic_probed) == 1
+
+  def test_triton_first_when_it_is_usable(self, monkeypatch):
+    monkeypatch.setattr(D, "_mosaic_lowers", _no_probe(D._mosaic_lowers))
+    text = _lower_on(GT.h100(), *_hop(None))
+    assert text.count(TRITON) == 1 and MOSAIC not in text and not D._mosaic_probed
+
+  def test_rocm_without_triton_gets_the_reference(self, monkeypatch):
+    monkeypatch.setattr(D, "triton_backend", lambda: False)
+    monkeypatch.setattr(D, "_mosaic_lowers", _no_probe(D._mosaic_lowers))
+    mi300 = jax.sharding.AbstractDevice(device_kind="gfx942", num_cores=304, platform="gpu")
+    text = _lower_on(mi300, *_hop(None), platform="rocm")
+    assert TRITON not in text and MOSAIC not in text
+
+  def test_forcing_triton_without_the_backend_names_the_fix(self, monkeypatch):
+    monkeypatch.setattr(D, "triton_backend", lambda: False)
+    with pytest.raises(ValueError, match="has no Pallas Triton backend; use None"):
+      _lower_on(GT.h100(), *_hop("pallas"))
+
+
 class _AnyError:
   def __eq__(self, other):
     return isinstance(other, str) and other.startswith("NotImplementedError")
