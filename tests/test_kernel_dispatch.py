@@ -202,6 +202,13 @@ def _lower_on(device, f, args, platform="cuda"):
     return f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
+def _on_h100_without_warnings(f, args):
+  """``f`` lowered for an H100, a :class:`KernelFallbackWarning` failing the test."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", D.KernelFallbackWarning)
+    return _lower_on(GT.h100(), f, args)
+
+
 class TestMosaicFirst:
   """``implementation=None`` in a ``cuda`` lowering with Mosaic-first dispatch on: Mosaic
   GPU where it lowers for the target GPU, Triton where it does not, each chosen by a probe
@@ -217,9 +224,7 @@ class TestMosaicFirst:
                                                                               mosaic_fresh):
     f, args = _hop(None)
     if MOSAIC_LOWERS:
-      with warnings.catch_warnings():
-        warnings.simplefilter("error", D.KernelFallbackWarning)
-        text = _lower_on(GT.h100(), f, args)
+      text = _on_h100_without_warnings(f, args)
       assert text.count(MOSAIC) == 1 and TRITON not in text
     else:
       with pytest.warns(D.KernelFallbackWarning) as record:
@@ -311,9 +316,7 @@ class TestMosaicAfterTriton:
       monkeypatch.setattr(D, "_kernel_compiles", lambda *args: False)
     f, args = _hop(None)
     if MOSAIC_LOWERS:
-      with warnings.catch_warnings():
-        warnings.simplefilter("error", D.KernelFallbackWarning)
-        text = _lower_on(GT.h100(), f, args)
+      text = _on_h100_without_warnings(f, args)
       assert text.count(MOSAIC) == 1 and TRITON not in text
     else:  # jax 0.10.2: Mosaic GPU refuses the kernels, so the reference, with a warning
       with pytest.warns(D.KernelFallbackWarning, match="the next backend"):
