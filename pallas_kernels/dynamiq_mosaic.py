@@ -39,9 +39,9 @@ then ``+ x``; so the output equals
 (``tests/test_mosaic_gpu.py``, in GPU interpret mode).
 
 Only ``plane_bits=1`` is written (a ``NotImplementedError`` otherwise).
-GPU interpret mode (:data:`INTERPRET`) needs jax >= 0.12 (``jax.experimental.
-pallas.mosaic_gpu.InterpretGPUParams``; jax 0.10.2 has ``plgpu.kernel`` but
-no interpret mode).
+GPU interpret mode (:data:`INTERPRET`, ``jax.experimental.pallas.mosaic_gpu.
+InterpretGPUParams``) is in jax 0.11.2 and 0.12 (the versions tested); jax
+0.10.2 has ``plgpu.kernel`` but no interpret mode.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ _PTAB = 16  # int32 entries of the plane table: off_p for p < 8, then the units 
 
 
 def has_interpret() -> bool:
-  """Whether this jax has Mosaic GPU's interpret mode (``InterpretGPUParams``, jax >= 0.12)."""
+  """Whether this jax has Mosaic GPU's interpret mode (``InterpretGPUParams``: jax 0.11.2 and 0.12 have it, 0.10.2 not)."""
   return hasattr(plgpu, "InterpretGPUParams")
 
 
@@ -104,7 +104,7 @@ def interpret_params(detect_races: bool = True):
   if not has_interpret():
     raise NotImplementedError(
         f"jax {jax.__version__} has no Mosaic GPU interpret mode "
-        "(jax.experimental.pallas.mosaic_gpu.InterpretGPUParams, jax >= 0.12)")
+        "(jax.experimental.pallas.mosaic_gpu.InterpretGPUParams: jax 0.11.2 and 0.12 have it)")
   return plgpu.InterpretGPUParams(detect_races=detect_races, out_of_bounds_reads="uninitialized")
 
 

@@ -57,8 +57,8 @@ def _cuda_text(f, *args, target=True):
 @pytest.fixture
 def fresh(monkeypatch):
   """Triton's compile probe from scratch, with the Mosaic GPU kernels out of the way
-  (``implementation=None`` would choose them first for an H100 on jax 0.12:
-  :class:`TestMosaicFirst` tests that choice)."""
+  (``implementation=None`` takes them where Triton's kernel does not compile:
+  :class:`TestMosaicAfterTriton` tests that choice)."""
   monkeypatch.setattr(D, "_mosaic_lowers", lambda op, kernels: False)
   D._probed.clear()
   yield
@@ -171,7 +171,7 @@ class TestCompileFallback:
 
 
 MOSAIC = "custom_call @mosaic_gpu"  # a Mosaic GPU kernel in StableHLO (``mosaic_gpu_v2``)
-MOSAIC_LOWERS = M.has_interpret()  # jax >= 0.12; jax 0.10.2 refuses these kernels at lowering
+MOSAIC_LOWERS = M.has_interpret()  # jax 0.11.2, 0.12; jax 0.10.2 refuses these kernels at lowering
 A100 = "NVIDIA A100-SXM4-40GB"
 
 
@@ -390,7 +390,7 @@ for program in programs:
   for _ in range(2):  # the second time the kernel's own jitted launch is a cached trace
     with warnings.catch_warnings(), T.gpu_target():  # restores the filters on exit
       text = jax.jit(program).trace(x, w, p).lower(lowering_platforms=("cuda",)).as_text()
-    assert T.TRITON in text or "mosaic_gpu" in text  # None: Mosaic GPU first on jax 0.12
+    assert T.TRITON in text or "mosaic_gpu" in text  # None: Triton, else Mosaic GPU
 print("lowered", len(programs) * 2)
 """
 

@@ -1,8 +1,8 @@
 """The planar payload layout (pallas_kernels.dynamiq_planar) and the Mosaic GPU kernels
 (pallas_kernels.dynamiq_mosaic: decompress, decompress-accumulate, compress, the ring
-hop), bit for bit against the jnp reference in Mosaic GPU's interpret mode (jax >=
-0.12: skipped, saying so, where it does not exist), and their lowering for cuda on
-this CPU machine.
+hop), bit for bit against the jnp reference in Mosaic GPU's interpret mode (jax
+0.11.2 and 0.12; skipped, saying so, where it does not exist), their lowering for
+cuda on this CPU machine, and what the compiled GPU program hands them.
 
 Interpret-mode sizes: every case has a partial last block (S not a multiple of
 the kernel's 8 super-groups) and, together, they cover every width 2..8 (one to
@@ -36,7 +36,7 @@ MOSAIC = re.compile(r"custom_call @mosaic_gpu")  # a Mosaic GPU kernel in Stable
 
 needs_interpret = pytest.mark.skipif(
     not M.has_interpret(),
-    reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode (InterpretGPUParams: jax >= 0.12)")
+    reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode (InterpretGPUParams: jax 0.11.2 and 0.12 have it)")
 
 
 def _keys(seed):
@@ -257,7 +257,7 @@ def test_two_bit_planes_are_not_written_yet():
 
 @pytest.mark.skipif(M.has_interpret(), reason="this jax has the interpret mode")
 def test_interpret_mode_missing_says_which_jax_has_it():
-  with pytest.raises(NotImplementedError, match="jax >= 0.12"):
+  with pytest.raises(NotImplementedError, match="jax 0.11.2 and 0.12 have it"):
     M.interpret_params()
 
 
