@@ -180,7 +180,8 @@ def test_kernels_tiny(tmp_path):
   assert all(r["seconds"] > 0 and r["coords_per_s"] > 0 for r in rows)
   with open(os.path.join(tmp_path, "kernels_interpret_tiny.json")) as f:
     saved = json.load(f)
-  assert saved["interpret"] is True
+  assert saved["interpret"] is True and saved["complete"] is True
+  assert len(saved["results"]) == len(rows)
   assert saved["backend_lowering"]["triton"] == "lowers"
   assert saved["backend_lowering"]["mosaic_gpu"] != "lowers"  # test_kernel_dispatch says why
   assert saved["backend_lowering_target"] == kernels.H100[0]  # no GPU here: the abstract H100

@@ -10,7 +10,9 @@ chunk whose super-groups all have one width (``--widths``, default 4 and 5),
 against the XLA reference of the same operation and against a plain copy;
 it reports GB/s of minimal traffic and coordinates per second, names the
 device (``jax.devices()[0].device_kind``) and writes
-``docs/results/kernels_gpu.json`` (``kernels_interpret.json`` off GPU).
+``docs/results/kernels_gpu.json`` (``kernels_interpret.json`` off GPU),
+rewritten after every chunk (``"complete": false`` until the run ends), so that
+a run cut short keeps what it measured.
 With ``--gpu`` and no GPU it exits with status 1 and a message that says so.
 
 For every size, width and operation it times the Pallas kernel and the jnp
@@ -229,12 +231,25 @@ def main(argv=None):
              f"(devices: {jax.devices()}); run --gpu on a machine with a CUDA GPU, or "
              "without --gpu for an interpret-mode run (--tiny: a smoke test)")
   sizes, dtype, kind, timed, copy_gbs = _setup(args)
+  print(f"{kind}: copy bandwidth {copy_gbs:.1f} GB/s", file=sys.stderr, flush=True)
   geo = dict(eps=DEFAULT_EPS, plane_bits=R.PLANE_BITS, width_set=R.WIDTH_SET)
   interpret = None if on_gpu else True
 
   def keys_of(i):
     a, b = rng.derive_key(i, 7)
     return (a, b, b, a)
+
+  name = "kernels_gpu" if on_gpu else "kernels_interpret"
+  path = os.path.join(common.results_dir(args.out), f"{name}{'_tiny' if args.tiny else ''}.json")
+
+  def save(rows, complete: bool, **more):
+    """The JSON so far (rewritten after every chunk: a run cut short keeps its rows)."""
+    return common.write_json(path, {
+        "command": common.command_line(), "machine": common.machine(), "device_kind": kind,
+        "backend": jax.default_backend(), "interpret": not on_gpu, "local_dtype": args.dtype,
+        "width_set": list(R.WIDTH_SET), "plane_bits": R.PLANE_BITS, "strata": 8,
+        "copy_gbs": copy_gbs, "reps": args.reps, "repeats": args.repeats,
+        "complete": complete, **more, "results": rows})
 
   rows = []
   for width in [int(w) for w in args.widths.split(",")]:
@@ -287,6 +302,7 @@ def main(argv=None):
           f, operands = mosaic[op]
           rows.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
                                  impl="mosaic", minimal_bytes=minimal[op], copy_gbs=copy_gbs))
+      save(rows, complete=False)
   target, backends = backend_check()
   print(f"\nDynamiQ kernels on {kind} ({jax.default_backend()}, "
         f"jax {jax.__version__}); local values {args.dtype}; copy bandwidth {copy_gbs:.1f} GB/s")
@@ -299,17 +315,9 @@ def main(argv=None):
       continue
     print(f"{r['width']:>2} {r['coords']:>10} {r['op']:<34} {r['impl']:<7} "
           f"{r['seconds'] * 1e3:>9.3f} {r['gbs']:>8.1f} {r['coords_per_s']:>10.3e}")
-  out = common.results_dir(args.out)
   print(f"Pallas GPU backends, level-table gather lowering for cuda ({target}):",
         ", ".join(f"{k}: {v}" for k, v in backends.items()))
-  name = "kernels_gpu" if on_gpu else "kernels_interpret"
-  path = common.write_json(os.path.join(out, f"{name}{'_tiny' if args.tiny else ''}.json"), {
-      "command": common.command_line(), "machine": common.machine(), "device_kind": kind,
-      "backend": jax.default_backend(), "interpret": not on_gpu, "local_dtype": args.dtype,
-      "width_set": list(R.WIDTH_SET), "plane_bits": R.PLANE_BITS, "strata": 8,
-      "copy_gbs": copy_gbs, "reps": args.reps, "repeats": args.repeats,
-      "backend_lowering": backends, "backend_lowering_target": target, "results": rows})
-  print(f"wrote {path}")
+  print(f"wrote {save(rows, complete=True, backend_lowering=backends, backend_lowering_target=target)}")
   return rows
 
 
