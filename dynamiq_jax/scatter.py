@@ -332,7 +332,8 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
     rows_of = {i: _rank_rows(arrays[i], dims[i], n) for i in scat}
     pieces = [jax.ShapeDtypeStruct((rows_of[i].shape[1],), jnp.float32) for i in scat]
     layout = bucket_layout(pieces, codec=codec, max_buckets=max_buckets,
-                           bucket_size=max(unit, bucket_size // n // unit * unit))
+                           bucket_size=max(unit, bucket_size // n // unit * unit),
+                           leaf_order="forward")  # pieces are in backward order already
     buckets, widths = [], []
     for segs in layout:
       cols = [rows_of[scat[s.leaf]][:, s.start:s.stop] for s in segs]
@@ -371,7 +372,7 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
     out, stats, err, ref = _allreduce_local(
         sub, axis_name=axis_name, codec=codec, schedule=schedule,
         key=jax.random.fold_in(key, WHOLE_LEAVES_STREAM), average=average,
-        bucket_size=bucket_size, max_buckets=max_buckets, leaf_order=None,
+        bucket_size=bucket_size, max_buckets=max_buckets, leaf_order="forward",
         implementation=implementation, codec_state=None, return_own=return_own)
     for j, i in enumerate(whole):
       outs[i] = out[j]
@@ -450,7 +451,8 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
     pieces = [jax.ShapeDtypeStruct((int(np.prod(np.shape(leaves[i]))) // n,), jnp.float32)
               for i in scat]
     layout = bucket_layout(pieces, codec=codec, max_buckets=max_buckets,
-                           bucket_size=max(unit, bucket_size // n // unit * unit))
+                           bucket_size=max(unit, bucket_size // n // unit * unit),
+                           leaf_order="forward")  # pieces are in backward order already
     sizes = [round_up(sum(s.stop - s.start for s in segs), unit) for segs in layout]
     parts.append(_scattered_report(sizes, codec, n, hier, slow,
                                    sum(int(np.prod(np.shape(leaves[i]))) for i in scat)))
@@ -458,13 +460,14 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
     sub = [leaves[i] for i in whole]
     if hier:
       from dynamiq_jax.allreduce import _bucket_sizes
-      lay = bucket_layout(sub, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets)
+      lay = bucket_layout(sub, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
+                          leaf_order="forward")
       shares = [ceil_div(d, unit * n) * unit for d in _bucket_sizes(lay)]
       parts.append(_report(shares, codec, slow)._replace(
           coords=sum(int(np.prod(np.shape(a))) for a in sub), error_estimate=0.0))
     else:
       parts.append(wire_stats(sub, codec=codec, n=n, bucket_size=bucket_size,
-                              max_buckets=max_buckets))
+                              max_buckets=max_buckets, leaf_order="forward"))
   if not parts:
     return AllReduceStats(0.0, 0.0, 0)
   coords = sum(p.coords for p in parts)

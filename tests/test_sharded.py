@@ -506,3 +506,53 @@ class TestShardedOptimizer:
     assert residual.shape == (8, 16, 64)
     r = np.asarray(residual)
     assert np.abs(r).max() > 0 and not (r == r[:1]).all()  # each rank's own rounding error
+
+
+def _shapes_by_bucket(jaxpr, stack=""):
+  """{bucket index: the dimensions of every value made in ``allreduce/bucket<b>``}, from
+  the name stacks of ``jaxpr``'s equations (sub-jaxprs included)."""
+  import re
+  out = {}
+  for eqn in jaxpr.eqns:
+    here = f"{stack}/{eqn.source_info.name_stack}"
+    m = re.findall(r"allreduce/bucket(\d+)", here)
+    if m:
+      out.setdefault(int(m[-1]), set()).update(
+          d for v in eqn.outvars for d in getattr(v.aval, "shape", ()))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          for b, dims in _shapes_by_bucket(inner, here).items():
+            out.setdefault(b, set()).update(dims)
+  return out
+
+
+@pytest.mark.parametrize("schedule", ["ring", "hierarchical"])
+def test_reduce_scatter_reduces_the_last_leaf_first(schedule):
+  """Buckets go in the order the backward pass produces the gradients (the reverse of
+  the pytree's, by default): the first bucket reduced holds the last leaf, so it can
+  start while the backward pass still runs. (Fixed: the scattered leaves, already in
+  that order, were reversed once more.)"""
+  n = 8
+  # per-rank widths 512 (leaf a) and 1536 (leaf b); the first bucket (a quarter of 6144
+  # per rank) fits b alone
+  tree = [jnp.ones((n * 512,), jnp.float32), jnp.ones((n * 1536,), jnp.float32)]
+  axis = ("host", "local") if schedule == "hierarchical" else "data"
+
+  def f(tree):
+    return dq.reduce_scatter(tree, axis_name=axis, codec=DynamiQ(bits=5),
+                             key=jax.random.key(0), bucket_size=n * 6144, schedule=schedule)
+
+  if schedule == "hierarchical":  # 2 hosts of 4: scattered over the 4 of a host
+    fn = jax.vmap(jax.vmap(f, axis_name="local"), axis_name="host")
+    args = [jnp.broadcast_to(x, (2, 4, *x.shape)) for x in tree]
+    widths = (n * 512 // 4, n * 1536 // 4)
+  else:
+    fn = jax.vmap(f, axis_name="data")
+    args = [jnp.broadcast_to(x, (n, *x.shape)) for x in tree]
+    widths = (512, 1536)
+  by_bucket = _shapes_by_bucket(jax.make_jaxpr(fn)(args).jaxpr)
+  first, last = widths
+  assert last in by_bucket[0] and first not in by_bucket[0], by_bucket
+  assert first in by_bucket[max(by_bucket)], by_bucket
