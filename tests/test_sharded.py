@@ -381,6 +381,23 @@ class TestDataParallelOnSharded:
       assert any(c.op == "collective-permute" and c.axes == ("local",) for c in found)
       assert any(c.axes == ("host",) for c in found), hlo.summary(found)
 
+  @pytest.mark.parametrize("layout,model_axis", [("hsdp", 4), ("zero", 1)])
+  def test_dynamiq_on_sharded_layouts_trains_with_identical_replicas(self, layout, model_axis):
+    """The default codec under the step's ``check_vma``: on HSDP its allocation runs on
+    values that vary over the host's devices (each holds other shards)."""
+    dp, step, state, want, config, text, train = self._train(layout, model_axis,
+                                                             codec="dynamiq")
+    assert jax.tree.map(lambda x: x.sharding.spec, state) == want
+    assert all(np.all(np.isfinite(np.asarray(p))) for p in jax.tree.leaves(state[0]))
+    for leaf in jax.tree.leaves(state):
+      blocks = {}
+      for shard in leaf.addressable_shards:
+        blocks.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+      for arrays in blocks.values():
+        for a in arrays[1:]:
+          np.testing.assert_array_equal(a, arrays[0])
+
+
 def _elements(shape: str) -> int:
   """Elements of an HLO result type (``f32[4,16]{1,0}``, tuples summed)."""
   import re

@@ -186,9 +186,13 @@ def capacities_threshold(gnorm, valid, errors: Mapping[int, float], positions: i
     ok = cost(jax.lax.bitcast_convert_type(mid, jnp.float32)) <= limit
     return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
 
+  # 0, varying over the mesh axes the data varies over (inside shard_map, HSDP's
+  # per-host shards): a loop's carry must vary as its body's results do
+  zero = (position_f[0] != position_f[0]).astype(jnp.uint32) * jnp.uint32(0)
+
   def search(unroll):
     # lam = 0: all widest, over budget (checked above); lam = inf: all narrowest, fits
-    bounds = (jnp.uint32(0), jnp.uint32(0x7F800000))
+    bounds = (zero, zero + jnp.uint32(0x7F800000))
     return jax.lax.fori_loop(0, 31, bisect, bounds, unroll=unroll)
 
   # The same 31 integer steps either way. Unrolled on accelerators, where a loop
