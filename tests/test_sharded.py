@@ -359,13 +359,7 @@ class TestDataParallelOnSharded:
     assert got == want  # every leaf keeps the sharding it arrived with
     specs = jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, P))
     assert any(sharded_over in str(s) for s in specs), specs  # the model really is sharded
-    for leaf in jax.tree.leaves(state):  # devices holding the same block hold the same bits
-      blocks = {}
-      for shard in leaf.addressable_shards:
-        blocks.setdefault(str(shard.index), []).append(np.asarray(shard.data))
-      for arrays in blocks.values():
-        for a in arrays[1:]:
-          np.testing.assert_array_equal(a, arrays[0])
+    _assert_replicas_identical(state)
     assert step.jitted._cache_size() == 1  # noqa: SLF001 (compiled once for both steps)
     lowered = step.jitted.lower(state, train.place_batch(dp, train.batch(config, text, 0)))
     found = hlo.collectives(lowered.compile().as_text(), dp.mesh)
@@ -389,13 +383,18 @@ class TestDataParallelOnSharded:
                                                              codec="dynamiq")
     assert jax.tree.map(lambda x: x.sharding.spec, state) == want
     assert all(np.all(np.isfinite(np.asarray(p))) for p in jax.tree.leaves(state[0]))
-    for leaf in jax.tree.leaves(state):
-      blocks = {}
-      for shard in leaf.addressable_shards:
-        blocks.setdefault(str(shard.index), []).append(np.asarray(shard.data))
-      for arrays in blocks.values():
-        for a in arrays[1:]:
-          np.testing.assert_array_equal(a, arrays[0])
+    _assert_replicas_identical(state)
+
+
+def _assert_replicas_identical(state):
+  """Devices holding the same block of a leaf hold the same bits."""
+  for leaf in jax.tree.leaves(state):
+    blocks = {}
+    for shard in leaf.addressable_shards:
+      blocks.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+    for arrays in blocks.values():
+      for a in arrays[1:]:
+        np.testing.assert_array_equal(a, arrays[0])
 
 
 def _elements(shape: str) -> int:
