@@ -308,6 +308,16 @@ def _shard_shape(shape, dim: int, n: int):
   return shape[:dim] + (shape[dim] // n,) + shape[dim + 1:]
 
 
+def _scattered_layout(pieces, codec, n: int, bucket_size: int, max_buckets):
+  """The buckets of the scattered leaves' per-rank rows (``pieces``, already in the
+  order the backward pass produces them): ``bucket_size`` over all ranks, so a
+  ``1 / n`` share of it per row, in whole codec blocks."""
+  unit = codec.granularity
+  return bucket_layout(pieces, codec=codec, max_buckets=max_buckets,
+                       bucket_size=max(unit, bucket_size // n // unit * unit),
+                       leaf_order="forward")
+
+
 def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, average, bucket_size,
                           max_buckets, leaf_order, implementation, return_own):
   """:func:`reduce_scatter` of local arrays -> ``(tree, stats, err, ref)``: ``err`` and
@@ -331,9 +341,7 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
   if scat:
     rows_of = {i: _rank_rows(arrays[i], dims[i], n) for i in scat}
     pieces = [jax.ShapeDtypeStruct((rows_of[i].shape[1],), jnp.float32) for i in scat]
-    layout = bucket_layout(pieces, codec=codec, max_buckets=max_buckets,
-                           bucket_size=max(unit, bucket_size // n // unit * unit),
-                           leaf_order="forward")  # pieces are in backward order already
+    layout = _scattered_layout(pieces, codec, n, bucket_size, max_buckets)
     buckets, widths = [], []
     for segs in layout:
       cols = [rows_of[scat[s.leaf]][:, s.start:s.stop] for s in segs]
@@ -450,9 +458,7 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
   if scat:
     pieces = [jax.ShapeDtypeStruct((int(np.prod(np.shape(leaves[i]))) // n,), jnp.float32)
               for i in scat]
-    layout = bucket_layout(pieces, codec=codec, max_buckets=max_buckets,
-                           bucket_size=max(unit, bucket_size // n // unit * unit),
-                           leaf_order="forward")  # pieces are in backward order already
+    layout = _scattered_layout(pieces, codec, n, bucket_size, max_buckets)
     sizes = [round_up(sum(s.stop - s.start for s in segs), unit) for segs in layout]
     parts.append(_scattered_report(sizes, codec, n, hier, slow,
                                    sum(int(np.prod(np.shape(leaves[i]))) for i in scat)))

@@ -162,7 +162,7 @@ MOSAIC_FIRST = False
 ``cuda`` lowering. Off: Triton first, Mosaic GPU where Triton's kernel is not there
 or does not compile (:func:`_gpu_path`), the reference last. Off because Triton's
 kernels are the faster ones, measured: on an H100 (jax 0.11.2,
-``python -m dynamiq_jax.bench.kernels --gpu``; docs/results/kernels_gpu.md) the
+``python -m dynamiq_jax.bench.kernels --gpu``; docs/results.md, "Kernels on an H100") the
 Mosaic GPU kernels took 7 to 39 times as long as Triton's (1.5 times for the smallest
 decompress); and in the deviceless 8 x H100 step they place fewer backward GEMMs inside
 collective windows than ``pmean`` (``tools/mosaic_overlap.py``). Tests turn it on to
@@ -378,7 +378,7 @@ def _mosaic_lowers(op, kernels: Kernels) -> bool:
   if capability is not None and capability < MIN_MOSAIC_CAPABILITY:
     _fallback(f"{op} (Mosaic GPU)", NotImplementedError(
         f"{kind} (compute capability {capability / 10:.1f}; the kernels need "
-        f"{MIN_MOSAIC_CAPABILITY / 10:.1f})"), "the Triton kernel")
+        f"{MIN_MOSAIC_CAPABILITY / 10:.1f})"), "the next backend")
     return False
   args, kwargs = kernels.mosaic_probe()
   key = (op, *_signature(args, kwargs), kind, jax.__version__)
@@ -393,7 +393,7 @@ def _mosaic_lowers(op, kernels: Kernels) -> bool:
       traced = jitted.trace(*structs)
     except NotImplementedError as err:
       _mosaic_probed[key] = _first_line(err)
-      _fallback(f"{op} (Mosaic GPU)", err, "the Triton kernel")
+      _fallback(f"{op} (Mosaic GPU)", err, "the next backend")
       return False
     try:
       lowered = traced.lower(lowering_platforms=("cuda",))
@@ -437,16 +437,8 @@ def _triton_usable(op, kernel, interpret, args, kwargs) -> bool:
   return bool(interpret) or _kernel_compiles(op, kernel, args, kwargs)
 
 
-def _triton_path(op, kernel, reference, interpret, args, kwargs):
-  """The program for a ``rocm`` lowering under ``implementation=None``: Triton's kernel
-  where it is usable, else the reference."""
-  if _triton_usable(op, kernel, interpret, args, kwargs):
-    return _kernel_or_fallback(op, kernel, reference, interpret, args, kwargs)
-  return reference(*args, **kwargs)
-
-
 def _gpu_path(op, kernels: Kernels, reference, interpret, args, kwargs):
-  """The program for a ``cuda`` lowering under ``implementation=None``: Triton's kernel
+  """The program for a GPU lowering under ``implementation=None``: Triton's kernel
   where it is usable (:func:`_triton_usable`), else the Mosaic GPU kernel where it lowers
   (:func:`_mosaic_lowers`), else the reference; Mosaic GPU first while
   :data:`MOSAIC_FIRST` is on. Never Mosaic GPU in interpret mode, whose ordered effects
@@ -521,8 +513,9 @@ def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs)
   def cuda():
     return _gpu_path(op, kernels, reference, bool(interpret), args, kwargs)
 
-  def rocm():
-    return _triton_path(op, kernels.triton, reference, bool(interpret), args, kwargs)
+  def rocm():  # Triton's kernel, else the reference: no Mosaic GPU on AMD GPUs
+    return _gpu_path(op, kernels._replace(mosaic=None), reference, bool(interpret), args,
+                     kwargs)
 
   def other():
     return reference(*args, **kwargs)

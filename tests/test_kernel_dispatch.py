@@ -104,8 +104,8 @@ class TestCompileFallback:
     p = K.compress(_x(2), _w(), UNITS, eps=EPS, keys=_keys(2), implementation="xla")
     kw = dict(eps=tuple(EPS.items()), keys=_keys(1), rank=3, strata=8)
     with pytest.warns(D.KernelFallbackWarning, match="decompress_accumulate_recompress"):
-      out = D._triton_path("decompress_accumulate_recompress",
-                        T.decompress_accumulate_recompress_pallas,
+      out = D._gpu_path("decompress_accumulate_recompress",
+                        D.Kernels(T.decompress_accumulate_recompress_pallas),
                         R.decompress_accumulate_recompress_reference, False,
                         (p, x, _w(), UNITS), kw)
     ref = R.decompress_accumulate_recompress_reference(p, x, _w(), UNITS, **kw)
