@@ -56,6 +56,7 @@ def baseline_psum(axis_name="data", *, dtype=jnp.bfloat16, average: bool = True
     del params
     return optax.EmptyState()
 
+  @jax.named_scope("baseline_psum")  # labels the reduction's buffers and ops in profiles
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     n = axis_size(axis_name)  # the library's UnboundAxisError under plain jax.jit
@@ -431,7 +432,8 @@ class DataParallelStep(SyncedStep):
     self._mesh = mesh
     self._axes = axes
 
-  def __call__(self, params, opt_state, batch):
+  def _select(self, params, opt_state):
+    """The jitted step for these arguments' structures and shardings (built once each)."""
     param_specs = jax.tree.map(lambda p: _mesh_spec(p, self._mesh), params)
     state_specs = _state_specs(opt_state, self._mesh, self._axes)
     key = (jax.tree.structure(params), jax.tree.structure(opt_state, is_leaf=is_per_rank),
@@ -439,8 +441,17 @@ class DataParallelStep(SyncedStep):
            tuple(jax.tree.leaves(state_specs, is_leaf=lambda x: isinstance(x, P))))
     if key not in self._built:
       self._built[key] = self._build(param_specs, state_specs)
-    self.jitted = self._built[key]
+    return self._built[key]
+
+  def __call__(self, params, opt_state, batch):
+    self.jitted = self._select(params, opt_state)
     return super().__call__(params, opt_state, batch)
+
+  def lower(self, params, opt_state, batch) -> jax.stages.Lowered:
+    """The step for these arguments, lowered and not run: ``.compile()`` it for
+    ``memory_analysis()`` or the optimized HLO. The arguments may be arrays or
+    ``jax.ShapeDtypeStruct`` with their ``sharding``."""
+    return self._select(params, opt_state).lower(params, opt_state, batch)
 
 
 def _state_specs(opt_state, mesh, axes):

@@ -127,3 +127,22 @@ class TestSyncEvery:
     assert resolve_sync_every(4, mesh) == 4
     with pytest.raises(ValueError, match="sync_every=-1 must be >= 0"):
       dq.data_parallel_step(lambda p, b: 0.0, optax.sgd(0.1), mesh=mesh, sync_every=-1)
+
+
+def test_data_parallel_step_lowers_abstract_arguments_as_the_step_runs(mesh):
+  """``step.lower`` takes arrays or ShapeDtypeStructs with shardings (a memory or HLO check
+  without data) and lowers the very function the step then runs."""
+  tx = optax.chain(dq.compressed_psum_scatter("data", codec=dq.codecs.F32()), optax.adam(0.1))
+  params = jax.device_put({"w": jnp.ones((64, 16))}, dq.zero_shardings(
+      {"w": jnp.ones((64, 16))}, mesh=mesh, min_size=0))
+  state = dq.data_parallel_init(tx, params, mesh=mesh)
+  x = jax.device_put(jnp.ones((8, 64)), NamedSharding(mesh, P("data")))
+  step = dq.data_parallel_step(lambda p, b: jnp.mean(b @ p["w"]), tx, mesh=mesh, donate=False)
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          (params, state, x))
+  lowered = step.lower(*abstract)
+  assert lowered.as_text() == step.lower(params, state, x).as_text()
+  assert lowered.compile().memory_analysis().argument_size_in_bytes > 0
+  step(params, state, x)
+  assert step.jitted._cache_size() == 1  # the function lower used, compiled once by the call
+  assert len(step._built) == 1

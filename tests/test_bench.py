@@ -250,6 +250,30 @@ def test_sharded_tiny(tmp_path):
   assert "memory_analysis() per device" in text and "the scratch at the step's peak" in text
 
 
+def test_sharded_tiny_gradient(tmp_path):
+  # Part 4 (F32 ring, for compile time): the sharded step keeps 1/8 of the parameters and of
+  # Adam's state per device; under XLA:CPU's memory-minimizing scheduler it reduces each
+  # layer's bucket as the backward pass produces it, so less of the local gradient is live at
+  # once than in the replicated step, which holds the whole reduced gradient; and never less
+  # than one layer's gradient plus the other layers' shards (a broken accounting would).
+  from dynamiq_jax.bench import sharded
+  payload = sharded.main(["--tiny", "--codec", "f32-ring", "--parts", "gradient",
+                          "--out", str(tmp_path)])
+  rows = {(r["scheduler"], r["path"]): r for r in payload["gradient"]}
+  compiled = {s for s, _ in rows}  # h100: with the gpu-compile extra (CI installs it)
+  assert {"concurrency", "memory"} <= compiled <= set(sharded.SCHEDULERS)
+  assert set(rows) == {(s, p) for s in compiled for p in sharded.GRADIENT_PATHS}
+  for scheduler in compiled:
+    zero, repl = rows[scheduler, "zero"], rows[scheduler, "replicated"]
+    for key in ("param_bytes_per_device", "optimizer_bytes_per_device"):
+      assert repl[key] / 8 <= zero[key] < 1.01 * repl[key] / 8, (scheduler, key)
+  zero, repl = rows["memory", "zero"], rows["memory", "replicated"]
+  whole, layers = zero["local_gradient_bytes"], zero["mlp"]["layers"]
+  assert repl["gradient_most_live"] >= whole
+  assert whole * sharded.gradient_floor(layers) <= zero["gradient_most_live"] < 0.75 * whole
+  assert "the gradient in the sharded-optimizer step" in (tmp_path / "sharded.md").read_text()
+
+
 @pytest.mark.slow  # .ci/run-slow: 2 worker processes; test_sharded.py trains hsdp in-process
 def test_sharded_tiny_processes(tmp_path):
   from dynamiq_jax.bench import sharded

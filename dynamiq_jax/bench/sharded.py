@@ -1,7 +1,7 @@
 """Sharded models: what the compressed reduction talks over, what it costs in memory, and
 HSDP across processes over emulated links.
 
-    sudo python -m dynamiq_jax.bench.sharded           # all three parts
+    sudo python -m dynamiq_jax.bench.sharded           # all four parts
     python -m dynamiq_jax.bench.sharded --tiny         # smoke test (no namespaces)
 
 The model is the byte-level transformer LM of ``examples/nnx_sharded_lm`` on 8
@@ -22,7 +22,13 @@ devices, trained with ``dq.nnx.DataParallel`` and DynamiQ (5 bits):
    the optimizer's update) from XLA's own buffer assignment
    (:mod:`dynamiq_jax.bench.buffers`, :func:`categorize`), at the step's peak and
    as each category's own maximum over the step.
-3. ``hsdp``: the ``hsdp`` layout (2 hosts x 4 devices) trained for ``--steps``
+3. ``gradient``: the gradient's own memory in the sharded-optimizer step against
+   the replicated one, on a model whose gradient dominates its memory (a tanh
+   MLP, :data:`GRADIENT_MLP`, :func:`dynamiq_jax.data_parallel_step`), under
+   each of XLA:CPU's two schedulers (:data:`SCHEDULERS`): how much of the local
+   gradient is live at once depends on whether the schedule reduces each
+   bucket as the backward pass produces it.
+4. ``hsdp``: the ``hsdp`` layout (2 hosts x 4 devices) trained for ``--steps``
    steps twice: on 8 simulated devices in this process, and as 2 processes x 4
    CPU devices (:mod:`dynamiq_jax.multiprocess`, gloo), each process in its own
    network namespace (:mod:`dynamiq_jax.bench.netns`), so that the ``host`` axis
@@ -50,11 +56,15 @@ import numpy as np
 
 from dynamiq_jax.bench import common
 
-__all__ = ["main", "collective_table", "memory_rows", "expected_slow_bytes", "categorize",
-           "CATEGORIES", "gradient_bytes"]
+__all__ = ["main", "collective_table", "memory_rows", "gradient_rows", "gradient_floor",
+           "expected_slow_bytes", "categorize", "CATEGORIES", "gradient_bytes", "PARTS",
+           "SCHEDULERS", "GRADIENT_PATHS"]
 
 HEADER_BYTES = 66
 """Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes per packet."""
+
+PARTS = ("hlo", "memory", "gradient", "hsdp")
+"""The report's parts, in order (the module docstring)."""
 
 MODEL = dict(dim=128, heads=4, layers=2, context=64, batch_size=32)
 TINY_MODEL = dict(dim=32, heads=2, layers=1, context=16, batch_size=16)
@@ -113,8 +123,8 @@ def categorize(op_name: str, is_argument: bool) -> str:
 
   Arguments: ``parameters`` (``state[0]``, the model), ``optimizer state``
   (``state[1]``), ``other`` (the batch). Scratch: ``reduction`` (the named scopes
-  ``compressed_psum`` / ``compressed_psum_scatter``: gradient buckets, codec buffers,
-  the reduced gradient), ``gathered parameters`` (``gather_params``: parameters
+  ``compressed_psum`` / ``compressed_psum_scatter`` / ``baseline_psum``: gradient
+  buckets, codec buffers, the reduced gradient), ``gathered parameters`` (``gather_params``: parameters
   all-gathered for the forward pass), ``backward`` (``transpose(jvp(...))``: parameter
   gradients and the activations' cotangents), ``activations`` (``jvp(...)``: forward
   values, kept for the backward pass), ``optimizer update`` (the rest of the
@@ -123,7 +133,7 @@ def categorize(op_name: str, is_argument: bool) -> str:
   if is_argument:
     return ("parameters" if op_name.startswith("state[0]") else
             "optimizer state" if op_name.startswith("state[1]") else "other")
-  if "compressed_psum" in op_name:
+  if "compressed_psum" in op_name or "baseline_psum" in op_name:
     return "reduction"
   if "gather_params" in op_name:
     return "gathered parameters"
@@ -175,6 +185,130 @@ def memory_rows(tiny: bool, text, codec: str = "dynamiq", bucket_sizes=(None,),
                                       "program_length")},
     })
   return rows
+
+
+GRADIENT_MLP = dict(layers=32, dim=512, batch=256)
+"""Part 4's model: ``layers`` float32 ``dim`` x ``dim`` weights of a tanh MLP (no biases),
+``batch`` rows per device. Its gradient is most of its memory, as a large model's is with
+small per-device batches, so the reduction's schedule decides the step's peak."""
+TINY_GRADIENT_MLP = dict(layers=4, dim=128, batch=16)
+
+SCHEDULERS = ("concurrency", "memory", "h100")
+"""Where part 4 compiles its steps, each in a child process: XLA:CPU with each of its two
+schedulers, by ``--xla_cpu_enable_concurrency_optimized_scheduler`` (true, its default,
+orders the program breadth-first for its concurrent executor; false picks the
+memory-minimizing schedule; XLA reads the flag once per process, and a compile's own
+``compiler_options`` do not reach it), and XLA's GPU compiler for 8 compile-only H100s
+(:mod:`dynamiq_jax.bench.gpu_compile`; skipped without the ``gpu-compile`` extra)."""
+
+GRADIENT_PATHS = ("replicated", "zero", "xla pmean")
+"""Part 4's steps: ``compressed_psum`` on replicated parameters, ``compressed_psum_scatter``
+on parameters split over the 8 devices (:func:`dynamiq_jax.zero_shardings`), and XLA's own
+float32 all-reduce (``baseline_psum``) on replicated parameters; Adam after each."""
+
+
+def gradient_rows(tiny: bool, codec: str = "dynamiq", bucket_size: int | None = None,
+                  timeout: float = 1500) -> list[dict]:
+  """Part 4: the gradient's memory in the sharded-optimizer step against the replicated one,
+  on a model whose gradient dominates (:data:`GRADIENT_MLP`), under each of XLA:CPU's
+  schedulers (:data:`SCHEDULERS`, one child process each): ``memory_analysis()`` per device
+  and, from XLA's buffer assignment, the most gradient bytes live at once (backward values +
+  the reduction's buffers) and those live at the step's peak. ``bucket_size`` None: one
+  layer's weights (``dim ** 2``)."""
+  import subprocess
+  import sys
+  if bucket_size is None:
+    bucket_size = (TINY_GRADIENT_MLP if tiny else GRADIENT_MLP)["dim"] ** 2
+  from dynamiq_jax.bench import gpu_compile
+  rows = []
+  for scheduler in SCHEDULERS:
+    if scheduler == "h100" and gpu_compile.missing(need_ptxas=False):
+      print(f"gradient: no H100 rows: {gpu_compile.missing(need_ptxas=False)}", flush=True)
+      continue
+    flag = ("--xla_cpu_enable_concurrency_optimized_scheduler="
+            + ("false" if scheduler == "memory" else "true"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip())
+    with tempfile.TemporaryDirectory() as d:
+      out = os.path.join(d, "rows.json")
+      cmd = [sys.executable, "-m", "dynamiq_jax.bench.sharded", "--gradient-child", out,
+             "--gradient-target", "h100" if scheduler == "h100" else "cpu",
+             "--codec", codec, "--gradient-bucket-size", str(bucket_size)]
+      subprocess.run(cmd + (["--tiny"] if tiny else []), env=env, check=True, timeout=timeout)
+      with open(out) as f:
+        rows += [dict(r, scheduler=scheduler) for r in json.load(f)]
+  return rows
+
+
+def gradient_floor(layers: int, n: int = 8) -> float:
+  """The least of its local gradient a sharded step over ``n`` devices can hold at once, as
+  a fraction, for ``layers`` equal layers reduced one at a time: one layer's whole gradient
+  and the ``1 / n`` shards of the others."""
+  return 1 / layers + (1 - 1 / layers) / n
+
+
+def _gradient_child(tiny: bool, codec: str, bucket_size: int, target: str, out: str) -> None:
+  """In a child of :func:`gradient_rows`: compiles the three steps for ``target`` (``cpu``:
+  8 CPU devices; ``h100``: 8 compile-only H100s, the arguments built on the CPU devices,
+  then passed as ``jax.ShapeDtypeStruct`` of the same shardings), writes their rows."""
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import dynamiq_jax as dq
+  from dynamiq_jax.bench import buffers, gpu_compile
+
+  size = TINY_GRADIENT_MLP if tiny else GRADIENT_MLP
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  target_mesh = gpu_compile.h100_mesh((8,), ("data",)) if target == "h100" else mesh
+
+  def on_target(tree):
+    if target_mesh is mesh:
+      return tree
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=NamedSharding(target_mesh, a.sharding.spec)), tree)
+
+  rng = np.random.default_rng(0)
+  weights = [rng.normal(0, size["dim"] ** -0.5, (size["dim"],) * 2).astype(np.float32)
+             for _ in range(size["layers"])]
+  x = jax.device_put(rng.normal(size=(8 * size["batch"], size["dim"])).astype(np.float32),
+                     NamedSharding(mesh, P("data")))
+
+  def loss_fn(ws, batch):
+    h = batch
+    for w in ws:
+      h = jnp.tanh(h @ w)
+    return jnp.mean(h ** 2)
+
+  kw = dict(codec=dq.codec_from_name(codec, **({"bits": 5.0} if codec == "dynamiq" else {})),
+            bucket_size=bucket_size)
+  reductions = {"replicated": dq.compressed_psum("data", **kw),
+                "zero": dq.compressed_psum_scatter("data", **kw),
+                "xla pmean": dq.baseline_psum("data", dtype=jnp.float32)}
+  whole = sum(w.nbytes for w in weights)
+  rows = []
+  for path in GRADIENT_PATHS:
+    tx = optax.chain(reductions[path], optax.adam(1e-3))
+    shardings = (dq.zero_shardings(weights, mesh=mesh, min_size=0) if path == "zero" else
+                 [NamedSharding(mesh, P())] * len(weights))
+    params = jax.device_put(weights, shardings)
+    state = dq.data_parallel_init(tx, params, mesh=mesh)
+    lowered = dq.data_parallel_step(loss_fn, tx, mesh=target_mesh).lower(
+        *on_target((params, state, x)))
+    peak, _ = buffers.breakdown(lowered, categorize, {"gradient": GRADIENT})
+    per_device = lambda tree: int(sum(a.addressable_shards[0].data.nbytes
+                                      for a in jax.tree.leaves(tree)))
+    rows.append({"path": path, "mlp": size, "bucket_size": bucket_size,
+                 "local_gradient_bytes": whole,
+                 "param_bytes_per_device": per_device(params),
+                 "optimizer_bytes_per_device": per_device(state),
+                 "argument_bytes": peak["argument_bytes"], "temp_bytes": peak["temp_bytes"],
+                 "gradient_most_live": int(peak["own_max"].get("gradient", 0)),
+                 "gradient_at_peak": gradient_bytes(peak["at_peak"]),
+                 "temp_live_at_peak": peak["temp_live_at_peak"]})
+  with open(out, "w") as f:
+    json.dump(rows, f)
 
 
 GRADIENT = ("backward", "reduction")
@@ -319,6 +453,8 @@ def _lines(payload) -> list[str]:
       out.append(f"    {m['op']:<20}{m['shape']:<40}{m['op_name'][-60:]}")
   if payload.get("memory"):
     out += _memory_lines(payload["memory"])
+  if payload.get("gradient"):
+    out += _gradient_lines(payload["gradient"])
   h = payload.get("hsdp")
   if h:
     how = "network namespaces" if h["namespaces"] else "loopback: bytes not measured"
@@ -419,6 +555,38 @@ def _pow2(size) -> str:
   return f"2^{size.bit_length() - 1}" if size and size & (size - 1) == 0 else f"{size:,}"
 
 
+def _gradient_lines(rows) -> list[str]:
+  """Part 4 of the report: the gradient's memory, per scheduler and path."""
+  first = rows[0]
+  mlp, whole = first["mlp"], first["local_gradient_bytes"]
+  unit, scale = ("MB", 1e6) if whole >= 1e7 else ("kB", 1e3)
+  mb = lambda b: f"{b / scale:.1f}"
+  out = [f"\n== the gradient in the sharded-optimizer step: a {mlp['layers']}-layer "
+         f"{mlp['dim']} x {mlp['dim']} MLP ({mb(whole)} {unit} of float32 gradient per device, "
+         f"{mlp['batch']} rows per device), buckets of {_pow2(first['bucket_size'])}, per "
+         f"device, {unit} ==",
+         f"{'scheduler':<13}{'path':<11}{'params':>8}{'Adam':>8}{'temp':>8}{'gradient most':>15}"
+         f"{'x whole':>9}{'x repl.':>9}{'at peak':>9}"]
+  base = {r["scheduler"]: r["gradient_most_live"] for r in rows if r["path"] == "replicated"}
+  for r in rows:
+    most = r["gradient_most_live"]
+    out.append(f"{r['scheduler']:<13}{r['path']:<11}{mb(r['param_bytes_per_device']):>8}"
+               f"{mb(r['optimizer_bytes_per_device']):>8}{mb(r['temp_bytes']):>8}"
+               f"{mb(most):>15}{most / whole:>8.3f}x"
+               f"{most / max(base.get(r['scheduler'], 0), 1):>8.3f}x"
+               f"{mb(r['gradient_at_peak']):>9}")
+  out.append(f"(scheduler: XLA:CPU's --xla_cpu_enable_concurrency_optimized_scheduler, true "
+             f"(concurrency, its default) or false (memory); h100: XLA's GPU compiler for 8 "
+             f"compile-only H100s (deviceless). params, Adam: argument bytes per "
+             f"device; temp: memory_analysis()'s scratch. gradient most: the most backward "
+             f"values + reduction buffers live at once; at peak: those live at the scratch's "
+             f"peak. x whole: of the local gradient; x repl.: of the replicated step's under "
+             f"the same scheduler. A sharded step holds at least, while it reduces the "
+             f"last layer, that layer's local gradient and the other layers' 1/8 shards: "
+             f"{gradient_floor(mlp['layers']):.3f}x whole)")
+  return out
+
+
 def render(payload) -> str:
   """``sharded.md``: the command, the machine and the report of ``payload``."""
   m = payload["machine"]
@@ -444,7 +612,7 @@ def _keep_other_parts(payload: dict, path: str, parts) -> None:
     return
   with open(path) as f:
     earlier = json.load(f)
-  for part in ("hlo", "memory", "hsdp"):
+  for part in PARTS:
     if part not in parts and part in earlier:
       payload[part] = earlier[part]
       source = earlier.get("kept", {}).get(part) or {"command": earlier["command"],
@@ -460,8 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
   """The benchmark's flags."""
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.sharded", description=__doc__,
                               formatter_class=_HelpFormatter)
-  p.add_argument("--parts", default="hlo,memory,hsdp",
-                 help="comma-separated: hlo, memory, hsdp; the other parts of an existing "
+  p.add_argument("--parts", default="hlo,memory,gradient,hsdp",
+                 help="comma-separated: hlo, memory, gradient, hsdp; the other parts of an existing "
                       "sharded.json in --out are kept (with the command that measured them)")
   p.add_argument("--bucket-sizes", default="default,1048576",
                  help="memory: comma-separated bucket sizes in coordinates ('default': the "
@@ -477,6 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   p.add_argument("--render", default=None, metavar="JSON",
                  help="only rewrite sharded.md beside JSON from it (no measurement)")
+  p.add_argument("--gradient-bucket-size", type=int, default=None,
+                 help="gradient: the reduction's bucket size in coordinates; unset: one "
+                      "layer's weights, so each bucket is one layer's gradient")
+  p.add_argument("--gradient-child", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--gradient-target", default="cpu", help=argparse.SUPPRESS)
   p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
   p.add_argument("--config", default=None, help=argparse.SUPPRESS)
@@ -491,6 +664,10 @@ def main(argv=None):
     with open(os.path.join(os.path.dirname(args.render), "sharded.md"), "w") as f:
       f.write(render(payload))
     return payload
+  if args.gradient_child:
+    _gradient_child(args.tiny, args.codec, args.gradient_bucket_size, args.gradient_target,
+                    args.gradient_child)
+    return None
   if args.worker is not None:
     with open(args.config) as f:
       _worker(json.load(f), args.worker, args.coordinator)
@@ -500,9 +677,9 @@ def main(argv=None):
   from examples import datasets
   from dynamiq_jax.bench.netns import shaping
   parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-  unknown = set(parts) - {"hlo", "memory", "hsdp"}
+  unknown = set(parts) - set(PARTS)
   if unknown:
-    raise SystemExit(f"--parts: unknown {sorted(unknown)}; use hlo, memory, hsdp")
+    raise SystemExit(f"--parts: unknown {sorted(unknown)}; use {', '.join(PARTS)}")
   if args.tiny:
     args.steps = min(args.steps, 3)
     args.corpus_bytes = min(args.corpus_bytes, 200_000)
@@ -514,6 +691,9 @@ def main(argv=None):
   if "memory" in parts:
     sizes = [None if b.strip() == "default" else int(b) for b in args.bucket_sizes.split(",")]
     payload["memory"] = memory_rows(args.tiny, text, args.codec, sizes)
+  if "gradient" in parts:
+    payload["gradient"] = gradient_rows(args.tiny, args.codec, args.gradient_bucket_size,
+                                        args.timeout)
   if "hsdp" in parts:
     shaped = shaping(args.no_shaping or args.tiny)
     payload["hsdp"] = hsdp_run(args, shaped)
