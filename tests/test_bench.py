@@ -233,11 +233,11 @@ def test_sharded_tiny(tmp_path):
     assert mem[layout]["peak"]["own_max"]["gathered parameters"] >= mem[layout]["param_bytes"] / 2
   assert "gathered parameters" not in mem["data"]["peak"]["own_max"]
   # The gradient (backward values + the reduction's buffers), at the step's peak and at its
-  # own most: NOT 1/n today (docs/results/sharded.md: the whole local gradient exists after
-  # the backward pass in every layout, and the reduce-scatter's buffers are its bucket's
-  # size). With the default buckets the sharded steps hold no more gradient than the
-  # replicated one (1.00x here with F32; 0.74x / 0.59x with DynamiQ at full size): a change
-  # that makes them hold more (a copy of the gradient, a bucket kept longer) fails here.
+  # own most. This LM's activations outweigh its gradient and XLA:CPU runs the whole
+  # backward pass before the reductions (test_sharded_tiny_gradient is the model whose
+  # gradient dominates), so the sharded steps are not 1/n here; with the default buckets
+  # they hold no more gradient than the replicated one (1.00x here with F32): a change that
+  # makes them hold more (a copy of the gradient, a bucket kept longer) fails here.
   for layout in ("zero", "hsdp"):
     for when in ("at_peak", "own_max"):
       got, ref = mem[layout]["peak"][when], mem["data"]["peak"][when]

@@ -12,11 +12,20 @@ four ways inside ``jax.shard_map``; for each, from XLA's buffer assignment
   (``psum_scatter``) runs inside the backward pass;
 * ``psum_scatter after grad``: the gradient w.r.t. the gathered weights, then one
   ``psum_scatter`` per leaf;
+* ``ppermute ring``: one plain ring reduce-scatter of ``ppermute`` hops per
+  leaf, unrolled (no codec, guard or chain between leaves): what the library's
+  buckets do, without the library;
 * ``dq.reduce_scatter``: the same with the library's compressed reduce-scatter
   (DynamiQ, one leaf per bucket, and one bucket for all).
 
-1/8 + one layer's gradient is 0.156. Issue #31: the library's step is the third.
+1/8 + one layer's gradient is 0.156. XLA:CPU's scheduler is its default
+(``--xla_cpu_enable_concurrency_optimized_scheduler=true``) unless ``XLA_FLAGS``
+says otherwise; with ``=false`` it picks its memory-minimizing schedule.
+``python -m dynamiq_jax.bench.sharded --parts gradient`` measures the library's
+whole training step under both.
 """
+
+import os
 
 import jax
 
@@ -61,6 +70,23 @@ def fsdp(ws, x):
   return _update(ws, jax.grad(lambda ws: _loss(_gathered(ws), x))(ws))
 
 
+def ppermute_ring(g):
+  """Each leaf's rows reduce-scattered by a ring of n - 1 ``ppermute`` hops."""
+  n = jax.lax.axis_size("data")
+  r = jax.lax.axis_index("data")
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  out = []
+  for a in g:
+    rows = a.reshape(n, -1)
+    recv = None
+    for j in range(n - 1):  # hop j sends chunk r - j - 1 (plus what arrived)
+      mine = jax.lax.dynamic_index_in_dim(rows, (r - j - 1) % n, 0, keepdims=False)
+      recv = jax.lax.ppermute(mine if recv is None else mine + recv, "data", perm)
+    own = recv + jax.lax.dynamic_index_in_dim(rows, r, 0, keepdims=False)
+    out.append((own / n).reshape(-1, a.shape[1]))
+  return out
+
+
 def after_grad(reduce):
   def step(ws, x):
     g = jax.grad(lambda full: _loss(full, x))(_gathered(ws))
@@ -82,9 +108,11 @@ def main():
                                        key=jax.random.key(0), bucket_size=bucket_size)[0]
 
   steps = [("fsdp", fsdp), ("psum_scatter after grad", after_grad(plain)),
+           ("ppermute ring after grad", after_grad(ppermute_ring)),
            ("dq.reduce_scatter, 2^20 buckets (one leaf each)", after_grad(compressed(1 << 20))),
            ("dq.reduce_scatter, one 2^25 bucket", after_grad(compressed(1 << 25)))]
-  print(f"jax {jax.__version__}; whole local gradient {whole / 1e6:.1f} MB per device")
+  print(f"jax {jax.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; whole local "
+        f"gradient {whole / 1e6:.1f} MB per device")
   for name, step in steps:
     jitted = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P("data")),
                                    out_specs=P("data")))
