@@ -4,7 +4,7 @@
 
 An 8-layer tanh MLP (1024 x 1024 float32 weights, sharded over 8 CPU devices
 along their first dimension, gathered for the forward pass), one step, compiled
-four ways inside ``jax.shard_map``; for each, from XLA's buffer assignment
+five ways inside ``jax.shard_map``; for each, from XLA's buffer assignment
 (:mod:`dynamiq_jax.bench.buffers`), the most gradient bytes live at once
 (backward values + reduction buffers) as a fraction of the whole local gradient:
 
@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import dynamiq_jax as dq  # noqa: E402
 from dynamiq_jax.bench import buffers  # noqa: E402
+from dynamiq_jax.bench.sharded import mlp_loss  # noqa: E402
 from dynamiq_jax.codecs import DynamiQ  # noqa: E402
 
 LAYERS, DIM, BATCH = 8, 1024, 256
@@ -51,13 +52,6 @@ def _category(op_name, is_argument):
   return "jvp" if "jvp(" in op_name else "other"
 
 
-def _loss(ws, x):
-  h = x
-  for w in ws:
-    h = jnp.tanh(h @ w)
-  return jnp.mean(h ** 2)
-
-
 def _gathered(ws):
   return [jax.lax.all_gather(w, "data", axis=0, tiled=True) for w in ws]
 
@@ -67,7 +61,7 @@ def _update(ws, g):
 
 
 def fsdp(ws, x):
-  return _update(ws, jax.grad(lambda ws: _loss(_gathered(ws), x))(ws))
+  return _update(ws, jax.grad(lambda ws: mlp_loss(_gathered(ws), x))(ws))
 
 
 def ppermute_ring(g):
@@ -89,7 +83,7 @@ def ppermute_ring(g):
 
 def after_grad(reduce):
   def step(ws, x):
-    g = jax.grad(lambda full: _loss(full, x))(_gathered(ws))
+    g = jax.grad(lambda full: mlp_loss(full, x))(_gathered(ws))
     with jax.named_scope("reduce_scatter"):
       return _update(ws, reduce(g))
   return step

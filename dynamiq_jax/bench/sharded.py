@@ -57,8 +57,8 @@ import numpy as np
 from dynamiq_jax.bench import common
 
 __all__ = ["main", "collective_table", "memory_rows", "gradient_rows", "gradient_floor",
-           "expected_slow_bytes", "categorize", "CATEGORIES", "gradient_bytes", "PARTS",
-           "SCHEDULERS", "GRADIENT_PATHS"]
+           "mlp_loss", "expected_slow_bytes", "categorize", "CATEGORIES", "gradient_bytes",
+           "PARTS", "SCHEDULERS", "GRADIENT_PATHS"]
 
 HEADER_BYTES = 66
 """Ethernet (14) + IPv4 (20) + TCP with timestamps (32) bytes per packet."""
@@ -124,11 +124,12 @@ def categorize(op_name: str, is_argument: bool) -> str:
   Arguments: ``parameters`` (``state[0]``, the model), ``optimizer state``
   (``state[1]``), ``other`` (the batch). Scratch: ``reduction`` (the named scopes
   ``compressed_psum`` / ``compressed_psum_scatter`` / ``baseline_psum``: gradient
-  buckets, codec buffers, the reduced gradient), ``gathered parameters`` (``gather_params``: parameters
-  all-gathered for the forward pass), ``backward`` (``transpose(jvp(...))``: parameter
-  gradients and the activations' cotangents), ``activations`` (``jvp(...)``: forward
-  values, kept for the backward pass), ``optimizer update`` (the rest of the
-  ``optimizer`` scope: Adam's arithmetic), ``other``.
+  buckets, codec buffers, the reduced gradient), ``gathered parameters``
+  (``gather_params``: parameters all-gathered for the forward pass), ``backward``
+  (``transpose(jvp(...))``: parameter gradients and the activations' cotangents),
+  ``activations`` (``jvp(...)``: forward values, kept for the backward pass),
+  ``optimizer update`` (the rest of the ``optimizer`` scope: Adam's arithmetic),
+  ``other``.
   """
   if is_argument:
     return ("parameters" if op_name.startswith("state[0]") else
@@ -164,17 +165,14 @@ def memory_rows(tiny: bool, text, codec: str = "dynamiq", bucket_sizes=(None,),
     state = dp.state
     params, opt = state[0], state[1]
 
-    def per_device(tree):
-      return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)))
-
     full = int(sum(x.nbytes for x in jax.tree.leaves(params)))
     rows.append({
         "layout": layout, "mesh": dict(dp.mesh.shape), "bucket_size": bucket_size,
         "params": int(sum(x.size for x in jax.tree.leaves(params))),
         "param_bytes": full,
-        "param_bytes_per_device": per_device(params),
-        "gathered_param_bytes": full - per_device(params),
-        "optimizer_bytes_per_device": per_device(opt),
+        "param_bytes_per_device": _bytes_per_device(params),
+        "gathered_param_bytes": full - _bytes_per_device(params),
+        "optimizer_bytes_per_device": _bytes_per_device(opt),
         "argument_bytes": peak["argument_bytes"],
         "output_bytes": peak["output_bytes"],
         "temp_bytes": peak["temp_bytes"],
@@ -220,10 +218,11 @@ def gradient_rows(tiny: bool, codec: str = "dynamiq", bucket_size: int | None = 
   if bucket_size is None:
     bucket_size = (TINY_GRADIENT_MLP if tiny else GRADIENT_MLP)["dim"] ** 2
   from dynamiq_jax.bench import gpu_compile
+  no_gpu_compile = gpu_compile.missing(need_ptxas=False)
   rows = []
   for scheduler in SCHEDULERS:
-    if scheduler == "h100" and gpu_compile.missing(need_ptxas=False):
-      print(f"gradient: no H100 rows: {gpu_compile.missing(need_ptxas=False)}", flush=True)
+    if scheduler == "h100" and no_gpu_compile:
+      print(f"gradient: no H100 rows: {no_gpu_compile}", flush=True)
       continue
     flag = ("--xla_cpu_enable_concurrency_optimized_scheduler="
             + ("false" if scheduler == "memory" else "true"))
@@ -238,6 +237,15 @@ def gradient_rows(tiny: bool, codec: str = "dynamiq", bucket_size: int | None = 
       with open(out) as f:
         rows += [dict(r, scheduler=scheduler) for r in json.load(f)]
   return rows
+
+
+def mlp_loss(ws, x):
+  """Part 4's loss: the mean square of ``tanh(... tanh(x @ ws[0]) ... @ ws[-1])``."""
+  import jax.numpy as jnp
+  h = x
+  for w in ws:
+    h = jnp.tanh(h @ w)
+  return jnp.mean(h ** 2)
 
 
 def gradient_floor(layers: int, n: int = 8) -> float:
@@ -275,12 +283,6 @@ def _gradient_child(tiny: bool, codec: str, bucket_size: int, target: str, out: 
   x = jax.device_put(rng.normal(size=(8 * size["batch"], size["dim"])).astype(np.float32),
                      NamedSharding(mesh, P("data")))
 
-  def loss_fn(ws, batch):
-    h = batch
-    for w in ws:
-      h = jnp.tanh(h @ w)
-    return jnp.mean(h ** 2)
-
   kw = dict(codec=dq.codec_from_name(codec, **({"bits": 5.0} if codec == "dynamiq" else {})),
             bucket_size=bucket_size)
   reductions = {"replicated": dq.compressed_psum("data", **kw),
@@ -294,21 +296,25 @@ def _gradient_child(tiny: bool, codec: str, bucket_size: int, target: str, out: 
                  [NamedSharding(mesh, P())] * len(weights))
     params = jax.device_put(weights, shardings)
     state = dq.data_parallel_init(tx, params, mesh=mesh)
-    lowered = dq.data_parallel_step(loss_fn, tx, mesh=target_mesh).lower(
+    lowered = dq.data_parallel_step(mlp_loss, tx, mesh=target_mesh).lower(
         *on_target((params, state, x)))
     peak, _ = buffers.breakdown(lowered, categorize, {"gradient": GRADIENT})
-    per_device = lambda tree: int(sum(a.addressable_shards[0].data.nbytes
-                                      for a in jax.tree.leaves(tree)))
     rows.append({"path": path, "mlp": size, "bucket_size": bucket_size,
                  "local_gradient_bytes": whole,
-                 "param_bytes_per_device": per_device(params),
-                 "optimizer_bytes_per_device": per_device(state),
+                 "param_bytes_per_device": _bytes_per_device(params),
+                 "optimizer_bytes_per_device": _bytes_per_device(state),
                  "argument_bytes": peak["argument_bytes"], "temp_bytes": peak["temp_bytes"],
                  "gradient_most_live": int(peak["own_max"].get("gradient", 0)),
                  "gradient_at_peak": gradient_bytes(peak["at_peak"]),
                  "temp_live_at_peak": peak["temp_live_at_peak"]})
   with open(out, "w") as f:
     json.dump(rows, f)
+
+
+def _bytes_per_device(tree) -> int:
+  """The bytes one device holds of the arrays of ``tree`` (its first shard of each)."""
+  import jax
+  return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)))
 
 
 GRADIENT = ("backward", "reduction")
@@ -629,8 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.sharded", description=__doc__,
                               formatter_class=_HelpFormatter)
   p.add_argument("--parts", default="hlo,memory,gradient,hsdp",
-                 help="comma-separated: hlo, memory, gradient, hsdp; the other parts of an existing "
-                      "sharded.json in --out are kept (with the command that measured them)")
+                 help="comma-separated: hlo, memory, gradient, hsdp; the other parts of an "
+                      "existing sharded.json in --out are kept (with the command that "
+                      "measured them)")
   p.add_argument("--bucket-sizes", default="default,1048576",
                  help="memory: comma-separated bucket sizes in coordinates ('default': the "
                       "library's)")
