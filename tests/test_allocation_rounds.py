@@ -150,3 +150,52 @@ def test_padding_and_zero_and_inf():
         jnp.asarray(g, jnp.float32), jnp.arange(n * units) < 30, errors, units, cost, budget, n))
     assert got.sum() == units
     assert sum(int(k) * cost[w] for w, k in zip(sorted(errors), got)) <= budget
+
+
+def _bisected_multiplier(position_f, t, step, limit):
+  """The oracle of :func:`allocation._switching_multiplier`: 31 bisection steps over the
+  float32 bit patterns (the least multiplier whose cost fits, and the one below it)."""
+
+  def cost(lam):
+    return sum(s * jnp.sum((position_f >= lam * tb).astype(jnp.int32)) for tb, s in zip(t, step))
+
+  def bisect(_, bounds):
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    ok = cost(jax.lax.bitcast_convert_type(mid, jnp.float32)) <= limit
+    return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+  lo, hi = jax.lax.fori_loop(0, 31, bisect, (jnp.uint32(0), jnp.uint32(0x7F800000)))
+  return (jax.lax.bitcast_convert_type(lo, jnp.float32),
+          jax.lax.bitcast_convert_type(hi, jnp.float32))
+
+
+@pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "wide", "ties", "tiny"])
+def test_switching_multiplier_is_what_a_bisection_finds(kind, monkeypatch):
+  """The loop-free search (candidates, two 16-bit histograms) gives the widths that 31
+  bisection steps over the multiplier's bit patterns give, budget by budget."""
+  rng = np.random.default_rng(11)
+  n, s = 8, 48
+  widths = (2, 3, 4, 5, 6, 8)
+  errors = _fine_errors(widths)
+  cost = {w: n * 256 * w for w in widths}
+  if kind == "ties":
+    norms = np.round(rng.random(n * s) * 4) / 4
+  elif kind == "tiny":  # norms far below the largest: statistics near the subnormal range
+    norms = np.exp(np.clip(rng.standard_normal(n * s) * 30, -85, 85))
+  else:
+    norms = _norms(kind, n * s, rng)
+  g = jnp.asarray(norms.astype(np.float32))
+  valid = jnp.asarray(rng.random(n * s) < 0.9)
+  budgets = s * cost[2] + rng.integers(0, s * (cost[8] - cost[2]), 6)
+
+  def run(budget):
+    return np.asarray(jax.jit(lambda g, v: allocation.capacities_threshold(
+        g, v, errors, s, cost, float(budget), n, order=allocation.descending_order(g, v)))(
+            g, valid))
+
+  got = [run(b) for b in budgets]
+  monkeypatch.setattr(allocation, "_switching_multiplier", _bisected_multiplier)
+  want = [run(b) for b in budgets]
+  for b, x, y in zip(budgets, got, want):
+    np.testing.assert_array_equal(x, y, err_msg=f"budget {b}")

@@ -124,10 +124,10 @@ def capacities_threshold(gnorm, valid, errors: Mapping[int, float], positions: i
   - c_b)``; ``lam`` is the smallest that fits the budget. Exact and
   deterministic: F is scaled by a power of two (exact) and squared from
   bf16-exact norms (exact), a position's F summed in a fixed order; ``lam``
-  is found by bisection on its float32 bit pattern (31 steps), each step
-  comparing ``F >= lam * t`` (one rounded product, no sum) and costing the
-  result in integers; positions that tie at the switching multiplier then
-  take the next width while the budget allows.
+  is the least float32 whose widths fit (:func:`_switching_multiplier`: each
+  position's largest multiplier that keeps it above a boundary, ``F >= lam *
+  t`` as one rounded product, then one sort of those); positions that tie at
+  the switching multiplier then take the next width while the budget allows.
 
   Args:
     gnorm: float32 ``[positions * n]`` global super-group norms (>= 0).
@@ -177,34 +177,13 @@ def capacities_threshold(gnorm, valid, errors: Mapping[int, float], positions: i
   def at_least(lam):  # positions at or above each hull boundary (nested: t increases)
     return [jnp.sum((position_f >= lam * tb).astype(jnp.int32)) for tb in t]
 
-  def cost(lam):
-    return sum(c * s for c, s in zip(at_least(lam), step))  # int32: fits for buckets < 2^31 bits
-
-  def bisect(_, bounds):
-    lo, hi = bounds
-    mid = lo + (hi - lo) // 2
-    ok = cost(jax.lax.bitcast_convert_type(mid, jnp.float32)) <= limit
-    return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
-
-  # 0, varying over the mesh axes the data varies over (inside shard_map, HSDP's
-  # per-host shards): a loop's carry must vary as its body's results do
-  zero = (position_f[0] != position_f[0]).astype(jnp.uint32) * jnp.uint32(0)
-
-  def search(unroll):
-    # lam = 0: all widest, over budget (checked above); lam = inf: all narrowest, fits
-    bounds = (zero, zero + jnp.uint32(0x7F800000))
-    return jax.lax.fori_loop(0, 31, bisect, bounds, unroll=unroll)
-
-  # The same 31 integer steps either way. Unrolled on accelerators, where a loop
-  # would read its predicate back to the host at every step; a loop on CPU,
-  # where unrolled they made most of the program and of its compile time.
-  lo, hi = jax.lax.platform_dependent(cpu=lambda: search(1), default=lambda: search(True))
-  c = at_least(jax.lax.bitcast_convert_type(hi, jnp.float32))
+  lo, hi = _switching_multiplier(position_f, t, step, limit)
+  c = at_least(hi)
   # Spend what is left on the positions that tie at the switching multiplier:
   # those that take the next width at ``lo`` but not at ``hi`` (a prefix
   # extension of each boundary's count), boundary by boundary in order of
   # gain per bit (lowest t first), as many as fit. Integer arithmetic.
-  c_lo = at_least(jax.lax.bitcast_convert_type(lo, jnp.float32))
+  c_lo = at_least(lo)
   left = jnp.int32(limit) - sum(ci * st for ci, st in zip(c, step))
   for i in np.argsort(np.asarray(t, np.float64), kind="stable"):
     room = c[i - 1] - c[i] if i > 0 else positions - c[i]  # stay nested
@@ -216,3 +195,78 @@ def capacities_threshold(gnorm, valid, errors: Mapping[int, float], positions: i
   for i, x in enumerate(hull[1:]):
     counts[x] = c[i] - (c[i + 1] if i + 1 < len(c) else 0)
   return jnp.stack([jnp.asarray(counts.get(x, 0), jnp.int32) for x in w])
+
+
+def _largest_below(f, t):
+  """Elementwise, the largest float32 ``lam``, zero or normal, with ``fl(lam * t) <= f``
+  (``f >= 0`` finite, ``t >= 1`` a float32 constant): ``f / t`` moved one float at a
+  time (:func:`_next_up`, :func:`_next_down`) until it is.
+
+  ``fl(lam * t)`` is non-decreasing in ``lam``, so those ``lam`` are ``[0, result]``.
+  A correctly rounded quotient is within one step of the result; two steps each
+  way leave room for a quotient off by one more (unrolled and elementwise: one
+  fusion). Subnormal multipliers are left out: XLA:CPU flushes them to zero and
+  XLA:GPU does not, so a product with one would differ between them.
+  """
+  t = np.float32(t)
+  q = f / t
+  q = jnp.where(q >= _TINY, q, 0.0)  # +0.0 below the normal range
+  for _ in range(2):  # too large: step down
+    q = jnp.where(q * t > f, _next_down(q), q)
+  for _ in range(2):  # room above: step up
+    up = _next_up(q)
+    q = jnp.where(up * t <= f, up, q)
+  return q
+
+
+_TINY = np.finfo(np.float32).tiny
+"""The least normal float32: the multipliers are 0 or at least this."""
+
+
+def _next_up(q):
+  """The next float32 above ``q >= 0`` among zero and the normal ones."""
+  bits = jax.lax.bitcast_convert_type(q, jnp.uint32)
+  return jnp.where(q == 0, _TINY, jax.lax.bitcast_convert_type(bits + 1, jnp.float32))
+
+
+def _next_down(q):
+  """The next float32 below ``q > 0`` among zero and the normal ones (0 stays 0)."""
+  bits = jax.lax.bitcast_convert_type(q, jnp.uint32)
+  down = jax.lax.bitcast_convert_type(jnp.maximum(bits, 1) - 1, jnp.float32)
+  return jnp.where(q <= _TINY, 0.0, down)
+
+
+def _switching_multiplier(position_f, t, step, limit: int):
+  """``(lo, hi)`` float32 multipliers: ``hi`` the least (zero or normal) with
+  ``cost(hi) <= limit``, ``lo`` the one just below it, over budget.
+
+  ``cost(lam) = sum_b step[b] * #{j: position_f[j] >= fl(lam * t[b])}``. Position j
+  stays at or above boundary b exactly while ``lam <= c[j, b]``
+  (:func:`_largest_below`), so ``cost(lam)`` is the total weight of the
+  candidates ``c >= lam``, and ``lo`` is the largest candidate whose cost is
+  over ``limit``; ``hi`` is the next float up. The candidates (floats >= 0, so
+  ordered as their bit patterns) are found by weight in two rounds of 16 bits
+  (:func:`_largest_over`): integer histograms and suffix sums, no sort and no
+  loop. The caller has checked that all candidates together weigh more than
+  ``limit``. Exact: what a bisection over the float32 bit patterns finds,
+  without its 31 steps.
+  """
+  cands = jnp.concatenate([_largest_below(position_f, tb) for tb in t])
+  weights = jnp.concatenate([jnp.full(position_f.shape, w, jnp.int32) for w in step])
+  bits = jax.lax.bitcast_convert_type(cands, jnp.uint32)
+  top = (bits >> 16).astype(jnp.int32)  # < 0x7F80: finite, >= 0
+  high, above = _largest_over(top, weights, 1 << 15, 0, limit)
+  low, _ = _largest_over((bits & 0xFFFF).astype(jnp.int32), jnp.where(top == high, weights, 0),
+                         1 << 16, above, limit)
+  lo = jax.lax.bitcast_convert_type((high.astype(jnp.uint32) << 16) | low.astype(jnp.uint32),
+                                    jnp.float32)
+  return lo, _next_up(lo)
+
+
+def _largest_over(keys, weights, bins: int, base, limit: int):
+  """``(k, above)``: the largest key ``k`` with ``base + weight(keys >= k) > limit``, and
+  ``base + weight(keys > k)`` (int32 keys in ``[0, bins)``; integer sums: exact)."""
+  hist = jnp.zeros((bins,), jnp.int32).at[keys].add(weights, mode="promise_in_bounds")
+  at_least = base + jnp.cumsum(hist[::-1])[::-1]  # weight of keys >= each bin
+  k = jnp.max(jnp.where(at_least > limit, jnp.arange(bins, dtype=jnp.int32), 0))
+  return k, at_least[k] - hist[k]
