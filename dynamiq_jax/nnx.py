@@ -51,12 +51,12 @@ from jax.sharding import PartitionSpec as P
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.local import strip_axes
 from dynamiq_jax.train import SyncedStep
-from dynamiq_jax.train import _data_dims
-from dynamiq_jax.train import _gather
+from dynamiq_jax.train import data_dims
+from dynamiq_jax.train import gather_params
 from dynamiq_jax.train import is_per_rank
-from dynamiq_jax.train import _mean_over
-from dynamiq_jax.train import _mesh_spec
-from dynamiq_jax.train import _only_axes
+from dynamiq_jax.train import mean_over
+from dynamiq_jax.train import mesh_spec
+from dynamiq_jax.train import only_axes
 from dynamiq_jax.train import partial_manual
 from dynamiq_jax.train import resolve_sync_every
 
@@ -134,7 +134,7 @@ class DataParallel:
     declared = _flat_by_path(nnx.get_partition_spec(state))
 
     def own_spec(keys, x):  # as placed on this mesh, else as declared, else replicated
-      spec = _mesh_spec(x, mesh)
+      spec = mesh_spec(x, mesh)
       if (not _placed(x, mesh) and isinstance(declared.get(keys), P)
           and declared[keys] != P()):
         spec = declared[keys]
@@ -209,7 +209,7 @@ class DataParallel:
 
   def _data_specs(self):
     """The specs of the state over the data axes only (the shard_map's in/out specs)."""
-    return jax.tree.map(lambda s: _only_axes(s, self._axes), self.specs,
+    return jax.tree.map(lambda s: only_axes(s, self._axes), self.specs,
                         is_leaf=lambda x: isinstance(x, P))
 
   def _full_params(self, params, params_keys):
@@ -218,7 +218,7 @@ class DataParallel:
     specs = _flat_by_path(self.specs)
 
     def one(path, p):
-      return _gather(p, _data_dims(specs[params_keys + _keys(path)], self._axes), self._axes)
+      return gather_params(p, data_dims(specs[params_keys + _keys(path)], self._axes), self._axes)
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -261,7 +261,7 @@ class DataParallel:
       extra = {"specs": self._param_specs(params, (0,))} if model_axes else {}
       with jax.named_scope("optimizer"):  # the reduction and the update, labelled in profiles
         optimizer.update(model, grads, **extra)
-      return nnx.state((model, optimizer)), _mean_over(loss, axes)
+      return nnx.state((model, optimizer)), mean_over(loss, axes)
 
     data_specs = self._data_specs()
     repl = NamedSharding(self.mesh, P())

@@ -27,7 +27,8 @@ from dynamiq_jax.schedules.local import strip_axes
 __all__ = [
     "as_varying", "baseline_psum", "data_parallel_init", "data_parallel_step",
     "DataParallelStep", "SyncedStep", "CPU_SYNC_EVERY", "resolve_sync_every", "is_per_rank",
-    "zero_shardings", "partial_manual",
+    "zero_shardings", "partial_manual", "mesh_spec", "only_axes", "data_dims", "mean_over",
+    "gather_params", "opt_state_specs",
 ]
 
 
@@ -78,7 +79,7 @@ def is_per_rank(x):
   return isinstance(x, PerRank)
 
 
-def _mesh_spec(x, mesh) -> P:
+def mesh_spec(x, mesh) -> P:
   """``x``'s ``PartitionSpec`` if it is placed on ``mesh`` (its axes, their sizes), else P()."""
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.shape.items()) == tuple(
@@ -87,16 +88,16 @@ def _mesh_spec(x, mesh) -> P:
   return P()
 
 
-def _only_axes(spec, axes) -> P:
+def only_axes(spec, axes) -> P:
   """``spec`` with every mesh axis not in ``axes`` dropped (dimensions kept)."""
   return strip_axes(spec, [a for entry in tuple(spec) for a in (
       entry if isinstance(entry, tuple) else (entry,)) if a is not None and a not in axes])
 
 
-def _data_dims(spec, axes) -> list:
+def data_dims(spec, axes) -> list:
   """``[(dim, data axes)]``: the dimensions ``spec`` shards over the data ``axes``."""
   out = []
-  for k, entry in enumerate(tuple(_only_axes(spec, axes))):
+  for k, entry in enumerate(tuple(only_axes(spec, axes))):
     if entry is not None:
       out.append((k, entry))
   return out
@@ -116,7 +117,7 @@ def _param_like_specs(params, state, mesh, axes):
   everything else is replicated.
   """
   param_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  by_path = {_path_keys(path): (jnp.shape(p), _mesh_spec(p, mesh)) for path, p in param_leaves}
+  by_path = {_path_keys(path): (jnp.shape(p), mesh_spec(p, mesh)) for path, p in param_leaves}
   data = axes[0] if len(axes) == 1 else tuple(axes)
 
   def like(path, x):
@@ -195,7 +196,7 @@ def zero_shardings(params, *, mesh, axis_name="data", min_size: int = 1024):
   from dynamiq_jax.scatter import scatter_dimensions
   axes = axis_names(axis_name)
   n = int(np.prod([mesh.shape[a] for a in axes]))
-  specs = jax.tree.map(lambda p: _mesh_spec(p, mesh), params)
+  specs = jax.tree.map(lambda p: mesh_spec(p, mesh), params)
   dims = scatter_dimensions(params, n=n, specs=specs, min_size=min_size)
   data = axes[0] if len(axes) == 1 else tuple(axes)
 
@@ -233,7 +234,7 @@ def partial_manual(fn, *, mesh, manual, in_specs, out_specs, out_shardings, chec
   return jax.sharding.auto_axes(auto, axes=tuple(explicit), out_sharding=out_shardings)
 
 
-def _mean_over(x, axes):
+def mean_over(x, axes):
   """The mean of ``x`` over the data ``axes`` in a fixed order (an exact all-gather, then a
   local sum), so that it does not depend on how the backend sums (XLA CPU, gloo, NCCL)."""
   axis = axes[0] if len(axes) == 1 else tuple(axes)
@@ -248,7 +249,7 @@ def _checked(axis) -> bool:
 
 
 @jax.named_scope("gather_params")  # labels the gathered parameters in profiles
-def _gather(p, dims, axes):
+def gather_params(p, dims, axes):
   """A parameter split over the data axes (``dims``: ``[(dim, axes)]``), all-gathered at
   its own precision; a replicated one marked per-rank (so that ``jax.grad`` leaves its
   gradient un-reduced)."""
@@ -311,25 +312,25 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
   model = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
 
   def build(param_specs, state_specs):
-    data_param = jax.tree.map(lambda s: _only_axes(s, axes), param_specs,
+    data_param = jax.tree.map(lambda s: only_axes(s, axes), param_specs,
                               is_leaf=lambda x: isinstance(x, P))
-    data_state = jax.tree.map(lambda s: _only_axes(s, axes), state_specs,
+    data_state = jax.tree.map(lambda s: only_axes(s, axes), state_specs,
                               is_leaf=lambda x: isinstance(x, P))
     spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=lambda x: isinstance(x, P))
-    dims = [_data_dims(s, axes) for s in spec_leaves]
+    dims = [data_dims(s, axes) for s in spec_leaves]
     sharded = any(dims)
     extra = {"specs": param_specs} if model else {}
 
     def local(params, opt_state, batch):
       full = spec_def.unflatten(
-          [_gather(p, d, axes) for p, d in zip(spec_def.flatten_up_to(params), dims)])
+          [gather_params(p, d, axes) for p, d in zip(spec_def.flatten_up_to(params), dims)])
       out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(full, batch)
       with jax.named_scope("optimizer"):
         updates, opt_state = tx.update(grads, opt_state, params, **extra)
       if sharded:
         _check_shard_updates(updates, params)
       params = optax.apply_updates(params, updates)
-      out = jax.tree.map(lambda v: _mean_over(v, axes), out)
+      out = jax.tree.map(lambda v: mean_over(v, axes), out)
       if has_aux:
         return params, opt_state, out[0], out[1]
       return params, opt_state, out
@@ -434,8 +435,8 @@ class DataParallelStep(SyncedStep):
 
   def _select(self, params, opt_state):
     """The jitted step for these arguments' structures and shardings (built once each)."""
-    param_specs = jax.tree.map(lambda p: _mesh_spec(p, self._mesh), params)
-    state_specs = _state_specs(opt_state, self._mesh, self._axes)
+    param_specs = jax.tree.map(lambda p: mesh_spec(p, self._mesh), params)
+    state_specs = opt_state_specs(opt_state, self._mesh, self._axes)
     key = (jax.tree.structure(params), jax.tree.structure(opt_state, is_leaf=is_per_rank),
            tuple(jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))),
            tuple(jax.tree.leaves(state_specs, is_leaf=lambda x: isinstance(x, P))))
@@ -454,17 +455,17 @@ class DataParallelStep(SyncedStep):
     return self._select(params, opt_state).lower(params, opt_state, batch)
 
 
-def _state_specs(opt_state, mesh, axes):
+def opt_state_specs(opt_state, mesh, axes):
   """Each optimizer-state leaf's spec as placed; per-rank leaves always split over ``axes``."""
   data = axes[0] if len(axes) == 1 else tuple(axes)
 
   def one(x):
     if is_per_rank(x):
       def per_rank(a):
-        spec = tuple(_mesh_spec(a, mesh))
+        spec = tuple(mesh_spec(a, mesh))
         rest = tuple(strip_axes(P(*spec[1:]), axes)) if spec else ()
         return P(data, *rest)
       return jax.tree.map(per_rank, x)
-    return _mesh_spec(x, mesh)
+    return mesh_spec(x, mesh)
 
   return jax.tree.map(one, opt_state, is_leaf=is_per_rank)
