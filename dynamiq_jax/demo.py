@@ -152,7 +152,7 @@ def main(argv=None):
         "est. error: the codec's own estimate of the relative error its all-reduce added, "
         "||result - mean||^2 / ||result||^2,\naveraged over the steps "
         "(AllReduceStats.error_estimate).")
-  print(f"(wall time on simulated devices, not a network measurement: "
+  print("(wall time on simulated devices, not a network measurement: "
         + ", ".join(f"{r[0]} {r[5]:.1f}s" for r in rows) + ")")
   return rows
 

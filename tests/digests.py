@@ -79,7 +79,6 @@ def cases(include_pallas: bool):
   """(name, thunk) for every case; the thunk returns the outputs to hash."""
   import jax
   import jax.numpy as jnp
-  import optax
 
   import dynamiq_jax as dq
 

@@ -96,7 +96,7 @@ def test_tiny_benchmark_runs_and_cleans_up(tmp_path):
   assert any(r.get("lm") for r in payload["rows"])
   assert json.loads((tmp_path / "net.json").read_text())["rows"]
   assert (tmp_path / "net_speedup.png").exists()
-  assert f"dqn" not in _namespaces()
+  assert "dqn" not in _namespaces()
 
 
 @needs_root

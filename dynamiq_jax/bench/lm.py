@@ -184,7 +184,6 @@ def capture_gradients(n, steps: tuple[int, ...] = (0, 100, 300), *, cfg: LMConfi
     the training losses.
   """
   import jax
-  import jax.numpy as jnp
   import optax
   from flax import nnx
   from ml_dtypes import bfloat16

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.codecs._exact import vector_norm
-from dynamiq_jax.codecs.base import Codec, Metadata, Plan, pad_to, padded_length, round_up
+from dynamiq_jax.codecs.base import Metadata, Plan, pad_to, padded_length, round_up
 from dynamiq_jax.codecs.bf16 import Cast
 from pallas_kernels import rng
 
