@@ -40,41 +40,30 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from dynamiq_jax._sizes import ceil_div, round_up
-from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
-from dynamiq_jax.allreduce import DEFAULT_MAX_BUCKETS
+from dynamiq_jax import engine
+from dynamiq_jax._sizes import round_up
 from dynamiq_jax.allreduce import HIERARCHICAL
-from dynamiq_jax.allreduce import AllReduceStats
-from dynamiq_jax.allreduce import _allreduce_local
-from dynamiq_jax.allreduce import _bucket_codec
-from dynamiq_jax.allreduce import _check_codec
-from dynamiq_jax.allreduce import _check_leaves
-from dynamiq_jax.allreduce import _check_varying
-from dynamiq_jax.allreduce import _codec_pass
-from dynamiq_jax.allreduce import _combine
-from dynamiq_jax.allreduce import _flat_specs
-from dynamiq_jax.allreduce import _group_keys
-from dynamiq_jax.allreduce import _group_order
-from dynamiq_jax.allreduce import _guard
-from dynamiq_jax.allreduce import _hierarchical_axes
-from dynamiq_jax.allreduce import _hop_ops
-from dynamiq_jax.allreduce import _key_data
-from dynamiq_jax.allreduce import _leaf_order
-from dynamiq_jax.allreduce import _one_after_another
-from dynamiq_jax.allreduce import _relative
-from dynamiq_jax.allreduce import _report
-from dynamiq_jax.allreduce import _sum_stats
-from dynamiq_jax.allreduce import _unguard
-from dynamiq_jax.allreduce import bucket_layout
-from dynamiq_jax.codecs.base import Bucket, Keys
-from dynamiq_jax.schedules import hierarchical
+from dynamiq_jax.allreduce import allreduce_local
+from dynamiq_jax.allreduce import hierarchical_axes
+from dynamiq_jax.allreduce import hierarchical_share
+from dynamiq_jax.allreduce import wire_stats
+from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
+from dynamiq_jax.buckets import AllReduceStats
+from dynamiq_jax.buckets import bucket_layout
+from dynamiq_jax.buckets import bucket_sizes
+from dynamiq_jax.buckets import check_codec
+from dynamiq_jax.buckets import check_leaves
+from dynamiq_jax.buckets import check_varying
+from dynamiq_jax.buckets import flat_specs
+from dynamiq_jax.buckets import relative
+from dynamiq_jax.buckets import report
+from dynamiq_jax.buckets import resolve_leaf_order
+from dynamiq_jax.buckets import scatter_report
+from dynamiq_jax.buckets import sum_stats
 from dynamiq_jax.schedules.context import axis_context, axis_names
-from dynamiq_jax.schedules.executor import reduce_scatter as reduce_phase
-from dynamiq_jax.schedules.local import local_specs, run_on_local_shards
-from dynamiq_jax.schedules.local import sharding_groups
-from dynamiq_jax.schedules.plan import get_plan
+from dynamiq_jax.schedules.local import local_specs
 
 __all__ = ["reduce_scatter", "scatter_dimensions", "scatter_wire_stats"]
 
@@ -143,16 +132,16 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
   References:
     ZeRO++ (Wang et al., 2023) quantises the same collective, hierarchically (qgZ).
   """
-  _check_codec(codec)
+  check_codec(codec)
   hier = schedule in HIERARCHICAL
   if hier:
-    _hierarchical_axes(axis_name, codec, None, return_own)
+    hierarchical_axes(axis_name, codec, None, return_own)
   if not codec.supports_scatter:
     raise ValueError(
         f"{codec!r} cannot reduce-scatter: its chunks mix coordinates that different ranks "
-        f"own (supports_scatter=False). Fix: use a codec that can (codecs.DynamiQ(), "
-        f"codecs.MX(scale='e8m0'), codecs.Bf16(), codecs.F32(), codecs.GlobalQSGD()), or all-reduce "
-        f"with dq.allreduce / dq.compressed_psum and keep each rank's slice")
+        "own (supports_scatter=False). Fix: use a codec that can (codecs.DynamiQ(), "
+        "codecs.MX(scale='e8m0'), codecs.Bf16(), codecs.F32(), codecs.GlobalQSGD()), or "
+        "all-reduce with dq.allreduce / dq.compressed_psum and keep each rank's slice")
   if codec.stateful:
     raise ValueError(
         f"{codec!r} keeps state from one call to the next, computed from the whole result, "
@@ -161,18 +150,18 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
   if return_own and not codec.reports_contribution:
     raise ValueError(f"{type(codec).__name__} cannot report a rank's own contribution, "
                      f"which error feedback needs; use error_feedback=False")
-  leaves, treedef = _check_leaves(tree)
+  leaves, treedef = check_leaves(tree)
   ctx = axis_context(tuple(axis_names(axis_name)) if hier else axis_name)
-  _check_varying(leaves, ctx)
+  check_varying(leaves, ctx)
   n = axis_context(axis_names(axis_name)[1]).n if hier else ctx.n
   dims = _dims(scatter_dimension, leaves, treedef, n)
-  local = local_specs(leaves, _flat_specs(specs, treedef), what="reduce_scatter")
+  local = local_specs(leaves, flat_specs(specs, treedef), what="reduce_scatter")
   run = functools.partial(
-      _reduce_scatter_local, dims=dims, axis_name=axis_name, codec=codec, schedule=schedule,
+      _reduce_scatter_local, axis_name=axis_name, codec=codec, schedule=schedule,
       average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-      leaf_order=leaf_order, implementation=implementation, return_own=return_own)
+      implementation=implementation, return_own=return_own)
   if local is None:
-    out, stats, _, _ = run(tree, key=key)
+    out, stats, _, _ = run(tree, dims=dims, key=key, leaf_order=leaf_order)
     return out, stats
   for (path, _), spec, dim in zip(leaves, local, dims):
     if dim is not None and dim < len(spec) and spec[dim] is not None:
@@ -182,43 +171,10 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
           f"the mesh. Fix: scatter it on another dimension (scatter_dimension=), or shard it "
           f"over that axis on another one")
 
-  groups = sharding_groups(local)
-  scattered = any(d is not None for d in dims)
-
-  def body(local_tree, *keys):  # each sharding group on its own (see schedules.local)
-    flat = treedef.flatten_up_to(local_tree)
-    outs, owns, parts, err_sum, ref_sum = [None] * len(flat), [None] * len(flat), [], 0.0, None
-    for (sharded_over, idx), k in zip(groups, keys):
-      out, stats, err, ref = _reduce_scatter_local(
-          [flat[i] for i in idx], dims=[dims[i] for i in idx], axis_name=axis_name,
-          codec=codec, schedule=schedule, key=k, average=average, bucket_size=bucket_size,
-          max_buckets=max_buckets, leaf_order=_group_order(leaf_order, idx, len(flat)),
-          implementation=implementation, return_own=return_own)
-      for j, i in enumerate(idx):
-        outs[i] = out[j]
-        owns[i] = stats.own[j] if return_own else None
-      if ref is not None:  # as in dq.allreduce: each coordinate counted once, over its shards
-        if sharded_over:
-          err, ref = jax.lax.psum((err, ref), sharded_over)
-        err_sum, ref_sum = err_sum + err, ref if ref_sum is None else ref_sum + ref
-      parts.append(stats._replace(own=None))
-    stats = _sum_stats(parts)
-    if scattered or ref_sum is None:  # no estimate for a scattered leaf, or from this codec
-      stats = stats._replace(error_estimate=jnp.float32(jnp.nan))
-    else:
-      stats = stats._replace(error_estimate=_relative(jnp.float32(err_sum),
-                                                      jnp.float32(ref_sum)))
-    return (jax.tree_util.tree_unflatten(treedef, outs),
-            jax.tree_util.tree_unflatten(treedef, owns) if return_own else None, stats)
-
-  def out_specs(tree_specs):
-    stats = AllReduceStats(P(), P(), P(), codec_state=None, own=None, uncompressed=P(),
-                           error_estimate=P())
-    return tree_specs, tree_specs if return_own else None, stats
-
-  out, own, stats = run_on_local_shards(body, tree, local, treedef, out_specs=out_specs,
-                                       replicated=_group_keys(key, len(groups)))
-  return out, stats._replace(own=own)
+  return engine.run_sharded(
+      lambda leaves, idx, **kw: run(leaves, dims=[dims[i] for i in idx], **kw), tree, treedef,
+      local, key, leaf_order=leaf_order, return_own=return_own, no_estimate=float("nan"),
+      scattered=any(d is not None for d in dims))
 
 
 def _dims(scatter_dimension, leaves, treedef, n: int) -> list:
@@ -331,7 +287,7 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
   scat_ctx = axis_context(names[1]) if hier else ctx
   n = scat_ctx.n
   unit = codec.granularity
-  order = _leaf_order(len(arrays), leaf_order)
+  order = resolve_leaf_order(len(arrays), leaf_order)
   scat = [i for i in order if dims[i] is not None]
   whole = [i for i in order if dims[i] is None]
   outs: list = [None] * len(arrays)
@@ -350,13 +306,17 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
       rows = jnp.pad(rows, ((0, 0), (0, round_up(width, unit) - width)))
       buckets.append(rows / np.float32(ctx.n) if average else rows)
       widths.append(width)
-    reduce_one = (_hsdp_bucket if hier else _scatter_bucket)(
-        ctx=ctx, scat_ctx=scat_ctx, codec=codec, schedule=schedule, key=key,
-        implementation=implementation, return_own=return_own, names=names)
-    results = _one_after_another(buckets, reduce_one)
+    if hier:  # HSDP: no all-gather back; fresh rounding per fast rank
+      program = engine.Hierarchical(codec, HIERARCHICAL[schedule], names[0], names[1],
+                                    implementation, gather=False)
+      bucket_key = jax.random.fold_in(key, jax.lax.axis_index(names[1]))
+    else:
+      program = engine.ReduceScatter(codec, schedule, axis_name, implementation, return_own)
+      bucket_key = key
+    results = engine.reduce_buckets(buckets, program, key=bucket_key)
     mine = {i: [] for i in scat}
     own_rows = {i: [] for i in scat}
-    for segs, width, (piece, own) in zip(layout, widths, results):
+    for segs, width, (piece, own, _) in zip(layout, widths, results):
       off = 0
       for s in segs:
         i = scat[s.leaf]
@@ -377,7 +337,7 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
   err = ref = None
   if whole:
     sub = [arrays[i] for i in whole]
-    out, stats, err, ref = _allreduce_local(
+    out, stats, err, ref = allreduce_local(
         sub, axis_name=axis_name, codec=codec, schedule=schedule,
         key=jax.random.fold_in(key, WHOLE_LEAVES_STREAM), average=average,
         bucket_size=bucket_size, max_buckets=max_buckets, leaf_order="forward",
@@ -386,10 +346,10 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
       outs[i] = out[j]
       if return_own:
         owns[i] = stats.own[j]
-    parts.append(stats._replace(error_estimate=err if ref is None else _relative(err, ref),
+    parts.append(stats._replace(error_estimate=err if ref is None else relative(err, ref),
                                 own=None))
 
-  return jax.tree_util.tree_unflatten(treedef, outs), _sum_stats(parts)._replace(
+  return jax.tree_util.tree_unflatten(treedef, outs), sum_stats(parts)._replace(
       own=jax.tree_util.tree_unflatten(treedef, owns) if return_own else None), err, ref
 
 
@@ -398,31 +358,14 @@ def _scattered_report(widths, codec, n: int, hier: bool, slow: int, coords: int
   """Wire accounting of the scattered buckets, each ``widths[b]`` (padded) coordinates per
   rank: ``bits_per_coord`` per real coordinate; HSDP counts the slow axis only."""
   if hier:  # each fast rank all-reduces its slices over the slow axis
-    report = _report(widths, codec, slow)
+    rep = report(widths, codec, slow)
     real = coords / n
   else:
-    report = _scatter_report([w * n for w in widths], codec, n)
+    rep = scatter_report([w * n for w in widths], codec, n)
     real = coords
-  total = float(report.bits_per_coord) * report.coords
-  return report._replace(bits_per_coord=total / real if real else 0.0, coords=coords,
-                         error_estimate=float("nan"))
-
-
-def _scatter_report(sizes, codec, n: int) -> AllReduceStats:
-  """Wire accounting of reduce-scattered buckets of ``sizes`` coordinates (all ranks)."""
-  total = sum(sizes)
-  if total == 0:
-    return AllReduceStats(0.0, 0.0, 0)
-  if n == 1:
-    return AllReduceStats(0.0, 0.0, total)
-  bits = sent = plain = 0
-  for d in sizes:
-    used = _bucket_codec(codec, d, n)
-    wire, meta = used.wire_bits(d, n), used.metadata_bits(d, n)
-    bits += wire
-    sent += (wire - meta) * (n - 1) / n + meta * 2 * (n - 1) / n
-    plain += d if used is not codec else 0
-  return AllReduceStats(bits / total, sent / 8, total, uncompressed=plain)
+  total = float(rep.bits_per_coord) * rep.coords
+  return rep._replace(bits_per_coord=total / real if real else 0.0, coords=coords,
+                      error_estimate=float("nan"))
 
 
 def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
@@ -446,10 +389,9 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
     :class:`~dynamiq_jax.AllReduceStats` of Python numbers (``error_estimate``
     NaN where leaves are scattered).
   """
-  from dynamiq_jax.allreduce import wire_stats
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   dims = _dims(scatter_dimension, [((), a) for a in leaves], treedef, n)
-  order = _leaf_order(len(leaves), leaf_order)
+  order = resolve_leaf_order(len(leaves), leaf_order)
   hier = schedule in HIERARCHICAL
   unit = codec.granularity
   parts = []
@@ -465,11 +407,10 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
   if whole:
     sub = [leaves[i] for i in whole]
     if hier:
-      from dynamiq_jax.allreduce import _bucket_sizes
       lay = bucket_layout(sub, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
                           leaf_order="forward")
-      shares = [ceil_div(d, unit * n) * unit for d in _bucket_sizes(lay)]
-      parts.append(_report(shares, codec, slow)._replace(
+      shares = [hierarchical_share(d, codec, n) for d in bucket_sizes(lay)]
+      parts.append(report(shares, codec, slow)._replace(
           coords=sum(int(np.prod(np.shape(a))) for a in sub), error_estimate=0.0))
     else:
       parts.append(wire_stats(sub, codec=codec, n=n, bucket_size=bucket_size,
@@ -482,71 +423,3 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
       sum(p.bytes_per_rank for p in parts), coords,
       uncompressed=sum(p.uncompressed for p in parts),
       error_estimate=parts[0].error_estimate if len(parts) == 1 else float("nan"))
-
-
-def _scatter_bucket(*, ctx, scat_ctx, codec, schedule, key, implementation, return_own, names):
-  """``reduce_one(b, rows, after)`` for a flat schedule: rows [n, m] in rank order ->
-  (this rank's reduced row [m], its contribution rows [n, m] or None)."""
-  del scat_ctx, names
-  n = ctx.n
-  plan = get_plan(schedule, n)
-
-  def reduce_one(b, rows, after):
-    m = rows.shape[1]
-    d = n * m
-    x = jnp.roll(rows, -plan.root, axis=0).reshape(-1)  # chunk c: rank (c + root) % n's row
-    with jax.named_scope("guard"):
-      nonfinite, x, scale = _guard(x, ctx, after)
-    if n == 1:
-      return _unguard(x, nonfinite, scale), (x / scale)[None] if return_own else None
-    used = _bucket_codec(codec, d, n)
-    bucket = Bucket(b, d, n, implementation, scatter=True)
-    keys = Keys.from_key(key, bucket=b, rank=ctx.rank())
-    meta = used.metadata(x, bucket, None)
-    if meta is not None:
-      with jax.named_scope("metadata"):
-        meta = _combine(meta, ctx, plan, keys)
-    p = used.plan(x, meta, bucket, None, keys)
-    with jax.named_scope("reduce_scatter"):
-      mine = reduce_phase(plan, ctx, p.chunks, _hop_ops(used, p.aux, keys), encode_root=False)
-    c = (ctx.rank() - plan.root) % n  # the chunk this rank owns: its own row
-    full = jax.tree.map(
-        lambda a: jax.lax.dynamic_update_index_in_dim(jnp.zeros((n,) + a.shape, a.dtype), a, c,
-                                                      axis=0), mine)
-    out, _ = used.finish(full, p.aux, bucket, None)
-    piece = jax.lax.dynamic_slice_in_dim(out, c * m, m)
-    own = None
-    if return_own:
-      own = jnp.roll((used.contribution(x, p.aux, bucket) / scale).reshape(n, m), plan.root,
-                     axis=0)
-    return _unguard(piece, nonfinite, scale), own
-
-  return reduce_one
-
-
-def _hsdp_bucket(*, ctx, scat_ctx, codec, schedule, key, implementation, return_own, names):
-  """``reduce_one(b, rows, after)`` for ``schedule="hierarchical"``: rows [L, m] in fast-rank
-  order -> this rank's row summed exactly over the fast axis, then with the codec over
-  the slow axis (no all-gather back)."""
-  del return_own
-  slow_ctx, fast_ctx = axis_context(names[0]), scat_ctx
-  plan = get_plan(HIERARCHICAL[schedule], slow_ctx.n)
-  root = hierarchical.ring_plan(fast_ctx.n).root if fast_ctx.n > 1 else 0
-  key = jax.random.fold_in(key, jax.lax.axis_index(names[1]))  # fresh rounding per fast rank
-
-  def reduce_one(b, rows, after):
-    n_fast, m = rows.shape
-    with jax.named_scope("guard"):  # over both axes: the fast reduce-scatter is guarded too
-      nonfinite, x, scale = _guard(rows.reshape(-1), ctx, after)
-    with jax.named_scope("fast_reduce_scatter"):  # rank r owns share (r - root) % L: its row
-      owned = hierarchical.reduce_scatter_shares(
-          fast_ctx, jnp.roll(x.reshape(n_fast, m), -root, axis=0))
-    reduced = owned
-    if slow_ctx.n > 1:
-      reduced, _, _, _ = _codec_pass(
-          owned, _bucket_codec(codec, m, slow_ctx.n), Bucket(b, m, slow_ctx.n, implementation),
-          None, Keys.from_key(key, bucket=b, rank=slow_ctx.rank()), plan, slow_ctx, False)
-    return _unguard(reduced, nonfinite, scale), None
-
-  return reduce_one
-

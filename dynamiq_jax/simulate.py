@@ -14,8 +14,8 @@ import functools
 import jax
 import numpy as np
 
-from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
-from dynamiq_jax.allreduce import DEFAULT_MAX_BUCKETS
+from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.allreduce import HIERARCHICAL
 from dynamiq_jax.allreduce import allreduce
 

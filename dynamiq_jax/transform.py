@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
-from dynamiq_jax.allreduce import DEFAULT_MAX_BUCKETS
+from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.allreduce import allreduce
 from dynamiq_jax.allreduce import init_codec_state
 from dynamiq_jax.codecs.dynamiq import DynamiQ
@@ -88,9 +88,9 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     average: mean (True, like ``pmean``) or sum (False, like ``psum``).
     seed: seeds the rounding streams; step t uses
       ``jax.random.fold_in(jax.random.key(seed), t)``.
-    bucket_size: the most coordinates in one bucket: buckets of whole leaves,
-      each all-reduced on its own so that it can overlap with the backward
-      pass (:func:`dynamiq_jax.bucket_layout`).
+    bucket_size: the coordinates of one bucket: the leaves end to end, cut
+      into buckets of this size, each all-reduced on its own so that it can
+      overlap with the backward pass (:func:`dynamiq_jax.bucket_layout`).
     max_buckets: the most buckets (None: no limit); larger gradients get
       larger buckets, bounding compile time.
     leaf_order: the order the backward pass produces the gradient's leaves

@@ -28,6 +28,9 @@ __all__ = [
     "Stream",
     "mix32",
     "derive_key",
+    "KEY_INIT",
+    "absorb",
+    "finish_key",
     "key_operand",
     "hash_index",
     "group_hash",
@@ -111,12 +114,28 @@ def derive_key(*words):
   Returns:
     A pair of ``uint32`` arrays. Distinct word sequences give unrelated keys.
   """
-  k0 = jnp.uint32(0x243F6A88)
-  k1 = jnp.uint32(0x85A308D3)
+  return finish_key(absorb(KEY_INIT, *words))
+
+
+KEY_INIT = (np.uint32(0x243F6A88), np.uint32(0x85A308D3))
+"""The fold state of :func:`derive_key` before any word."""
+
+
+def absorb(state, *words):
+  """The fold state ``(k0, k1)`` of :func:`derive_key` after ``words`` more words:
+  ``derive_key(*a, *b) == finish_key(absorb(absorb(KEY_INIT, *a), *b))``, so the
+  state of a common prefix is computed once for many keys."""
+  k0, k1 = (_u32(v) for v in state)
   for w in words:
     w = _u32(w)
     k0 = mix32(k0 ^ w)
     k1 = mix32(k1 + w * jnp.uint32(_GOLDEN) + k0)
+  return k0, k1
+
+
+def finish_key(state):
+  """The key ``(k0, k1)`` of a fold state (:func:`absorb`)."""
+  k0, k1 = state
   return k0, mix32(k1 ^ (k0 >> 7))
 
 

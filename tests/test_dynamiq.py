@@ -62,20 +62,25 @@ class TestBudget:
   @pytest.mark.parametrize("d,n", [(100_000, 8), (65_536, 4), (300_001, 3)])
   def test_wire_bits_equal_the_bytes_actually_sent(self, codec, d, n, monkeypatch):
     """Record every payload the schedule sends; compare with wire_bits."""
-    sent = set()
-    ppermute = AxisContext.ppermute
+    sent = set()  # bytes of one chunk's payload, per collective
+    ppermute, all_to_all = AxisContext.ppermute, AxisContext.all_to_all
 
     def recording(self, tree, perm):
       sent.add(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
       return ppermute(self, tree, perm)
 
+    def recording_rows(self, tree):  # row r: the chunk payload for rank r
+      sent.add(sum(a.size * a.dtype.itemsize // a.shape[0] for a in jax.tree.leaves(tree)))
+      return all_to_all(self, tree)
+
     monkeypatch.setattr(AxisContext, "ppermute", recording)
+    monkeypatch.setattr(AxisContext, "all_to_all", recording_rows)
 
     def one(x):
       return dq.allreduce(x, axis_name="i", codec=codec, key=jax.random.key(0))[0]
 
     jax.eval_shape(jax.vmap(one, axis_name="i"), jax.ShapeDtypeStruct((n, d), jnp.float32))
-    assert len(sent) == 2  # one payload shape per pass: statistics, chunk payloads
+    assert len(sent) == 2  # one payload shape per pass: statistics (all-to-all), chunk payloads
     assert 8 * n * sum(sent) == codec.wire_bits(d, n)
     stats = dq.wire_stats(jnp.zeros(d), codec=codec, n=n)
     assert stats.bytes_per_rank == 2 * (n - 1) * sum(sent)

@@ -177,10 +177,7 @@ class TestAllreduceOnShards:
     # with the grouping switched off (negative control) it does not.
     if not grouped:
       one = lambda specs: [((), list(range(len(specs))))]
-      monkeypatch.setattr(importlib.import_module("dynamiq_jax.allreduce"), "sharding_groups",
-                          one)
-      monkeypatch.setattr(importlib.import_module("dynamiq_jax.scatter"), "sharding_groups",
-                          one)
+      monkeypatch.setattr(importlib.import_module("dynamiq_jax.engine"), "sharding_groups", one)
     mesh = _mesh("2x2x2", "explicit")
     specs = _specs("2x2x2")
     g = _grads(2, 0, dyadic=False)

@@ -5,7 +5,7 @@
 Compiles (nothing runs) the ``zero`` layout's training step of the byte LM of
 ``examples/nnx_sharded_lm`` (dim 256, 4 layers, DynamiQ, 8 CPU devices) twice:
 as the library builds it, and with the buckets not tied one after another
-(``_one_after_another`` replaced by a plain loop, the ablation
+(``engine.one_after_another`` replaced by a plain loop, the ablation
 ``bench.overlap`` also runs), and prints, from XLA's buffer assignment
 (:mod:`dynamiq_jax.bench.buffers`), the most gradient bytes live at once
 (backward values + the reduction's buffers), where in the schedule that is and
@@ -40,8 +40,7 @@ def main(argv=None):
     if label == "unchained":
       def unchained(xs, reduce_one):
         return [reduce_one(b, x, None) for b, x in enumerate(xs)]
-      for name in ("dynamiq_jax.allreduce", "dynamiq_jax.scatter"):
-        importlib.import_module(name)._one_after_another = unchained
+      importlib.import_module("dynamiq_jax.engine").one_after_another = unchained
     config = sharded._config("zero", False, bucket_size=args.bucket_size, **model)  # noqa: SLF001
     lowered, dp = sharded._lowered(config, jax.devices(), text)  # noqa: SLF001
     r, _ = buffers.breakdown(lowered, sharded.categorize, {"gradient": sharded.GRADIENT})

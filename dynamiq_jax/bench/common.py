@@ -80,3 +80,14 @@ def write_json(path: str, payload: dict) -> str:
     json.dump(payload, f, indent=1, sort_keys=False)
     f.write("\n")
   return path
+
+
+def write_results(stem: str, args, payload: dict) -> str:
+  """Writes ``payload`` as ``<stem>_tiny.json`` (``args.tiny``), ``<stem>_<args.label>.json``
+  or ``<stem>.json`` under ``args.out`` (unset: docs/results) and prints where, with the
+  command that produced it; returns the path."""
+  name = (f"{stem}_tiny.json" if args.tiny else
+          f"{stem}_{args.label}.json" if args.label else f"{stem}.json")
+  path = write_json(os.path.join(results_dir(args.out), name), payload)
+  print(f"\nwrote {path}\ncommand: {payload['command']}")
+  return path

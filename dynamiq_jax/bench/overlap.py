@@ -76,15 +76,12 @@ def step_in_child(spec: dict) -> dict:
     from dynamiq_jax.schedules import executor
     executor.UNROLL_MAX_STEPS = spec["unroll_max_steps"]
   if spec.get("unordered"):  # ablation: buckets not tied one after another
-    import importlib
-
-    # the module, not the function of the same name that dynamiq_jax exports
-    allreduce_module = importlib.import_module("dynamiq_jax.allreduce")
+    from dynamiq_jax import engine
 
     def unordered(xs, reduce_one):
       return [reduce_one(b, x, None) for b, x in enumerate(xs)]
 
-    allreduce_module._one_after_another = unordered
+    engine.one_after_another = unordered
   mesh = topologies.make_mesh(gpu_compile.h100_topology(DEVICES), (DEVICES,), ("data",))
   if spec["method"] == "pmean":
     reduction = dq.baseline_psum("data")
@@ -245,9 +242,9 @@ def model_step(*, coords: int, bucket_size: int, max_buckets: int | None, n: int
   bucket order, and bucket b is ready when its last coordinate is. Buckets
   are reduced one after another (as :func:`dynamiq_jax.allreduce` orders
   them): bucket b starts when it is ready and bucket b-1 is done, and takes
-  its fixed latency (``2 (n-1) + 3`` latency-bound steps: the guard, the
-  statistics ring and its gather, the payload ring and its gather, each
-  ``hop_latency_s``), its bytes on the link (``2 (n-1)/n`` of ``bits`` per
+  its fixed latency (``n + 3`` latency-bound steps: the guard, the
+  statistics' all-to-all and all-gather, the payload ring's ``n - 1`` hops
+  and its gather, each ``hop_latency_s``), its bytes on the link (``2 (n-1)/n`` of ``bits`` per
   coordinate) and its codec kernels (``codec_s_per_coord``, counted as
   serial time, not overlapped with the wire).
 
@@ -259,13 +256,13 @@ def model_step(*, coords: int, bucket_size: int, max_buckets: int | None, n: int
   import jax
 
   from dynamiq_jax._sizes import round_up
-  from dynamiq_jax.allreduce import bucket_layout
+  from dynamiq_jax.buckets import bucket_layout
   from dynamiq_jax.schedules.plan import ring_bytes_per_rank
 
   layout = bucket_layout(jax.ShapeDtypeStruct((coords,), "float32"),
                          bucket_size=round_up(bucket_size, 256), max_buckets=max_buckets)
   sizes = [b[0].stop - b[0].start for b in layout]
-  hops = 2 * (n - 1) + 3
+  hops = n + 3
   rate = link_gbps * 1e9 / 8
   end, produced = 0.0, 0
   for d in sizes:
@@ -345,7 +342,7 @@ def main(argv=None) -> dict:
   if missing:
     sys.exit(f"cannot run: {missing}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads the machine
-  from dynamiq_jax.bench.common import command_line, machine, results_dir, write_json
+  from dynamiq_jax.bench.common import command_line, machine, write_results
 
   if args.tiny:  # two layers of 65536 coordinates in two buckets (the first is a quarter)
     args.layers, args.width, args.batch = 2, 256, 256
@@ -373,7 +370,7 @@ def main(argv=None) -> dict:
           f" {sum(counts['collectives'].values()):>12} {times['compile_s']:>10.1f}"
           f" {times['lower_s']:>8.1f}", flush=True)
 
-  from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE, DEFAULT_MAX_BUCKETS
+  from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE, DEFAULT_MAX_BUCKETS
   model = _model_table(sorted(set(sizes) | {DEFAULT_BUCKET_SIZE}), DEFAULT_MAX_BUCKETS)
   print(f"\nModelled step time (not measured): {MODEL_NOTE}")
   print(f"{'params':>8} {'link':>9} {'latency':>8} {'bucket':>10} {'max':>5} {'buckets':>8}"
@@ -388,10 +385,7 @@ def main(argv=None) -> dict:
       "default_bucket_size": DEFAULT_BUCKET_SIZE if not args.library else None,
       "runs": runs, "model": {"note": MODEL_NOTE, "rows": model},
   }
-  name = ("overlap_tiny.json" if args.tiny else
-          f"overlap_{args.label}.json" if args.label else "overlap.json")
-  path = write_json(os.path.join(results_dir(args.out), name), payload)
-  print(f"\nwrote {path}\ncommand: {payload['command']}")
+  write_results("overlap", args, payload)
   return payload
 
 

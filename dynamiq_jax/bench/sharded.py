@@ -72,7 +72,7 @@ MEMORY_MODEL = dict(dim=512, heads=8, layers=4, context=64, batch_size=32)
 
 
 def _config(layout: str, tiny: bool, **kw):
-  from examples.nnx_sharded_lm import train
+  from dynamiq_jax.examples.nnx_sharded_lm import train
   sizes = TINY_MODEL if tiny else MODEL
   model_axis = {"tensor": 2, "hsdp": 4}.get(layout, 1)
   return train.Config(**dict(dict(sizes, layout=layout, model_axis=model_axis), **kw))
@@ -81,7 +81,7 @@ def _config(layout: str, tiny: bool, **kw):
 def _lowered(config, devices, text):
   """The training step of ``config`` lowered for ``devices`` (and its DataParallel)."""
   import jax  # noqa: F401
-  from examples.nnx_sharded_lm import train
+  from dynamiq_jax.examples.nnx_sharded_lm import train
   dp = train.build(config, devices)
   step = dp.train_step(train.loss_fn)
   return step.jitted.lower(dp.state, train.place_batch(dp, train.batch(config, text, 0))), dp
@@ -153,7 +153,7 @@ def memory_rows(tiny: bool, text, codec: str = "dynamiq", bucket_sizes=(None,),
   each of ``bucket_sizes`` (None: the library's default), and what the step's scratch
   holds at its peak, by :func:`categorize` (:func:`dynamiq_jax.bench.buffers.breakdown`)."""
   import jax
-  from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
+  from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
   from dynamiq_jax.bench import buffers
   rows = []
   for layout, bucket_size in [(a, b) for b in bucket_sizes for a in layouts]:
@@ -330,7 +330,7 @@ def expected_slow_bytes(config, local_devices: int, hosts: int) -> dict:
   """What DynamiQ sends over the slow axis per step, per device and per process."""
   import jax
   from flax import nnx
-  from examples.nnx_sharded_lm import train
+  from dynamiq_jax.examples.nnx_sharded_lm import train
   import dynamiq_jax as dq
   with nnx.use_eager_sharding(False):
     model = nnx.eval_shape(lambda: train.ByteLM(config, rngs=nnx.Rngs(0)))
@@ -364,8 +364,8 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
   multiprocess.initialize(coordinator, num_processes=cfg["processes"], process_id=rank,
                           local_devices=cfg["local_devices"])
   import jax
-  from examples import datasets
-  from examples.nnx_sharded_lm import train
+  from dynamiq_jax.examples import datasets
+  from dynamiq_jax.examples.nnx_sharded_lm import train
 
   config = train.Config(**cfg["config"])
   text = datasets.python_source_corpus(cfg["corpus_bytes"]).train
@@ -384,7 +384,7 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
 
 def _simulated(config, text) -> list[int]:
   import jax
-  from examples.nnx_sharded_lm import train
+  from dynamiq_jax.examples.nnx_sharded_lm import train
   losses, _ = train.train(config, jax.devices(), text)
   return [int(np.asarray(v, np.float32).view(np.uint32)) for v in losses]
 
@@ -411,7 +411,7 @@ def _link_rows(results) -> list[dict]:
 
 def hsdp_run(args, shaped: bool) -> dict:
   """Part 3 (see the module docstring)."""
-  from examples import datasets
+  from dynamiq_jax.examples import datasets
   from dynamiq_jax.bench.netns import worker_job
 
   config = _config("hsdp", args.tiny, steps=args.steps, codec=args.codec)
@@ -681,7 +681,7 @@ def main(argv=None):
     return None
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
-  from examples import datasets
+  from dynamiq_jax.examples import datasets
   from dynamiq_jax.bench.netns import shaping
   parts = [p.strip() for p in args.parts.split(",") if p.strip()]
   unknown = set(parts) - set(PARTS)

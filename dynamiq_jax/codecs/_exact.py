@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from pallas_kernels.bf16 import round_nearest as bf16_round
 from pallas_kernels.bf16 import stochastic as stochastic_bf16
 
-__all__ = ["bf16_round", "stochastic_bf16", "tree_sum", "row_norm", "hypot", "vector_norm"]
+__all__ = ["bf16_round", "stochastic_bf16", "tree_sum", "row_norm", "hypot", "hypot_all",
+           "vector_norm"]
 
 
 def tree_sum(v):
@@ -75,6 +76,21 @@ def hypot(a, b):
   b2 = jnp.ldexp(b, -e)
   h = jnp.ldexp(jnp.sqrt(a2 * a2 + b2 * b2), e)  # exact squares: one rounding
   return bf16_round(jnp.where(finite, h, m + a + b))
+
+
+def hypot_all(v):
+  """``sqrt(sum of squares)`` over the last axis of bf16-exact ``v >= 0``, rounded to bf16.
+
+  Scaled by a power of two below the largest (exact), squared (exact: 16
+  significant bits), summed by :func:`tree_sum` (a fixed order), one square
+  root: the same bits on every backend. Non-finite where any value is.
+  """
+  m = jnp.max(v, axis=-1)
+  finite = jnp.isfinite(m) & (m > 0)
+  _, e = jnp.frexp(jnp.where(finite, m, 1.0))
+  b = jnp.ldexp(v, -e[..., None])
+  h = jnp.ldexp(jnp.sqrt(tree_sum(b * b)), e)
+  return bf16_round(jnp.where(finite, h, m + jnp.sum(v, axis=-1)))
 
 
 def vector_norm(x, row: int = 256):

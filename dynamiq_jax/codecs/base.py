@@ -6,8 +6,8 @@ codec between them:
 
 1. **metadata** (optional): ``local = codec.metadata(x, bucket, state)``
    gives this rank's small arrays and how they combine across ranks
-   (:class:`Metadata`: an elementwise ``"max"``, or a sum carried on the
-   schedule by another codec, e.g. DynamiQ's statistics); ``allreduce``
+   (:class:`Metadata`: an elementwise ``"max"``, or a sum carried by another
+   codec in two collectives, e.g. DynamiQ's statistics); ``allreduce``
    combines them, so every rank holds the same global metadata, bit for bit.
 2. **payload**: ``codec.plan(x, meta, bucket, state, keys)`` cuts the local data
    into ``n`` chunks and returns the arrays the hops need (:class:`Plan`);
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +37,14 @@ from dynamiq_jax._sizes import ceil_div, round_up
 from pallas_kernels import rng
 
 __all__ = [
-    "Bucket", "Keys", "HopKeys", "Metadata", "Plan", "Codec", "padded_length", "pad_to",
-    "round_up", "ceil_div", "partial_sum_energy",
+    "Bucket", "Keys", "HopKeys", "bucket_key_states", "trace_settings", "Metadata", "Plan",
+    "Codec", "padded_length", "pad_to", "round_up", "ceil_div", "partial_sum_energy",
 ]
 
 PyTree = Any
+
+_UNROLL_SUM = 17
+""":meth:`Codec.decode_sum` adds up to this many payloads unrolled, more in a loop."""
 
 
 def padded_length(d: int, n: int) -> int:
@@ -77,7 +80,8 @@ class Bucket(NamedTuple):
   """Static description of one bucket of one all-reduce.
 
   Attributes:
-    index: the bucket's position in the gradient (keys its random streams).
+    index: the bucket's position in the gradient (an int, or an int32 scalar that
+      may be traced: a bucket program serves every bucket of its shape).
     d: coordinates in the bucket.
     n: ranks taking part.
     implementation: ``None``, ``"pallas"`` (Triton), ``"mosaic"`` (Mosaic GPU, DynamiQ
@@ -102,35 +106,66 @@ class Keys(NamedTuple):
 
   Attributes:
     k0, k1: uint32 words of the user's key, identical on every rank.
-    bucket: the bucket index.
+    bucket: the bucket index (an int, or an int32 scalar).
     rank: int32 scalar, this rank's index on the axis.
+    state: the fold state of :func:`pallas_kernels.rng.derive_key` after ``(k0,
+      k1, bucket)``, the prefix of every stream of the bucket (computed once).
   """
 
   k0: Any
   k1: Any
-  bucket: int
+  bucket: Any
   rank: Any
+  state: Any = None
 
   @classmethod
-  def from_key(cls, key, *, bucket: int, rank) -> "Keys":
+  def from_key(cls, key, *, bucket, rank) -> "Keys":
     """From a ``jax.random`` key (new-style or raw uint32 data)."""
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-      key = jax.random.key_data(key)
-    if not jnp.issubdtype(key.dtype, jnp.integer):
-      raise TypeError(f"key must be a jax.random key, got dtype {key.dtype}; pass "
-                      f"jax.random.key(seed)")
-    words = key.reshape(-1).astype(jnp.uint32)
-    k0, k1 = rng.derive_key(*[words[i] for i in range(words.shape[0])])
-    return cls(k0, k1, bucket, jnp.asarray(rank, jnp.int32))
+    k0, k1, _ = bucket_key_states(key, 0)
+    return cls(k0, k1, bucket, jnp.asarray(rank, jnp.int32),
+               rng.absorb(rng.KEY_INIT, k0, k1, bucket))
 
   def derive(self, *words):
-    """``(k0, k1)`` of the stream named by ``words`` (see :class:`pallas_kernels.rng.Stream`)."""
-    return rng.derive_key(self.k0, self.k1, self.bucket, *words)
+    """``(k0, k1)`` of the stream named by ``words`` (see :class:`pallas_kernels.rng.Stream`):
+    ``rng.derive_key(k0, k1, bucket, *words)``."""
+    state = self.state if self.state is not None else rng.absorb(
+        rng.KEY_INIT, self.k0, self.k1, self.bucket)
+    return rng.finish_key(rng.absorb(state, *words))
+
+  def prefix(self, *words) -> "Keys":
+    """These keys with ``words`` absorbed into the prefix: ``k.prefix(*a).derive(*b) ==
+    k.derive(*a, *b)``, the common part computed once (the words may be arrays: the
+    state is then one per element)."""
+    state = self.state if self.state is not None else rng.absorb(
+        rng.KEY_INIT, self.k0, self.k1, self.bucket)
+    return self._replace(state=rng.absorb(state, *words))
 
   def at(self, chunk, hop) -> "HopKeys":
     """The keys of the encode of ``chunk`` sent at step ``hop``."""
     return HopKeys(self, jnp.asarray(chunk, jnp.int32), jnp.asarray(hop, jnp.int32))
+
+
+def trace_settings() -> tuple:
+  """What the codecs' kernels read while tracing besides their arguments (the kernel
+  dispatch's switches), so that a cached trace of a bucket program is reused only
+  where they are the same."""
+  from pallas_kernels import dispatch  # pylint: disable=import-outside-toplevel
+  return (dispatch.MOSAIC_FIRST,)
+
+
+def bucket_key_states(key, count: int):
+  """``(k0, k1, (s0, s1))``: the words of the user's ``jax.random`` key and, for each of
+  ``count`` buckets b, the fold state after ``(k0, k1, b)`` (uint32 ``[count]`` each):
+  what :meth:`Keys.from_key` computes for one bucket, for all of them at once."""
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  if not jnp.issubdtype(key.dtype, jnp.integer):
+    raise TypeError(f"key must be a jax.random key, got dtype {key.dtype}; pass "
+                    f"jax.random.key(seed)")
+  words = key.reshape(-1).astype(jnp.uint32)
+  k0, k1 = rng.derive_key(*[words[i] for i in range(words.shape[0])])
+  return k0, k1, rng.absorb(rng.KEY_INIT, k0, k1, jnp.arange(count, dtype=jnp.uint32))
 
 
 class HopKeys(NamedTuple):
@@ -162,11 +197,14 @@ class Metadata(NamedTuple):
 
   Attributes:
     local: a pytree of arrays. With ``combine="max"``, any shapes; with a
-      codec, chunks with a leading axis of size n (reduced on the schedule).
+      codec, chunks with a leading axis of size n.
     combine: ``"max"`` (elementwise maximum over ranks: exact in any order)
-      or a :class:`Codec` whose hops carry a sum over the schedule, in the
-      schedule's fixed order (e.g. DynamiQ's statistics, OmniReduce's
-      counts); the combined value is that codec's decoded chunks.
+      or a :class:`Codec` that carries a sum in two collectives, in a fixed
+      order (:func:`dynamiq_jax.schedules.executor.two_step`: each rank
+      encodes its chunks, the owner of chunk c sums every rank's with
+      :meth:`Codec.decode_sum`, encodes the sum, all ranks decode it; e.g.
+      DynamiQ's statistics, OmniReduce's counts); the combined value is that
+      codec's decoded chunks.
   """
 
   local: PyTree
@@ -291,6 +329,23 @@ class Codec(abc.ABC):
   def decode_add_encode(self, payload, chunk, aux, keys: HopKeys):
     """One ring hop: ``encode(decode(payload) + chunk)``; kernels fuse it."""
     return self.encode(self.decode_add(payload, chunk, aux), aux, keys)
+
+  def decode_sum(self, payloads, aux):
+    """The sum of ``n`` decoded payloads (leading axis n): what one rank of a two-step
+    reduction holds once every rank's payload of its chunk has arrived.
+
+    The default adds them in rank order, ``decode_add(p[n-1], ... decode_add(p[1],
+    decode(p[0])))``; a codec may override it with any other order that is fixed
+    (the same on every rank and backend), e.g. a pairwise tree, or with a kernel.
+    """
+    n = jax.tree.leaves(payloads)[0].shape[0]
+    take = lambda s: jax.tree.map(lambda a: a[s], payloads)  # noqa: E731
+    acc = self.decode(take(0), aux)
+    if n <= _UNROLL_SUM:
+      for s in range(1, n):
+        acc = self.decode_add(take(s), acc, aux)
+      return acc
+    return jax.lax.fori_loop(1, n, lambda s, a: self.decode_add(take(s), a, aux), acc)
 
   @abc.abstractmethod
   def finish(self, decoded, aux, bucket: Bucket, state):

@@ -4,12 +4,13 @@ One all-reduce of a flat bucket ``x`` (this rank's gradient, pre-divided by
 n when averaging), as in the paper's §3:
 
 1. Per super-group of 256 coordinates: the local mean and the L2 norm of
-   the centred residual. Both go through one small all-reduce on the same
-   schedule (2 bf16 values per super-group: 0.125 bit/coordinate): means
-   add (rounded to bf16 stochastically, so the sum stays unbiased), norms
-   combine as ``hypot`` so that the result is ``sqrt(F)`` with ``F`` the sum
-   of local squared norms (the paper's statistic, kept in range for any
-   float32 input).
+   the centred residual. Both go through one small all-reduce in two
+   collectives (2 bf16 values per super-group: 0.125 bit/coordinate;
+   :func:`~dynamiq_jax.schedules.executor.two_step`): means add (rounded to
+   bf16 stochastically, so the sum stays unbiased), norms combine as the
+   root of their summed squares, so that the result is ``sqrt(F)`` with
+   ``F`` the sum of local squared norms (the paper's statistic, kept in
+   range for any float32 input).
 2. Each rank subtracts its *own* mean (the authors' artifact; the paper
    subtracts the global mean). Both give the same final sum, but with local
    centring every partial sum along the path is exactly zero-mean, and no rank
@@ -41,6 +42,7 @@ import numpy as np
 
 from dynamiq_jax.codecs import allocation
 from dynamiq_jax.codecs._exact import hypot
+from dynamiq_jax.codecs._exact import hypot_all
 from dynamiq_jax.codecs._exact import row_norm
 from dynamiq_jax.codecs._exact import stochastic_bf16
 from dynamiq_jax.codecs._exact import tree_sum
@@ -260,7 +262,7 @@ class DynamiQ(Codec):
     rule of :func:`~dynamiq_jax.codecs.allocation.capacities_threshold`
     with each width's measured error, within the chunk's fixed code budget.
     """
-    del state, keys
+    del state
     n = bucket.n
     lay = self.layout(bucket.d, n)
     total, s = lay.padded_supergroups, lay.padded_supergroups // n
@@ -276,7 +278,17 @@ class DynamiQ(Codec):
           gnorm, valid, self.width_errors(), s, {w: n * SUPERGROUP * w for w in self.widths},
           n * lay.units * unit_bits, n, order=order)
       widths = payload_lib.position_widths(counts, self.widths, s)
-    return Plan(chunks, DynamiQAux(order, gmean, gnorm, widths, lay, bucket.implementation))
+    # every chunk's shared stratum key, and its rounding key at every hop (hop <= n: the
+    # schedules' steps, and the two-step reduction's), derived once for all hops; stored:
+    # XLA would otherwise recompute them inside every hop's key fusion
+    prefix = keys.prefix(0, jnp.arange(n, dtype=jnp.uint32)).state
+    strata = rng.finish_key(rng.absorb(prefix, rng.Stream.DYNAMIQ_PERMUTATION))
+    hops = jnp.arange(n + 1, dtype=jnp.uint32)[None, :]
+    rounding = rng.finish_key(rng.absorb(tuple(v[:, None] for v in prefix), hops,
+                                         rng.Stream.DYNAMIQ_ROUND))
+    chunk_keys = jax.lax.optimization_barrier((*rounding, *strata))
+    return Plan(chunks, DynamiQAux(order, gmean, gnorm, widths, lay, bucket.implementation,
+                                   chunk_keys))
 
   def _geometry(self, aux, decode=False):
     args = dict(eps=self.eps, plane_bits=aux.layout.plane_bits, width_set=self.widths,
@@ -286,17 +298,20 @@ class DynamiQ(Codec):
                   scale_rounding=self.scale_rounding)
     return args
 
-  def _keys(self, keys):
+  def _keys(self, keys, aux):
     """(k0, k1, s0, s1): the rounding key of this hop and the shared stratum key.
 
     (The leading word 0 stood for the code width in the keys of an earlier
     format; it stays so that the draws stay as they are.)"""
-    k0, k1 = keys.derive(0, keys.chunk, keys.hop, rng.Stream.DYNAMIQ_ROUND)
-    s0, s1 = keys.derive(0, keys.chunk, rng.Stream.DYNAMIQ_PERMUTATION)
-    return (k0, k1, s0, s1)
+    if aux.chunk_keys is None:
+      k0, k1 = keys.derive(0, keys.chunk, keys.hop, rng.Stream.DYNAMIQ_ROUND)
+      s0, s1 = keys.derive(0, keys.chunk, rng.Stream.DYNAMIQ_PERMUTATION)
+      return (k0, k1, s0, s1)
+    r0, r1, s0, s1 = aux.chunk_keys  # the plan's: [n, n + 1] rounding keys, [n] strata keys
+    return (r0[keys.chunk, keys.hop], r1[keys.chunk, keys.hop], s0[keys.chunk], s1[keys.chunk])
 
   def encode(self, chunk, aux, keys):
-    return kernels.compress(chunk, aux.widths, aux.layout.units, keys=self._keys(keys),
+    return kernels.compress(chunk, aux.widths, aux.layout.units, keys=self._keys(keys, aux),
                             rank=keys.rank, **self._geometry(aux))
 
   def decode(self, payload, aux):
@@ -309,7 +324,7 @@ class DynamiQ(Codec):
 
   def decode_add_encode(self, payload, chunk, aux, keys):
     return kernels.decompress_accumulate_recompress(
-        payload, chunk, aux.widths, aux.layout.units, keys=self._keys(keys), rank=keys.rank,
+        payload, chunk, aux.widths, aux.layout.units, keys=self._keys(keys, aux), rank=keys.rank,
         **self._geometry(aux))
 
   def finish(self, decoded, aux, bucket, state):
@@ -346,7 +361,7 @@ class DynamiQ(Codec):
 class DynamiQAux(NamedTuple):
   """One bucket's allocation: super-groups in rank order, reduced means and
   residual norms, the width of each chunk position (widest first), static
-  layout."""
+  layout; each chunk's random-key prefix, derived once for all its hops."""
 
   order: jax.Array
   gmean: jax.Array
@@ -354,18 +369,21 @@ class DynamiQAux(NamedTuple):
   widths: jax.Array
   layout: "DynamiQLayout"
   implementation: str | None = None
+  chunk_keys: tuple | None = None  # uint32: rounding keys [n, n + 1] x 2, stratum keys [n] x 2
 
 
 @dataclasses.dataclass(frozen=True)
 class SupergroupStats(Codec):
   """The statistics all-reduce: lane 0 sums means, lane 1 combines norms.
 
-  Means are rounded to bf16 *stochastically* at every hop, so the mean that
-  is added back is an unbiased estimate of the exact sum of local means and
-  the whole all-reduce stays unbiased (round-to-nearest would leave a fixed
-  error of up to 2^-9 of every super-group mean). Norms only rank
-  super-groups; they are combined with an exact-by-construction hypot, so the
-  result is ``sqrt(F)`` with ``F`` the sum of local squared norms.
+  Means are rounded to bf16 *stochastically* at every encode, so the mean
+  that is added back is an unbiased estimate of the exact sum of local means
+  and the whole all-reduce stays unbiased (round-to-nearest would leave a
+  fixed error of up to 2^-9 of every super-group mean). Norms only rank
+  super-groups; they are combined as the root of their summed squares with
+  exact squares (:func:`~dynamiq_jax.codecs._exact.hypot`, or
+  :func:`~dynamiq_jax.codecs._exact.hypot_all` for n at once), so the result
+  is ``sqrt(F)`` with ``F`` the sum of local squared norms.
   """
 
   def wire_bits(self, d: int, n: int) -> int:
@@ -390,6 +408,13 @@ class SupergroupStats(Codec):
   def decode_add(self, payload, chunk, aux):
     p = self.decode(payload, aux)
     return jnp.stack([p[..., 0] + chunk[..., 0], hypot(p[..., 1], chunk[..., 1])], axis=-1)
+
+  def decode_sum(self, payloads, aux):
+    """n payloads at once, by a fixed pairwise tree: the means summed, the norms
+    combined as ``sqrt(sum of squares)`` (:func:`~dynamiq_jax.codecs._exact.hypot_all`)."""
+    del aux
+    p = jnp.moveaxis(payloads.astype(jnp.float32), 0, -1)  # [..., 2, n]
+    return jnp.stack([tree_sum(p[..., 0, :]), hypot_all(p[..., 1, :])], axis=-1)
 
 
 def _element_index(v):

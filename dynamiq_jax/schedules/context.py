@@ -33,6 +33,10 @@ class AxisContext:
     kw = {"to": "invarying"} if self.invariant_gather else {}
     return jax.tree.map(lambda a: jax.lax.all_gather(a, self.axis_name, **kw), tree)
 
+  def all_to_all(self, tree):
+    """Leading axis n: rank r's row s goes to rank s, which holds it as its row r."""
+    return jax.tree.map(lambda a: jax.lax.all_to_all(a, self.axis_name, 0, 0), tree)
+
   def pmax(self, tree):
     return jax.tree.map(lambda a: jax.lax.pmax(a, self.axis_name), tree)
 

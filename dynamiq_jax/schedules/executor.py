@@ -39,7 +39,10 @@ from dynamiq_jax.schedules.context import AxisContext
 from dynamiq_jax.schedules.plan import TreePlan
 
 __all__ = [
-    "HopOps", "execute", "reduce_scatter", "all_gather", "UNROLL_MAX_STEPS", "LOOP_PLATFORMS",
+    "HopOps", "execute", "reduce_scatter", "all_gather", "gather_payloads", "two_step",
+    "decode_all", "trace_settings",
+    "UNROLL_MAX_STEPS",
+    "LOOP_PLATFORMS",
 ]
 
 UNROLL_MAX_STEPS = 16
@@ -63,12 +66,15 @@ class HopOps(NamedTuple):
     decode: ``payload -> value`` (a chunk's shape, float32 or int32).
     decode_add_encode: ``(payload, chunk, c, hop) -> payload``: one fused hop.
     decode_add: ``(payload, chunk) -> value``.
+    decode_sum: ``payloads (leading axis n) -> value``: their decoded sum in a
+      fixed order (None: ``decode_add`` in rank order).
   """
 
   encode: Callable[[PyTree, Any, Any], PyTree]
   decode: Callable[[PyTree], PyTree]
   decode_add_encode: Callable[[PyTree, PyTree, Any, Any], PyTree]
   decode_add: Callable[[PyTree, PyTree], PyTree]
+  decode_sum: Callable[[PyTree], PyTree] | None = None
 
 
 def _take(chunks, c):
@@ -91,7 +97,7 @@ def execute(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
 
   Each rank sends ``2 (n - 1)`` payloads of one chunk each.
   """
-  return all_gather(plan, ctx, reduce_scatter(plan, ctx, chunks, ops), ops)
+  return decode_all(gather_payloads(plan, ctx, reduce_scatter(plan, ctx, chunks, ops)), ops)
 
 
 def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps, *,
@@ -161,6 +167,13 @@ def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps, *,
   return final
 
 
+def trace_settings() -> tuple:
+  """What the executor reads while tracing besides its arguments: the unrolling
+  threshold, the loop platforms and the platform being lowered for (a cached
+  trace of a bucket program is reused only where these are the same)."""
+  return UNROLL_MAX_STEPS, tuple(LOOP_PLATFORMS), _lowering_platform()
+
+
 def _lowering_platform() -> str:
   """The platform the enclosing program is traced for: the device platform of
   the abstract mesh in context (a ``shard_map``, or a compile-only topology's
@@ -175,7 +188,56 @@ def all_gather(plan: TreePlan, ctx: AxisContext, final, ops: HopOps):
   Returns the decoded chunks, leading axis n in chunk order, identical on
   every rank (each root adopts the decoded version of what it broadcast).
   """
+  return decode_all(gather_payloads(plan, ctx, final), ops)
+
+
+def gather_payloads(plan: TreePlan, ctx: AxisContext, final):
+  """The gather phase's collective: every root's final payload, leading axis n in chunk
+  order (to decode with :func:`decode_all`, as late as the program likes)."""
   with jax.named_scope("gather"):
     gathered = ctx.all_gather(final)  # [rank, ...]; rank s holds chunk s - root
-    by_chunk = jax.tree.map(lambda g: jnp.roll(g, -plan.root, axis=0), gathered)
-    return jax.vmap(ops.decode)(by_chunk)
+    return jax.tree.map(lambda g: jnp.roll(g, -plan.root, axis=0), gathered)
+
+
+def decode_all(payloads, ops: HopOps):
+  """Every payload (leading axis n) decoded: ``jax.vmap(ops.decode)``, but for up to
+  :data:`UNROLL_MAX_STEPS` + 1 payloads one decode each, stacked: a kernel under
+  ``vmap`` runs as a loop over the batch, whose carried copies of the result held
+  several buckets' worth of memory at once."""
+  n = jax.tree.leaves(payloads)[0].shape[0]
+  if n > UNROLL_MAX_STEPS + 1:
+    return jax.vmap(ops.decode)(payloads)
+  parts = [ops.decode(_take(payloads, c)) for c in range(n)]
+  return jax.tree.map(lambda *p: jnp.stack(p), *parts)
+
+
+def two_step(ctx: AxisContext, chunks, ops: HopOps):
+  """An all-reduce of ``chunks`` (leading axis n) in two collectives; the decoded chunks.
+
+  Every rank encodes each of its n chunks (keys: chunk c, hop = its rank), one
+  ``all_to_all`` gives rank r every rank's payload of chunk r, which it decodes
+  and adds in rank order (0, 1, ..., n - 1: the same order on every rank and
+  every backend), encodes once more (hop n), and one all-gather forwards those
+  payloads unchanged for every rank to decode. Each rank sends ``n - 1`` chunk
+  payloads in each collective, as many bytes as a ring; every value is
+  encoded twice, whatever n. The sum is ``ops.decode_sum`` where given (a
+  codec's own fixed order), else ``decode_add`` in rank order.
+  """
+  n, r = ctx.n, ctx.rank()
+  if n == 1:
+    final = ops.encode(_take(chunks, 0), jnp.int32(0), jnp.int32(1))
+    return jax.tree.map(lambda a: a[None], ops.decode(final))
+  with jax.named_scope("two_step/encode"):
+    payloads = jax.vmap(lambda ch, c: ops.encode(ch, c, r))(chunks,
+                                                            jnp.arange(n, dtype=jnp.int32))
+  received = ctx.all_to_all(payloads)  # row s: rank s's payload of chunk r
+  with jax.named_scope("two_step/sum"):
+    if ops.decode_sum is not None:
+      acc = ops.decode_sum(received)
+    else:
+      acc = ops.decode(_take(received, 0))
+      for s in range(1, n):
+        acc = ops.decode_add(_take(received, s), acc)
+    final = ops.encode(acc, r, jnp.int32(n))
+  with jax.named_scope("gather"):
+    return decode_all(ctx.all_gather(final), ops)

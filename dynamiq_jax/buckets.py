@@ -1,0 +1,353 @@
+"""The bucket engine's bookkeeping: how a gradient pytree becomes buckets, and what they cost.
+
+Written once for every reduction of the library (:func:`dynamiq_jax.allreduce`,
+:func:`dynamiq_jax.reduce_scatter`, their hierarchical forms, ``simulate`` and
+the wire accounting); :mod:`dynamiq_jax.engine` reduces the buckets.
+
+* **Layout** (:func:`bucket_layout`): the leaves in the order the backward pass
+  produces them, end to end, cut into buckets of equal size (the first a
+  quarter, the last what is left), so that XLA compiles one program for all
+  the buckets of one size.
+* **Packing** (:func:`pack`, :func:`unpack`): a bucket's pieces of leaves as
+  one flat float32 vector, and back into leaves of their shapes and dtypes.
+* **Checks** of what a user passes, each naming the value and the fix.
+* **Accounting** (:func:`report`, :func:`scatter_report`, :func:`sum_stats`):
+  exact bits and bytes on the wire, from static sizes, without tracing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dynamiq_jax._sizes import ceil_div, round_up
+from dynamiq_jax.codecs.base import Codec
+from dynamiq_jax.codecs.bf16 import Bf16
+from dynamiq_jax.schedules.context import AxisContext, axis_names, varying_axes
+from dynamiq_jax.schedules.plan import ring_bytes_per_rank
+
+__all__ = [
+    "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "FIRST_BUCKET_FRACTION", "AllReduceStats",
+    "Segment", "Layout", "resolve_leaf_order", "bucket_layout", "pack_layout", "bucket_sizes",
+    "pack", "unpack", "check_codec", "check_leaves", "check_varying", "flat_specs", "bucket_codec",
+    "report", "scatter_report", "sum_stats", "relative", "group_keys", "group_order",
+    "key_data",
+]
+
+DEFAULT_BUCKET_SIZE = 1 << 25
+"""The most coordinates in one bucket (128 MiB of float32; about 20 MiB on the wire at 5
+bits per coordinate). Chosen by measurement and a step-time model: docs/design.md
+(*Buckets and overlap*)."""
+
+DEFAULT_MAX_BUCKETS = 32
+"""The most buckets one all-reduce makes; larger gradients get larger buckets."""
+
+FIRST_BUCKET_FRACTION = 4
+"""The first bucket holds at most ``bucket_size // FIRST_BUCKET_FRACTION`` coordinates."""
+
+
+class AllReduceStats(NamedTuple):
+  """What one all-reduce put on the wire, and what it leaves for the next.
+
+  Attributes:
+    bits_per_coord: total payload bits (metadata and padding included) per
+      gradient coordinate: the paper's b. Each rank sends ``2 (n-1)/n`` of it.
+    bytes_per_rank: bytes each rank sends in one all-reduce.
+    coords: number of gradient coordinates reduced.
+    codec_state: the codec's state after this call, one entry per bucket
+      (None for stateless codecs); pass it back as ``codec_state=``.
+    own: with ``return_own=True``, this rank's input as the codec represented
+      it in the result (float32 tree, input units): ``input - own`` is the
+      residual error feedback carries over.
+    uncompressed: coordinates sent as bf16 partial sums because their bucket
+      is too small for the codec to compress within its budget
+      (:meth:`~dynamiq_jax.codecs.Codec.compresses`); they are counted in
+      ``bits_per_coord``.
+    error_estimate: the codecs' own estimate of the relative error this
+      all-reduce added, ``E ||result - exact||^2 / ||result||^2`` over the
+      whole tree (float32, identical on every rank), from the statistics the
+      codec already has (:meth:`~dynamiq_jax.codecs.Codec.error_estimate`);
+      0 for one rank, NaN where a codec makes no estimate. Comparable with
+      the vNMSE of the benchmarks; watch it for a codec out of its depth.
+  """
+
+  bits_per_coord: Any
+  bytes_per_rank: Any
+  coords: Any
+  codec_state: Any = None
+  own: Any = None
+  uncompressed: Any = 0
+  error_estimate: Any = 0.0
+
+
+class Segment(NamedTuple):
+  """Coordinates ``[start, stop)`` of leaf ``leaf`` (its row-major flattening)."""
+
+  leaf: int
+  start: int
+  stop: int
+
+
+Layout = tuple  # tuple[tuple[Segment, ...], ...]: the segments of each bucket, in bucket order
+
+
+def resolve_leaf_order(num: int, leaf_order) -> tuple[int, ...]:
+  """``leaf_order`` (None, ``"reverse"``, ``"forward"`` or a permutation) as a permutation of
+  ``range(num)``, the leaf produced first first; a ValueError naming the fix otherwise."""
+  if leaf_order is None or (isinstance(leaf_order, str) and leaf_order == "reverse"):
+    return tuple(range(num - 1, -1, -1))
+  if isinstance(leaf_order, str) and leaf_order == "forward":
+    return tuple(range(num))
+  fix = (f"Fix: pass a permutation of range({num}) (indices into jax.tree.leaves(grads), the "
+         f"leaf whose gradient the backward pass produces first comes first), or 'reverse' "
+         f"(the default: backward runs the layers in reverse) or 'forward'")
+  if isinstance(leaf_order, str):
+    raise ValueError(f"leaf_order={leaf_order!r} is not a leaf order. {fix}")
+  try:
+    order = tuple(int(i) for i in leaf_order)
+  except TypeError:
+    raise ValueError(f"leaf_order={leaf_order!r} is not a sequence of leaf indices. {fix}"
+                     ) from None
+  if sorted(order) != list(range(num)):
+    raise ValueError(f"leaf_order={leaf_order!r} does not name each of the tree's {num} "
+                     f"leaves exactly once. {fix}")
+  return order
+
+
+def bucket_layout(tree, *, codec=None, bucket_size: int = DEFAULT_BUCKET_SIZE,
+                  max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None) -> Layout:
+  """How :func:`dynamiq_jax.allreduce` cuts ``tree`` into buckets.
+
+  Leaves are taken in ``leaf_order`` (default: reverse leaf order, the order
+  the backward pass produces them) and laid end to end, and that sequence is
+  cut at every multiple of ``bucket_size``, and once more at a quarter of it
+  (:data:`FIRST_BUCKET_FRACTION`; as PyTorch DDP's first bucket is small, so
+  that the wire starts early in the backward pass): buckets of a quarter and
+  three quarters of ``bucket_size``, then buckets of exactly ``bucket_size``,
+  the last with what is left. A leaf may so end in one bucket and go on in
+  the next, and a large leaf spans several. Every bucket between the second
+  and the last has the same shape, so XLA compiles one program for all of
+  them (it compiles a kernel once for all its identical uses): compile time
+  grows little with their number. Empty leaves take no place. Where the cut
+  makes more than ``max_buckets`` buckets, the bucket size grows (in
+  multiples of the codec's block) until it does not.
+
+  Args:
+    tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``).
+    codec: the codec; ``bucket_size`` must be a multiple of its
+      ``granularity`` (so that every bucket holds whole blocks).
+    bucket_size: the most coordinates in one bucket.
+    max_buckets: the most buckets (None: no limit).
+    leaf_order: ``None`` or ``"reverse"``, ``"forward"``, or a permutation of
+      ``range(len(jax.tree.leaves(tree)))`` (the first leaf produced first).
+
+  Returns:
+    One tuple of :class:`Segment` per bucket, buckets in the order they are
+    reduced (bucket ``b`` keys its random streams by ``b``).
+
+  Examples:
+    >>> import jax, dynamiq_jax as dq
+    >>> tree = {"a": jax.ShapeDtypeStruct((300,), "float32"),
+    ...         "b": jax.ShapeDtypeStruct((600,), "float32")}
+    >>> [[tuple(s) for s in b] for b in dq.bucket_layout(tree, bucket_size=512)]
+    [[(1, 0, 128)], [(1, 128, 512)], [(1, 512, 600), (0, 0, 300)]]
+  """
+  unit = 1 if codec is None else codec.granularity
+  if codec is not None:
+    check_codec(codec)
+  if not isinstance(bucket_size, (int, np.integer)) or bucket_size < 1 or bucket_size % unit:
+    name = "" if codec is None else f" for {type(codec).__name__}"
+    fixed = (max(unit, bucket_size - bucket_size % unit)
+             if isinstance(bucket_size, (int, np.integer)) else DEFAULT_BUCKET_SIZE)
+    raise ValueError(
+        f"{bucket_size=} must be a positive multiple of {unit}{name} (a large leaf is cut "
+        f"into bucket-sized pieces, which must hold whole blocks); e.g. bucket_size={fixed}")
+  if max_buckets is not None and (not isinstance(max_buckets, (int, np.integer))
+                                  or max_buckets < 1):
+    raise ValueError(f"{max_buckets=} must be a positive integer (or None: no limit)")
+  sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(tree)]
+  order = resolve_leaf_order(len(sizes), leaf_order)
+  layout = pack_layout(sizes, order, int(bucket_size), unit)
+  while max_buckets is not None and len(layout) > max_buckets:
+    bucket_size = round_up(ceil_div(bucket_size * len(layout), max_buckets), unit)
+    layout = pack_layout(sizes, order, bucket_size, unit)
+  return layout
+
+
+def pack_layout(sizes, order, bucket_size: int, unit: int) -> Layout:
+  """The leaves in ``order``, end to end, cut into buckets (see :func:`bucket_layout`)."""
+  first = max(unit, min(bucket_size // FIRST_BUCKET_FRACTION // unit * unit, bucket_size))
+  buckets, current, fill, end = [], [], 0, first  # end: where the open bucket stops
+  for leaf in order:
+    start, size = 0, sizes[leaf]
+    while start < size:
+      take = min(size - start, end - fill)
+      current.append(Segment(leaf, start, start + take))
+      fill, start = fill + take, start + take
+      if fill == end:  # full: the next bucket ends at the next multiple of bucket_size
+        buckets.append(tuple(current))
+        current, end = [], (fill // bucket_size + 1) * bucket_size
+  if current:
+    buckets.append(tuple(current))
+  return tuple(buckets)
+
+
+def bucket_sizes(layout: Layout) -> list[int]:
+  return [sum(s.stop - s.start for s in segs) for segs in layout]
+
+
+def pack(arrays, segs, n_divide: int | None):
+  """One bucket's coordinates as one float32 vector (divided by ``n_divide`` if given)."""
+  parts = [arrays[s.leaf].reshape(-1)[s.start:s.stop].astype(jnp.float32) for s in segs]
+  x = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+  return x / np.float32(n_divide) if n_divide else x
+
+
+def unpack(outs, layout: Layout, arrays, treedef, cast: bool = True):
+  """Cuts each bucket's flat result back into leaves shaped like ``arrays``
+  (their dtypes if ``cast``, float32 otherwise)."""
+  pieces = [[] for _ in arrays]
+  for segs, out in zip(layout, outs):
+    offset = 0
+    for s in segs:
+      pieces[s.leaf].append(out[offset:offset + s.stop - s.start])
+      offset += s.stop - s.start
+  leaves = []
+  for a, ps in zip(arrays, pieces):
+    if not ps:
+      flat = jnp.zeros((0,), jnp.float32)
+    else:
+      flat = ps[0] if len(ps) == 1 else jnp.concatenate(ps)
+    leaves.append(flat.reshape(a.shape).astype(a.dtype if cast else jnp.float32))
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def check_codec(codec):
+  if not isinstance(codec, Codec):
+    raise TypeError(
+        f"codec={codec!r} is not a dynamiq_jax codec: pass e.g. codecs.DynamiQ(bits=5), "
+        f"or subclass dynamiq_jax.codecs.Codec (see its docstring for the contract)")
+
+
+def check_leaves(tree):
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  for path, leaf in leaves:
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}: only "
+          f"floating-point gradients can be all-reduced. Fix: leave integer/bool "
+          f"state out of the gradient tree (e.g. optax.masked, or nnx.Param "
+          f"filters), or cast it to a float dtype.")
+  return leaves, treedef
+
+
+def check_varying(leaves, ctx: AxisContext):
+  if not ctx.invariant_gather:
+    return
+  want = set(axis_names(ctx.axis_name))
+  for path, leaf in leaves:
+    if not want <= varying_axes(leaf):
+      raise ValueError(
+          f"gradient leaf {jax.tree_util.keystr(path) or '<root>'} is not varying "
+          f"over axis_name={ctx.axis_name!r}: under jax.shard_map(check_vma=True), "
+          f"jax.grad of replicated (P()) parameters already summed the gradients "
+          f"across ranks with a full-precision psum, so compressing them now only "
+          f"wastes time. Fix: differentiate with respect to a per-rank copy, "
+          f"`params = jax.lax.pcast(params, {ctx.axis_name!r}, to='varying')` "
+          f"before jax.grad (dynamiq_jax.data_parallel_step does this), or run "
+          f"the shard_map with check_vma=False.")
+
+
+def flat_specs(specs, treedef):
+  """``specs`` (a tree of ``PartitionSpec`` shaped like the gradient) as one per leaf."""
+  if specs is None:
+    return None
+  try:
+    return treedef.flatten_up_to(specs)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"specs= must be a pytree of PartitionSpecs shaped like the gradient tree "
+        f"({treedef}); e.g. the parameters' jax.tree.map(lambda p: p.sharding.spec, "
+        f"params). It does not match: {e}") from None
+
+
+def bucket_codec(codec, d: int, n: int):
+  """``codec``, or bf16 partial sums for a bucket too small for it to compress."""
+  return codec if codec.compresses(d, n) else Bf16()
+
+
+def report(sizes, codec, n: int) -> AllReduceStats:
+  """Wire accounting of buckets of ``sizes`` coordinates over ``n`` ranks."""
+  total = sum(sizes)
+  if total == 0:
+    return AllReduceStats(0.0, 0.0, 0)
+  if n == 1:  # nothing crosses a wire: the all-reduce is the identity
+    return AllReduceStats(0.0, 0.0, total)
+  bits = plain = 0
+  for d in sizes:
+    used = bucket_codec(codec, d, n)
+    bits += used.wire_bits(d, n)
+    plain += d if used is not codec else 0
+  return AllReduceStats(bits / total, ring_bytes_per_rank(bits / 8, n), total, uncompressed=plain)
+
+
+def scatter_report(sizes, codec, n: int) -> AllReduceStats:
+  """Wire accounting of reduce-scattered buckets of ``sizes`` coordinates (all ranks)."""
+  total = sum(sizes)
+  if total == 0:
+    return AllReduceStats(0.0, 0.0, 0)
+  if n == 1:
+    return AllReduceStats(0.0, 0.0, total)
+  bits = sent = plain = 0
+  for d in sizes:
+    used = bucket_codec(codec, d, n)
+    wire, meta = used.wire_bits(d, n), used.metadata_bits(d, n)
+    bits += wire
+    sent += (wire - meta) * (n - 1) / n + meta * 2 * (n - 1) / n
+    plain += d if used is not codec else 0
+  return AllReduceStats(bits / total, sent / 8, total, uncompressed=plain)
+
+
+def sum_stats(parts) -> AllReduceStats:
+  """The wire accounting of several reductions as one (error estimate: the first's if
+  there is one part, else NaN: the callers that can weigh the parts set it)."""
+  coords = sum(p.coords for p in parts)
+  bits = sum(jnp.float32(p.bits_per_coord) * jnp.float32(p.coords) for p in parts)
+  err = parts[0].error_estimate if len(parts) == 1 else jnp.float32(jnp.nan)
+  return AllReduceStats(
+      jnp.float32(bits / jnp.maximum(jnp.float32(coords), 1.0)),
+      jnp.float32(sum(jnp.float32(p.bytes_per_rank) for p in parts)), jnp.int32(coords),
+      uncompressed=jnp.int32(sum(p.uncompressed for p in parts)),
+      error_estimate=jnp.float32(err))
+
+
+def relative(err, ref):
+  """``err / ref``, 0 where both are 0 (a zero gradient reduced exactly)."""
+  return jnp.where(ref > 0, err / jnp.where(ref > 0, ref, 1.0),
+                   jnp.where(err > 0, jnp.inf, err * 0.0)).astype(jnp.float32)
+
+
+def group_keys(key, count: int) -> tuple:
+  """One key per sharding group (:func:`sharding_groups`) as raw words: ``key`` itself for
+  one group (the same bytes as on unsharded leaves), else ``fold_in(key, group)``."""
+  if count == 1:
+    return (key_data(key),)
+  return tuple(key_data(jax.random.fold_in(key, g)) for g in range(count))
+
+
+def group_order(leaf_order, idx: list[int], num: int):
+  """``leaf_order`` (over all ``num`` leaves) restricted to the leaves ``idx``, renumbered."""
+  if leaf_order is None or isinstance(leaf_order, str):
+    return leaf_order
+  pos = {i: j for j, i in enumerate(idx)}
+  return [pos[i] for i in resolve_leaf_order(num, leaf_order) if i in pos]
+
+
+def key_data(key):
+  """A key as raw uint32 words (what :meth:`Keys.from_key` takes), to pass into a map."""
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  return jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key

@@ -1,0 +1,421 @@
+"""The bucket engine: how each bucket is reduced, written once for every reduction.
+
+:func:`dynamiq_jax.allreduce`, :func:`dynamiq_jax.reduce_scatter`, their
+hierarchical forms and ``simulate`` cut the gradient into buckets
+(:mod:`dynamiq_jax.buckets`) and hand them to :func:`reduce_buckets`, which
+reduces them one after another, each by a *bucket program*:
+
+* :class:`AllReduce`: the guard, the codec's metadata pass, the payload's
+  reduce and gather phases on the schedule, the codec's finish;
+* :class:`ReduceScatter`: the same with the reduce phase only (each rank
+  finishes its own chunk);
+* :class:`Hierarchical`: exact reduce-scatter over the fast axis, the
+  codec's all-reduce of each share over the slow axis, all-gather over the
+  fast axis (without it, HSDP's reduce-scatter).
+
+One bucket, in order: :func:`guard` (one small all-reduce agreeing on
+non-finite values and a power-of-two scale, carrying a value of the previous
+bucket's last collective so that the buckets' collectives run one after
+another: :func:`one_after_another`), then :func:`codec_pass`: ``codec.metadata``
+combined across ranks (:func:`combine_metadata`: a ``pmax``, or a sum in two
+collectives, :func:`~dynamiq_jax.schedules.executor.two_step`),
+``codec.plan``, the schedule executor calling the codec's hop functions
+(:func:`hop_ops`), ``codec.finish``.
+
+**Small programs, compiled once.** A bucket program is a jitted function of
+its bucket's data, its chained value and its random-key words, with the
+configuration static (:func:`run_program`): buckets of one shape trace once
+and lower to one function. Its inputs pass an ``optimization_barrier``, and
+every bucket's key prefix is computed once for all buckets, as data
+(:func:`bucket_keys`), so no bucket program holds a constant of its own: XLA
+compiles each of its kernels once for all the buckets of that shape. Only the
+wire is chained: a bucket's decode and finish may run later (beside the
+optimizer that reads them), while the next buckets are on the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from dynamiq_jax.buckets import AllReduceStats, bucket_codec, group_keys, group_order, relative
+from dynamiq_jax.buckets import sum_stats
+from dynamiq_jax.codecs import base as codec_base
+from dynamiq_jax.codecs.base import Bucket, Codec, Keys, bucket_key_states
+from dynamiq_jax.schedules import hierarchical
+from dynamiq_jax.schedules.context import AxisContext, axis_context
+from dynamiq_jax.schedules.executor import HopOps, decode_all, gather_payloads, reduce_scatter
+from dynamiq_jax.schedules.executor import trace_settings, two_step
+from dynamiq_jax.schedules.local import run_on_local_shards, sharding_groups
+from dynamiq_jax.schedules.plan import TreePlan, get_plan
+
+__all__ = [
+    "SAFE_EXPONENT", "guard", "unguard", "one_after_another", "hop_ops", "combine_metadata",
+    "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
+    "reduce_buckets", "run_sharded",
+]
+
+SAFE_EXPONENT = 64
+"""Buckets whose largest magnitude reaches 2^64 are scaled down by a power of two
+(exactly) before the codec sees them, so that no codec's partial sums, centred
+residuals or rounding products can overflow float32 on finite inputs."""
+
+
+def guard(x, ctx: AxisContext, after=None):
+  """Every rank's agreement on one bucket -> (any rank non-finite, guarded x, scale).
+
+  One small all-reduce (max) of finite numbers per bucket, so it behaves the
+  same on every backend (no reliance on how a backend's max treats NaN): a
+  value that is NaN or infinite on any rank makes the whole bucket NaN on
+  every rank (:func:`unguard`; the codec itself sees zeros there, so its
+  state stays finite), and finite inputs reach the codec scaled below
+  :data:`SAFE_EXPONENT` exactly (the scale is a power of two, 1 for usual
+  gradients). ``after``, a value of the previous bucket's result, rides
+  along as a finite flag: see :func:`one_after_another`.
+  """
+  finite = jnp.isfinite(x)
+  votes = [jnp.max(jnp.where(finite, jnp.abs(x), 0.0)), jnp.any(~finite).astype(jnp.float32)]
+  if after is not None:
+    votes.append(jnp.isfinite(after).astype(jnp.float32))
+  agreed = ctx.pmax(jnp.stack(votes))
+  amax, bad = agreed[0], agreed[1]
+  _, e = jnp.frexp(amax)  # amax < 2^e
+  scale = jnp.ldexp(jnp.float32(1), jnp.minimum(SAFE_EXPONENT - e, 0))  # 1 unless huge
+  return bad > 0, jnp.where(finite, x, 0.0) * scale, scale
+
+
+def unguard(out, nonfinite, scale):
+  """The codec's result in input units, NaN where :func:`guard` found a non-finite value."""
+  return jnp.where(nonfinite, jnp.float32(jnp.nan), out / scale)
+
+
+def one_after_another(xs, reduce_one):
+  """``[reduce_one(b, x, after) for b, x in enumerate(xs)]``: each bucket's collectives
+  after the previous bucket's.
+
+  ``reduce_one(b, x, after)`` returns a tuple whose last element is a value
+  of bucket b's last collective (``sent``); ``after`` is bucket b-1's (None
+  for the first), which bucket b's first collective (its guard) carries
+  along: so bucket b's all-reduce starts once bucket b-1's is off the wire,
+  and XLA cannot combine collectives of different buckets. Its combiners would
+  otherwise merge, say, every bucket's guard into one all-reduce that waits
+  for the whole gradient, and no bucket would start before the backward
+  pass ends.
+  """
+  results = []
+  for b, x in enumerate(xs):
+    after = results[-1][-1] if results else None
+    with jax.named_scope(f"allreduce/bucket{b}"):
+      results.append(reduce_one(b, x, after))
+  return results
+
+
+def hop_ops(codec: Codec, aux, keys: Keys) -> HopOps:
+  """The codec's hop functions with this bucket's ``aux`` and keys bound: what the
+  executor calls at each hop (it passes the chunk index and the step)."""
+
+  def encode(chunk, c, hop):
+    return codec.encode(chunk, aux, keys.at(c, hop))
+
+  def decode(payload):
+    return codec.decode(payload, aux)
+
+  def decode_add_encode(payload, chunk, c, hop):
+    return codec.decode_add_encode(payload, chunk, aux, keys.at(c, hop))
+
+  def decode_add(payload, chunk):
+    return codec.decode_add(payload, chunk, aux)
+
+  def decode_sum(payloads):
+    return codec.decode_sum(payloads, aux)
+
+  return HopOps(encode, decode, decode_add_encode, decode_add, decode_sum)
+
+
+def combine_metadata(meta, ctx: AxisContext, keys: Keys):
+  """Pass 1: every rank's metadata combined, identical on every rank: an exact ``pmax``,
+  or a sum by the codec it names in two collectives (whatever the payload's schedule:
+  metadata is small, so one all-to-all and one all-gather beat a ring of n - 1 hops)."""
+  if isinstance(meta.combine, str) and meta.combine == "max":
+    return ctx.pmax(meta.local)
+  if isinstance(meta.combine, Codec):
+    return two_step(ctx, meta.local, hop_ops(meta.combine, None, keys))
+  raise ValueError(f"Metadata.combine={meta.combine!r} must be 'max' or a Codec")
+
+
+def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
+               ctx: AxisContext, return_own: bool):
+  """One guarded bucket through the codec: metadata pass, payload pass, finish -> (out, new
+  state, own, estimated squared error: NaN where the codec makes no estimate, sent).
+
+  ``sent`` is a float32 value of the gathered payloads: what the next bucket
+  chains to (:func:`one_after_another`), so that it waits for this bucket's
+  collectives only, and this bucket's decode and finish can run later, beside
+  the optimizer that reads them, while the next buckets are on the wire: what
+  waits in between is the compressed payloads, not the float32 result.
+  """
+  meta = codec.metadata(x, bucket, state)
+  if meta is not None:
+    with jax.named_scope("metadata"):
+      meta = combine_metadata(meta, ctx, keys)
+  p = codec.plan(x, meta, bucket, state, keys)
+  ops = hop_ops(codec, p.aux, keys)
+  payloads = gather_payloads(plan, ctx, reduce_scatter(plan, ctx, p.chunks, ops))
+  sent = jax.tree.leaves(payloads)[0].reshape(-1)[0].astype(jnp.float32)
+  out, new_state = codec.finish(decode_all(payloads, ops), p.aux, bucket, state)
+  err = codec.error_estimate(out, p.aux, bucket, plan.partials())
+  err = jnp.float32(jnp.nan) if err is None else err
+  own = codec.contribution(x, p.aux, bucket) if return_own else None
+  return out, new_state, own, err, sent
+
+
+# ----------------------------------------------------------------------------
+# Bucket programs: static configuration, called as program(x, after, keys, index, state).
+
+
+def _keys(words, index, ctx: AxisContext) -> Keys:
+  k0, k1, s0, s1 = words
+  return Keys(k0, k1, index, ctx.rank(), (s0, s1))
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduce:
+  """One bucket's all-reduce on a flat schedule.
+
+  ``program(x, after, words, index, state) -> (out, new state, own or None, err, sent)``:
+  ``x`` the bucket's flat float32 data, ``after`` the chained value
+  (:func:`one_after_another`), ``words`` its key words, ``state`` the codec's state.
+  """
+
+  codec: Codec
+  schedule: str
+  axis_name: Any
+  implementation: str | None
+  return_own: bool
+
+  def __call__(self, x, after, words, index, state):
+    ctx = axis_context(self.axis_name)
+    plan = get_plan(self.schedule, ctx.n)
+    d = x.shape[0]
+    used = bucket_codec(self.codec, d, ctx.n)
+    with jax.named_scope("guard"):
+      nonfinite, x, scale = guard(x, ctx, after)
+    out, new_state, own, err, sent = codec_pass(
+        x, used, Bucket(index, d, ctx.n, self.implementation), state,
+        _keys(words, index, ctx), plan, ctx, self.return_own)
+    own = own / scale if self.return_own else None
+    return (unguard(out, nonfinite, scale), state if used is not self.codec else new_state,
+            own, err / (scale * scale), sent)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatter:
+  """One bucket's reduce-scatter on a flat schedule.
+
+  ``program(rows, after, words, index, state) -> (this rank's row, own rows or None,
+  sent)``: ``rows`` [n, m], row r the slice that rank r keeps.
+  """
+
+  codec: Codec
+  schedule: str
+  axis_name: Any
+  implementation: str | None
+  return_own: bool
+
+  def __call__(self, rows, after, words, index, state):
+    del state
+    ctx = axis_context(self.axis_name)
+    n = ctx.n
+    plan = get_plan(self.schedule, n)
+    m = rows.shape[1]
+    d = n * m
+    x = jnp.roll(rows, -plan.root, axis=0).reshape(-1)  # chunk c: rank (c + root) % n's row
+    with jax.named_scope("guard"):
+      nonfinite, x, scale = guard(x, ctx, after)
+    if n == 1:
+      out = unguard(x, nonfinite, scale)
+      return out, (x / scale)[None] if self.return_own else None, out[0]
+    used = bucket_codec(self.codec, d, n)
+    bucket = Bucket(index, d, n, self.implementation, scatter=True)
+    keys = _keys(words, index, ctx)
+    meta = used.metadata(x, bucket, None)
+    if meta is not None:
+      with jax.named_scope("metadata"):
+        meta = combine_metadata(meta, ctx, keys)
+    p = used.plan(x, meta, bucket, None, keys)
+    with jax.named_scope("reduce_scatter"):
+      mine = reduce_scatter(plan, ctx, p.chunks, hop_ops(used, p.aux, keys), encode_root=False)
+    c = (ctx.rank() - plan.root) % n  # the chunk this rank owns: its own row
+    full = jax.tree.map(
+        lambda a: jax.lax.dynamic_update_index_in_dim(jnp.zeros((n,) + a.shape, a.dtype), a, c,
+                                                      axis=0), mine)
+    out, _ = used.finish(full, p.aux, bucket, None)
+    piece = jax.lax.dynamic_slice_in_dim(out, c * m, m)
+    own = None
+    if self.return_own:
+      own = jnp.roll((used.contribution(x, p.aux, bucket) / scale).reshape(n, m), plan.root,
+                     axis=0)
+    piece = unguard(piece, nonfinite, scale)
+    return piece, own, piece[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchical:
+  """One bucket of ``schedule="hierarchical"`` over ``(slow, fast)``.
+
+  The fast axis reduce-scatters the bucket exactly, each fast rank reduces
+  its share with the codec over the slow axis (on ``inner``, a flat
+  schedule), and with ``gather`` the fast axis all-gathers the shares:
+  ``program(x, after, words, index, state) -> (out, err, ref, sent)`` (``err``,
+  ``ref``: the share's estimated squared error and squared norm). Without
+  ``gather`` (HSDP's reduce-scatter) ``x`` is ``rows`` [L, m], row r the
+  slice fast rank r keeps, and the result is ``(this rank's row, None, sent)``.
+  """
+
+  codec: Codec
+  inner: str
+  slow: Any
+  fast: Any
+  implementation: str | None
+  gather: bool = True
+
+  def __call__(self, x, after, words, index, state):
+    del state
+    fast, slow = axis_context(self.fast), axis_context(self.slow)
+    both = axis_context((self.slow, self.fast))
+    unit = self.codec.granularity
+    rows = None if self.gather else x
+    flat = x if self.gather else x.reshape(-1)
+    with jax.named_scope("guard"):  # over both axes: the fast reduce-scatter is guarded too
+      nonfinite, flat, scale = guard(flat, both, after)
+    with jax.named_scope("fast_reduce_scatter"):
+      if self.gather:  # this rank owns share (r + 1) % size
+        shares = hierarchical.split_shares(flat, fast.n, unit)
+      else:  # rank r owns share (r - root) % L: its own row
+        root = hierarchical.ring_plan(fast.n).root if fast.n > 1 else 0
+        shares = jnp.roll(flat.reshape(rows.shape), -root, axis=0)
+      owned = hierarchical.reduce_scatter_shares(fast, shares)
+    m = owned.shape[0]
+    reduced, err = owned, jnp.float32(0)
+    if slow.n > 1:  # (the caller folded the fast rank into the key: fresh rounding per share)
+      k0, k1, s0, s1 = words
+      reduced, _, _, err, _ = codec_pass(
+          owned, bucket_codec(self.codec, m, slow.n),
+          Bucket(index, m, slow.n, self.implementation), None,
+          Keys(k0, k1, index, slow.rank(), (s0, s1)), get_plan(self.inner, slow.n), slow,
+          False)
+    if not self.gather:
+      mine = unguard(reduced, nonfinite, scale)
+      return mine, None, mine[0]
+    with jax.named_scope("fast_all_gather"):
+      out = hierarchical.join_shares(hierarchical.all_gather_shares(fast, reduced),
+                                     flat.shape[0], unit)
+    unit_sq = scale * scale
+    out = unguard(out, nonfinite, scale)
+    return out, err / unit_sq, jnp.sum(reduced * reduced) / unit_sq, out[0]
+
+
+def run_program(inputs, *, program):
+  """``program(*inputs)`` as a jitted function: one trace and one lowered function for
+  every bucket of the same shape and configuration (``program`` is hashable). The
+  switches that tracing reads (the executor's unrolling, the kernels' dispatch) are
+  part of the cache key, so changing them retraces."""
+  settings = (trace_settings(), codec_base.trace_settings())
+  return _run_program(inputs, program=program, settings=settings)
+
+
+@functools.partial(jax.jit, static_argnames=("program", "settings"))
+def _run_program(inputs, *, program, settings):
+  del settings
+  return program(*inputs)
+
+
+def bucket_keys(key, count: int):
+  """``(k0, k1, (s0, s1))``: the user's key words and, for each of ``count`` buckets,
+  its streams' common prefix (:func:`~dynamiq_jax.codecs.base.bucket_key_states`),
+  computed once and stored."""
+  k0, k1, states = bucket_key_states(key, count)
+  return k0, k1, jax.lax.optimization_barrier(states)
+
+
+def reduce_buckets(xs, program, *, key, states=None):
+  """Reduces buckets ``xs`` one after another, each by the bucket program ``program``.
+
+  Each program gets its bucket's data, the chained value of the previous
+  bucket (``sent``: its last collective's), its key words and index, and
+  ``states[b]`` (None by default), all through an ``optimization_barrier``:
+  the program then holds no value of another bucket's and no constant of its
+  own, so XLA compiles it once per shape. Returns the programs' outputs, in
+  bucket order (``sent`` last).
+  """
+  k0, k1, (s0, s1) = bucket_keys(key, len(xs))
+  states = states if states is not None else (None,) * len(xs)
+
+  def reduce_one(b, x, after):
+    # the first bucket chains to a finite 0: every bucket runs the same program
+    chained = jnp.float32(0) if after is None else after
+    x, chained = jax.lax.optimization_barrier((x, chained))
+    # (a barrier's outputs vary over every mesh axis any of its inputs does: the rank-
+    # invariant key words, index and codec state pass one of their own)
+    words, index, state = jax.lax.optimization_barrier(
+        ((k0, k1, s0[b], s1[b]), jnp.int32(b), states[b]))
+    return run_program((x, chained, words, index, state), program=program)
+
+  return one_after_another(xs, reduce_one)
+
+
+def run_sharded(reduce_local, tree, treedef, local, key, *, leaf_order, return_own,
+                no_estimate: float, scattered: bool = False):
+  """A reduction of leaves sharded over the model axes, on each device's own shards.
+
+  Leaves are grouped by the model axes they are sharded over
+  (:func:`~dynamiq_jax.schedules.local.sharding_groups`); each group is reduced on
+  its own, ``reduce_local(leaves, idx, key=, leaf_order=) -> (leaves, stats, err,
+  ref)`` (``idx``: the group's leaf indices), inside a ``shard_map`` manual over
+  every mesh axis (:func:`~dynamiq_jax.schedules.local.run_on_local_shards`), with
+  a key of its own (:func:`~dynamiq_jax.buckets.group_keys`). The error estimate
+  counts each coordinate once (summed over its shards only); it is NaN where
+  ``scattered`` (no estimate for a reduce-scatter), ``no_estimate`` where no
+  group gave one.
+
+  Returns:
+    ``(tree, stats)`` with ``stats.own`` the tree of own contributions (or None).
+  """
+  groups = sharding_groups(local)
+
+  def body(local_tree, *keys):
+    flat = treedef.flatten_up_to(local_tree)
+    outs, owns, parts, err_sum, ref_sum = [None] * len(flat), [None] * len(flat), [], 0.0, None
+    for (sharded_over, idx), k in zip(groups, keys):
+      out, stats, err, ref = reduce_local([flat[i] for i in idx], idx, key=k,
+                                          leaf_order=group_order(leaf_order, idx, len(flat)))
+      for j, i in enumerate(idx):
+        outs[i] = out[j]
+        owns[i] = stats.own[j] if return_own else None
+      if ref is not None:  # each coordinate counted once: summed over its shards only
+        if sharded_over:
+          err, ref = jax.lax.psum((err, ref), sharded_over)
+        err_sum, ref_sum = err_sum + err, ref if ref_sum is None else ref_sum + ref
+      parts.append(stats._replace(own=None, codec_state=None))
+    if scattered:
+      estimate = jnp.float32(jnp.nan)
+    elif ref_sum is None:
+      estimate = jnp.float32(no_estimate)
+    else:
+      estimate = relative(jnp.float32(err_sum), jnp.float32(ref_sum))
+    return (jax.tree_util.tree_unflatten(treedef, outs),
+            jax.tree_util.tree_unflatten(treedef, owns) if return_own else None,
+            sum_stats(parts)._replace(error_estimate=estimate))
+
+  def out_specs(tree_specs):
+    return tree_specs, tree_specs if return_own else None, AllReduceStats(
+        P(), P(), P(), codec_state=None, own=None, uncompressed=P(), error_estimate=P())
+
+  out, own, stats = run_on_local_shards(body, tree, local, treedef, out_specs=out_specs,
+                                       replicated=group_keys(key, len(groups)))
+  return out, stats._replace(own=own)

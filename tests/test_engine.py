@@ -1,0 +1,116 @@
+"""The bucket engine: written once, small per-bucket programs, the statistics' two-step sum."""
+
+import ast
+import os
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynamiq_jax as dq
+from dynamiq_jax.codecs import F32, DynamiQ
+from dynamiq_jax.schedules import axis_context
+from dynamiq_jax.schedules.executor import HopOps, two_step
+
+from _helpers import rows_identical
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LIBRARY = [p for p in sorted((ROOT / "dynamiq_jax").rglob("*.py")) if "bench" not in p.parts]
+MAX_LINES = 600
+
+
+def test_no_private_name_is_imported_across_library_modules():
+  """Every name one module of the library takes from another is public."""
+  offenders = []
+  for path in LIBRARY + sorted((ROOT / "pallas_kernels").glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+          ("dynamiq_jax", "pallas_kernels")):
+        offenders += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                      if a.name.startswith("_")]
+  assert not offenders, offenders
+
+
+def test_library_modules_stay_small():
+  sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in LIBRARY}
+  assert {k: v for k, v in sizes.items() if v > MAX_LINES} == {}
+
+
+@pytest.mark.parametrize("full", [3, 7])
+def test_buckets_of_one_shape_share_one_lowered_program(full):
+  """Buckets of three shapes lower the bucket program to four functions (one per shape,
+  and the last bucket's, whose chained value nobody reads), however many buckets: the
+  cost of tracing and lowering follows the shapes, not the buckets."""
+  n, size = 4, 256 + 768 + full * 1024  # cut at 256, then every 1024
+  tree = {"w": jax.ShapeDtypeStruct((n, size), jnp.float32)}
+  layout = dq.bucket_layout(jax.ShapeDtypeStruct((size,), jnp.float32), codec=DynamiQ(),
+                            bucket_size=1024)
+  assert [sum(s.stop - s.start for s in b) for b in layout] == [256, 768] + [1024] * full
+  f = jax.jit(jax.vmap(lambda t, k: dq.allreduce(t, axis_name="i", codec=DynamiQ(), key=k,
+                                                 bucket_size=1024)[0],
+                       axis_name="i", in_axes=(0, None)))
+  text = f.lower(tree, jax.random.key_data(jax.random.key(0))).as_text()
+  assert len(re.findall(r"func\.func private @_run_program", text)) == 4
+  assert len(re.findall(r"call @_run_program", text)) == 2 + full
+
+
+def _sum_ops():
+  """float32 partial sums: decode is the identity, so the two-step sum is exact-order."""
+  enc = lambda chunk, c, hop: chunk  # noqa: E731
+  return HopOps(enc, lambda p: p, lambda p, x, c, hop: p + x, lambda p, x: p + x)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_two_step_sums_in_rank_order_on_every_rank(n):
+  rng = np.random.default_rng(n)
+  chunks = rng.standard_normal((n, n, 3, 7)).astype(np.float32)  # [rank, chunk, ...]
+
+  def one(x):
+    return two_step(axis_context("i"), x, _sum_ops())
+
+  out = np.asarray(jax.vmap(one, axis_name="i")(chunks))
+  assert rows_identical(out)
+  want = chunks[0].copy()
+  for r in range(1, n):  # the owner adds rank 0's, then 1's, ...: float32, in that order
+    want = want + chunks[r]
+  np.testing.assert_array_equal(out[0], want)
+
+
+def test_statistics_pass_is_one_all_to_all_and_one_all_gather(mesh):
+  """DynamiQ's metadata pass is two collectives, not a ring of hops: per bucket one
+  all-to-all, and two all-gathers (the statistics' and the payload's)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  def one(x):
+    return dq.allreduce(x[0], axis_name="data", codec=DynamiQ(),
+                        key=jax.random.key(0))[0][None]
+
+  f = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                            check_vma=False))
+  x = jax.device_put(jnp.zeros((8, 1 << 16)), NamedSharding(mesh, P("data")))
+  text = f.lower(x).as_text()
+  assert text.count("stablehlo.all_to_all") == 1
+  assert text.count("stablehlo.all_gather") == 2
+
+
+def test_decode_sum_adds_in_rank_order_by_default():
+  """The contract's default :meth:`Codec.decode_sum` (F32 keeps it): rank 0's payload,
+  plus rank 1's, ...: float32 in that order."""
+  n = 4
+  rng = np.random.default_rng(0)
+  payloads = jnp.asarray(rng.standard_normal((n, 5)).astype(np.float32))
+  got = F32().decode_sum(payloads, None)
+  want = np.asarray(payloads[0])
+  for r in range(1, n):
+    want = want + np.asarray(payloads[r])
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_every_library_module_has_a_docstring():
+  missing = [str(p.relative_to(ROOT)) for p in LIBRARY
+             if ast.get_docstring(ast.parse(p.read_text())) is None
+             and p.name != "__init__.py" and os.path.getsize(p) > 0]
+  assert not missing, missing
