@@ -1,0 +1,293 @@
+"""What the data-parallel step of a transformer costs to compile and to hold, against pmean's.
+
+    python -m dynamiq_jax.bench.scale                    # ~125 M, ~350 M, ~1.3 B, 1.3 B scanned
+    python -m dynamiq_jax.bench.scale --sizes 1.3b       # one size
+    python -m dynamiq_jax.bench.scale --tiny             # smoke test (CI)
+
+No GPU is needed. Each step is compiled in a child process
+(:func:`~dynamiq_jax.bench.gpu_compile.compile_in_child`) by XLA's GPU
+pipeline for a compile-only 8 x H100 host, as a user's data-parallel step
+would be: a decoder-only transformer (pre-norm, causal attention with
+128-wide heads, GELU MLP, untied float32 embedding and output matrices),
+``jax.grad`` inside ``jax.shard_map(check_vma=True)`` on a per-rank copy of
+the parameters, the gradient reduction, SGD. Its layers are unrolled (one
+pytree entry per layer, as most Flax models) or, with ``scan``, stacked under
+``jax.lax.scan`` (as MaxText and Levanter write them). Two reductions of the
+same step, side by side:
+
+* ``pmean``: ``jax.lax.psum`` of the bf16 gradients (:func:`dynamiq_jax.baseline_psum`);
+* ``default``: ``dynamiq_jax.compressed_psum()`` with its defaults.
+
+For each: the child's CPU seconds (``time.process_time``, every thread) to
+trace and lower the step and to compile it, the device temporaries
+(``compiled.memory_analysis().temp_size_in_bytes``), the optimized HLO's
+instructions and collectives, the backward GEMMs that run inside a
+collective's asynchronous window (:func:`dynamiq_jax.bench.overlap.schedule_counts`),
+and for ``default`` the instructions of one bucket by the named scope that
+made them (:func:`bucket_scopes`). CPU seconds are a shared machine's and
+vary by tens of percent; the ratios are of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import time
+
+from dynamiq_jax.bench import gpu_compile
+
+__all__ = ["SIZES", "model_shapes", "loss_fn", "step_in_child", "compile_step",
+           "instructions", "bucket_scopes", "main"]
+
+DEVICES = 8
+
+SIZES = {
+    "125m": {"layers": 12, "d": 768, "f": 3072, "vocab": 32000},
+    "350m": {"layers": 24, "d": 1024, "f": 4096, "vocab": 32000},
+    "1.3b": {"layers": 24, "d": 2048, "f": 8192, "vocab": 32000},
+}
+"""Transformer shapes (attention heads of 128): 134 M, 367 M and 1.34 B parameters."""
+
+TINY = {"layers": 4, "d": 512, "f": 2048, "vocab": 4096}
+"""The smoke test's model (16.8 M parameters), on sequences of :data:`TINY_SEQ` tokens,
+with buckets of :data:`TINY_BUCKET` coordinates (18 buckets): many buckets and few
+activations, where what the buckets hold and how they are ordered shows."""
+
+TINY_SEQ, TINY_BUCKET = 32, 1 << 20
+
+BATCH, SEQ = 16, 512
+"""Global batch: 16 sequences of 512 tokens (2 per device)."""
+
+
+def model_shapes(layers: int, d: int, f: int, vocab: int, scan: bool = False):
+  """The parameters as ``jax.ShapeDtypeStruct`` (float32): 8 leaves per layer, 3 more."""
+  import jax
+
+  def sds(*shape):
+    return jax.ShapeDtypeStruct(shape, "float32")
+
+  layer = {"attn_norm": sds(d), "q": sds(d, d), "k": sds(d, d), "v": sds(d, d),
+           "o": sds(d, d), "mlp_norm": sds(d), "up": sds(d, f), "down": sds(f, d)}
+  stack = ({k: sds(layers, *v.shape) for k, v in layer.items()} if scan
+           else [dict(layer) for _ in range(layers)])
+  return {"embed": sds(vocab, d), "layers": stack,
+          "out": {"norm": sds(d), "unembed": sds(d, vocab)}}
+
+
+def loss_fn(params, tokens, *, scan: bool = False):
+  """Next-token cross-entropy of the transformer on int32 ``tokens`` [batch, seq + 1]."""
+  import jax
+  import jax.numpy as jnp
+
+  def norm(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
+
+  def block(x, p):
+    b, t, d = x.shape
+    heads = d // 128
+    h = norm(x, p["attn_norm"])
+    q, k, v = (jnp.einsum("btd,de->bte", h, p[n]).reshape(b, t, heads, d // heads)
+               for n in "qkv")
+    s = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(jnp.float32(d // heads))
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+    a = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(s, -1), v).reshape(b, t, d)
+    x = x + a @ p["o"]
+    return x + jax.nn.gelu(norm(x, p["mlp_norm"]) @ p["up"]) @ p["down"]
+
+  x = params["embed"][tokens[:, :-1]]
+  if scan:
+    x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["layers"])
+  else:
+    for p in params["layers"]:
+      x = block(x, p)
+  logp = jax.nn.log_softmax(norm(x, params["out"]["norm"]) @ params["out"]["unembed"], -1)
+  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+
+def step_in_child(spec: dict) -> dict:
+  """Lowers and compiles the step of ``spec`` (in the child) -> ``{"compiled", "info"}``.
+
+  ``spec``: ``{"method": "pmean" | "default", "model": {...}, "scan": bool,
+  "options": {...compressed_psum kwargs}, "batch", "seq"}``; ``"unchained": True``
+  is the ablation of :func:`dynamiq_jax.engine.one_after_another` (buckets not tied
+  one after another).
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.experimental import topologies
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import dynamiq_jax as dq
+
+  if spec.get("unchained"):  # ablation: the buckets' collectives not tied one after another
+    from dynamiq_jax import engine
+    engine.one_after_another = lambda xs, reduce_one: [reduce_one(b, x, None)
+                                                       for b, x in enumerate(xs)]
+  mesh = topologies.make_mesh(gpu_compile.h100_topology(DEVICES), (DEVICES,), ("data",))
+  if spec["method"] == "pmean":
+    reduction = dq.baseline_psum("data")
+  else:
+    reduction = dq.compressed_psum("data", **spec.get("options", {}))
+  tx = optax.chain(reduction, optax.sgd(1e-3))
+  scan = spec.get("scan", False)
+
+  def local(params, opt_state, tokens):
+    grads = jax.grad(loss_fn)(dq.as_varying(params, "data"), tokens, scan=scan)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def put(s, *axes):
+    return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P(*axes)))
+
+  shapes = model_shapes(scan=scan, **spec["model"])
+  params = jax.tree.map(put, shapes)
+  opt_state = jax.tree.map(put, jax.eval_shape(tx.init, shapes))
+  tokens = jax.ShapeDtypeStruct((spec.get("batch", BATCH), spec.get("seq", SEQ) + 1), jnp.int32,
+                                sharding=NamedSharding(mesh, P("data")))
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
+                               out_specs=(P(), P()), check_vma=True))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    c0, t0 = time.process_time(), time.perf_counter()
+    lowered = step.trace(params, opt_state, tokens).lower()
+    c1, t1 = time.process_time(), time.perf_counter()
+    compiled = lowered.compile()
+    c2, t2 = time.process_time(), time.perf_counter()
+  return {"compiled": compiled, "info": {
+      "lower_cpu_s": round(c1 - c0, 2), "compile_cpu_s": round(c2 - c1, 2),
+      "lower_wall_s": round(t1 - t0, 2), "compile_wall_s": round(t2 - t1, 2),
+      "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+      "params": sum(int(s.size) for s in jax.tree.leaves(shapes)),
+      "leaves": len(jax.tree.leaves(shapes)), "jax": jax.__version__}}
+
+
+def instructions(hlo: str) -> int:
+  """HLO instructions in the module text (every computation's, fusions' included)."""
+  return sum(1 for line in hlo.splitlines() if re.match(r"\s*(ROOT )?%?[\w.\-]+ = ", line))
+
+
+_SCOPE = re.compile(r'op_name="[^"]*?allreduce/bucket(\d+)/(?:jit\(run_program\)/)?([^"]*)"')
+SCOPES = (("metadata", "metadata"), ("allocation", "dynamiq/allocate"),
+          ("statistics", "dynamiq/stats"), ("guard", "guard"), ("hops", "reduce/"),
+          ("gather", "gather"))
+"""Named scopes of a bucket, by what they do (the first that matches an op's name)."""
+
+
+def bucket_scopes(hlo: str) -> dict:
+  """Instructions per bucket by what made them: ``{"buckets", "per_bucket": {scope: n}}``.
+
+  Every instruction of the module whose ``op_name`` lies under
+  ``allreduce/bucket<b>/`` is counted under the first of :data:`SCOPES` its
+  name contains, else ``"other"`` (finish, error estimate, conversions);
+  the counts are averages over the buckets.
+  """
+  counts = collections.Counter()
+  buckets = set()
+  for line in hlo.splitlines():
+    m = _SCOPE.search(line)
+    if not m or not re.match(r"\s*(ROOT )?%?[\w.\-]+ = ", line):
+      continue
+    buckets.add(m.group(1))
+    scope = next((label for label, key in SCOPES if key in m.group(2)), "other")
+    counts[scope] += 1
+  n = max(len(buckets), 1)
+  return {"buckets": len(buckets),
+          "per_bucket": {k: round(v / n) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}}
+
+
+def compile_step(spec: dict, library: str | None = None) -> dict:
+  """Compiles ``spec`` (:func:`step_in_child`) in a child process -> its figures (this file
+  is loaded by path there: with ``library`` the child's dynamiq_jax is that one)."""
+  from dynamiq_jax.bench.overlap import schedule_counts
+
+  with gpu_compile.compile_in_child(
+      f"{__file__}:step_in_child", kwargs={"spec": spec},
+      xla_flags=gpu_compile.DEVICELESS_XLA_FLAGS, path=[library] if library else [],
+      cwd=library, ptx=False, strict_warnings=False, timeout=3600) as build:
+    hlo, info = build.hlo[0], dict(build.info)
+  counts = schedule_counts(hlo)
+  info.update(instructions=instructions(hlo), collectives=counts["collectives"],
+              backward_gemms=counts["backward_gemms"],
+              backward_gemms_in_windows=counts["backward_gemms_in_windows"])
+  if spec["method"] != "pmean":
+    info["scopes"] = bucket_scopes(hlo)
+  return info
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.scale",
+                              description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--sizes", default="125m,350m,1.3b,1.3b-scan",
+                 help=f"comma-separated, of {', '.join(SIZES)} (unrolled layers) and the same "
+                      f"with -scan (layers under jax.lax.scan)")
+  p.add_argument("--library", default=None,
+                 help="compile against the dynamiq_jax at this directory (e.g. a worktree of "
+                      "an older commit) instead of this one")
+  p.add_argument("--label", default=None, help="writes scale_<label>.json instead of scale.json")
+  p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
+  p.add_argument("--out", default=None, help="results directory; unset: docs/results")
+  return p
+
+
+def _row(name, method, r, base=None):
+  ratio = ""
+  if base is not None:
+    ratio = (f" {r['total_cpu_s'] / base['total_cpu_s']:>6.1f}x"
+             f" {r['temp_bytes'] / base['temp_bytes']:>6.2f}x")
+  return (f"{name:<10} {method:<8} {r['params'] / 1e6:>7.0f} {r['lower_cpu_s']:>8.1f} "
+          f"{r['compile_cpu_s']:>9.1f} {r['temp_bytes'] / 2**30:>8.2f} {r['instructions']:>9} "
+          f"{r['backward_gemms_in_windows']:>5}/{r['backward_gemms']:<5}{ratio}")
+
+
+def main(argv=None) -> dict:
+  args = build_parser().parse_args(argv)
+  missing = gpu_compile.missing(need_ptxas=False)
+  if missing:
+    sys.exit(f"cannot run: {missing}")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads the machine
+  from dynamiq_jax.bench.common import command_line, machine, write_results
+
+  if args.tiny:
+    cases = {"tiny": (TINY, False, {"bucket_size": TINY_BUCKET})}
+  else:
+    cases = {}
+    for name in [s.strip() for s in args.sizes.split(",") if s.strip()]:
+      base = name.removesuffix("-scan")
+      if base not in SIZES:
+        sys.exit(f"--sizes: unknown size {name!r}; choose from {', '.join(SIZES)} "
+                 f"(optionally with -scan)")
+      cases[name] = (SIZES[base], name.endswith("-scan"), {})
+  print(f"{'model':<10} {'method':<8} {'M par':>7} {'lower s':>8} {'compile s':>9} "
+        f"{'temp GiB':>8} {'HLO instr':>9} {'bwd GEMMs':>11} {'CPU s':>7} {'temp':>7}")
+  runs = {}
+  for name, (model, scan, options) in cases.items():
+    rows = {}
+    for method in ("pmean", "default"):
+      spec = {"method": method, "model": model, "scan": scan,
+              "options": options if method == "default" else {}}
+      if args.tiny:
+        spec["seq"] = TINY_SEQ
+      r = compile_step(spec, library=args.library)
+      r["total_cpu_s"] = round(r["lower_cpu_s"] + r["compile_cpu_s"], 2)
+      rows[method] = r
+      print(_row(name, method, r, rows["pmean"] if method != "pmean" else None), flush=True)
+    d, p = rows["default"], rows["pmean"]
+    rows["ratios"] = {"cpu_s": round(d["total_cpu_s"] / p["total_cpu_s"], 2),
+                      "temp_bytes": round(d["temp_bytes"] / p["temp_bytes"], 3),
+                      "instructions": round(d["instructions"] / p["instructions"], 2),
+                      "backward_gemms_in_windows": [d["backward_gemms_in_windows"],
+                                                    p["backward_gemms_in_windows"]]}
+    runs[name] = {"model": model, "scan": scan, "options": options, **rows}
+  payload = {"benchmark": "scale", "command": command_line(), "machine": machine(),
+             "target": f"{DEVICES} x H100 (compile-only)", "library": args.library or
+             "this checkout", "batch": [BATCH, TINY_SEQ if args.tiny else SEQ], "runs": runs}
+  write_results("scale", args, payload)
+  return payload
+
+
+if __name__ == "__main__":
+  main()
