@@ -201,11 +201,13 @@ def gather_payloads(plan: TreePlan, ctx: AxisContext, final):
 
 def decode_all(payloads, ops: HopOps):
   """Every payload (leading axis n) decoded: ``jax.vmap(ops.decode)``, but for up to
-  :data:`UNROLL_MAX_STEPS` + 1 payloads one decode each, stacked: a kernel under
-  ``vmap`` runs as a loop over the batch, whose carried copies of the result held
-  several buckets' worth of memory at once."""
+  :data:`UNROLL_MAX_STEPS` + 1 payloads, where the hops are unrolled too (not on
+  :data:`LOOP_PLATFORMS`), one decode each, stacked: a kernel under ``vmap`` runs as
+  a loop over the batch, whose carried copies of the result held several buckets'
+  worth of memory at once on XLA's GPU schedule. (On XLA:CPU, unrolled decodes of
+  THC under ``simulate`` made one loop fusion whose code generation took minutes.)"""
   n = jax.tree.leaves(payloads)[0].shape[0]
-  if n > UNROLL_MAX_STEPS + 1:
+  if n > UNROLL_MAX_STEPS + 1 or _lowering_platform() in LOOP_PLATFORMS:
     return jax.vmap(ops.decode)(payloads)
   parts = [ops.decode(_take(payloads, c)) for c in range(n)]
   return jax.tree.map(lambda *p: jnp.stack(p), *parts)
