@@ -128,9 +128,7 @@ class Keys(NamedTuple):
   def derive(self, *words):
     """``(k0, k1)`` of the stream named by ``words`` (see :class:`pallas_kernels.rng.Stream`):
     ``rng.derive_key(k0, k1, bucket, *words)``."""
-    state = self.state if self.state is not None else rng.absorb(
-        rng.KEY_INIT, self.k0, self.k1, self.bucket)
-    return rng.finish_key(rng.absorb(state, *words))
+    return rng.finish_key(self.prefix(*words).state)
 
   def prefix(self, *words) -> "Keys":
     """These keys with ``words`` absorbed into the prefix: ``k.prefix(*a).derive(*b) ==

@@ -40,9 +40,7 @@ from dynamiq_jax.schedules.plan import TreePlan
 
 __all__ = [
     "HopOps", "execute", "reduce_scatter", "all_gather", "gather_payloads", "two_step",
-    "decode_all", "trace_settings",
-    "UNROLL_MAX_STEPS",
-    "LOOP_PLATFORMS",
+    "decode_all", "trace_settings", "UNROLL_MAX_STEPS", "LOOP_PLATFORMS",
 ]
 
 UNROLL_MAX_STEPS = 16
