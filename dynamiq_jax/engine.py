@@ -159,7 +159,7 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
   the optimizer that reads them, while the next buckets are on the wire: what
   waits in between is the compressed payloads, not the float32 result.
   """
-  meta = codec.metadata(x, bucket, state)
+  meta = codec.metadata(x, bucket, state, keys)
   if meta is not None:
     with jax.named_scope("metadata"):
       meta = combine_metadata(meta, ctx, keys)
@@ -243,7 +243,7 @@ class ReduceScatter:
     used = bucket_codec(self.codec, d, n)
     bucket = Bucket(index, d, n, self.implementation, scatter=True)
     keys = _keys(words, index, ctx)
-    meta = used.metadata(x, bucket, None)
+    meta = used.metadata(x, bucket, None, keys)
     if meta is not None:
       with jax.named_scope("metadata"):
         meta = combine_metadata(meta, ctx, keys)

@@ -36,6 +36,7 @@ _CODECS: dict[str, Callable[..., object]] = {
     "thc120": lambda **kw: codecs.THC(levels=120, **kw),
     "omnireduce": lambda **kw: codecs.OmniReduce(**kw),
     "globalqsgd": lambda **kw: codecs.GlobalQSGD(**kw),
+    "arc-topk": lambda **kw: codecs.ARCTopK(**kw),
 }
 
 _PSUMS = {
@@ -57,8 +58,8 @@ def codec_from_name(name: str, **options):
 
 
 def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 0,
-            average: bool = True, implementation=None, error_feedback: bool = False,
-            **options) -> optax.GradientTransformationExtraArgs:
+            average: bool = True, implementation=None, error_feedback=None,
+            ef21m_momentum: float = 0.1, **options) -> optax.GradientTransformationExtraArgs:
   """The gradient all-reduce called ``name`` as an optax transform.
 
   Args:
@@ -67,9 +68,10 @@ def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 
       :func:`dynamiq_jax.compressed_psum`: ``"dynamiq"``, ``"mxfp8"``,
       ``"mxfp6"``, ``"mxfp4"`` (the paper's adaptation), ``"mxfp8-ocp"``
       (E8M0 scales), ``"thc"`` (16 levels), ``"thc120"``, ``"omnireduce"``,
-      ``"globalqsgd"``, ``"bf16-ring"``, ``"f32-ring"``.
+      ``"globalqsgd"``, ``"arc-topk"`` (ARC-Top-K, EF21-M by default),
+      ``"bf16-ring"``, ``"f32-ring"``.
     axis_name: the data-parallel axis.
-    schedule, seed, average, implementation, error_feedback: as for
+    schedule, seed, average, implementation, error_feedback, ef21m_momentum: as for
       ``compressed_psum`` (ignored by the ``psum-*`` reducers, except
       ``average``).
     **options: codec options, e.g. ``bits=4`` for DynamiQ, ``levels=120``
@@ -87,4 +89,4 @@ def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 
     raise ValueError(f"reducer {name!r} is not one of {list(REDUCERS)}")
   return compressed_psum(axis_name, codec=codec_from_name(name, **options), schedule=schedule,
                          average=average, seed=seed, implementation=implementation,
-                         error_feedback=error_feedback)
+                         error_feedback=error_feedback, ef21m_momentum=ef21m_momentum)

@@ -18,7 +18,8 @@ from dynamiq_jax.scatter import reduce_scatter
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
 
-__all__ = ["CompressedPsumState", "PerRank", "compressed_psum", "compressed_psum_scatter"]
+__all__ = ["CompressedPsumState", "PerRank", "ERROR_FEEDBACK", "feedback_mode", "ef21m_init",
+           "ef21m_update", "compressed_psum", "compressed_psum_scatter"]
 
 
 class PerRank(NamedTuple):
@@ -48,6 +49,9 @@ class CompressedPsumState(NamedTuple):
     error_estimate: the codec's estimate of the relative error the last
       all-reduce added (``AllReduceStats.error_estimate``; 0 before the
       first step), identical on every rank: read it to watch the codec.
+    mean: with ``error_feedback="ef21m"``, the running mean of what every rank
+      has sent (EF21-M's ``u_bar``, the update the transform returns; float32,
+      identical on every rank); otherwise None.
   """
 
   step: jax.Array
@@ -55,11 +59,64 @@ class CompressedPsumState(NamedTuple):
   codec_state: Any = None
   residual: Any = None
   error_estimate: Any = 0.0
+  mean: Any = None
+
+
+ERROR_FEEDBACK = ("ef14", "ef21m")
+"""The error-feedback rules of :func:`compressed_psum` (``False``: none)."""
+
+
+def feedback_mode(error_feedback, codec) -> str | None:
+  """``error_feedback`` (as :func:`compressed_psum` takes it) as ``None``, ``"ef14"`` or
+  ``"ef21m"``; ``None`` is the codec's own default (``codec.default_error_feedback``)."""
+  if error_feedback is None:
+    error_feedback = getattr(codec, "default_error_feedback", False)
+  if error_feedback is False:
+    return None
+  if error_feedback is True:
+    return "ef14"
+  if isinstance(error_feedback, str) and error_feedback in ERROR_FEEDBACK:
+    if not codec.reports_contribution:
+      raise ValueError(
+          f"error_feedback={error_feedback!r} needs each rank's own contribution, which "
+          f"{type(codec).__name__} does not report (reports_contribution=False); pass "
+          f"error_feedback=False with it")
+    return error_feedback
+  raise ValueError(f"error_feedback={error_feedback!r} must be False, True (= 'ef14'), "
+                   f"'ef14', 'ef21m' or None (the codec's default)")
 
 
 def _zero_residual(params) -> PerRank:
   """Error feedback's residual at step 0: zeros, one slice per rank (of size 1 here)."""
   return PerRank(jax.tree.map(lambda p: jnp.zeros((1,) + tuple(p.shape), jnp.float32), params))
+
+
+def ef21m_init(params) -> tuple[PerRank, Any]:
+  """EF21-M's state at step 0 (a cold start: every part zero): ``(PerRank({"momentum": v,
+  "sent": u}), u_bar)``, ``v`` and ``u`` per rank, ``u_bar`` identical on every rank."""
+  zeros = lambda p: jnp.zeros(tuple(p.shape), jnp.float32)  # noqa: E731
+  return (PerRank({"momentum": _zero_residual(params).tree, "sent": _zero_residual(params).tree}),
+          jax.tree.map(zeros, params))
+
+
+def ef21m_update(updates, residual: PerRank, mean, reduce, momentum: float):
+  """One step of EF21-M (error feedback with momentum; Fatkhullin et al. 2023).
+
+  ``v <- (1 - eta) v + eta g``; ``c = C(v - u)``; ``u <- u + c``;
+  ``u_bar <- u_bar + reduce(c)``, where ``reduce(delta) -> (mean of C(delta) over the
+  ranks, this rank's C(delta))`` is the compressed collective and ``eta`` is
+  ``momentum``. Returns ``(u_bar in the gradients' dtypes, new residual, new u_bar)``:
+  ``u_bar`` is the mean of every rank's ``u``, the same bytes on every rank.
+  """
+  eta = jnp.float32(momentum)
+  v = jax.tree.map(lambda m, g: (1 - eta) * m[0] + eta * g.astype(jnp.float32),
+                   residual.tree["momentum"], updates)
+  delta = jax.tree.map(lambda a, u: a - u[0], v, residual.tree["sent"])
+  reduced, own = reduce(delta)
+  sent = jax.tree.map(lambda u, c: (u[0] + c)[None], residual.tree["sent"], own)
+  mean = jax.tree.map(lambda m, r: m + r.astype(jnp.float32), mean, reduced)
+  out = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, updates)
+  return out, PerRank({"momentum": jax.tree.map(lambda a: a[None], v), "sent": sent}), mean
 
 
 def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
@@ -68,7 +125,8 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                     max_buckets: int | None = DEFAULT_MAX_BUCKETS,
                     leaf_order=None,
                     implementation: str | None = None,
-                    error_feedback: bool = False,
+                    error_feedback: bool | str | None = None,
+                    ef21m_momentum: float = 0.1,
                     ) -> optax.GradientTransformationExtraArgs:
   """Replaces ``jax.lax.pmean``/``psum`` of gradients with a compressed all-reduce.
 
@@ -98,11 +156,21 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
       or a permutation of leaf indices.
     implementation: ``None`` (Pallas kernels on GPU, the jnp reference
       elsewhere), ``"pallas"`` or ``"xla"``; bit-identical results.
-    error_feedback: keep each rank's compression residual and add it to the
-      next step's gradient (EF-SGD: ``p = g + e``, ``e <- p - C(p)``, where
-      ``C(p)`` is the rank's contribution as the codec represented it). For
-      the biased codecs (MX, OmniReduce's top-k, THC's clamping); the
-      residual is per-rank state (:class:`PerRank`).
+    error_feedback: how the compression error is fed back, for the biased
+      codecs (MX, OmniReduce's and ARC-Top-K's top-k, THC's clamping):
+      ``None`` (default): the codec's own choice
+      (``codec.default_error_feedback``: EF21-M for ARC-Top-K, none for the
+      others); ``False``: none; ``True`` or ``"ef14"``: EF-SGD, each rank
+      adds its residual to the next gradient (``p = g + e``, ``e <- p -
+      C(p)``, where ``C(p)`` is the rank's contribution as the codec
+      represented it); ``"ef21m"``: EF21-M, error feedback with momentum
+      (:func:`ef21m_update`: each rank compresses the change of its momentum
+      since what it sent, ``C(v - u)``, and the update is the running mean
+      of what was sent, ``u_bar``; the biased selection's error is
+      corrected at the next steps). The per-rank parts are
+      :class:`PerRank` state.
+    ef21m_momentum: EF21-M's ``eta`` (``v <- (1 - eta) v + eta g``); 1 is EF21
+      without momentum.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init`` accepts
@@ -117,16 +185,24 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     >>> tx = optax.chain(dq.compressed_psum("data"), optax.sgd(0.1))
   """
   codec = DynamiQ() if codec is None else codec
+  mode = feedback_mode(error_feedback, codec)
+  if not (isinstance(ef21m_momentum, (int, float)) and 0 < ef21m_momentum <= 1):
+    raise ValueError(f"ef21m_momentum={ef21m_momentum!r} must be in (0, 1] (EF21-M's eta; "
+                     f"1: no momentum)")
 
   def init_fn(params):
-    residual = _zero_residual(params) if error_feedback else None
+    residual = mean = None
+    if mode == "ef14":
+      residual = _zero_residual(params)
+    elif mode == "ef21m":
+      residual, mean = ef21m_init(params)
     return CompressedPsumState(
         step=jnp.zeros([], jnp.int32),
         key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
         # structure only: the values depend on the axis size, set at step 0
         codec_state=init_codec_state(params, codec=codec, n=1, bucket_size=bucket_size,
                                      max_buckets=max_buckets, leaf_order=leaf_order),
-        residual=residual, error_estimate=jnp.zeros([], jnp.float32))
+        residual=residual, error_estimate=jnp.zeros([], jnp.float32), mean=mean)
 
   @jax.named_scope("compressed_psum")  # labels the reduction's buffers and ops in profiles
   def update_fn(updates, state, params=None, *, specs=None, **extra_args):
@@ -139,19 +215,32 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                                max_buckets=max_buckets, leaf_order=leaf_order)
       codec_state = jax.tree.map(lambda f, o: jnp.where(state.step == 0, f, o),
                                  fresh, codec_state)
-    grads = _with_residual(updates, state) if error_feedback else updates
-    reduced, stats = allreduce(
-        grads, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
-        average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-        leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
-        return_own=error_feedback, specs=specs)
-    residual = None
-    if error_feedback:
-      reduced, residual = _feedback(reduced, grads, stats.own, updates)
+    stats = None
+
+    def reduce(tree):
+      nonlocal stats
+      out, stats = allreduce(
+          tree, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
+          average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+          leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
+          return_own=mode is not None, specs=specs)
+      return out, stats.own
+
+    residual = mean = None
+    if mode == "ef21m":
+      reduced, residual, mean = ef21m_update(updates, state.residual, state.mean, reduce,
+                                             ef21m_momentum)
+    elif mode == "ef14":
+      grads = _with_residual(updates, state)
+      reduced, own = reduce(grads)
+      reduced, residual = _feedback(reduced, grads, own, updates)
+    else:
+      reduced, _ = reduce(updates)
     return reduced, CompressedPsumState(
         step=optax.safe_increment(state.step), key=state.key,
         codec_state=stats.codec_state if codec_state is not None else None,
-        residual=residual, error_estimate=jnp.asarray(stats.error_estimate, jnp.float32))
+        residual=residual, error_estimate=jnp.asarray(stats.error_estimate, jnp.float32),
+        mean=mean)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -198,7 +287,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
                             bucket_size: int = DEFAULT_BUCKET_SIZE,
                             max_buckets: int | None = DEFAULT_MAX_BUCKETS,
                             leaf_order=None, implementation: str | None = None,
-                            error_feedback: bool = False,
+                            error_feedback: bool | str | None = None,
                             ) -> optax.GradientTransformationExtraArgs:
   """The compressed reduce-scatter of gradients, for optimizers sharded over the data axis.
 
@@ -235,8 +324,10 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
       whole), or as for :func:`dynamiq_jax.reduce_scatter`.
     bucket_size, max_buckets, leaf_order, implementation: as for
       :func:`compressed_psum`.
-    error_feedback: keep each rank's residual of its *whole* gradient
-      (:class:`PerRank`), for codecs that report their contribution.
+    error_feedback: ``True`` or ``"ef14"``: keep each rank's residual of its
+      *whole* gradient (:class:`PerRank`), for codecs that report their
+      contribution; ``None``: the codec's default; ``"ef21m"`` is
+      :func:`compressed_psum`'s only (its running mean is the whole update).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` returns this
@@ -254,6 +345,13 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
   names = axis_names(axis_name)
   if schedule in ("hierarchical", "hierarchical-butterfly") and len(names) != 2:
     raise ValueError(f"schedule={schedule!r} needs axis_name=(slow, fast); got {axis_name!r}")
+  mode = feedback_mode(error_feedback, codec)
+  if mode == "ef21m":
+    raise ValueError(
+        "compressed_psum_scatter does not run error_feedback='ef21m' (EF21-M keeps the running "
+        "mean of the whole update); use compressed_psum with a replicated optimizer, or "
+        "error_feedback='ef14'")
+  error_feedback = mode == "ef14"
 
   def init_fn(params):
     residual = _zero_residual(params) if error_feedback else None

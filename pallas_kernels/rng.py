@@ -71,6 +71,9 @@ class Stream(enum.IntEnum):
   ``THC_SIGNS``               (none)                  the shared random signs of THC's Hadamard
                                                       rotation (identical on every rank)
   ``PRIVATE_ROUND``           (after it: rank)        THC's and Global-QSGD's per-rank rounding
+  ``ARCTOPK_SKETCH``          (none)                  ARC-Top-K's shared Gaussian sketch matrix
+                                                      (identical on every rank)
+  ``RANDK_ROWS``              (none)                  Rand-K's shared choice of rows (benchmarks)
   ``USER``                    (any)                   free for codecs written outside the library
   ==========================  =====================  ==============================================
   """
@@ -80,6 +83,8 @@ class Stream(enum.IntEnum):
   DYNAMIQ_STATS = 3
   THC_SIGNS = 11
   PRIVATE_ROUND = 12
+  ARCTOPK_SKETCH = 13
+  RANDK_ROWS = 14
   DYNAMIQ_SCALE = 0x5CA1E5
   USER = 0x55E5
 

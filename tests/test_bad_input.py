@@ -13,6 +13,7 @@ CODECS = {
     "dynamiq": codecs.DynamiQ(), "bf16": codecs.Bf16(), "f32": codecs.F32(),
     "mxfp8": codecs.mxfp8(), "mxfp4": codecs.mxfp4(), "mxfp8_ocp": codecs.MX(scale="e8m0"),
     "thc": codecs.THC(), "globalqsgd": codecs.GlobalQSGD(), "omnireduce": codecs.OmniReduce(),
+    "arctopk": codecs.ARCTopK(row=64),
 }
 N, D = 4, 2048  # every leaf below is one bucket of D coordinates
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,12 +27,15 @@ def _batch(mesh, step):
           jax.device_put(jax.random.normal(k2, (32, 4)), split))
 
 
-def _step(mesh):
+def _step(mesh, kind="ef14"):
   """The optimizer and the jitted step (built once: a new process would compile the same)."""
-  # MXFP4 with error feedback: the optimizer state holds the step counter, the
-  # rounding key, the codec's adaptive scale state and per-rank residuals.
-  tx = optax.chain(dq.compressed_psum("data", codec=dq.codecs.mxfp4(), error_feedback=True,
-                                      seed=7), optax.adamw(1e-2))
+  if kind == "ef14":
+    # MXFP4 with error feedback: the optimizer state holds the step counter, the
+    # rounding key, the codec's adaptive scale state and per-rank residuals.
+    reduce = dq.compressed_psum("data", codec=dq.codecs.mxfp4(), error_feedback=True, seed=7)
+  else:  # ARC-Top-K with EF21-M: per-rank momentum and sent parts, the running mean
+    reduce = dq.compressed_psum("data", codec=dq.codecs.ARCTopK(ratio=0.25, row=16), seed=7)
+  tx = optax.chain(reduce, optax.adamw(1e-2))
   return tx, dq.data_parallel_step(_loss, tx, mesh=mesh)
 
 
@@ -51,8 +55,9 @@ def _train(mesh, step, state, start, stop):
   return {"params": params, "opt_state": opt_state}
 
 
-def test_restored_run_equals_uninterrupted_run(mesh, tmp_path):
-  tx, step = _step(mesh)
+@pytest.mark.parametrize("kind", ["ef14", "ef21m"])
+def test_restored_run_equals_uninterrupted_run(mesh, tmp_path, kind):
+  tx, step = _step(mesh, kind)
   uninterrupted = _train(mesh, step, _fresh(mesh, tx), 0, K + M)
 
   state = _train(mesh, step, _fresh(mesh, tx), 0, K)
@@ -65,9 +70,14 @@ def test_restored_run_equals_uninterrupted_run(mesh, tmp_path):
   with ocp.StandardCheckpointer() as checkpointer:
     restored = checkpointer.restore(tmp_path / "ckpt", abstract)
   assert jax.tree.structure(restored) == jax.tree.structure(like)
-  residual = restored["opt_state"][0].residual.tree["w1"]
+  ours = restored["opt_state"][0]
+  residual = ours.residual.tree["w1" if kind == "ef14" else "sent"]
+  residual = residual if kind == "ef14" else residual["w1"]
   assert residual.sharding.spec == P("data") and np.any(np.asarray(residual) != 0)
-  assert restored["opt_state"][0].codec_state is not None
+  if kind == "ef14":
+    assert ours.codec_state is not None
+  else:
+    assert ours.mean["w1"].sharding.spec == P() and np.any(np.asarray(ours.mean["w1"]) != 0)
   at_checkpoint = np.asarray(restored["params"]["w1"])
   resumed = _train(mesh, step, restored, K, K + M)  # donates the restored buffers
 

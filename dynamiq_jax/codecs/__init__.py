@@ -5,6 +5,8 @@ A codec is a frozen dataclass (a valid static jit argument) implementing
 """
 
 from dynamiq_jax.codecs import allocation
+from dynamiq_jax.codecs.arctopk import ARCTopK
+from dynamiq_jax.codecs.arctopk import RowSelection
 from dynamiq_jax.codecs.base import Bucket
 from dynamiq_jax.codecs.base import Codec
 from dynamiq_jax.codecs.base import HopKeys
@@ -48,6 +50,8 @@ __all__ = [
     "mxfp6",
     "mxfp8",
     "OmniReduce",
+    "ARCTopK",
+    "RowSelection",
     "THC",
     "GlobalQSGD",
 ]

@@ -4,7 +4,7 @@ A codec never sees an axis, a collective or the schedule executor.
 :func:`dynamiq_jax.allreduce` runs each bucket in two passes and calls the
 codec between them:
 
-1. **metadata** (optional): ``local = codec.metadata(x, bucket, state)``
+1. **metadata** (optional): ``local = codec.metadata(x, bucket, state, keys)``
    gives this rank's small arrays and how they combine across ranks
    (:class:`Metadata`: an elementwise ``"max"``, or a sum carried by another
    codec in two collectives, e.g. DynamiQ's statistics); ``allreduce``
@@ -235,10 +235,13 @@ class Codec(abc.ABC):
       straddle buckets).
     reports_contribution: :meth:`contribution` is implemented (error feedback
       needs it).
+    default_error_feedback: what :func:`dynamiq_jax.compressed_psum` feeds back
+      when its ``error_feedback`` is None: ``False``, ``"ef14"`` or ``"ef21m"``.
   """
 
   granularity: int = 1
   reports_contribution: bool = False
+  default_error_feedback: bool | str = False
 
   # -- static description -----------------------------------------------------
 
@@ -297,9 +300,13 @@ class Codec(abc.ABC):
 
   # -- pass 1: metadata -----------------------------------------------------------
 
-  def metadata(self, x, bucket: Bucket, state) -> Metadata | None:
-    """This rank's metadata for ``x`` (flat float32 [d]); None if none is needed."""
-    del x, bucket, state
+  def metadata(self, x, bucket: Bucket, state, keys: Keys | None = None) -> Metadata | None:
+    """This rank's metadata for ``x`` (flat float32 [d]); None if none is needed.
+
+    ``keys`` are the bucket's random keys (as for :meth:`plan`), for metadata
+    drawn from shared randomness (ARC-Top-K's sketch).
+    """
+    del x, bucket, state, keys
     return None
 
   # -- pass 2: payload -------------------------------------------------------------

@@ -240,7 +240,7 @@ class DynamiQ(Codec):
     mean = tree_sum(xs) / SUPERGROUP if self.centre else jnp.zeros((total,), jnp.float32)
     return mean, xs - mean[:, None]
 
-  def metadata(self, x, bucket, state):
+  def metadata(self, x, bucket, state, keys=None):
     """Per super-group: the local mean and the norm of the centred residual.
 
     Summed over ranks on the schedule by :class:`SupergroupStats` (means add,

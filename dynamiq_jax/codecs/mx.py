@@ -138,7 +138,7 @@ class MX(Codec):
   def stateful(self) -> bool:
     return self.scale == "bf16"
 
-  def metadata(self, x, bucket, state):
+  def metadata(self, x, bucket, state, keys=None):
     del state
     if self.scale == "e8m0":
       return None

@@ -94,7 +94,7 @@ class OmniReduce(Cast):
     _, m_pad, _ = self._sizes(bucket.d, bucket.n)
     return pad_to(x, m_pad * self.block).reshape(m_pad, self.block)
 
-  def metadata(self, x, bucket, state):
+  def metadata(self, x, bucket, state, keys=None):
     """This rank's marks of its local top-k blocks, summed over ranks (uint8 counts)."""
     n, d = bucket.n, bucket.d
     m, m_pad, _ = self._sizes(d, n)

@@ -147,7 +147,7 @@ class THC(IntegerSum):
     _, _, padded = self._layout(d, n)
     return padded * jnp.iinfo(self.container(n)).bits + 32  # + the max-norm all-reduce
 
-  def metadata(self, x, bucket, state):
+  def metadata(self, x, bucket, state, keys=None):
     del bucket, state
     with jax.named_scope("thc/scale"):
       return Metadata(vector_norm(x), combine="max")
@@ -248,7 +248,7 @@ class GlobalQSGD(IntegerSum):
     del d, n
     return 32
 
-  def metadata(self, x, bucket, state):
+  def metadata(self, x, bucket, state, keys=None):
     del bucket, state
     return Metadata(jnp.max(jnp.abs(x)), combine="max")
 
