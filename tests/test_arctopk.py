@@ -243,3 +243,42 @@ def test_ef21m_trains_a_regression_to_its_optimum():
     ws, state = step(ws, state, x, y)
   assert rows_identical(ws)
   assert float(np.mean((np.asarray(ws[0]) - w_true) ** 2)) < 1e-3
+
+
+# -- the benchmarks' baselines -----------------------------------------------------------
+
+
+def test_rand_k_sends_the_same_random_rows_everywhere_and_new_ones_each_step():
+  from dynamiq_jax.bench.sparse import RandK
+  g = _grads(seed=5)
+  codec = RandK(ratio=0.125, row=ROW, values="f32")
+  picks = []
+  for step in range(3):
+    out = np.asarray(dq.simulate(g, codec=codec, key=jax.random.key(step)))
+    rows = _sent_rows(out)
+    assert len(set(rows)) == 1 and len(rows[0]) == codec.rows(g.shape[1], N)[1]
+    mean = g.astype(np.float64).mean(0).reshape(-1, ROW)
+    np.testing.assert_allclose(out[0].reshape(-1, ROW)[list(rows[0])], mean[list(rows[0])],
+                               atol=2e-6, rtol=0)
+    picks.append(rows[0])
+  assert len(set(picks)) == 3
+  assert codec.wire_bits(g.shape[1], N) == 32 * 8 * ROW  # no metadata: the rows only
+
+
+@pytest.mark.parametrize("row", [1, ROW])
+def test_top_k_all_gather_sums_every_ranks_own_top_rows(row):
+  from dynamiq_jax.bench.sparse import topk_allgather, topk_wire
+  g = _grads(seed=6)
+  tx = topk_allgather("i", ratio=0.1, row=row, values="f32", error_feedback=False)
+  out, _ = jax.vmap(lambda x, s: tx.update(x, s), axis_name="i")(
+      jnp.asarray(g), jax.tree.map(lambda a: jnp.stack([a] * N), tx.init(jnp.zeros(g.shape[1]))))
+  assert rows_identical(out)
+  rows = g.reshape(N, -1, row)
+  k = max(1, int(0.1 * rows.shape[1]))
+  want = np.zeros_like(rows[0], np.float64)
+  for r in range(N):
+    top = np.argsort(-(rows[r].astype(np.float64) ** 2).sum(-1), kind="stable")[:k]
+    want[top] += rows[r][top]
+  np.testing.assert_allclose(np.asarray(out[0]), (want / N).reshape(-1), atol=2e-6, rtol=0)
+  w = topk_wire(g.shape[1], N, 0.1, row, 16)
+  assert w["bytes_per_rank"] == (N - 1) * k * (row * 2 + 4)

@@ -285,3 +285,19 @@ def test_sharded_tiny_processes(tmp_path):
   with open(os.path.join(tmp_path, "sharded.json")) as f:
     assert json.load(f)["hsdp"]["loss_bits_processes"] == h["loss_bits_processes"]
   assert "bit-identical to the one-process run: True" in (tmp_path / "sharded.md").read_text()
+
+
+def test_sparse_tiny(tmp_path, lm_cache):
+  from dynamiq_jax.bench import sparse
+  report = sparse.main(["--tiny", "--out", str(tmp_path), "--cache", lm_cache])
+  rules = {r["rule"] for r in report["rows"]["rows"]}
+  assert {"leaf rows, first axis", "leaf rows, last axis", "fixed rows of 128"} <= rules
+  assert all(0 < r["energy_sketch4"] <= r["energy_exact"] + 0.05 <= 1.05
+             for r in report["rows"]["rows"])
+  curves = report["synthetic"]["curves"]
+  assert set(curves) == {"No compressor", "Rand-K", "Local Top-K (all-gather)",
+                         "ARC-Top-K exact", "ARC-Top-K sketch r=2"}
+  assert all(c["distance"][-1] < c["distance"][0] for c in curves.values())
+  assert os.path.getsize(tmp_path / "sparse_synthetic_tiny.png") > 1000
+  with open(tmp_path / "sparse_tiny.json") as f:
+    assert json.load(f)["synthetic"]["config"]["steps"] == 60

@@ -33,7 +33,11 @@ loopback and the rates are labels only, which the output says. Writes
 ``docs/results/tta.json`` and ``tta_wallclock.png`` (eval loss against
 measured wall-clock seconds at the first rate). Phases left out of
 ``--phases`` are kept from an existing ``tta.json`` when it was made with the
-same training configuration (each keeps its own command and machine).
+same training configuration (each keeps its own command and machine); the
+simulated runs of codecs left out of ``--codecs`` are kept too (same seeds),
+so a codec added to the table needs only its own runs (``provenance`` names
+each codec's command and commit). The timed phases run every codec of
+``--codecs`` side by side in one run.
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ CODECS = (
     ("MXFP4", "mxfp4", {}),
     ("THC", "thc", {}),
     ("OmniReduce", "omnireduce", {}),
+    ("ARC-Top-K 0.1", "arc-topk", {"ratio": 0.1}),
+    ("ARC-Top-K 0.2", "arc-topk", {"ratio": 0.2}),
+    ("Rand-K 0.2", "randk", {"ratio": 0.2, "row": 256}),
+    ("Top-K 0.1 (all-gather)", "topk-allgather", {"ratio": 0.1}),
 )
 BASELINE = "BF16 psum"
 MODEL = dict(vocab=8192, seq_len=64, d_model=128, heads=4, layers=3, mlp=4)
@@ -94,7 +102,7 @@ class Trainer:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import dynamiq_jax as dq
-    from dynamiq_jax.bench import lm
+    from dynamiq_jax.bench import lm, sparse
 
     self.cfg, self.mesh, self.label = cfg, mesh, label
     self.lcfg = lm.LMConfig(**cfg["model"])
@@ -111,8 +119,9 @@ class Trainer:
     self.repl = NamedSharding(mesh, P())
     _, name, options = _codec(label)
     seed_opt = {} if name.startswith("psum-") else {"seed": 0}
+    make = sparse.reducer if name in sparse.REDUCERS else dq.reducer  # the baselines
     self.tx = optax.chain(
-        dq.reducer(name, "data", **seed_opt, **options),
+        make(name, "data", **seed_opt, **options),
         optax.adamw(optax.warmup_cosine_decay_schedule(
             0.0, cfg["lr"], cfg["warmup"], max(cfg["steps"], cfg["warmup"] + 1),
             end_value=cfg["lr"] / 10), weight_decay=0.01))
@@ -131,10 +140,17 @@ class Trainer:
     from flax import nnx
 
     from dynamiq_jax.bench import lm
+    from dynamiq_jax.train import is_per_rank
     _, state = nnx.split(lm.CharTransformer(self.lcfg, seed=seed), nnx.Param)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
     opt = jax.tree.map(np.asarray, self.tx.init(params))
-    return self._put(params, self.repl), self._put(opt, self.repl)
+
+    def put(x):  # per-rank state (error feedback): one slice per rank, split over the data axis
+      if is_per_rank(x):
+        return jax.tree.map(lambda a: self._put(np.repeat(a, self.n, axis=0), self.data), x)
+      return self._put(x, self.repl)
+
+    return self._put(params, self.repl), jax.tree.map(put, opt, is_leaf=is_per_rank)
 
   def _put(self, tree, sharding):
     import jax
@@ -166,13 +182,15 @@ def wire(cfg: dict, label: str) -> dict:
   from flax import nnx
 
   import dynamiq_jax as dq
-  from dynamiq_jax.bench import lm
+  from dynamiq_jax.bench import lm, sparse
   from dynamiq_jax.schedules import ring_bytes_per_rank
 
   model = nnx.eval_shape(lambda: lm.CharTransformer(lm.LMConfig(**cfg["model"]), seed=0))
   d = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
   n = cfg["workers"]
   _, name, options = _codec(label)
+  if name in sparse.REDUCERS:  # the baselines: Top-K's all-gather, Rand-K
+    return {"params": d, **sparse.wire(name, d, n, **options)}
   if name.startswith("psum-"):  # XLA's all-reduce, taken as a ring of the dtype
     bits = 8 * jnp.dtype(jnp.bfloat16 if name == "psum-bf16" else jnp.float32).itemsize
     return {"params": d, "bits_per_coord": float(bits),
@@ -348,8 +366,9 @@ def _parse(argv):
   for c in args.codecs + args.real:
     if c not in labels:
       p.error(f"--codecs/--real: unknown codec {c!r}; choose from {', '.join(labels)}")
-  if BASELINE not in args.codecs:
-    p.error(f"--codecs must include {BASELINE!r}: every figure is relative to it")
+  if BASELINE not in args.codecs and args.phases != ["simulate"]:
+    p.error(f"--codecs must include {BASELINE!r}: every figure is relative to it (only "
+            f"--phases simulate may leave it out, to add codecs to an earlier run)")
   args.codecs = [c for c in labels if c in args.codecs]  # the table's order
   args.seeds = [int(s) for s in split(args.seeds)]
   if args.workers < 2:
@@ -388,7 +407,7 @@ def main(argv=None):
   report = _earlier(path, cfg)
   report.update(training=cfg, command=common.command_line(), machine=common.machine())
   if "simulate" in args.phases:
-    report["simulate"] = _simulate(args, cfg, devices)
+    report["simulate"] = _merge_simulated(report.get("simulate"), _simulate(args, cfg, devices))
     common.write_json(path, report)
   if "measure" in args.phases or "real" in args.phases:
     report.update(_multiprocess(args, cfg, report.get("simulate")))
@@ -423,6 +442,23 @@ def _earlier(path: str, cfg: dict) -> dict:
 
 def _stamp(args) -> dict:
   return {"command": common.command_line(), "machine": common.machine()}
+
+
+def _merge_simulated(earlier: dict | None, new: dict) -> dict:
+  """The new simulated runs, and the earlier ones of the codecs not run now when they have
+  the same seeds (a codec added to the table needs only its own runs). ``provenance``
+  names the command and commit of each codec's runs."""
+  stamp = {"command": new["command"], "git_commit": new["machine"].get("git_commit")}
+  out = dict(new, provenance={label: stamp for label in new["runs"]})
+  if not earlier or earlier.get("seeds") != new["seeds"]:
+    return out
+  old_stamp = {"command": earlier["command"], "git_commit": earlier["machine"].get("git_commit")}
+  for label, runs in earlier["runs"].items():
+    if label not in out["runs"]:
+      out["runs"][label] = runs
+      out["provenance"][label] = earlier.get("provenance", {}).get(label, old_stamp)
+  out["runs"] = {c[0]: out["runs"][c[0]] for c in CODECS if c[0] in out["runs"]}  # table order
+  return out
 
 
 def _simulate(args, cfg, devices) -> dict:
