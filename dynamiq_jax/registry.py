@@ -59,7 +59,7 @@ def codec_from_name(name: str, **options):
 
 def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 0,
             average: bool = True, implementation=None, error_feedback=None,
-            ef21m_momentum: float = 0.1, **options) -> optax.GradientTransformationExtraArgs:
+            ef21m_momentum: float = 0.5, **options) -> optax.GradientTransformationExtraArgs:
   """The gradient all-reduce called ``name`` as an optax transform.
 
   Args:

@@ -106,7 +106,7 @@ def topk_wire(d: int, n: int, ratio: float, row: int = 1, value_bits: int = 16) 
 
 def topk_allgather(axis_name="data", *, ratio: float = 0.1, row: int = 1,
                    values: str = "bf16", average: bool = True,
-                   error_feedback="ef21m", ef21m_momentum: float = 0.1):
+                   error_feedback="ef21m", ef21m_momentum: float = 0.5):
   """Top-K with an all-gather of values and indices, as an optax transform (benchmarks only).
 
   The gradient's leaves are laid end to end and read as rows of ``row``
@@ -176,7 +176,7 @@ REDUCERS = ("topk-allgather", "randk")
 
 
 def reducer(name: str, axis_name="data", *, seed: int = 0, ratio: float = 0.1, row: int = 1,
-            values: str = "bf16", error_feedback="ef21m", ef21m_momentum: float = 0.1, **kw):
+            values: str = "bf16", error_feedback="ef21m", ef21m_momentum: float = 0.5, **kw):
   """A baseline by name, as an optax transform: ``"topk-allgather"`` or ``"randk"``."""
   import dynamiq_jax as dq
   if name == "topk-allgather":
