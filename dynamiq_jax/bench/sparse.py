@@ -59,7 +59,7 @@ from dynamiq_jax.transform import PerRank, ef21m_init, ef21m_update, feedback_mo
 from pallas_kernels import rng
 
 __all__ = ["RandK", "topk_allgather", "topk_wire", "REDUCERS", "reducer", "wire", "rows_part",
-           "synthetic_part", "RobustShiftedObjective", "main"]
+           "synthetic_part", "RobustShiftedObjective", "build_parser", "main"]
 
 
 # ---------------------------------------------------------------------------
@@ -439,13 +439,19 @@ def _plot(result, path):
 PARTS = ("rows", "synthetic")
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+  """The benchmark's flags (``--help`` shows each with its default)."""
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.sparse",
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " + ", ".join(PARTS))
   p.add_argument("--sketches", type=int, default=8, help="sketch draws averaged (part rows)")
   common.add_data_flags(p)
+  return p
+
+
+def main(argv=None):
+  p = build_parser()
   args = p.parse_args(argv)
   parts = [s.strip() for s in args.parts.split(",") if s.strip()]
   for part in parts:
