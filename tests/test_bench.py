@@ -301,3 +301,7 @@ def test_sparse_tiny(tmp_path, lm_cache):
   assert os.path.getsize(tmp_path / "sparse_synthetic_tiny.png") > 1000
   with open(tmp_path / "sparse_tiny.json") as f:
     assert json.load(f)["synthetic"]["config"]["steps"] == 60
+  runs = report["training"]["runs"]
+  assert [(r["options"].get("ef21m_momentum"), r["options"]["row"]) for r in runs] == [
+      (0.1, 256), (0.5, 256)]  # --tiny runs the first two variants
+  assert all(r["final_eval_loss"] < r["evals"][0]["eval_loss"] for r in runs)

@@ -2,6 +2,7 @@
 
     python -m dynamiq_jax.bench.sparse                      # every part
     python -m dynamiq_jax.bench.sparse --parts synthetic    # the authors' synthetic experiment
+    python -m dynamiq_jax.bench.sparse --parts training     # EF21-M's momentum, row width
     python -m dynamiq_jax.bench.sparse --tiny               # smoke test (CI)
 
 The baselines live here, in the benchmarks only (the library ships ARC-Top-K):
@@ -33,6 +34,9 @@ Parts:
    ranks (``jax.vmap`` over the data axis): no compression, Rand-K, local
    Top-K (all-gather), ARC-Top-K exact and with a rank-2 sketch. Writes the
    distance to the optimum and the loss per step, and the curves.
+3. ``training``: ARC-Top-K 0.2 trained on :mod:`dynamiq_jax.bench.tta`'s word
+   LM (AdamW after the reduction; its simulated phase, seed 0) with EF21-M
+   at eta 0.1, 0.5 and 1 (EF21), with EF14, and with rows of 64 and 1024.
 
 Writes ``docs/results/sparse.json`` and ``sparse_synthetic.png``.
 """
@@ -59,7 +63,7 @@ from dynamiq_jax.transform import PerRank, ef21m_init, ef21m_update, feedback_mo
 from pallas_kernels import rng
 
 __all__ = ["RandK", "topk_allgather", "topk_wire", "REDUCERS", "reducer", "wire", "rows_part",
-           "synthetic_part", "RobustShiftedObjective", "build_parser", "main"]
+           "synthetic_part", "training_part", "RobustShiftedObjective", "build_parser", "main"]
 
 
 # ---------------------------------------------------------------------------
@@ -436,7 +440,36 @@ def _plot(result, path):
   plt.close(fig)
 
 
-PARTS = ("rows", "synthetic")
+TRAINING = (  # (EF21-M's eta or None, the feedback rule, row width)
+    (0.1, "ef21m", 256), (0.5, "ef21m", 256), (1.0, "ef21m", 256), (None, "ef14", 256),
+    (0.5, "ef21m", 64), (0.5, "ef21m", 1024))
+
+
+def training_part(args, devices) -> list[dict]:
+  """ARC-Top-K 0.2 on bench.tta's word LM (AdamW after the reduction, one seed, its
+  simulated phase's training): EF21-M at several momenta, EF14, and other row widths."""
+  from dynamiq_jax.bench import tta
+  labels = []
+  for eta, rule, row in TRAINING[:2] if args.tiny else TRAINING:  # --tiny: two, for CI's time
+    options = {"ratio": 0.2, "row": row, "error_feedback": rule}
+    if eta is not None:
+      options["ef21m_momentum"] = eta
+    labels.append((f"ARC-Top-K 0.2 rows {row} {rule}" + (f" eta {eta:g}" if eta else ""),
+                   "arc-topk", options))  # (no commas: bench.tta's --codecs splits at them)
+  tta.CODECS = tta.CODECS + tuple(c for c in labels if c not in tta.CODECS)
+  cfg = tta._training_config(tta._parse(["--tiny"] if args.tiny else []))
+  mesh = jax.make_mesh((cfg["workers"],), ("data",), devices=devices[:cfg["workers"]])
+  out = []
+  for label, _, options in labels:
+    run = tta.train_run(tta.Trainer(cfg, mesh, label), 0, cfg["steps"])
+    final = run["evals"][-1]["eval_loss"]
+    out.append({"label": label, "options": options, "evals": run["evals"],
+                "final_eval_loss": final})
+    print(f"{label:<42} final eval loss {final:.4f}", flush=True)
+  return out
+
+
+PARTS = ("rows", "synthetic", "training")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -457,6 +490,10 @@ def main(argv=None):
   for part in parts:
     if part not in PARTS:
       p.error(f"--parts: unknown part {part!r}; choose from {', '.join(PARTS)}")
+  devices = None
+  if "training" in parts:  # bench.tta's simulated devices, before anything starts JAX
+    from dynamiq_jax.examples import devices as ex_devices
+    devices = ex_devices.select_devices(2 if args.tiny else 4)
   out_dir = common.results_dir(args.out)
   suffix = "_tiny" if args.tiny else ""
   path = os.path.join(out_dir, f"sparse{suffix}.json")
@@ -468,6 +505,8 @@ def main(argv=None):
   report.update(stamp)
   if "rows" in parts:
     report["rows"] = {"rows": rows_part(args), **stamp}
+  if "training" in parts:
+    report["training"] = {"runs": training_part(args, devices), **stamp}
   if "synthetic" in parts:
     report["synthetic"] = {**synthetic_part(args), **stamp}
     png = os.path.join(out_dir, f"sparse_synthetic{suffix}.png")

@@ -421,6 +421,7 @@ def main(argv=None):
   common.write_json(path, report)
   _print(report["summary"])
   print("\n" + markdown(report["summary"]))
+  print("\nthe README's rows:\n" + markdown(report["summary"], README_CODECS))
   png = _plot(report, args, out_dir)
   print(f"\nwrote {path} and {png}\nmachine: {report['machine']['platform']}; "
         f"reproduce: {report['command']}")
@@ -646,8 +647,14 @@ def _print(summary):
                if same else "no simulated run to compare with"))
 
 
-def markdown(summary: dict) -> str:
-  """The TTA table in Markdown (the README's): one row per codec, the rates of the run."""
+README_CODECS = ("BF16 psum", "bf16 ring", "DynamiQ 5b", "DynamiQ 4b", "MXFP8", "MXFP4", "THC",
+                 "OmniReduce", "ARC-Top-K 0.2", "Top-K 0.1 (all-gather)")
+"""The README's rows of the table (docs/results.md has every codec's)."""
+
+
+def markdown(summary: dict, codecs=None) -> str:
+  """The TTA table in Markdown: one row per codec (``codecs``: those only, e.g.
+  :data:`README_CODECS`), the rates of the run."""
   rates = summary["rates"]
   label = lambda r: f"{r / 1000:g} Gbit/s" if r >= 1000 else f"{r:g} Mbit/s"
   head = ["codec", "bits / coord", "steps to target"]
@@ -656,6 +663,8 @@ def markdown(summary: dict) -> str:
   lines = ["| " + " | ".join(head + ["final eval loss vs BF16"]) + " |",
            "|" + "---|" * (len(head) + 1)]
   for name, row in summary["codecs"].items():
+    if codecs is not None and name not in codecs:
+      continue
     k_mean, _ = _mean_std(row["steps_to_target"])
     cells = [name, f"{row['bits_per_coord']:.2f}",
              f"{_fmt(k_mean, '.0f')} ({row['reached']}/{len(row['steps_to_target'])})"]
