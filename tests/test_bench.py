@@ -289,6 +289,7 @@ def test_sharded_tiny_processes(tmp_path):
 
 def test_sparse_tiny(tmp_path, lm_cache):
   from dynamiq_jax.bench import sparse
+  assert len(jax.devices()) == 8  # started here: the part "training" must not set its own count
   report = sparse.main(["--tiny", "--out", str(tmp_path), "--cache", lm_cache])
   rules = {r["rule"] for r in report["rows"]["rows"]}
   assert {"leaf rows, first axis", "leaf rows, last axis", "fixed rows of 128"} <= rules
