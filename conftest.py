@@ -11,3 +11,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Start the backends now, with those 8: a benchmark run in-process by a test asks for its own
+# device count (examples.devices.select_devices), which would otherwise win when its test is
+# the first of a process to start JAX, and leave every later test with that count.
+jax.devices()
