@@ -18,8 +18,9 @@ from dynamiq_jax.scatter import reduce_scatter
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
 
-__all__ = ["CompressedPsumState", "PerRank", "ERROR_FEEDBACK", "feedback_mode", "ef21m_init",
-           "ef21m_update", "compressed_psum", "compressed_psum_scatter"]
+__all__ = ["CompressedPsumState", "PerRank", "ERROR_FEEDBACK", "feedback_mode", "ef14_init",
+           "ef14_update", "ef21m_init", "ef21m_update", "compressed_psum",
+           "compressed_psum_scatter"]
 
 
 class PerRank(NamedTuple):
@@ -70,7 +71,7 @@ def feedback_mode(error_feedback, codec) -> str | None:
   """``error_feedback`` (as :func:`compressed_psum` takes it) as ``None``, ``"ef14"`` or
   ``"ef21m"``; ``None`` is the codec's own default (``codec.default_error_feedback``)."""
   if error_feedback is None:
-    error_feedback = getattr(codec, "default_error_feedback", False)
+    error_feedback = codec.default_error_feedback
   if error_feedback is False:
     return None
   if error_feedback is True:
@@ -86,17 +87,28 @@ def feedback_mode(error_feedback, codec) -> str | None:
                    f"'ef14', 'ef21m' or None (the codec's default)")
 
 
-def _zero_residual(params) -> PerRank:
-  """Error feedback's residual at step 0: zeros, one slice per rank (of size 1 here)."""
-  return PerRank(jax.tree.map(lambda p: jnp.zeros((1,) + tuple(p.shape), jnp.float32), params))
+def ef14_init(params) -> PerRank:
+  """EF14's residual at step 0: zeros, one slice per rank (of size 1 here)."""
+  return PerRank(jax.tree.map(lambda p: jnp.zeros((1,) + tuple(jnp.shape(p)), jnp.float32),
+                              params))
+
+
+def ef14_update(updates, residual: PerRank, reduce):
+  """One step of EF14 (EF-SGD): ``p = g + e``; ``e <- p - C(p)``, where ``reduce(p) ->
+  (the collective's result, this rank's C(p))``. Returns ``(the result in the gradients'
+  dtypes, new residual)``."""
+  grads = jax.tree.map(lambda g, e: g.astype(jnp.float32) + e[0], updates, residual.tree)
+  out, own = reduce(grads)
+  residual = PerRank(jax.tree.map(lambda p, c: (p - c)[None], grads, own))
+  return jax.tree.map(lambda r, u: r.astype(u.dtype), out, updates), residual
 
 
 def ef21m_init(params) -> tuple[PerRank, Any]:
   """EF21-M's state at step 0 (a cold start: every part zero): ``(PerRank({"momentum": v,
   "sent": u}), u_bar)``, ``v`` and ``u`` per rank, ``u_bar`` identical on every rank."""
-  zeros = lambda p: jnp.zeros(tuple(p.shape), jnp.float32)  # noqa: E731
-  return (PerRank({"momentum": _zero_residual(params).tree, "sent": _zero_residual(params).tree}),
-          jax.tree.map(zeros, params))
+  zeros = ef14_init(params).tree
+  return (PerRank({"momentum": zeros, "sent": zeros}),
+          jax.tree.map(lambda z: z[0], zeros))
 
 
 def ef21m_update(updates, residual: PerRank, mean, reduce, momentum: float):
@@ -194,7 +206,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
   def init_fn(params):
     residual = mean = None
     if mode == "ef14":
-      residual = _zero_residual(params)
+      residual = ef14_init(params)
     elif mode == "ef21m":
       residual, mean = ef21m_init(params)
     return CompressedPsumState(
@@ -232,9 +244,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
       reduced, residual, mean = ef21m_update(updates, state.residual, state.mean, reduce,
                                              ef21m_momentum)
     elif mode == "ef14":
-      grads = _with_residual(updates, state)
-      reduced, own = reduce(grads)
-      reduced, residual = _feedback(reduced, grads, own, updates)
+      reduced, residual = ef14_update(updates, state.residual, reduce)
     else:
       reduced, _ = reduce(updates)
     return reduced, CompressedPsumState(
@@ -244,18 +254,6 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
         mean=mean)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _with_residual(updates, state):
-  """Error feedback, before the collective: each gradient plus this rank's residual, in f32."""
-  return jax.tree.map(lambda g, e: g.astype(jnp.float32) + e[0], updates, state.residual.tree)
-
-
-def _feedback(out, grads, own, updates):
-  """Error feedback, after the collective: ``out`` in the gradients' dtypes, and the next
-  residual (what this rank meant to send, ``grads``, less what its codec sent, ``own``)."""
-  residual = PerRank(jax.tree.map(lambda p, c: (p - c)[None], grads, own))
-  return jax.tree.map(lambda r, u: r.astype(u.dtype), out, updates), residual
 
 
 def _inferred_dims(updates, params, n: int):
@@ -355,7 +353,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
   error_feedback = mode == "ef14"
 
   def init_fn(params):
-    residual = _zero_residual(params) if error_feedback else None
+    residual = ef14_init(params) if error_feedback else None
     return CompressedPsumState(
         step=jnp.zeros([], jnp.int32),
         key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
@@ -369,15 +367,22 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
     dims = (_inferred_dims(updates, params, n) if isinstance(scatter_dimension, str)
             and scatter_dimension == "params" else scatter_dimension)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-    grads = _with_residual(updates, state) if error_feedback else updates
-    shards, stats = reduce_scatter(
-        grads, axis_name=axis_name, codec=codec, key=key, scatter_dimension=dims,
-        schedule=schedule, average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-        leaf_order=leaf_order, implementation=implementation, return_own=error_feedback,
-        specs=specs)
+    stats = None
+
+    def reduce(tree):
+      nonlocal stats
+      out, stats = reduce_scatter(
+          tree, axis_name=axis_name, codec=codec, key=key, scatter_dimension=dims,
+          schedule=schedule, average=average, bucket_size=bucket_size,
+          max_buckets=max_buckets, leaf_order=leaf_order, implementation=implementation,
+          return_own=error_feedback, specs=specs)
+      return out, stats.own
+
     residual = None
     if error_feedback:
-      shards, residual = _feedback(shards, grads, stats.own, updates)
+      shards, residual = ef14_update(updates, state.residual, reduce)
+    else:
+      shards, _ = reduce(updates)
     return shards, CompressedPsumState(
         step=optax.safe_increment(state.step), key=state.key, residual=residual,
         error_estimate=jnp.asarray(stats.error_estimate, jnp.float32))

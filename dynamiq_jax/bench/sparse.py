@@ -54,12 +54,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 from dynamiq_jax.bench import common
 from dynamiq_jax.codecs.arctopk import RowSelection
 from dynamiq_jax.codecs.base import round_up
 from dynamiq_jax.schedules.context import axis_context
-from dynamiq_jax.transform import PerRank, ef21m_init, ef21m_update, feedback_mode
+from dynamiq_jax.transform import ef14_init, ef14_update, ef21m_init, ef21m_update
 from pallas_kernels import rng
 
 __all__ = ["RandK", "topk_allgather", "topk_wire", "REDUCERS", "reducer", "wire", "rows_part",
@@ -97,12 +98,18 @@ class TopKState(NamedTuple):
   mean: Any = None
 
 
+def _topk_rows(d: int, row: int, ratio: float) -> tuple[int, int]:
+  """``(h, k)``: :func:`topk_allgather`'s rows of ``d`` coordinates, and the rows each rank
+  sends."""
+  h = -(-d // row)
+  return h, max(1, int(math.floor(ratio * h)))
+
+
 def topk_wire(d: int, n: int, ratio: float, row: int = 1, value_bits: int = 16) -> dict:
   """Bytes each rank sends in :func:`topk_allgather` of ``d`` coordinates, and the bits
   per coordinate an all-reduce would need to send as much (``2 (n - 1) / n`` of its
   ``bits x d``)."""
-  h = -(-d // row)
-  k = max(1, int(math.floor(ratio * h)))
+  _, k = _topk_rows(d, row, ratio)
   sent = (n - 1) * k * (row * value_bits + 32) / 8  # a ring all-gather: n - 1 hops of k rows
   return {"bytes_per_rank": float(sent), "bits_per_coord": sent * 8 / (2 * (n - 1) / n * d),
           "k": k}
@@ -124,12 +131,10 @@ def topk_allgather(axis_name="data", *, ratio: float = 0.1, row: int = 1,
   mode = {"ef21m": "ef21m", "ef14": "ef14", False: None, None: None}[error_feedback]
 
   def reduce(tree):
-    leaves, treedef = jax.tree.flatten(tree)
-    sizes = [int(np.prod(np.shape(x))) for x in leaves]
-    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+    flat, unravel = ravel_pytree(tree)
+    flat = flat.astype(jnp.float32)
     d = flat.shape[0]
-    h = -(-d // row)
-    k = max(1, int(math.floor(ratio * h)))
+    h, k = _topk_rows(d, row, ratio)
     rows = jnp.pad(flat, (0, h * row - d)).reshape(h, row)
     _, idx = jax.lax.top_k(jnp.sum(rows * rows, axis=-1), k)
     mine = rows[idx].astype(dtype)
@@ -140,22 +145,14 @@ def topk_allgather(axis_name="data", *, ratio: float = 0.1, row: int = 1,
       total = total.at[where[r]].add(everyone[r].astype(jnp.float32), unique_indices=True)
     total = total / np.float32(ctx.n) if average else total
     own = jnp.zeros((h, row), jnp.float32).at[idx].set(mine.astype(jnp.float32))
-
-    def unflat(v):
-      parts = np.cumsum([0] + sizes)
-      v = v.reshape(-1)[:d]
-      return jax.tree.unflatten(treedef, [v[a:b].reshape(np.shape(x)) for a, b, x in
-                                          zip(parts[:-1], parts[1:], leaves)])
-
-    return unflat(total), unflat(own)
+    return unravel(total.reshape(-1)[:d]), unravel(own.reshape(-1)[:d])
 
   def init_fn(params):
     if mode == "ef21m":
       residual, mean = ef21m_init(params)
       return TopKState(residual, mean)
     if mode == "ef14":
-      return TopKState(PerRank(jax.tree.map(
-          lambda p: jnp.zeros((1,) + tuple(np.shape(p)), jnp.float32), params)))
+      return TopKState(ef14_init(params))
     return TopKState()
 
   def update_fn(updates, state, params=None, **extra):
@@ -165,10 +162,8 @@ def topk_allgather(axis_name="data", *, ratio: float = 0.1, row: int = 1,
                                          ef21m_momentum)
       return out, TopKState(residual, mean)
     if mode == "ef14":
-      p = jax.tree.map(lambda g, e: g.astype(jnp.float32) + e[0], updates, state.residual.tree)
-      out, own = reduce(p)
-      residual = PerRank(jax.tree.map(lambda a, c: (a - c)[None], p, own))
-      return jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates), TopKState(residual)
+      out, residual = ef14_update(updates, state.residual, reduce)
+      return out, TopKState(residual)
     out, _ = reduce(updates)
     return jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates), state
 

@@ -62,13 +62,13 @@ __all__ = ["ARCTopK", "RowSelection"]
 _VALUES = {"bf16": Bf16, "f32": F32}
 
 
-def _values_codec(values) -> Codec:
+def _check_values(values) -> None:
+  """Refuses, by name, a ``values`` that :attr:`RowSelection.element` cannot use."""
   if isinstance(values, str):
-    try:
-      return _VALUES[values]()
-    except KeyError:
+    if values not in _VALUES:
       raise ValueError(f"values={values!r} must be 'bf16', 'f32' or a codec without a "
-                       f"metadata pass, e.g. codecs.MX(element='e4m3', scale='e8m0')") from None
+                       f"metadata pass, e.g. codecs.MX(element='e4m3', scale='e8m0')")
+    return
   if not isinstance(values, Codec):
     raise TypeError(f"values={values!r} must be 'bf16', 'f32' or a dynamiq_jax codec")
   if values.stateful or isinstance(values, RowSelection) or _has_metadata(values):
@@ -76,7 +76,6 @@ def _values_codec(values) -> Codec:
         f"values={values!r}: the selected rows go through a stateless element codec with no "
         f"metadata pass of its own (one metadata pass per bucket: the sketch); use 'bf16', "
         f"'f32' or codecs.MX(element='e4m3', scale='e8m0')")
-  return values
 
 
 def _has_metadata(codec: Codec) -> bool:
@@ -115,7 +114,7 @@ class RowSelection(Codec):
       raise ValueError(f"ratio={self.ratio!r} must be in (0, 1]: the fraction of rows sent")
     if not isinstance(self.row, (int, np.integer)) or self.row < 1:
       raise ValueError(f"row={self.row!r} must be a positive integer (coordinates per row)")
-    _values_codec(self.values)
+    _check_values(self.values)
 
   @property
   def granularity(self) -> int:
@@ -123,8 +122,8 @@ class RowSelection(Codec):
 
   @property
   def element(self) -> Codec:
-    """The element codec the selected rows travel through."""
-    return _values_codec(self.values)
+    """The element codec the selected rows travel through (checked when built)."""
+    return _VALUES[self.values]() if isinstance(self.values, str) else self.values
 
   def rows(self, d: int, n: int) -> tuple[int, int]:
     """``(h, k)``: the bucket's rows and the rows sent (a multiple of ``n``)."""
@@ -153,12 +152,7 @@ class RowSelection(Codec):
     del state
     idx = self.select(meta, bucket, keys)
     chosen = self._matrix(x, bucket)[idx].reshape(-1)
-    inner_bucket = self._payload_bucket(bucket)
-    inner = self.element
-    if inner.metadata(chosen, inner_bucket, None, keys) is not None:
-      raise ValueError(f"values={self.values!r} needs a metadata pass of its own; use 'bf16', "
-                       f"'f32' or codecs.MX(element='e4m3', scale='e8m0')")
-    p = inner.plan(chosen, None, inner_bucket, None, keys)
+    p = self.element.plan(chosen, None, self._payload_bucket(bucket), None, keys)
     return Plan(p.chunks, RowsAux(idx, p.aux, meta))
 
   def encode(self, chunk, aux, keys):
