@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax import engine
+from dynamiq_jax import stacked as loops
 from dynamiq_jax._sizes import ceil_div
 from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
@@ -40,6 +41,7 @@ from dynamiq_jax.buckets import check_varying
 from dynamiq_jax.buckets import flat_specs
 from dynamiq_jax.buckets import pack
 from dynamiq_jax.buckets import relative
+from dynamiq_jax.buckets import resolve_leaf_order
 from dynamiq_jax.buckets import report
 from dynamiq_jax.buckets import unpack
 from dynamiq_jax.schedules import hierarchical
@@ -57,7 +59,7 @@ HIERARCHICAL = hierarchical.HIERARCHICAL
 
 
 def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
-               max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None
+               max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None, stacked=None
                ) -> AllReduceStats:
   """Exact wire accounting of ``allreduce(tree, codec=codec)`` over ``n`` ranks.
 
@@ -65,11 +67,16 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
     tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``).
     codec: the codec.
     n: number of ranks.
-    bucket_size, max_buckets, leaf_order: as passed to :func:`allreduce`.
+    bucket_size, max_buckets, leaf_order, stacked: as passed to :func:`allreduce`.
 
   Returns:
     :class:`AllReduceStats` of Python numbers.
   """
+  check_codec(codec)
+  flags = loops.stacked_flags(jax.tree_util.tree_flatten_with_path(tree)[0], stacked)
+  if flags is not None:
+    return loop_stats([np.shape(x) for x in jax.tree.leaves(tree)], flags, codec, n,
+                      bucket_size)
   layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
                          leaf_order=leaf_order)
   return report(bucket_sizes(layout), codec, n)
@@ -94,7 +101,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
               average: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
               max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
               implementation: str | None = None, codec_state=None,
-              return_own: bool = False, specs=None):
+              return_own: bool = False, specs=None, stacked=None):
   """Compressed all-reduce of a gradient pytree over ``axis_name``.
 
   Inside a ``jax.shard_map`` that is manual over ``axis_name`` only and
@@ -139,6 +146,16 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       ``tree``, e.g. the parameters' specs), needed where the other mesh axes
       are ``AxisType.Auto``; with Explicit axes the leaves' types say it.
       Axes that are already manual are ignored.
+    stacked: for a model whose layers run under ``jax.lax.scan``, the leaves
+      stacked along a leading axis of layers: the name of a pytree key
+      (every leaf below it, e.g. ``"layers"``) or a callable ``(path, leaf)
+      -> bool``. The gradient is then reduced in loops, stacked leaves layer
+      by layer and the others as one group, each group in equal buckets
+      (:mod:`dynamiq_jax.stacked`): XLA compiles one bucket program per
+      group instead of one per bucket, and nothing overlaps the backward
+      pass (a scanned model's gradient arrives at once, at the end of its
+      backward loop). ``bucket_size`` bounds a bucket; ``max_buckets`` and
+      ``leaf_order`` are not used. Flat schedules and stateless codecs only.
 
   Returns:
     ``(tree, stats)``: the reduced pytree (same structure, shapes and dtypes;
@@ -151,7 +168,8 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     ValueError: unbound ``axis_name``; gradients already reduced by XLA
       (not varying over the axis); a budget the codec cannot meet; a bad
       ``bucket_size`` or ``leaf_order``; leaves on Auto mesh axes without
-      ``specs``; a stateful codec with leaves sharded over other axes.
+      ``specs``; a stateful codec with leaves sharded over other axes, or
+      with ``stacked``; ``stacked`` leaves without one common leading axis.
     TypeError: a non-floating leaf (the message names its path).
 
   Examples:
@@ -173,6 +191,8 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
         f"(reports_contribution=False), which error feedback needs; use a codec that "
         f"does, or error_feedback=False")
   leaves, treedef = check_leaves(tree)
+  loops.check_stateless(stacked, codec, codec_state)
+  flags = loops.stacked_flags(leaves, stacked)
   ctx = axis_context(tuple(axis_names(axis_name)) if hier else axis_name)
   check_varying(leaves, ctx)
   local = local_specs(leaves, flat_specs(specs, treedef), what="allreduce")
@@ -181,21 +201,30 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       average=average, bucket_size=bucket_size, max_buckets=max_buckets,
       implementation=implementation, codec_state=codec_state, return_own=return_own)
   if local is None:
-    out, stats, err, ref = reduce_local(tree, key=key, leaf_order=leaf_order)
+    out, stats, err, ref = reduce_local(tree, key=key, leaf_order=leaf_order, stacked=flags)
     return out, stats._replace(error_estimate=err if ref is None else relative(err, ref))
   _check_sharded_codec(codec, codec_state)
-  return engine.run_sharded(lambda leaves, idx, **kw: reduce_local(leaves, **kw), tree, treedef,
-                            local, key, leaf_order=leaf_order, return_own=return_own,
-                            no_estimate=0.0)
+  return engine.run_sharded(
+      lambda leaves, idx, **kw: reduce_local(
+          leaves, stacked=None if flags is None else [flags[i] for i in idx], **kw),
+      tree, treedef, local, key, leaf_order=leaf_order, return_own=return_own,
+      no_estimate=0.0)
 
 
 def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_size,
-                    max_buckets, leaf_order, implementation, codec_state, return_own):
+                    max_buckets, leaf_order, implementation, codec_state, return_own,
+                    stacked=None):
   """:func:`allreduce` of local arrays -> ``(tree, stats, err, ref)``: the estimated
   squared error and the squared norm of the result, or ``(estimate, None)`` where the
-  estimate is final (one rank, or an empty tree)."""
+  estimate is final (one rank, or an empty tree). ``stacked``: None, or which leaves are
+  stacked (a flag per leaf): the loops of :mod:`dynamiq_jax.stacked`."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   arrays = [jnp.asarray(leaf) for leaf in leaves]
+  if stacked is not None:
+    resolve_leaf_order(len(arrays), leaf_order)  # still validated
+    return _looped(arrays, treedef, stacked, codec=codec, schedule=schedule,
+                   axis_name=axis_name, key=key, average=average, bucket_size=bucket_size,
+                   implementation=implementation, return_own=return_own)
   layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
                          leaf_order=leaf_order)
   if not layout:
@@ -237,6 +266,49 @@ def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_si
   stats = stats._replace(own=own, codec_state=tuple(new_states) if codec.stateful else None)
   return (unpack(outs, layout, arrays, treedef), stats, sum(errs),
           sum(jnp.sum(o * o) for o in outs))
+
+
+def loop_stats(shapes, flags, codec, n: int, bucket_size: int) -> AllReduceStats:
+  """Exact wire accounting of :func:`allreduce` with ``stacked`` over ``n`` ranks: every
+  bucket of the loops, padding included, per coordinate of the gradient."""
+  bucket_layout({}, codec=codec, bucket_size=bucket_size)  # validates bucket_size
+  sizes, coords = loops.loop_sizes(shapes, flags, bucket_size, codec.granularity * n)
+  if coords == 0:
+    return AllReduceStats(0.0, 0.0, 0)
+  rep = report(sizes, codec, n)
+  return rep._replace(bits_per_coord=rep.bits_per_coord * sum(sizes) / coords, coords=coords)
+
+
+def _looped(arrays, treedef, flags, *, codec, schedule, axis_name, key, average, bucket_size,
+            implementation, return_own):
+  """:func:`allreduce_local` with ``stacked``: every group of leaves in loops
+  (:mod:`dynamiq_jax.stacked`)."""
+  if schedule in HIERARCHICAL:
+    raise ValueError(
+        f"stacked= reduces in loops on the flat schedules ('ring', 'butterfly'), not on "
+        f"schedule={schedule!r}. Fix: leave stacked=None for the hierarchical schedule, or "
+        f"use a flat schedule over one axis")
+  n = axis_context(axis_name).n
+  get_plan(schedule, n)  # validates the schedule's name before tracing any bucket
+  rep = loop_stats([a.shape for a in arrays], flags, codec, n, bucket_size)
+  stats = AllReduceStats(jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank),
+                         jnp.int32(rep.coords), uncompressed=jnp.int32(rep.uncompressed))
+  if n == 1 or rep.coords == 0:  # the mean of one rank is its input, bit for bit
+    own = None
+    if return_own:
+      own = jax.tree_util.tree_unflatten(treedef, [a.astype(jnp.float32) for a in arrays])
+    return (jax.tree_util.tree_unflatten(treedef, arrays), stats._replace(own=own),
+            jnp.float32(0), None)
+  program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own)
+  size = loops.loop_bucket([a.shape for a in arrays], flags, bucket_size,
+                           codec.granularity * n)
+  outs, owns, err, ref = loops.reduce_stacked(arrays, flags, program, key=key, size=size,
+                                              n_divide=n if average else None)
+  own = None
+  if return_own:
+    own = jax.tree_util.tree_unflatten(
+        treedef, [o * np.float32(n) for o in owns] if average else owns)
+  return jax.tree_util.tree_unflatten(treedef, outs), stats._replace(own=own), err, ref
 
 
 def hierarchical_share(d: int, codec, fast: int) -> int:

@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dynamiq_jax.buckets import AllReduceStats, bucket_codec, group_keys, group_order, relative
@@ -57,7 +58,8 @@ from dynamiq_jax.schedules.plan import TreePlan, get_plan
 __all__ = [
     "SAFE_EXPONENT", "guard", "unguard", "one_after_another", "hop_ops", "combine_metadata",
     "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
-    "reduce_buckets", "run_sharded",
+    "reduce_buckets", "wire_pass", "decode_pass", "wire_loop", "zeros_after", "decode_loop",
+    "run_sharded",
 ]
 
 SAFE_EXPONENT = 64
@@ -148,6 +150,30 @@ def combine_metadata(meta, ctx: AxisContext, keys: Keys):
   raise ValueError(f"Metadata.combine={meta.combine!r} must be 'max' or a Codec")
 
 
+def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
+              ctx: AxisContext, return_own: bool):
+  """A guarded bucket's collectives: metadata pass and payload pass -> (gathered payloads,
+  the plan's aux, own contribution or None). :func:`decode_pass` finishes it."""
+  meta = codec.metadata(x, bucket, state, keys)
+  if meta is not None:
+    with jax.named_scope("metadata"):
+      meta = combine_metadata(meta, ctx, keys)
+  p = codec.plan(x, meta, bucket, state, keys)
+  payloads = gather_payloads(plan, ctx, reduce_scatter(plan, ctx, p.chunks,
+                                                       hop_ops(codec, p.aux, keys)))
+  own = codec.contribution(x, p.aux, bucket) if return_own else None
+  return payloads, p.aux, own
+
+
+def decode_pass(payloads, aux, codec: Codec, bucket: Bucket, state, plan: TreePlan):
+  """The gathered payloads decoded and finished -> (out, new state, estimated squared
+  error: NaN where the codec makes no estimate)."""
+  out, new_state = codec.finish(decode_all(payloads, hop_ops(codec, aux, None)), aux, bucket,
+                                state)
+  err = codec.error_estimate(out, aux, bucket, plan.partials())
+  return out, new_state, jnp.float32(jnp.nan) if err is None else err
+
+
 def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
                ctx: AxisContext, return_own: bool):
   """One guarded bucket through the codec: metadata pass, payload pass, finish -> (out, new
@@ -159,18 +185,9 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
   the optimizer that reads them, while the next buckets are on the wire: what
   waits in between is the compressed payloads, not the float32 result.
   """
-  meta = codec.metadata(x, bucket, state, keys)
-  if meta is not None:
-    with jax.named_scope("metadata"):
-      meta = combine_metadata(meta, ctx, keys)
-  p = codec.plan(x, meta, bucket, state, keys)
-  ops = hop_ops(codec, p.aux, keys)
-  payloads = gather_payloads(plan, ctx, reduce_scatter(plan, ctx, p.chunks, ops))
+  payloads, aux, own = wire_pass(x, codec, bucket, state, keys, plan, ctx, return_own)
   sent = jax.tree.leaves(payloads)[0].reshape(-1)[0].astype(jnp.float32)
-  out, new_state = codec.finish(decode_all(payloads, ops), p.aux, bucket, state)
-  err = codec.error_estimate(out, p.aux, bucket, plan.partials())
-  err = jnp.float32(jnp.nan) if err is None else err
-  own = codec.contribution(x, p.aux, bucket) if return_own else None
+  out, new_state, err = decode_pass(payloads, aux, codec, bucket, state, plan)
   return out, new_state, own, err, sent
 
 
@@ -211,6 +228,27 @@ class AllReduce:
     own = own / scale if self.return_own else None
     return (unguard(out, nonfinite, scale), state if used is not self.codec else new_state,
             own, err / (scale * scale), sent)
+
+  def wire(self, x, words, index):
+    """The collectives of a stateless bucket -> (payloads, aux, (non-finite, scale), own or
+    None): the first half of ``__call__`` (:func:`reduce_loop`)."""
+    ctx = axis_context(self.axis_name)
+    used = bucket_codec(self.codec, x.shape[0], ctx.n)
+    with jax.named_scope("guard"):
+      nonfinite, x, scale = guard(x, ctx)
+    payloads, aux, own = wire_pass(
+        x, used, Bucket(index, x.shape[0], ctx.n, self.implementation), None,
+        _keys(words, index, ctx), get_plan(self.schedule, ctx.n), ctx, self.return_own)
+    return payloads, aux, (nonfinite, scale), own / scale if self.return_own else None
+
+  def decode(self, payloads, aux, guarded, d: int, index):
+    """The second half: :meth:`wire`'s outputs -> (out, estimated squared error)."""
+    n = axis_context(self.axis_name).n
+    out, _, err = decode_pass(payloads, aux, bucket_codec(self.codec, d, n),
+                              Bucket(index, d, n, self.implementation), None,
+                              get_plan(self.schedule, n))
+    nonfinite, scale = guarded
+    return unguard(out, nonfinite, scale), err / (scale * scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +405,77 @@ def reduce_buckets(xs, program, *, key, states=None):
     return run_program((x, chained, words, index, state), program=program)
 
   return one_after_another(xs, reduce_one)
+
+
+def _split_static(tree):
+  """``tree``'s array leaves, and what rebuilds it from them (its other leaves kept)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+  arrays = [leaf for leaf, a in zip(leaves, is_array) if a]
+  static = [None if a else leaf for leaf, a in zip(leaves, is_array)]
+
+  def rebuild(arrays):
+    it = iter(arrays)
+    return jax.tree.unflatten(treedef, [next(it) if a else leaf
+                                        for leaf, a in zip(static, is_array)])
+
+  return arrays, rebuild
+
+
+def wire_loop(bucket, count: int, program, *, key):
+  """The collectives of ``count`` equal buckets, one after another in a ``scan``
+  (``program.wire``, compiled once whatever the number of buckets): the first of the
+  two loops of :mod:`dynamiq_jax.stacked`, whose buckets do not overlap the backward
+  pass. ``bucket(b)`` makes bucket ``b`` (traced index) from the gradient, inside the
+  loop.
+
+  Bucket ``b`` gets the same key words and index as in :func:`reduce_buckets`.
+  Returns ``(wired, own, rebuild)``: ``wired`` what :func:`decode_loop` takes
+  (the gathered payloads, the plans' arrays, the guards', the indices; stacked over
+  the buckets), ``own`` the stacked own contributions (or None), ``rebuild`` what
+  makes a plan's aux from its arrays.
+  """
+  k0, k1, (s0, s1) = bucket_keys(key, count)
+  found = {}
+
+  def one(_, inputs):
+    a, b, index = inputs
+    payloads, aux, guarded, own = program.wire(bucket(index), (k0, k1, a, b), index)
+    arrays, found["rebuild"] = _split_static(aux)
+    return None, ((payloads, arrays, guarded, index), own)
+
+  _, (wired, own) = jax.lax.scan(one, None, (s0, s1, jnp.arange(count, dtype=jnp.int32)))
+  return wired, own, found["rebuild"]
+
+
+def zeros_after(shape, dtype, tree):
+  """Zeros of ``shape`` made from a value of ``tree`` (0 times its first element): XLA
+  cannot allocate them before ``tree`` exists. A loop's results, written in place into
+  such zeros, take no memory while the loop's inputs are still alive; a scan's own output
+  buffers are zeros XLA may allocate at any time before the loop, e.g. during the
+  backward pass."""
+  first = jax.tree.leaves(tree)[0].reshape(-1)[0].astype(jnp.float32)
+  zero = jnp.where(jnp.isfinite(first), first * 0, jnp.float32(0))
+  return jnp.full(shape, zero.astype(dtype))
+
+
+def decode_loop(wired, rebuild, program, size: int):
+  """:func:`wire_loop`'s buckets decoded and finished in a second loop, after every
+  bucket's collectives -> (out ``[buckets, size]``, estimated squared error per bucket),
+  written in place into buffers made after the collectives (:func:`zeros_after`)."""
+  k = jax.tree.leaves(wired)[0].shape[0]
+
+  def one(carry, inputs):
+    out, err = carry
+    (payloads, arrays, guarded, index), at = inputs
+    o, e = program.decode(payloads, rebuild(arrays), guarded, size, index)
+    return (jax.lax.dynamic_update_index_in_dim(out, o, at, 0),
+            jax.lax.dynamic_update_index_in_dim(err, e, at, 0)), None
+
+  init = (zeros_after((k, size), jnp.float32, wired[0]),
+          zeros_after((k,), jnp.float32, wired[0]))
+  (out, err), _ = jax.lax.scan(one, init, (wired, jnp.arange(k, dtype=jnp.int32)))
+  return out, err
 
 
 def run_sharded(reduce_local, tree, treedef, local, key, *, leaf_order, return_own,

@@ -29,16 +29,17 @@ SIM_HOST_AXIS = "dynamiq_sim_host"
 
 @functools.partial(jax.jit, static_argnames=("codec", "schedule", "average", "bucket_size",
                                              "max_buckets", "leaf_order", "implementation",
-                                             "mesh_shape"))
+                                             "mesh_shape", "layers"))
 def _run(stacked, key, codec_state, *, codec, schedule, average, bucket_size, max_buckets,
-         leaf_order, implementation, mesh_shape):
+         leaf_order, implementation, mesh_shape, layers):
   axis = (SIM_HOST_AXIS, SIM_AXIS) if mesh_shape else SIM_AXIS
 
   def one(tree):
     out, stats = allreduce(
         tree, axis_name=axis, codec=codec, schedule=schedule, key=key,
         average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-        leaf_order=leaf_order, implementation=implementation, codec_state=codec_state)
+        leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
+        stacked=layers)
     return out, stats.codec_state
 
   if mesh_shape:  # workers laid out [slow, fast]: nested vmaps bind both axes
@@ -55,7 +56,8 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
              bucket_size: int = DEFAULT_BUCKET_SIZE,
              max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
              implementation: str | None = None,
-             codec_state=None, return_state: bool = False, mesh_shape=None):
+             codec_state=None, return_state: bool = False, mesh_shape=None,
+             layers=None):
   """All-reduces per-worker gradients stacked on axis 0, on one device.
 
   Args:
@@ -78,6 +80,9 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
     mesh_shape: ``(slow, fast)`` for ``schedule="hierarchical"``: the n
       workers are laid out row-major on that grid (worker ``i`` is slow rank
       ``i // fast``, fast rank ``i % fast``), as on a 2-axis mesh.
+    layers: ``allreduce``'s ``stacked`` (renamed here, where ``stacked`` is
+      the workers' gradients): the leaves stacked along an axis of layers
+      (after the worker axis), reduced in loops.
 
   Returns:
     The per-worker results stacked on axis 0 (all rows identical); with
@@ -114,5 +119,5 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
   out, state = _run(stacked, key, codec_state, codec=codec, schedule=schedule,
                     average=average, bucket_size=bucket_size, max_buckets=max_buckets,
                     leaf_order=leaf_order, implementation=implementation,
-                    mesh_shape=mesh_shape)
+                    mesh_shape=mesh_shape, layers=layers)
   return (out, state) if return_state else out

@@ -17,6 +17,7 @@ from dynamiq_jax.codecs.dynamiq import DynamiQ
 from dynamiq_jax.scatter import reduce_scatter
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
+from dynamiq_jax.stacked import check_stateless
 
 __all__ = ["CompressedPsumState", "PerRank", "ERROR_FEEDBACK", "feedback_mode", "ef14_init",
            "ef14_update", "ef21m_init", "ef21m_update", "compressed_psum",
@@ -139,6 +140,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                     implementation: str | None = None,
                     error_feedback: bool | str | None = None,
                     ef21m_momentum: float = 0.5,
+                    stacked=None,
                     ) -> optax.GradientTransformationExtraArgs:
   """Replaces ``jax.lax.pmean``/``psum`` of gradients with a compressed all-reduce.
 
@@ -184,6 +186,11 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     ef21m_momentum: EF21-M's ``eta`` (``v <- (1 - eta) v + eta g``); 1 is EF21
       without momentum. 0.5 by default (the ARC-Top-K authors' synthetic
       experiment; with AdamW after it, docs/results.md measures 0.1 far worse).
+    stacked: for layers under ``jax.lax.scan``, the leaves stacked along a
+      leading axis of layers: a pytree key's name (e.g. ``"layers"``) or a
+      callable ``(path, leaf) -> bool``; the gradient is then reduced in
+      loops, one compiled bucket program per group of leaves
+      (:func:`dynamiq_jax.allreduce`, :mod:`dynamiq_jax.stacked`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init`` accepts
@@ -199,6 +206,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
   """
   codec = DynamiQ() if codec is None else codec
   mode = feedback_mode(error_feedback, codec)
+  check_stateless(stacked, codec)
   if not (isinstance(ef21m_momentum, (int, float)) and 0 < ef21m_momentum <= 1):
     raise ValueError(f"ef21m_momentum={ef21m_momentum!r} must be in (0, 1] (EF21-M's eta; "
                      f"1: no momentum)")
@@ -236,7 +244,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
           tree, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
           average=average, bucket_size=bucket_size, max_buckets=max_buckets,
           leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
-          return_own=mode is not None, specs=specs)
+          return_own=mode is not None, specs=specs, stacked=stacked)
       return out, stats.own
 
     residual = mean = None

@@ -59,6 +59,7 @@ output type inside ``shard_map(check_vma=True)``) and :func:`map_over_batch`
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import warnings
@@ -76,6 +77,7 @@ __all__ = [
     "MIN_MOSAIC_CAPABILITY",
     "MOSAIC_FIRST",
     "dispatch",
+    "traced_once",
     "triton_backend",
     "map_batch_rule",
     "map_over_batch",
@@ -238,6 +240,34 @@ def _split(args, kwargs):
     return jax.tree.unflatten(tree, full)
 
   return [leaves[i] for i in where], rebuild
+
+
+@functools.lru_cache(maxsize=4096)
+def _jitted(fn, tree, static: tuple, where: tuple):
+  def call(*operands):
+    leaves = [v for _, v in static]
+    for i, v in zip(where, operands):
+      leaves[i] = v
+    args, kwargs = jax.tree.unflatten(tree, leaves)
+    return fn(*args, **kwargs)
+
+  return jax.jit(call)
+
+
+def traced_once(fn, *args, **kwargs):
+  """``fn(*args, **kwargs)`` as a call of a jitted function of the array arguments, the
+  others static: jax traces and lowers it once for every call with the same static
+  arguments and operand types (a bucket's hops, every bucket of one shape, each
+  platform branch of :func:`dispatch`), and XLA inlines it as if called directly.
+  Falls back to a plain call where a static argument is not hashable."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  where = tuple(i for i, v in enumerate(leaves) if isinstance(v, _ARRAYS))
+  static = tuple((type(v), None if i in where else v) for i, v in enumerate(leaves))
+  try:
+    hash(static)
+  except TypeError:
+    return fn(*args, **kwargs)
+  return _jitted(fn, tree, static, where)(*[leaves[i] for i in where])
 
 
 def _alone(kernel, args, kwargs, device=None):
@@ -510,14 +540,15 @@ def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs)
 
     return jax.lax.platform_dependent(**{p: on_gpu for p in GPU_PLATFORMS}, default=off_gpu)
 
+  # each branch traced once per configuration and operand types (:func:`traced_once`)
   def cuda():
-    return _gpu_path(op, kernels, reference, bool(interpret), args, kwargs)
+    return traced_once(_gpu_path, op, kernels, reference, bool(interpret), args, kwargs)
 
   def rocm():  # Triton's kernel, else the reference: no Mosaic GPU on AMD GPUs
-    return _gpu_path(op, kernels._replace(mosaic=None), reference, bool(interpret), args,
-                     kwargs)
+    return traced_once(_gpu_path, op, kernels._replace(mosaic=None), reference,
+                       bool(interpret), args, kwargs)
 
   def other():
-    return reference(*args, **kwargs)
+    return traced_once(reference, *args, **kwargs)
 
   return jax.lax.platform_dependent(cuda=cuda, rocm=rocm, default=other)

@@ -16,7 +16,9 @@ pytree entry per layer, as most Flax models) or, with ``scan``, stacked under
 same step, side by side:
 
 * ``pmean``: ``jax.lax.psum`` of the bf16 gradients (:func:`dynamiq_jax.baseline_psum`);
-* ``default``: ``dynamiq_jax.compressed_psum()`` with its defaults.
+* ``default``: ``dynamiq_jax.compressed_psum()`` with its defaults;
+* ``stacked`` (scanned layers only): ``compressed_psum(stacked="layers")``, the
+  stacked gradient reduced in loops (:mod:`dynamiq_jax.stacked`).
 
 For each: the child's CPU seconds (``time.process_time``, every thread) to
 trace and lower the step and to compile it, the device temporaries
@@ -110,7 +112,7 @@ def loss_fn(params, tokens, *, scan: bool = False):
 def step_in_child(spec: dict) -> dict:
   """Lowers and compiles the step of ``spec`` (in the child) -> ``{"compiled", "info"}``.
 
-  ``spec``: ``{"method": "pmean" | "default", "model": {...}, "scan": bool,
+  ``spec``: ``{"method": "pmean" | "default" | "stacked", "model": {...}, "scan": bool,
   "options": {...compressed_psum kwargs}, "batch", "seq"}``; ``"unchained": True``
   is the ablation of :func:`dynamiq_jax.engine.one_after_another` (buckets not tied
   one after another).
@@ -130,6 +132,8 @@ def step_in_child(spec: dict) -> dict:
   mesh = topologies.make_mesh(gpu_compile.h100_topology(DEVICES), (DEVICES,), ("data",))
   if spec["method"] == "pmean":
     reduction = dq.baseline_psum("data")
+  elif spec["method"] == "stacked":
+    reduction = dq.compressed_psum("data", stacked="layers", **spec.get("options", {}))
   else:
     reduction = dq.compressed_psum("data", **spec.get("options", {}))
   tx = optax.chain(reduction, optax.sgd(1e-3))
@@ -212,7 +216,7 @@ def compile_step(spec: dict, library: str | None = None) -> dict:
   info.update(instructions=instructions(hlo), collectives=counts["collectives"],
               backward_gemms=counts["backward_gemms"],
               backward_gemms_in_windows=counts["backward_gemms_in_windows"])
-  if spec["method"] != "pmean":
+  if spec["method"] == "default":
     info["scopes"] = bucket_scopes(hlo)
   return info
 
@@ -224,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--sizes", default="125m,350m,1.3b,1.3b-scan",
                  help=f"comma-separated, of {', '.join(SIZES)} (unrolled layers) and the same "
                       f"with -scan (layers under jax.lax.scan)")
+  p.add_argument("--methods", default="pmean,default,stacked",
+                 help="comma-separated, of pmean, default and stacked (scanned layers only); "
+                      "pmean is always compiled (every ratio is against it)")
   p.add_argument("--library", default=None,
                  help="compile against the dynamiq_jax at this directory (e.g. a worktree of "
                       "an older commit) instead of this one")
@@ -261,26 +268,36 @@ def main(argv=None) -> dict:
         sys.exit(f"--sizes: unknown size {name!r}; choose from {', '.join(SIZES)} "
                  f"(optionally with -scan)")
       cases[name] = (SIZES[base], name.endswith("-scan"), {})
+  methods = {m.strip() for m in args.methods.split(",") if m.strip()}
+  if methods - {"pmean", "default", "stacked"}:
+    sys.exit(f"--methods: unknown {sorted(methods - {'pmean', 'default', 'stacked'})}; choose "
+             f"from pmean, default, stacked")
   print(f"{'model':<10} {'method':<8} {'M par':>7} {'lower s':>8} {'compile s':>9} "
         f"{'temp GiB':>8} {'HLO instr':>9} {'bwd GEMMs':>11} {'CPU s':>7} {'temp':>7}")
   runs = {}
   for name, (model, scan, options) in cases.items():
     rows = {}
-    for method in ("pmean", "default"):
+    for method in [m for m in ("pmean", "default", "stacked")
+                   if m == "pmean" or (m in methods and (scan or m != "stacked"))]:
       spec = {"method": method, "model": model, "scan": scan,
-              "options": options if method == "default" else {}}
+              "options": options if method != "pmean" else {}}
       if args.tiny:
         spec["seq"] = TINY_SEQ
       r = compile_step(spec, library=args.library)
       r["total_cpu_s"] = round(r["lower_cpu_s"] + r["compile_cpu_s"], 2)
       rows[method] = r
       print(_row(name, method, r, rows["pmean"] if method != "pmean" else None), flush=True)
-    d, p = rows["default"], rows["pmean"]
-    rows["ratios"] = {"cpu_s": round(d["total_cpu_s"] / p["total_cpu_s"], 2),
-                      "temp_bytes": round(d["temp_bytes"] / p["temp_bytes"], 3),
-                      "instructions": round(d["instructions"] / p["instructions"], 2),
-                      "backward_gemms_in_windows": [d["backward_gemms_in_windows"],
-                                                    p["backward_gemms_in_windows"]]}
+    p = rows["pmean"]
+    ratios = {m: {"cpu_s": round(d["total_cpu_s"] / p["total_cpu_s"], 2),
+                  "temp_bytes": round(d["temp_bytes"] / p["temp_bytes"], 3),
+                  "instructions": round(d["instructions"] / p["instructions"], 2),
+                  "backward_gemms_in_windows": [d["backward_gemms_in_windows"],
+                                                p["backward_gemms_in_windows"]]}
+              for m, d in rows.items() if m != "pmean"}
+    if "default" in ratios:
+      rows["ratios"] = ratios["default"]
+    if "stacked" in ratios:
+      rows["ratios_stacked"] = ratios["stacked"]
     runs[name] = {"model": model, "scan": scan, "options": options, **rows}
   payload = {"benchmark": "scale", "command": command_line(), "machine": machine(),
              "target": f"{DEVICES} x H100 (compile-only)", "library": args.library or
