@@ -38,7 +38,8 @@ def test_the_guide_has_its_sections():
       "Using plain `jax.jit` with sharded arrays", "Flax NNX: `dq.nnx.DataParallel`",
       "Sharded models: tensor, FSDP and HSDP meshes",
       "Sharded models: tensor, FSDP and HSDP meshes",
-      "Sparsification: ARC-Top-K and error feedback", "Checkpointing with Orbax",
+      "Sparsification: ARC-Top-K and error feedback", "Scanned layers: `stacked=`",
+      "Checkpointing with Orbax",
       "Lowering for GPUs from a CPU host", "A CPU run stops with a rendezvous timeout"]
 
 
