@@ -103,8 +103,10 @@ def check_stateless(stacked, codec, codec_state=None):
 
 
 def _split(arrays, flags):
-  inner = [i for i, f in enumerate(flags) if f]
-  outer = [i for i, f in enumerate(flags) if not f]
+  """The indices of the stacked leaves and of the others (empty leaves in neither)."""
+  full = [int(np.prod(np.shape(a))) > 0 for a in arrays]
+  inner = [i for i, f in enumerate(flags) if f and full[i]]
+  outer = [i for i, f in enumerate(flags) if not f and full[i]]
   return inner, outer
 
 
@@ -211,7 +213,8 @@ def reduce_stacked(arrays, flags, program, *, key, size: int, n_divide: int | No
   with jax.named_scope("loops/wire"):
     wired, own, rebuild = engine.wire_loop(bucket, count, program, key=key)
   first = layers * per_layer
-  outs, owns = [None] * len(arrays), [None] * len(arrays)
+  outs = list(arrays)  # empty leaves stay as they are
+  owns = [jnp.zeros(a.shape, jnp.float32) if a.size == 0 else None for a in arrays]
   err = ref = jnp.float32(0)
   if inner:
     like = [jax.ShapeDtypeStruct(arrays[i].shape[1:], arrays[i].dtype) for i in inner]

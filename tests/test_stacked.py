@@ -60,6 +60,14 @@ class TestExact:
       tol = 1e-2 if a.dtype == jnp.bfloat16 else 1e-6
       np.testing.assert_allclose(np.asarray(o[0], np.float32), e, rtol=tol, atol=tol)
 
+  def test_empty_leaves(self):
+    tree = {**_tree(np.random.default_rng(7)), "none": np.zeros((N, 0), np.float32)}
+    tree["layers"]["none"] = np.zeros((N, 3, 0), np.float32)
+    out = _host(dq.simulate(tree, codec=F32(), bucket_size=4096, layers="layers"))
+    assert out["none"].shape == (N, 0) and out["layers"]["none"].shape == (N, 3, 0)
+    np.testing.assert_allclose(out["layers"]["w"][0], _mean(tree)["layers"]["w"], rtol=1e-6,
+                               atol=1e-6)
+
   def test_own_contribution(self, mesh):
     tree = _tree(np.random.default_rng(2))
     own = _host(per_rank(mesh, lambda t: _reduce(F32(), return_own=True)(t)[1].own, tree))
