@@ -195,64 +195,53 @@ def _sources(arrays, flags, size: int, n_divide):
   return bucket, first + (0 if rows is None else rows.shape[0]), (layers, per_layer)
 
 
+def _unpack(rows, arrays, flags, layers: int, per_layer: int, cast: bool = True):
+  """The loop's rows ``[buckets, size]`` (the stacked leaves' buckets first, layer by
+  layer) cut back into leaves shaped like ``arrays`` (their dtypes if ``cast``); None for an
+  empty leaf."""
+  inner, outer = _split(arrays, flags)
+  first = layers * per_layer
+  out = [None] * len(arrays)
+  if inner:
+    like = [jax.ShapeDtypeStruct(arrays[i].shape[1:], arrays[i].dtype) for i in inner]
+    total = sum(a.size for a in like)
+    mine = rows[:first].reshape(layers, -1)[:, :total]
+    offset = 0
+    for a, i in zip(like, inner):
+      piece = mine[:, offset:offset + a.size].reshape(arrays[i].shape)
+      out[i] = piece.astype(a.dtype) if cast else piece
+      offset += a.size
+  if outer:
+    group = [arrays[i] for i in outer]
+    flat = rows[first:].reshape(-1)[:sum(a.size for a in group)]
+    for i, x in zip(outer, _cut(flat, group, cast)):
+      out[i] = x
+  return out
+
+
 def reduce_stacked(arrays, flags, program, *, key, size: int, n_divide: int | None):
   """All leaves in loops (see the module docstring): one loop of every bucket's
   collectives (:func:`~dynamiq_jax.engine.wire_loop`; the stacked leaves' buckets layer
-  by layer, then the others'), then the decoding, layer by layer into the stacked
-  results, and the others' (:func:`~dynamiq_jax.engine.decode_loop`). What waits between
-  the two is the payloads; the results are new arrays (typed as identical on every rank
-  under ``check_vma``), made after the collectives.
+  by layer, then the others'), then one of their decoding
+  (:func:`~dynamiq_jax.engine.decode_loop`) into one buffer made after the collectives,
+  which the results are cut from. What waits between the two loops is the payloads; the
+  results are new arrays (typed as identical on every rank under ``check_vma``).
 
   Returns:
     ``(leaves, owns or None, err, ref)`` over the whole gradient, in leaf order: the
     results, the own contributions (float32, of the divided input), the estimated squared
     error and the squared norm of the results.
   """
-  inner, outer = _split(arrays, flags)
   bucket, count, (layers, per_layer) = _sources(arrays, flags, size, n_divide)
   with jax.named_scope("loops/wire"):
     wired, own, rebuild = engine.wire_loop(bucket, count, program, key=key)
-  first = layers * per_layer
-  outs = list(arrays)  # empty leaves stay as they are
-  owns = [jnp.zeros(a.shape, jnp.float32) if a.size == 0 else None for a in arrays]
-  err = ref = jnp.float32(0)
-  if inner:
-    like = [jax.ShapeDtypeStruct(arrays[i].shape[1:], arrays[i].dtype) for i in inner]
-    total = sum(a.size for a in like)
-    by_layer = jax.tree.map(lambda a: a[:first].reshape((layers, per_layer) + a.shape[1:]),
-                            wired)
-
-    def decode_layer(out, inputs):
-      w, layer = inputs
-      o, e = engine.decode_loop(w, rebuild, program, size)
-      o = o.reshape(-1)[:total]
-      new = [jax.lax.dynamic_update_index_in_dim(a, x, layer, 0)
-             for a, x in zip(out, _cut(o, like))]
-      return new, (jnp.sum(e), jnp.sum(o * o))
-
-    with jax.named_scope("loops/decode_layers"):  # in place, in buffers made after the wire
-      out = [engine.zeros_after(arrays[i].shape, arrays[i].dtype, wired[0]) for i in inner]
-      out, (e, r) = jax.lax.scan(decode_layer, out, (by_layer, jnp.arange(layers)))
-    err, ref = err + jnp.sum(e), ref + jnp.sum(r)
-    for j, i in enumerate(inner):
-      outs[i] = out[j]
-    if own is not None:
-      mine = own[:first].reshape(layers, -1)[:, :total]
-      offset = 0
-      for j, i in enumerate(inner):
-        owns[i] = mine[:, offset:offset + like[j].size].reshape(arrays[i].shape)
-        offset += like[j].size
-  if outer:
-    group = [arrays[i] for i in outer]
-    total = sum(a.size for a in group)
-    with jax.named_scope("loops/decode_others"):
-      o, e = engine.decode_loop(jax.tree.map(lambda a: a[first:], wired), rebuild, program,
-                                size)
-      o = o.reshape(-1)[:total]
-    err, ref = err + jnp.sum(e), ref + jnp.sum(o * o)
-    for i, x in zip(outer, _cut(o, group)):
-      outs[i] = x
-    if own is not None:
-      for i, x in zip(outer, _cut(own[first:].reshape(-1)[:total], group, cast=False)):
-        owns[i] = x
-  return outs, owns if own is not None else None, err, ref
+  with jax.named_scope("loops/decode"):
+    rows, err = engine.decode_loop(wired, rebuild, program, size)
+  cut = _unpack(rows, arrays, flags, layers, per_layer, cast=False)
+  ref = sum((jnp.sum(x * x) for x in cut if x is not None), jnp.float32(0))
+  outs = [a if x is None else x.astype(a.dtype) for a, x in zip(arrays, cut)]
+  owns = None
+  if own is not None:
+    owns = [jnp.zeros(a.shape, jnp.float32) if x is None else x
+            for a, x in zip(arrays, _unpack(own, arrays, flags, layers, per_layer, cast=False))]
+  return outs, owns, jnp.sum(err), ref

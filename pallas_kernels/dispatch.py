@@ -242,7 +242,7 @@ def _split(args, kwargs):
   return [leaves[i] for i in where], rebuild
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
 def _jitted(fn, tree, static: tuple, where: tuple):
   def call(*operands):
     leaves = [v for _, v in static]
@@ -257,9 +257,10 @@ def _jitted(fn, tree, static: tuple, where: tuple):
 def traced_once(fn, *args, **kwargs):
   """``fn(*args, **kwargs)`` as a call of a jitted function of the array arguments, the
   others static: jax traces and lowers it once for every call with the same static
-  arguments and operand types (a bucket's hops, every bucket of one shape, each
-  platform branch of :func:`dispatch`), and XLA inlines it as if called directly.
-  Falls back to a plain call where a static argument is not hashable."""
+  arguments and operand types (a bucket's hops, every bucket of one shape), and XLA
+  inlines it as if called directly. For a pure function of its arguments only (the
+  references): what it traces must not depend on anything else. Falls back to a plain
+  call where a static argument is not hashable."""
   leaves, tree = jax.tree.flatten((args, kwargs))
   where = tuple(i for i, v in enumerate(leaves) if isinstance(v, _ARRAYS))
   static = tuple((type(v), None if i in where else v) for i, v in enumerate(leaves))
@@ -540,15 +541,14 @@ def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs)
 
     return jax.lax.platform_dependent(**{p: on_gpu for p in GPU_PLATFORMS}, default=off_gpu)
 
-  # each branch traced once per configuration and operand types (:func:`traced_once`)
   def cuda():
-    return traced_once(_gpu_path, op, kernels, reference, bool(interpret), args, kwargs)
+    return _gpu_path(op, kernels, reference, bool(interpret), args, kwargs)
 
   def rocm():  # Triton's kernel, else the reference: no Mosaic GPU on AMD GPUs
-    return traced_once(_gpu_path, op, kernels._replace(mosaic=None), reference,
-                       bool(interpret), args, kwargs)
+    return _gpu_path(op, kernels._replace(mosaic=None), reference, bool(interpret), args,
+                     kwargs)
 
-  def other():
+  def other():  # traced once per configuration and operand types (:func:`traced_once`)
     return traced_once(reference, *args, **kwargs)
 
   return jax.lax.platform_dependent(cuda=cuda, rocm=rocm, default=other)
