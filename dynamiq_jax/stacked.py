@@ -21,12 +21,12 @@ that XLA compiles the bucket program once:
   (:func:`dynamiq_jax.engine.wire_loop`: guard, metadata pass, reduce and
   gather phases), the stacked leaves' layer by layer, then the others'; each
   bucket is made from the gradient inside the loop.
-* Then their decoding (:func:`dynamiq_jax.engine.decode_loop`: decode,
-  finish): layer by layer into the stacked results, then the others'.
+* Then one loop of their decoding (:func:`dynamiq_jax.engine.decode_loop`:
+  decode, finish) into one buffer, which the results are cut from.
 
 Between the two loops wait the gathered payloads (about the codec's bits per
 coordinate), not float32 results: the stacked gradient is read by the first
-loop and the results are written by the second, into buffers made after it
+loop and the results are written by the second, into a buffer made after it
 (:func:`~dynamiq_jax.engine.zeros_after`), so the two are not alive at once.
 Bucket ``b`` of the loop (the stacked leaves' first) is keyed by ``b``, as
 :func:`~dynamiq_jax.engine.reduce_buckets` keys its buckets. Flat schedules
