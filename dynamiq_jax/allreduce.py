@@ -72,7 +72,6 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
   Returns:
     :class:`AllReduceStats` of Python numbers.
   """
-  check_codec(codec)
   flags = loops.stacked_flags(jax.tree_util.tree_flatten_with_path(tree)[0], stacked)
   if flags is not None:
     return loop_stats([np.shape(x) for x in jax.tree.leaves(tree)], flags, codec, n,
@@ -149,10 +148,10 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     stacked: for a model whose layers run under ``jax.lax.scan``, the leaves
       stacked along a leading axis of layers: the name of a pytree key
       (every leaf below it, e.g. ``"layers"``) or a callable ``(path, leaf)
-      -> bool``. The gradient is then reduced in loops, stacked leaves layer
-      by layer and the others as one group, each group in equal buckets
-      (:mod:`dynamiq_jax.stacked`): XLA compiles one bucket program per
-      group instead of one per bucket, and nothing overlaps the backward
+      -> bool``. The gradient is then reduced in loops of equal buckets,
+      stacked leaves layer by layer, then the others
+      (:mod:`dynamiq_jax.stacked`): XLA compiles the bucket program once
+      instead of once per bucket, and nothing overlaps the backward
       pass (a scanned model's gradient arrives at once, at the end of its
       backward loop). ``bucket_size`` bounds a bucket; ``max_buckets`` and
       ``leaf_order`` are not used. Flat schedules and stateless codecs only.
@@ -290,7 +289,8 @@ def _looped(arrays, treedef, flags, *, codec, schedule, axis_name, key, average,
         f"use a flat schedule over one axis")
   n = axis_context(axis_name).n
   get_plan(schedule, n)  # validates the schedule's name before tracing any bucket
-  rep = loop_stats([a.shape for a in arrays], flags, codec, n, bucket_size)
+  shapes = [a.shape for a in arrays]
+  rep = loop_stats(shapes, flags, codec, n, bucket_size)
   stats = AllReduceStats(jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank),
                          jnp.int32(rep.coords), uncompressed=jnp.int32(rep.uncompressed))
   if n == 1 or rep.coords == 0:  # the mean of one rank is its input, bit for bit
@@ -300,8 +300,7 @@ def _looped(arrays, treedef, flags, *, codec, schedule, axis_name, key, average,
     return (jax.tree_util.tree_unflatten(treedef, arrays), stats._replace(own=own),
             jnp.float32(0), None)
   program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own)
-  size = loops.loop_bucket([a.shape for a in arrays], flags, bucket_size,
-                           codec.granularity * n)
+  size = loops.loop_bucket(shapes, flags, bucket_size, codec.granularity * n)
   outs, owns, err, ref = loops.reduce_stacked(arrays, flags, program, key=key, size=size,
                                               n_divide=n if average else None)
   own = None

@@ -231,7 +231,7 @@ class AllReduce:
 
   def wire(self, x, words, index):
     """The collectives of a stateless bucket -> (payloads, aux, (non-finite, scale), own or
-    None): the first half of ``__call__`` (:func:`reduce_loop`)."""
+    None): the first half of ``__call__`` (:func:`wire_loop`)."""
     ctx = axis_context(self.axis_name)
     used = bucket_codec(self.codec, x.shape[0], ctx.n)
     with jax.named_scope("guard"):

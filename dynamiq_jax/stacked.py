@@ -41,6 +41,7 @@ import numpy as np
 
 from dynamiq_jax import engine
 from dynamiq_jax._sizes import ceil_div, round_up
+from dynamiq_jax.buckets import Segment, pack
 
 __all__ = ["check_stateless", "stacked_flags", "loop_bucket", "loop_sizes", "reduce_stacked"]
 
@@ -147,24 +148,23 @@ def loop_sizes(shapes, flags, bucket_size: int, unit: int) -> tuple[list[int], i
           sum(t * m for t, m in groups))
 
 
-def _cut(flat, like, cast: bool = True):
+def _cut(flat, like):
+  """``flat`` cut into pieces shaped like ``like``, in order."""
   leaves, offset = [], 0
   for a in like:
-    piece = flat[offset:offset + a.size].reshape(a.shape)
-    leaves.append(piece.astype(a.dtype) if cast else piece)
+    leaves.append(flat[offset:offset + a.size].reshape(a.shape))
     offset += a.size
   return leaves
 
 
 def _flat(arrays, n_divide):
-  parts = [a.reshape(-1).astype(jnp.float32) for a in arrays]
-  flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-  return flat / np.float32(n_divide) if n_divide else flat
+  """``arrays`` end to end as one float32 vector (:func:`~dynamiq_jax.buckets.pack`)."""
+  return pack(arrays, [Segment(i, 0, a.size) for i, a in enumerate(arrays)], n_divide)
 
 
 def _sources(arrays, flags, size: int, n_divide):
-  """``(bucket(b), count, layered)``: every bucket of the loop, made from the gradient
-  inside it: the stacked leaves' first (layer ``l``'s slices end to end, padded, cut into
+  """``(bucket(b), count, (layers, per_layer))``: every bucket of the loop, made from the
+  gradient inside it: the stacked leaves' first (layer ``l``'s slices end to end, padded, cut into
   ``per_layer`` buckets), then the other leaves' (end to end, padded, cut)."""
   inner, outer = _split(arrays, flags)
   layers = per_layer = 0
@@ -195,10 +195,9 @@ def _sources(arrays, flags, size: int, n_divide):
   return bucket, first + (0 if rows is None else rows.shape[0]), (layers, per_layer)
 
 
-def _unpack(rows, arrays, flags, layers: int, per_layer: int, cast: bool = True):
+def _unpack(rows, arrays, flags, layers: int, per_layer: int):
   """The loop's rows ``[buckets, size]`` (the stacked leaves' buckets first, layer by
-  layer) cut back into leaves shaped like ``arrays`` (their dtypes if ``cast``); None for an
-  empty leaf."""
+  layer) cut back into float32 leaves shaped like ``arrays``; None for an empty leaf."""
   inner, outer = _split(arrays, flags)
   first = layers * per_layer
   out = [None] * len(arrays)
@@ -208,13 +207,12 @@ def _unpack(rows, arrays, flags, layers: int, per_layer: int, cast: bool = True)
     mine = rows[:first].reshape(layers, -1)[:, :total]
     offset = 0
     for a, i in zip(like, inner):
-      piece = mine[:, offset:offset + a.size].reshape(arrays[i].shape)
-      out[i] = piece.astype(a.dtype) if cast else piece
+      out[i] = mine[:, offset:offset + a.size].reshape(arrays[i].shape)
       offset += a.size
   if outer:
     group = [arrays[i] for i in outer]
     flat = rows[first:].reshape(-1)[:sum(a.size for a in group)]
-    for i, x in zip(outer, _cut(flat, group, cast)):
+    for i, x in zip(outer, _cut(flat, group)):
       out[i] = x
   return out
 
@@ -237,11 +235,11 @@ def reduce_stacked(arrays, flags, program, *, key, size: int, n_divide: int | No
     wired, own, rebuild = engine.wire_loop(bucket, count, program, key=key)
   with jax.named_scope("loops/decode"):
     rows, err = engine.decode_loop(wired, rebuild, program, size)
-  cut = _unpack(rows, arrays, flags, layers, per_layer, cast=False)
+  cut = _unpack(rows, arrays, flags, layers, per_layer)
   ref = sum((jnp.sum(x * x) for x in cut if x is not None), jnp.float32(0))
   outs = [a if x is None else x.astype(a.dtype) for a, x in zip(arrays, cut)]
   owns = None
   if own is not None:
     owns = [jnp.zeros(a.shape, jnp.float32) if x is None else x
-            for a, x in zip(arrays, _unpack(own, arrays, flags, layers, per_layer, cast=False))]
+            for a, x in zip(arrays, _unpack(own, arrays, flags, layers, per_layer))]
   return outs, owns, jnp.sum(err), ref

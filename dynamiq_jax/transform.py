@@ -189,7 +189,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     stacked: for layers under ``jax.lax.scan``, the leaves stacked along a
       leading axis of layers: a pytree key's name (e.g. ``"layers"``) or a
       callable ``(path, leaf) -> bool``; the gradient is then reduced in
-      loops, one compiled bucket program per group of leaves
+      loops, its bucket program compiled once
       (:func:`dynamiq_jax.allreduce`, :mod:`dynamiq_jax.stacked`).
 
   Returns:
