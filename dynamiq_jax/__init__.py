@@ -29,6 +29,7 @@ from dynamiq_jax.scatter import reduce_scatter
 from dynamiq_jax.scatter import scatter_dimensions
 from dynamiq_jax.scatter import scatter_wire_stats
 from dynamiq_jax.schedules.context import UnboundAxisError
+from dynamiq_jax.schedules.moshpit import Moshpit
 from dynamiq_jax.simulate import simulate
 from dynamiq_jax.train import as_varying
 from dynamiq_jax.train import baseline_psum
@@ -77,6 +78,7 @@ __all__ = [
     "codec_from_name",
     "reducer",
     "UnboundAxisError",
+    "Moshpit",
     "simulate",
     "as_varying",
     "baseline_psum",

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax import engine
+from dynamiq_jax import moshpit
 from dynamiq_jax import stacked as loops
 from dynamiq_jax._sizes import ceil_div
 from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
@@ -47,6 +48,7 @@ from dynamiq_jax.buckets import unpack
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.local import local_specs, model_axes
+from dynamiq_jax.schedules.moshpit import as_moshpit, is_moshpit
 from dynamiq_jax.schedules.plan import get_plan
 
 __all__ = [
@@ -59,8 +61,8 @@ HIERARCHICAL = hierarchical.HIERARCHICAL
 
 
 def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
-               max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None, stacked=None
-               ) -> AllReduceStats:
+               max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None, stacked=None,
+               schedule="ring") -> AllReduceStats:
   """Exact wire accounting of ``allreduce(tree, codec=codec)`` over ``n`` ranks.
 
   Args:
@@ -68,6 +70,8 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
     codec: the codec.
     n: number of ranks.
     bucket_size, max_buckets, leaf_order, stacked: as passed to :func:`allreduce`.
+    schedule: as passed to :func:`allreduce`; only Moshpit averaging's accounting
+      differs from the ring's (every round an all-reduce within groups).
 
   Returns:
     :class:`AllReduceStats` of Python numbers.
@@ -78,6 +82,8 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
                       bucket_size)
   layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
                          leaf_order=leaf_order)
+  if is_moshpit(schedule) and n > 1:
+    return moshpit.moshpit_report(bucket_sizes(layout), codec, as_moshpit(schedule).plan(n))
   return report(bucket_sizes(layout), codec, n)
 
 
@@ -100,7 +106,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
               average: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
               max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
               implementation: str | None = None, codec_state=None,
-              return_own: bool = False, specs=None, stacked=None):
+              return_own: bool = False, specs=None, stacked=None, absent=None):
   """Compressed all-reduce of a gradient pytree over ``axis_name``.
 
   Inside a ``jax.shard_map`` that is manual over ``axis_name`` only and
@@ -116,8 +122,12 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     axis_name: the data-parallel axis (bound by shard_map, pmap or vmap);
       ``(slow, fast)`` for ``schedule="hierarchical"``.
     codec: e.g. ``codecs.DynamiQ(bits=5)`` or ``codecs.Bf16()``.
-    schedule: ``"ring"``, ``"butterfly"`` (power-of-two axes) or
-      ``"hierarchical"``.
+    schedule: ``"ring"``, ``"butterfly"`` (power-of-two axes),
+      ``"hierarchical"``, or Moshpit averaging: ``"moshpit"`` or
+      ``dq.Moshpit(grid=..., rounds=..., dropout=..., shuffle=...)``
+      (:mod:`dynamiq_jax.moshpit`: rounds of group all-reduces on a virtual
+      grid; stateless codecs, one axis; results differ between ranks where
+      some were absent).
     key: a ``jax.random`` key, identical on every rank (it seeds the shared
       rounding streams); fold the training step into it.
     average: return the mean over ranks (workers pre-divide by n) instead of
@@ -155,6 +165,9 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       pass (a scanned model's gradient arrives at once, at the end of its
       backward loop). ``bucket_size`` bounds a bucket; ``max_buckets`` and
       ``leaf_order`` are not used. Flat schedules and stateless codecs only.
+    absent: Moshpit averaging only: bool ``[rounds, n]``, the same on every
+      rank, True where rank r is absent from round t (simulated dropout,
+      besides the schedule's own ``dropout``).
 
   Returns:
     ``(tree, stats)``: the reduced pytree (same structure, shapes and dtypes;
@@ -184,6 +197,14 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
   hier = schedule in HIERARCHICAL
   if hier:
     hierarchical_axes(axis_name, codec, codec_state, return_own)
+  if is_moshpit(schedule):
+    moshpit.check_moshpit(schedule, axis_name, codec, codec_state, return_own)
+    if stacked is not None:
+      raise ValueError(f"stacked= runs the flat schedules ('ring', 'butterfly'), not "
+                       f"schedule={schedule!r}. Fix: leave stacked=None")
+  elif absent is not None:
+    raise ValueError(f"absent= is a mask of Moshpit averaging's rounds; schedule={schedule!r} "
+                     f"has none. Fix: schedule='moshpit' (or dq.Moshpit(...)), or absent=None")
   if return_own and not codec.reports_contribution:
     raise ValueError(
         f"{type(codec).__name__} cannot report a rank's own contribution "
@@ -198,7 +219,8 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
   reduce_local = functools.partial(
       allreduce_local, axis_name=axis_name, codec=codec, schedule=schedule,
       average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-      implementation=implementation, codec_state=codec_state, return_own=return_own)
+      implementation=implementation, codec_state=codec_state, return_own=return_own,
+      absent=absent)
   if local is None:
     out, stats, err, ref = reduce_local(tree, key=key, leaf_order=leaf_order, stacked=flags)
     return out, stats._replace(error_estimate=err if ref is None else relative(err, ref))
@@ -207,12 +229,12 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       lambda leaves, idx, **kw: reduce_local(
           leaves, stacked=None if flags is None else [flags[i] for i in idx], **kw),
       tree, treedef, local, key, leaf_order=leaf_order, return_own=return_own,
-      no_estimate=0.0)
+      no_estimate=np.nan if is_moshpit(schedule) else 0.0)
 
 
 def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_size,
                     max_buckets, leaf_order, implementation, codec_state, return_own,
-                    stacked=None):
+                    stacked=None, absent=None):
   """:func:`allreduce` of local arrays -> ``(tree, stats, err, ref)``: the estimated
   squared error and the squared norm of the result, or ``(estimate, None)`` where the
   estimate is final (one rank, or an empty tree). ``stacked``: None, or which leaves are
@@ -232,6 +254,10 @@ def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_si
     return _hierarchical(arrays, treedef, layout, codec=codec, schedule=schedule,
                          axis_name=axis_name, key=key, average=average,
                          implementation=implementation)
+  if is_moshpit(schedule):
+    return _moshpit(arrays, treedef, layout, codec=codec, schedule=schedule,
+                    axis_name=axis_name, key=key, average=average,
+                    implementation=implementation, absent=absent)
   ctx = axis_context(axis_name)
   sizes = bucket_sizes(layout)
   states = codec_state
@@ -339,6 +365,28 @@ def _hierarchical(arrays, treedef, layout, *, codec, schedule, axis_name, key, a
       jnp.int32(sum(x.shape[0] for x in xs)), uncompressed=jnp.int32(rep.uncompressed))
   out = unpack(outs, layout, arrays, treedef)
   return (out, stats, jnp.float32(0), None) if slow_ctx.n == 1 else (out, stats, err, ref)
+
+
+def _moshpit(arrays, treedef, layout, *, codec, schedule, axis_name, key, average,
+             implementation, absent):
+  """Moshpit averaging (:mod:`dynamiq_jax.moshpit`), bucket by bucket: each bucket's
+  rounds are one bucket program (:class:`dynamiq_jax.moshpit.MoshpitRounds`)."""
+  ctx = axis_context(axis_name)
+  xs = [pack(arrays, segs, None) for segs in layout]  # the rounds take means themselves
+  nan = jnp.float32(jnp.nan)  # no error estimate: the rounds' errors compound
+  if ctx.n == 1 and as_moshpit(schedule).grid is None:  # the mean of one rank: its input
+    stats = AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(sum(map(len, xs))))
+    return unpack(xs, layout, arrays, treedef), stats, jnp.float32(0), None
+  plan = as_moshpit(schedule).plan(ctx.n)
+  here = moshpit.presence(plan, schedule, key, absent, ctx.rank())
+  program = moshpit.MoshpitRounds(codec, plan, axis_name, implementation)
+  outs, _ = zip(*engine.reduce_buckets(xs, program, key=key, states=(here,) * len(xs)))
+  if not average:
+    outs = [o * np.float32(ctx.n) for o in outs]
+  rep = moshpit.moshpit_report(bucket_sizes(layout), codec, plan)
+  stats = AllReduceStats(jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank),
+                         jnp.int32(rep.coords), uncompressed=jnp.int32(rep.uncompressed))
+  return unpack(outs, layout, arrays, treedef), stats, nan, None
 
 
 def _check_sharded_codec(codec, codec_state):

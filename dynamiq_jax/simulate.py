@@ -30,8 +30,8 @@ SIM_HOST_AXIS = "dynamiq_sim_host"
 @functools.partial(jax.jit, static_argnames=("codec", "schedule", "average", "bucket_size",
                                              "max_buckets", "leaf_order", "implementation",
                                              "mesh_shape", "layers"))
-def _run(stacked, key, codec_state, *, codec, schedule, average, bucket_size, max_buckets,
-         leaf_order, implementation, mesh_shape, layers):
+def _run(stacked, key, codec_state, absent, *, codec, schedule, average, bucket_size,
+         max_buckets, leaf_order, implementation, mesh_shape, layers):
   axis = (SIM_HOST_AXIS, SIM_AXIS) if mesh_shape else SIM_AXIS
 
   def one(tree):
@@ -39,7 +39,7 @@ def _run(stacked, key, codec_state, *, codec, schedule, average, bucket_size, ma
         tree, axis_name=axis, codec=codec, schedule=schedule, key=key,
         average=average, bucket_size=bucket_size, max_buckets=max_buckets,
         leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
-        stacked=layers)
+        stacked=layers, absent=absent)
     return out, stats.codec_state
 
   if mesh_shape:  # workers laid out [slow, fast]: nested vmaps bind both axes
@@ -57,13 +57,14 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
              max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
              implementation: str | None = None,
              codec_state=None, return_state: bool = False, mesh_shape=None,
-             layers=None):
+             layers=None, absent=None):
   """All-reduces per-worker gradients stacked on axis 0, on one device.
 
   Args:
     stacked: pytree whose leaves have a leading worker axis of size n.
     codec: the codec.
-    schedule: ``"ring"`` or ``"butterfly"``.
+    schedule: ``"ring"``, ``"butterfly"``, ``"hierarchical"`` (with
+      ``mesh_shape``) or Moshpit averaging (``"moshpit"``, ``dq.Moshpit(...)``).
     seed: the rounding key is ``jax.random.key(seed)`` (unless ``key`` is
       given): the same as ``allreduce(..., key=jax.random.key(seed))`` on n
       devices, and as step 0 of ``compressed_psum(seed=seed)`` after folding
@@ -83,9 +84,12 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
     layers: ``allreduce``'s ``stacked`` (renamed here, where ``stacked`` is
       the workers' gradients): the leaves stacked along an axis of layers
       (after the worker axis), reduced in loops.
+    absent: Moshpit averaging's mask of absent workers, bool ``[rounds, n]``
+      (as for :func:`dynamiq_jax.allreduce`).
 
   Returns:
-    The per-worker results stacked on axis 0 (all rows identical); with
+    The per-worker results stacked on axis 0 (all rows identical, except under
+    Moshpit averaging with absent workers); with
     ``return_state``, ``(results, codec_state)``.
 
   Examples:
@@ -116,7 +120,7 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
     key = jax.random.key(seed)
   if leaf_order is not None and not isinstance(leaf_order, str):
     leaf_order = tuple(int(i) for i in leaf_order)  # hashable: a static argument
-  out, state = _run(stacked, key, codec_state, codec=codec, schedule=schedule,
+  out, state = _run(stacked, key, codec_state, absent, codec=codec, schedule=schedule,
                     average=average, bucket_size=bucket_size, max_buckets=max_buckets,
                     leaf_order=leaf_order, implementation=implementation,
                     mesh_shape=mesh_shape, layers=layers)

@@ -12,6 +12,10 @@ from dynamiq_jax.schedules.executor import all_gather
 from dynamiq_jax.schedules.executor import execute
 from dynamiq_jax.schedules.executor import reduce_scatter
 from dynamiq_jax.schedules.hierarchical import HIERARCHICAL
+from dynamiq_jax.schedules.moshpit import GroupContext
+from dynamiq_jax.schedules.moshpit import Moshpit
+from dynamiq_jax.schedules.moshpit import MoshpitPlan
+from dynamiq_jax.schedules.moshpit import default_grid
 from dynamiq_jax.schedules.plan import TreePlan
 from dynamiq_jax.schedules.plan import butterfly_plan
 from dynamiq_jax.schedules.plan import get_plan
@@ -27,6 +31,10 @@ __all__ = [
     "execute",
     "reduce_scatter",
     "HIERARCHICAL",
+    "GroupContext",
+    "Moshpit",
+    "MoshpitPlan",
+    "default_grid",
     "TreePlan",
     "butterfly_plan",
     "get_plan",

@@ -1,0 +1,194 @@
+"""Moshpit averaging: grid-group rounds, exact after d rounds, count-weighted under dropout."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynamiq_jax as dq
+from _helpers import model_data, per_rank, rows_identical
+from dynamiq_jax.bench.reference import vnmse
+from dynamiq_jax.codecs import F32, DynamiQ
+
+D = 1 << 12
+
+
+def moshpit_averager(weights, grid, placement, alive):
+  """A numpy port of ``MoshpitAverager.__call__`` (yandex-research/moshpit-sgd,
+  averaging_experiments/averager.py), one call per round, for vectors: the alive peers
+  are put on the grid at their cells, ``nanmean`` along round t's axis, the dead keep
+  their weights. ``placement[t]``: each peer's cell in round t; ``alive[t]``: bool."""
+  weights = np.asarray(weights, np.float64)
+  grid = tuple(grid)
+  for t in range(placement.shape[0]):
+    axis = t % len(grid)
+    live = np.nonzero(alive[t])[0]
+    cells = np.unravel_index(placement[t][live], grid)
+    on_grid = np.full(grid + weights.shape[1:], np.nan)
+    on_grid[cells] = weights[live]
+    with warnings.catch_warnings():  # a group with nobody alive: "Mean of empty slice"
+      warnings.simplefilter("ignore", RuntimeWarning)
+      on_grid[:] = np.nanmean(on_grid, axis=axis, keepdims=True)
+    new = weights.copy()
+    new[live] = on_grid[cells]
+    weights = new
+  return weights
+
+
+def _simulate(g, schedule, codec=None, *, key=0, absent=None):
+  return np.asarray(dq.simulate(g, codec=codec or F32(), schedule=schedule,
+                                key=jax.random.key(key), absent=absent))
+
+
+def _spread(x):
+  x = np.asarray(x, np.float64)
+  return float(np.mean(np.sum((x - x.mean(0)) ** 2, axis=1)))
+
+
+@pytest.mark.parametrize("grid", [(4, 4), (2, 2, 2)])
+def test_exact_mean_after_d_rounds(grid):
+  n = int(np.prod(grid))
+  g = np.asarray(model_data("iid", n, D, 0), np.float32)
+  out = _simulate(g, dq.Moshpit(grid=grid))
+  mean = g.astype(np.float64).mean(0)
+  assert np.max(np.abs(out - mean)) <= 1e-6 * np.max(np.abs(mean)) * 10
+  assert vnmse(out[0], g) < 1e-12
+  assert rows_identical(out)
+
+
+def test_fewer_rounds_than_axes_is_not_the_mean():
+  """One round of a 4 x 4 grid averages within groups of 4 only: the test above can fail."""
+  g = np.asarray(model_data("iid", 16, D, 0), np.float32)
+  out = _simulate(g, dq.Moshpit(grid=(4, 4), rounds=1))
+  assert not rows_identical(out)
+  np.testing.assert_allclose(out[0], g[[0, 4, 8, 12]].mean(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grid,shuffle", [((4, 4), None), ((2, 2, 2), None), ((4, 4), 3)])
+def test_dropout_mask_matches_the_reference_averager(grid, shuffle):
+  n, rounds = int(np.prod(grid)), 2 * len(grid)
+  rng = np.random.default_rng(7)
+  absent = rng.random((rounds, n)) < 0.25
+  absent[1, :] = False
+  absent[1, :grid[-1]] = True  # a whole group of round 1 absent (on the default placement)
+  g = np.asarray(model_data("heavy", n, D, 1), np.float32)
+  schedule = dq.Moshpit(grid=grid, rounds=rounds, shuffle=shuffle)
+  out = _simulate(g, schedule, absent=jnp.asarray(absent))
+  placement = schedule.plan(n).placement()
+  want = moshpit_averager(g, grid, placement, ~absent)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=1e-6 * np.abs(want).max())
+  never = absent.all(axis=0)
+  np.testing.assert_array_equal(out[never], g[never])  # absent throughout: untouched
+
+
+def test_absent_rank_keeps_its_value_and_the_group_divides_by_the_count():
+  g = np.asarray(model_data("iid", 8, D, 2), np.float32)
+  absent = np.zeros((1, 8), bool)
+  absent[0, 1] = True  # grid (2, 4), round 0 averages along axis 0: groups {r, r + 4}
+  absent[0, 6] = True
+  out = _simulate(g, dq.Moshpit(grid=(2, 4), rounds=1), absent=jnp.asarray(absent))
+  np.testing.assert_array_equal(out[1], g[1])
+  np.testing.assert_array_equal(out[6], g[6])
+  np.testing.assert_array_equal(out[5], g[5])  # its partner (1) absent: the mean of one
+  np.testing.assert_array_equal(out[2], g[2])
+  np.testing.assert_allclose(out[0], (g[0] + g[4]) / 2, rtol=1e-6)
+
+
+def test_spread_falls_tenfold_over_2d_rounds_at_ten_percent_dropout():
+  grid = (4, 4)
+  g = np.asarray(model_data("heavy", 16, D, 3), np.float32)
+  for key in range(3):
+    out = _simulate(g, dq.Moshpit(grid=grid, rounds=2 * len(grid), dropout=0.1), key=key)
+    assert _spread(out) * 10 <= _spread(g), key
+
+
+def test_dropout_is_drawn_from_the_key():
+  g = np.asarray(model_data("iid", 16, D, 4), np.float32)
+  schedule = dq.Moshpit(grid=(4, 4), dropout=0.3)
+  a, b, c = (_simulate(g, schedule, key=k) for k in (0, 0, 1))
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)
+  assert not rows_identical(a)  # someone was absent: the replicas differ, by design
+
+
+def test_dynamiq_in_groups_against_the_ring_at_equal_bits():
+  """Five bits per coordinate in every round, every rank present: the rounds' errors add,
+  but each group's quantisation error is averaged by the later rounds; measured against
+  the flat ring of the same codec on the same gradients (docs/guide.md records it)."""
+  n, d = 16, 1 << 16
+  errs = {}
+  for dataset in ("heavy", "iid"):
+    g = np.asarray(model_data(dataset, n, d, 5), np.float32)
+    for name, schedule in (("ring", "ring"), ("moshpit", dq.Moshpit(grid=(4, 4)))):
+      out = _simulate(g, schedule, DynamiQ(bits=5))
+      assert rows_identical(out), name
+      errs[dataset, name] = vnmse(out[0], g)
+    assert errs[dataset, "moshpit"] <= 1.25 * errs[dataset, "ring"], errs
+
+
+def test_shard_map_matches_simulate(mesh):
+  g = np.asarray(model_data("iid", 8, D, 6), np.float32)
+  schedule = dq.Moshpit(grid=(2, 2, 2), rounds=4, dropout=0.2, shuffle=1)
+  fn = lambda x: dq.allreduce(x, axis_name="data", codec=DynamiQ(bits=5), schedule=schedule,
+                              key=jax.random.key(9))[0]
+  got = np.asarray(per_rank(mesh, fn, g))
+  want = _simulate(g, schedule, DynamiQ(bits=5), key=9)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_wire_accounting_sums_the_rounds():
+  g = {"w": jnp.zeros((1 << 16,), jnp.float32)}
+  codec = DynamiQ(bits=5)
+  ring = dq.wire_stats(g, codec=codec, n=4)
+  plain = dq.wire_stats(g, codec=codec, n=16)
+  mosh = dq.wire_stats(g, codec=codec, n=16, schedule=dq.Moshpit(grid=(4, 4)))
+  assert mosh.bytes_per_rank == pytest.approx(2 * ring.bytes_per_rank)
+  assert mosh.bits_per_coord == pytest.approx(ring.bits_per_coord)
+  assert mosh.bytes_per_rank > plain.bytes_per_rank
+  out = jax.vmap(lambda x: dq.allreduce(x, axis_name="i", codec=codec,
+                                        schedule=dq.Moshpit(grid=(4, 4)),
+                                        key=jax.random.key(0))[1], axis_name="i")(
+      {"w": jnp.zeros((16, 1 << 16))})
+  assert float(out.bytes_per_rank[0]) == pytest.approx(mosh.bytes_per_rank)
+
+
+def test_grid_defaults_and_errors():
+  assert dq.schedules.default_grid(16) == (4, 4)
+  assert dq.schedules.default_grid(8) == (2, 4)
+  assert dq.Moshpit().plan(12).grid == (3, 4)
+  with pytest.raises(ValueError, match=r"prime.*grid=\(7,\)"):
+    dq.Moshpit().plan(7)
+  with pytest.raises(ValueError, match=r"holds 12 ranks but the axis has 16"):
+    dq.Moshpit(grid=(3, 4)).plan(16)
+  with pytest.raises(ValueError, match="each an int >= 2"):
+    dq.Moshpit(grid=(1, 16))
+  with pytest.raises(ValueError, match="probability"):
+    dq.Moshpit(dropout=1.0)
+  with pytest.raises(ValueError, match="power of two"):
+    dq.Moshpit(grid=(3, 4), inner="butterfly").plan(12)
+  with pytest.raises(ValueError, match="rounds"):
+    dq.Moshpit(rounds=0)
+
+
+def test_unsupported_options_say_the_fix():
+  g = jnp.zeros((4, 1024))
+  run = lambda **kw: jax.vmap(lambda x: dq.allreduce(
+      x, axis_name="i", key=jax.random.key(0), **kw)[0], axis_name="i")(g)
+  with pytest.raises(ValueError, match="stateless codecs without error feedback"):
+    run(codec=DynamiQ(), schedule="moshpit", return_own=True)
+  with pytest.raises(ValueError, match="absent= is a mask of Moshpit"):
+    run(codec=F32(), absent=jnp.zeros((2, 4), bool))
+  with pytest.raises(ValueError, match=r"bool array \[rounds, n\] = \[2, 4\]"):
+    run(codec=F32(), schedule=dq.Moshpit(grid=(2, 2)), absent=jnp.zeros((1, 4), bool))
+  with pytest.raises(ValueError, match="stacked= runs the flat schedules"):
+    run(codec=F32(), schedule="moshpit", stacked=lambda path, leaf: True)
+
+
+def test_nonfinite_poisons_only_its_groups():
+  g = np.asarray(model_data("iid", 8, D, 7), np.float32)
+  g[3, 10] = np.nan
+  out = _simulate(g, dq.Moshpit(grid=(2, 4), rounds=1))  # groups {r, r + 4}
+  assert np.isnan(out[3]).all() and np.isnan(out[7]).all()
+  assert np.isfinite(out[[0, 1, 2, 4, 5, 6]]).all()
