@@ -35,6 +35,7 @@ from dynamiq_jax.train import as_varying
 from dynamiq_jax.train import baseline_psum
 from dynamiq_jax.train import data_parallel_init
 from dynamiq_jax.train import data_parallel_step
+from dynamiq_jax.train import per_rank_copies
 from dynamiq_jax.train import zero_shardings
 from dynamiq_jax.transform import CompressedPsumState
 from dynamiq_jax.transform import PerRank
@@ -84,6 +85,7 @@ __all__ = [
     "baseline_psum",
     "data_parallel_init",
     "data_parallel_step",
+    "per_rank_copies",
     "zero_shardings",
     "CompressedPsumState",
     "PerRank",

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import optax
 
 from dynamiq_jax import codecs
+from dynamiq_jax.schedules.moshpit import Moshpit
 from dynamiq_jax.train import baseline_psum
 from dynamiq_jax.transform import compressed_psum
 
-__all__ = ["REDUCERS", "reducer", "codec_from_name"]
+__all__ = ["REDUCERS", "reducer", "codec_from_name", "moshpit_options"]
 
 
 def _dynamiq(bits=5.0, **kw):
@@ -44,7 +45,9 @@ _PSUMS = {
     "psum-f32": jnp.float32,
 }
 
-REDUCERS = tuple(sorted(_PSUMS)) + tuple(sorted(_CODECS))
+_MOSHPIT_OPTIONS = ("grid", "rounds", "dropout", "shuffle", "inner")
+
+REDUCERS = tuple(sorted(_PSUMS)) + tuple(sorted(_CODECS)) + ("moshpit",)
 """Every name :func:`reducer` accepts."""
 
 
@@ -57,6 +60,17 @@ def codec_from_name(name: str, **options):
   return make(**options)
 
 
+def moshpit_options(options: dict):
+  """``reducer("moshpit", **options)``'s parts: ``(dq.Moshpit(...), codec name, the codec's
+  options)``."""
+  options = dict(options)
+  schedule = Moshpit(**{k: options.pop(k) for k in _MOSHPIT_OPTIONS if k in options})
+  name = options.pop("codec", "dynamiq")
+  if name not in _CODECS:
+    raise ValueError(f"reducer 'moshpit': codec={name!r} is not one of {sorted(_CODECS)}")
+  return schedule, name, options
+
+
 def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 0,
             average: bool = True, implementation=None, error_feedback=None,
             ef21m_momentum: float = 0.5, **options) -> optax.GradientTransformationExtraArgs:
@@ -64,7 +78,10 @@ def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 
 
   Args:
     name: ``"psum-bf16"`` / ``"psum-f32"`` (XLA's all-reduce of gradients cast
-      to that dtype) or a codec name run through
+      to that dtype), ``"moshpit"`` (Moshpit averaging, ``dq.Moshpit``: the options
+      ``grid``, ``rounds``, ``dropout``, ``shuffle``, ``inner`` are the schedule's,
+      ``codec="dynamiq"`` names the codec inside the groups, the other options are
+      that codec's), or a codec name run through
       :func:`dynamiq_jax.compressed_psum`: ``"dynamiq"``, ``"mxfp8"``,
       ``"mxfp6"``, ``"mxfp4"`` (the paper's adaptation), ``"mxfp8-ocp"``
       (E8M0 scales), ``"thc"`` (16 levels), ``"thc120"``, ``"omnireduce"``,
@@ -80,11 +97,17 @@ def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 
   Examples:
     >>> import dynamiq_jax as dq
     >>> tx = dq.reducer("dynamiq", "data", bits=4)
+    >>> tx = dq.reducer("moshpit", "data", grid=(2, 2), dropout=0.1, bits=5)
   """
   if name in _PSUMS:
     if options:
       raise ValueError(f"reducer {name!r} takes no codec options, got {sorted(options)}")
     return baseline_psum(axis_name, dtype=_PSUMS[name], average=average)
+  if name == "moshpit":
+    if schedule != "ring":
+      raise ValueError(f"reducer 'moshpit' is a schedule; got schedule={schedule!r} too. Fix: "
+                       f"leave schedule out and pass the grid's options (grid=, dropout=, ...)")
+    schedule, name, options = moshpit_options(options)
   if name not in _CODECS:
     raise ValueError(f"reducer {name!r} is not one of {list(REDUCERS)}")
   return compressed_psum(axis_name, codec=codec_from_name(name, **options), schedule=schedule,

@@ -28,7 +28,7 @@ __all__ = [
     "as_varying", "baseline_psum", "data_parallel_init", "data_parallel_step",
     "DataParallelStep", "SyncedStep", "CPU_SYNC_EVERY", "resolve_sync_every", "is_per_rank",
     "zero_shardings", "partial_manual", "mesh_spec", "only_axes", "data_dims", "mean_over",
-    "gather_params", "opt_state_specs",
+    "gather_params", "opt_state_specs", "per_rank_copies",
 ]
 
 
@@ -263,7 +263,8 @@ def gather_params(p, dims, axes):
 
 def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                        *, mesh, axis_name="data", has_aux: bool = False,
-                       donate: bool = True, sync_every: int | None = None):
+                       donate: bool = True, sync_every: int | None = None,
+                       per_rank: bool = False):
   """A jitted data-parallel step: local gradients, ``tx`` all-reduces them.
 
   ``tx`` must start with the gradient reduction over ``axis_name``
@@ -294,6 +295,12 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
     sync_every: wait for the results every this many steps (0: never);
       ``None`` means after every step on CPU meshes (:data:`CPU_SYNC_EVERY`,
       which avoids a deadlock of XLA's CPU collectives) and never on others.
+    per_rank: every rank keeps its own parameters and optimizer state, for a
+      reduction whose results differ between ranks (Moshpit averaging with
+      absent ranks, ``schedule=dq.Moshpit(dropout=...)``): every leaf of both
+      carries a leading axis of size n split over ``axis_name``, rank r's copy
+      at index r (:func:`per_rank_copies` makes them from one copy). Without it,
+      such a reduction raises a ValueError rather than let replicas drift.
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss[, aux])``.
@@ -311,25 +318,40 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
   batch_spec = P(axes[0] if len(axes) == 1 else tuple(axes))
   model = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
 
+  is_spec = lambda x: isinstance(x, P)
+
   def build(param_specs, state_specs):
     data_param = jax.tree.map(lambda s: only_axes(s, axes), param_specs,
                               is_leaf=lambda x: isinstance(x, P))
     data_state = jax.tree.map(lambda s: only_axes(s, axes), state_specs,
                               is_leaf=lambda x: isinstance(x, P))
     spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=lambda x: isinstance(x, P))
+    inner_specs = param_specs  # what a rank's own parameters are sharded over
+    if per_rank:
+      _check_per_rank(spec_leaves, axes)
+      inner_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), param_specs, is_leaf=is_spec)
+      spec_leaves = spec_def.flatten_up_to(inner_specs)
     dims = [data_dims(s, axes) for s in spec_leaves]
     sharded = any(dims)
-    extra = {"specs": param_specs} if model else {}
+    extra = {"specs": inner_specs} if model else {}
 
     def local(params, opt_state, batch):
-      full = spec_def.unflatten(
-          [gather_params(p, d, axes) for p, d in zip(spec_def.flatten_up_to(params), dims)])
+      if per_rank:  # this rank's copies (the leading axis, of size 1 here), varying already
+        params, opt_state = jax.tree.map(lambda a: a[0], (params, opt_state))
+        full = params
+      else:
+        full = spec_def.unflatten(
+            [gather_params(p, d, axes) for p, d in zip(spec_def.flatten_up_to(params), dims)])
       out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(full, batch)
       with jax.named_scope("optimizer"):
         updates, opt_state = tx.update(grads, opt_state, params, **extra)
       if sharded:
         _check_shard_updates(updates, params)
+      elif not per_rank:
+        _check_replicated(updates, axes)
       params = optax.apply_updates(params, updates)
+      if per_rank:
+        params, opt_state = jax.tree.map(lambda a: a[None], (params, opt_state))
       out = jax.tree.map(lambda v: mean_over(v, axes), out)
       if has_aux:
         return params, opt_state, out[0], out[1]
@@ -337,7 +359,6 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
 
     n_extra = 2 if has_aux else 1
     shard = lambda spec: NamedSharding(mesh, spec)
-    is_spec = lambda x: isinstance(x, P)
     out_shardings = ((jax.tree.map(shard, param_specs, is_leaf=is_spec),
                       jax.tree.map(shard, state_specs, is_leaf=is_spec))
                      + (shard(P()),) * n_extra)
@@ -351,6 +372,43 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
 
   return DataParallelStep(build, mesh=mesh, axes=axes,
                           sync_every=resolve_sync_every(sync_every, mesh))
+
+
+def _check_per_rank(spec_leaves, axes):
+  data = axes[0] if len(axes) == 1 else tuple(axes)
+  for spec in spec_leaves:
+    entries = tuple(spec)
+    if not entries or entries[0] != data or any(
+        a in axes for e in entries[1:] for a in (e if isinstance(e, tuple) else (e,))):
+      raise ValueError(
+          f"per_rank=True takes every parameter and optimizer-state leaf with a leading axis "
+          f"of ranks split over {data!r} (and nothing else over it); a leaf is placed with "
+          f"{spec}. Fix: make them with dq.per_rank_copies(tree, mesh=mesh, "
+          f"axis_name={data!r})")
+
+
+def _check_replicated(updates, axes):
+  from dynamiq_jax.schedules.context import varying_axes
+  for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
+    if set(axes) & varying_axes(u):
+      raise ValueError(
+          f"the update of {jax.tree_util.keystr(path)} differs between ranks of {axes}: the "
+          f"gradient reduction (e.g. Moshpit averaging, schedule=dq.Moshpit(...)) leaves each "
+          f"rank its own result, and replicated parameters would drift apart. Fix: "
+          f"data_parallel_step(..., per_rank=True) with each rank's own parameters and "
+          f"optimizer state (dq.per_rank_copies), or a schedule whose result every rank "
+          f"shares ('ring', 'butterfly', 'hierarchical')")
+
+
+def per_rank_copies(tree, *, mesh, axis_name="data"):
+  """One copy of ``tree`` per rank of ``axis_name``: every leaf stacked ``n`` times along a
+  new leading axis split over ``axis_name``, for ``data_parallel_step(..., per_rank=True)``
+  (parameters and optimizer state, ``tx.init(params)``, alike)."""
+  axes = axis_names(axis_name)
+  n = int(np.prod([mesh.shape[a] for a in axes]))
+  sharding = NamedSharding(mesh, P(axes[0] if len(axes) == 1 else tuple(axes)))
+  return jax.tree.map(lambda a: jax.device_put(
+      jnp.broadcast_to(jnp.asarray(a)[None], (n,) + jnp.shape(a)), sharding), tree)
 
 
 def _check_shard_updates(updates, params):

@@ -239,10 +239,16 @@ def test_every_registered_reducer_runs(mesh, name):
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
   tx = optax.chain(dq.reducer(name, "data"), optax.sgd(0.01))
-  params = jax.device_put({"w": jnp.ones((128, 512))}, NamedSharding(mesh, P()))
-  state = dq.data_parallel_init(tx, params, mesh=mesh)
+  params = {"w": jnp.ones((128, 512))}
+  per_rank = name == "moshpit"  # each rank's own result: each rank's own parameters
+  if per_rank:
+    params, state = dq.per_rank_copies((params, tx.init(params)), mesh=mesh)
+  else:
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    state = dq.data_parallel_init(tx, params, mesh=mesh)
   x = jax.device_put(jax.random.normal(jax.random.key(1), (N * 2, 128)),
                      NamedSharding(mesh, P("data")))
-  step = dq.data_parallel_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx, mesh=mesh)
+  step = dq.data_parallel_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx, mesh=mesh,
+                               per_rank=per_rank)
   new, _, loss = step(params, state, x)
   assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(new["w"])))

@@ -192,3 +192,65 @@ def test_nonfinite_poisons_only_its_groups():
   out = _simulate(g, dq.Moshpit(grid=(2, 4), rounds=1))  # groups {r, r + 4}
   assert np.isnan(out[3]).all() and np.isnan(out[7]).all()
   assert np.isfinite(out[[0, 1, 2, 4, 5, 6]]).all()
+
+
+def _regression(mesh, schedule, per_rank, steps=20):
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  def loss(p, b):
+    x, y = b
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+  k = jax.random.split(jax.random.key(0), 3)
+  params = {"w1": jax.random.normal(k[0], (16, 512)) * 0.3,
+            "w2": jax.random.normal(k[1], (512, 4)) * 0.1}
+  x = jax.random.normal(k[2], (8 * 32, 16))
+  batch = jax.device_put((x, jnp.sin(x[:, :4])), NamedSharding(mesh, P("data")))
+  tx = optax.chain(dq.compressed_psum(codec=DynamiQ(bits=5), schedule=schedule),
+                   optax.adam(1e-2))
+  step = dq.data_parallel_step(loss, tx, mesh=mesh, per_rank=per_rank)
+  if per_rank:
+    params, state = dq.per_rank_copies((params, tx.init(params)), mesh=mesh)
+  else:
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    state = dq.data_parallel_init(tx, params, mesh=mesh)
+  losses = []
+  for _ in range(steps):
+    params, state, value = step(params, state, batch)
+    losses.append(float(value))
+  return params, losses
+
+
+def test_training_keeps_each_rank_its_own_parameters(mesh):
+  params, losses = _regression(mesh, dq.Moshpit(grid=(2, 4)), per_rank=True)
+  assert np.asarray(params["w1"]).shape == (8, 16, 512)
+  assert rows_identical(params)  # nobody absent: the replicas stay bit-identical
+  assert losses[-1] < 0.5 * losses[0]
+  params, _ = _regression(mesh, dq.Moshpit(grid=(2, 4), dropout=0.2), per_rank=True, steps=3)
+  assert not rows_identical(params)  # absent ranks kept their own gradients
+
+
+def test_replicated_parameters_refuse_a_per_rank_reduction(mesh):
+  with pytest.raises(ValueError, match=r"differs between ranks.*per_rank=True"):
+    _regression(mesh, dq.Moshpit(grid=(2, 4)), per_rank=False, steps=1)
+
+
+def test_per_rank_refuses_replicated_leaves(mesh):
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  tx = optax.chain(dq.compressed_psum(schedule="moshpit"), optax.sgd(0.1))
+  params = jax.device_put({"w": jnp.ones((8, 4))}, NamedSharding(mesh, P()))
+  step = dq.data_parallel_step(lambda p, b: jnp.sum(p["w"] * b), tx, mesh=mesh, per_rank=True)
+  with pytest.raises(ValueError, match=r"leading axis of ranks.*per_rank_copies"):
+    step(params, tx.init(params), jax.device_put(jnp.ones((8, 4)),
+                                                  NamedSharding(mesh, P("data"))))
+
+
+def test_reducer_name():
+  tx = dq.reducer("moshpit", "data", grid=(2, 2), dropout=0.1, bits=4)
+  assert callable(tx.update)
+  with pytest.raises(ValueError, match="is a schedule"):
+    dq.reducer("moshpit", "data", schedule="butterfly")
+  with pytest.raises(ValueError, match="codec='nope'"):
+    dq.reducer("moshpit", "data", codec="nope")

@@ -71,6 +71,8 @@ CODECS = (
     ("OmniReduce", "omnireduce", {}),
     ("ARC-Top-K 0.1", "arc-topk", {"ratio": 0.1}),
     ("ARC-Top-K 0.2", "arc-topk", {"ratio": 0.2}),
+    ("Moshpit 5b", "moshpit", {"bits": 5.0}),
+    ("Moshpit 5b 10% absent", "moshpit", {"bits": 5.0, "dropout": 0.1}),
     ("Rand-K 0.2", "randk", {"ratio": 0.2, "row": 256}),
     ("Top-K 0.1 (all-gather)", "topk-allgather", {"ratio": 0.1}),
 )
@@ -125,7 +127,10 @@ class Trainer:
         optax.adamw(optax.warmup_cosine_decay_schedule(
             0.0, cfg["lr"], cfg["warmup"], max(cfg["steps"], cfg["warmup"] + 1),
             end_value=cfg["lr"] / 10), weight_decay=0.01))
-    self.step = dq.data_parallel_step(self.loss, self.tx, mesh=mesh, donate=False)
+    # Moshpit averaging leaves each rank its own result: each rank keeps its own parameters
+    self.per_rank = name == "moshpit"
+    self.step = dq.data_parallel_step(self.loss, self.tx, mesh=mesh, donate=False,
+                                      per_rank=self.per_rank)
     self.eval_fn = jax.jit(self.loss)
 
   def loss(self, params, batch):
@@ -144,6 +149,11 @@ class Trainer:
     _, state = nnx.split(lm.CharTransformer(self.lcfg, seed=seed), nnx.Param)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
     opt = jax.tree.map(np.asarray, self.tx.init(params))
+
+    if self.per_rank:  # every leaf: one copy per rank, split over the data axis
+      copies = lambda t: jax.tree.map(
+          lambda a: self._put(np.repeat(np.asarray(a)[None], self.n, axis=0), self.data), t)
+      return copies(params), copies(opt)
 
     def put(x):  # per-rank state (error feedback): one slice per rank, split over the data axis
       if is_per_rank(x):
@@ -166,13 +176,31 @@ class Trainer:
     return self._put((window[:, :-1], window[:, 1:]), self.data)
 
   def evaluate(self, params) -> tuple[float, str]:
-    """(held-out loss, parameter digest), from this process's copy of the parameters."""
+    """(held-out loss, parameter digest), from this process's (first) copy of the
+    parameters."""
     import jax
     local = jax.tree.map(lambda a: a.addressable_data(0), params)
+    if self.per_rank:
+      local = jax.tree.map(lambda a: a[0], local)
     h = hashlib.sha256()
     for leaf in jax.tree.leaves(local):
       h.update(np.asarray(leaf).tobytes())
     return float(self.eval_fn(local, self.eval_batch)), h.hexdigest()[:16]
+
+  def spread(self, params) -> float | None:
+    """With per-rank parameters: the largest distance of this process's copies from their
+    mean, relative to the mean's norm (0: identical replicas); else None."""
+    import jax
+    if not self.per_rank:
+      return None
+    rows = []
+    for leaf in jax.tree.leaves(params):
+      shards = sorted(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
+      rows.append(np.concatenate([np.asarray(s.data, np.float64).reshape(s.data.shape[0], -1)
+                                  for s in shards]))
+    flat = np.concatenate(rows, axis=1)
+    mean = flat.mean(0)
+    return float(np.max(np.linalg.norm(flat - mean, axis=1)) / np.linalg.norm(mean))
 
 
 def wire(cfg: dict, label: str) -> dict:
@@ -183,6 +211,7 @@ def wire(cfg: dict, label: str) -> dict:
 
   import dynamiq_jax as dq
   from dynamiq_jax.bench import lm, sparse
+  from dynamiq_jax.registry import moshpit_options
   from dynamiq_jax.schedules import ring_bytes_per_rank
 
   model = nnx.eval_shape(lambda: lm.CharTransformer(lm.LMConfig(**cfg["model"]), seed=0))
@@ -195,8 +224,11 @@ def wire(cfg: dict, label: str) -> dict:
     bits = 8 * jnp.dtype(jnp.bfloat16 if name == "psum-bf16" else jnp.float32).itemsize
     return {"params": d, "bits_per_coord": float(bits),
             "bytes_per_rank": ring_bytes_per_rank(bits / 8 * d, n)}
+  schedule = "ring"
+  if name == "moshpit":
+    schedule, name, options = moshpit_options(options)
   st = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32),
-                     codec=dq.codec_from_name(name, **options), n=n)
+                     codec=dq.codec_from_name(name, **options), n=n, schedule=schedule)
   return {"params": d, "bits_per_coord": float(st.bits_per_coord),
           "bytes_per_rank": float(st.bytes_per_rank)}
 
@@ -220,8 +252,10 @@ def train_run(trainer: Trainer, seed: int, steps: int, *, sync=None, progress=No
   params, opt = trainer.init(seed)
   every = trainer.cfg["eval_every"]
   loss0, digest0 = trainer.evaluate(params)
-  out = {"train_loss": [], "step_s": [], "evals": [
-      {"step": 0, "eval_loss": loss0, "wall_s": 0.0, "digest": digest0}]}
+  first = {"step": 0, "eval_loss": loss0, "wall_s": 0.0, "digest": digest0}
+  if trainer.per_rank:
+    first["replica_spread"] = trainer.spread(params)
+  out = {"train_loss": [], "step_s": [], "evals": [first]}
   wall = 0.0
   for s in range(steps):
     batch = trainer.batch(seed, s)
@@ -237,6 +271,8 @@ def train_run(trainer: Trainer, seed: int, steps: int, *, sync=None, progress=No
     if (s + 1) % every == 0 or s + 1 == steps:
       value, digest = trainer.evaluate(params)
       out["evals"].append({"step": s + 1, "eval_loss": value, "wall_s": wall, "digest": digest})
+      if trainer.per_rank:
+        out["evals"][-1]["replica_spread"] = trainer.spread(params)
     if progress:
       progress()
   return out
