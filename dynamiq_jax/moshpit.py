@@ -49,7 +49,7 @@ def check_moshpit(schedule, axis_name, codec, codec_state, return_own):
                      f"axis_name={axis_name!r}. Fix: pass one mesh axis")
   if return_own or codec_state is not None or codec.stateful:
     raise ValueError(
-        f"schedule={schedule!r} supports stateless codecs without error feedback: a rank's "
+        f"schedule={schedule!r} supports stateless codecs without error feedback; a rank's "
         f"contribution is re-encoded in every round. {codec!r} keeps state (or error "
         f"feedback was asked for). Fix: a stateless codec (DynamiQ, Bf16, F32, MX(scale="
         f"'e8m0'), ...) with error_feedback=False, or schedule='ring'")

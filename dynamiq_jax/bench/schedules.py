@@ -1,4 +1,4 @@
-"""vNMSE of each schedule at n = 8: ring, butterfly and the two-level hierarchy.
+"""vNMSE of each schedule at n = 8: ring, butterfly, the two-level hierarchy, Moshpit.
 
     python -m dynamiq_jax.bench.schedules            # ~4 min on 2 cores, 8 with the LM capture
     python -m dynamiq_jax.bench.schedules --tiny     # smoke test (CI)
@@ -14,7 +14,10 @@ and byte-LM gradients, shared cache):
   bytes as the ring, lower error);
 * ``hierarchical`` on a (slow, fast) mesh, (2, 4) and (4, 2): exact float32
   inside the fast axis, the codec across the slow one only, so its error is
-  that of a ring over ``slow`` ranks of partial sums.
+  that of a ring over ``slow`` ranks of partial sums;
+* ``moshpit`` on a virtual grid, (2, 4) and (2, 2, 2), every rank present: one
+  compressed group all-reduce per grid axis (``dq.Moshpit``), the codec's bits in
+  every round, so each rank sends more bytes than on the ring (``bytes_vs_ring``).
 
 Prints one row per codec and schedule with the authors' value where the
 reference has one and the butterfly / ring ratio; writes
@@ -35,11 +38,20 @@ from dynamiq_jax.bench.vnmse import N, lm_gradients, measure
 __all__ = ["main", "SCHEDULES"]
 
 SCHEDULES = (("ring", None), ("butterfly", None), ("hierarchical", (2, 4)),
-             ("hierarchical", (4, 2)))
+             ("hierarchical", (4, 2)), ("moshpit", (2, 4)), ("moshpit", (2, 2, 2)))
+"""``(schedule, shape)``: the (slow, fast) mesh of the hierarchy, the grid of Moshpit."""
 
 
-def _label(schedule, mesh_shape):
-  return schedule if mesh_shape is None else f"{schedule} {mesh_shape[0]}x{mesh_shape[1]}"
+def _label(schedule, shape):
+  return schedule if shape is None else f"{schedule} {'x'.join(map(str, shape))}"
+
+
+def _run_as(schedule, shape):
+  """``(schedule, mesh_shape)`` as ``dq.simulate`` takes them."""
+  if schedule == "moshpit":
+    import dynamiq_jax as dq
+    return dq.Moshpit(grid=shape), None
+  return schedule, shape
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,12 +97,13 @@ def main(argv=None):
 
   rows = []
   jobs = [(c, ds, sch) for c in codecs for ds in data for sch in SCHEDULES]
-  for (name, codec, ref_name), ds, (schedule, mesh_shape) in tqdm(jobs, desc="vNMSE by schedule"):
+  for (name, codec, ref_name), ds, (schedule, shape) in tqdm(jobs, desc="vNMSE by schedule"):
     g = data[ds]
-    row = {"codec": name, "dataset": ds, "schedule": _label(schedule, mesh_shape),
+    row = {"codec": name, "dataset": ds, "schedule": _label(schedule, shape),
            "n": int(g.shape[0]), "d": int(g.shape[1])}
+    run_as, mesh_shape = _run_as(schedule, shape)
     try:
-      v = measure(codec, g, schedule=schedule, seeds=args.seeds, rounds=args.rounds,
+      v = measure(codec, g, schedule=run_as, seeds=args.seeds, rounds=args.rounds,
                   mesh_shape=mesh_shape)
     except ValueError as e:  # e.g. a stateful codec on the hierarchical schedule: say why
       rows.append(dict(row, vnmse=None, reason=str(e)[:300]))
@@ -99,10 +112,13 @@ def main(argv=None):
     if ds in ("iid", "heavy") and mesh_shape is None and args.d == 1 << 20:
       ref = REFERENCE.get((ds, N, f"{ref_name} ({schedule})"))
       authors = None if ref is None else ref[0]
-    stats = dq.wire_stats(g[0], codec=codec, n=N) if mesh_shape is None else None
+    stats = dq.wire_stats(g[0], codec=codec, n=N, schedule=run_as) if mesh_shape is None \
+        else None
+    ring = dq.wire_stats(g[0], codec=codec, n=N)
     rows.append(dict(row, vnmse=v, authors=authors,
                      compressed_axis="slow" if mesh_shape else "data",
-                     bits_per_coord=stats.bits_per_coord if stats else None))
+                     bits_per_coord=stats.bits_per_coord if stats else None,
+                     bytes_vs_ring=stats.bytes_per_rank / ring.bytes_per_rank if stats else None))
 
   _print(rows, list(data))
   out = common.results_dir(args.out)
