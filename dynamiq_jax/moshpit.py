@@ -36,7 +36,8 @@ from dynamiq_jax.schedules.context import axis_context
 from dynamiq_jax.schedules.moshpit import MoshpitPlan, as_moshpit
 from dynamiq_jax.schedules.plan import get_plan
 
-__all__ = ["MoshpitRounds", "DROPOUT_STREAM", "presence", "moshpit_report", "check_moshpit"]
+__all__ = ["MoshpitRounds", "DROPOUT_STREAM", "presence", "round_reports", "moshpit_report",
+           "check_moshpit"]
 
 DROPOUT_STREAM = 0x6D6F7368
 """What the call's key is folded with to draw the dropout masks (``"mosh"``)."""
@@ -74,11 +75,18 @@ def presence(plan: MoshpitPlan, schedule, key, absent, rank):
   return 1.0 - gone[:, rank].astype(jnp.float32)
 
 
+def round_reports(sizes, codec, plan: MoshpitPlan) -> list[AllReduceStats]:
+  """What each round of ``plan`` sends for buckets of ``sizes``: round t is an all-reduce
+  of every bucket within groups of the side of its axis (every rank present: an absent
+  rank's hops still run)."""
+  return [report(sizes, codec, plan.grid[plan.axis(t)]) for t in range(plan.rounds)]
+
+
 def moshpit_report(sizes, codec, plan: MoshpitPlan) -> AllReduceStats:
-  """Wire accounting of buckets of ``sizes`` averaged on ``plan``: every round is an
-  all-reduce of every bucket within groups of the round's side. ``bits_per_coord`` is
-  the codec's per round (the mean over rounds), ``bytes_per_rank`` the sum over rounds."""
-  reps = [report(sizes, codec, plan.grid[plan.axis(t)]) for t in range(plan.rounds)]
+  """Wire accounting of buckets of ``sizes`` averaged on ``plan``
+  (:func:`round_reports`): ``bits_per_coord`` is the codec's per round (the mean over
+  rounds), ``bytes_per_rank`` the sum over rounds."""
+  reps = round_reports(sizes, codec, plan)
   return AllReduceStats(sum(r.bits_per_coord for r in reps) / len(reps),
                         sum(r.bytes_per_rank for r in reps), sum(sizes),
                         uncompressed=max(r.uncompressed for r in reps))
