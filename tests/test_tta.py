@@ -68,3 +68,20 @@ def test_tta_tiny(tmp_path):
     saved = json.load(f)
   assert saved["summary"] == json.loads(json.dumps(summary))
   assert os.path.getsize(os.path.join(tmp_path, "tta_wallclock_tiny.png")) > 1000
+
+
+def test_moshpit_rows_train_each_rank_its_own_replica(tmp_path):
+  """The Moshpit rows train per rank (4 workers: a 2 x 2 grid) and record how far the
+  replicas are apart: 0 with every rank present, above 0 with absent ranks."""
+  report = tta.main(["--tiny", "--workers", "4", "--phases", "simulate", "--codecs",
+                     "Moshpit 5b,Moshpit 5b 10% absent", "--out", str(tmp_path)])
+  runs = report["simulate"]["runs"]
+  present = [e["replica_spread"] for e in runs["Moshpit 5b"]["0"]["evals"]]
+  absent = [e["replica_spread"] for e in runs["Moshpit 5b 10% absent"]["0"]["evals"]]
+  assert present == [0.0] * len(present)
+  assert absent[0] == 0.0 and absent[-1] > 0.0
+  assert runs["Moshpit 5b"]["0"]["evals"][-1]["eval_loss"] < runs["Moshpit 5b"]["0"][
+      "evals"][0]["eval_loss"] - 0.2  # it learnt
+  wire = tta.wire(report["training"], "Moshpit 5b")
+  ring = tta.wire(report["training"], "DynamiQ 5b")
+  assert wire["bytes_per_rank"] > ring["bytes_per_rank"]  # two rounds of pairs vs a ring of 4
