@@ -122,7 +122,9 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     axis_name: the data-parallel axis (bound by shard_map, pmap or vmap);
       ``(slow, fast)`` for ``schedule="hierarchical"``.
     codec: e.g. ``codecs.DynamiQ(bits=5)`` or ``codecs.Bf16()``.
-    schedule: ``"ring"``, ``"butterfly"`` (power-of-two axes),
+    schedule: ``"ring"``, ``"butterfly"`` (power-of-two axes), ``"two_step"``
+      (one all-to-all, each rank decoding and adding its chunk from every rank,
+      one re-encode, one all-gather: every value encoded twice whatever n),
       ``"hierarchical"``, or Moshpit averaging: ``"moshpit"`` or
       ``dq.Moshpit(grid=..., rounds=..., dropout=..., shuffle=...)``
       (:mod:`dynamiq_jax.moshpit`: rounds of group all-reduces on a virtual

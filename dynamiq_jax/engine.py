@@ -51,9 +51,10 @@ from dynamiq_jax.codecs.base import Bucket, Codec, Keys, bucket_key_states
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context
 from dynamiq_jax.schedules.executor import HopOps, decode_all, gather_payloads, reduce_scatter
-from dynamiq_jax.schedules.executor import trace_settings, two_step
+from dynamiq_jax.schedules.executor import trace_settings, two_step, two_step_payloads
+from dynamiq_jax.schedules.executor import two_step_sum
 from dynamiq_jax.schedules.local import run_on_local_shards, sharding_groups
-from dynamiq_jax.schedules.plan import TreePlan, get_plan
+from dynamiq_jax.schedules.plan import TreePlan, TwoStepPlan, get_plan
 
 __all__ = [
     "SAFE_EXPONENT", "guard", "unguard", "one_after_another", "hop_ops", "combine_metadata",
@@ -159,8 +160,11 @@ def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan
     with jax.named_scope("metadata"):
       meta = combine_metadata(meta, ctx, keys)
   p = codec.plan(x, meta, bucket, state, keys)
-  payloads = gather_payloads(plan, ctx, reduce_scatter(plan, ctx, p.chunks,
-                                                       hop_ops(codec, p.aux, keys)))
+  ops = hop_ops(codec, p.aux, keys)
+  if isinstance(plan, TwoStepPlan):
+    payloads = two_step_payloads(ctx, p.chunks, ops)
+  else:
+    payloads = gather_payloads(plan, ctx, reduce_scatter(plan, ctx, p.chunks, ops))
   own = codec.contribution(x, p.aux, bucket) if return_own else None
   return payloads, p.aux, own
 
@@ -287,7 +291,11 @@ class ReduceScatter:
         meta = combine_metadata(meta, ctx, keys)
     p = used.plan(x, meta, bucket, None, keys)
     with jax.named_scope("reduce_scatter"):
-      mine = reduce_scatter(plan, ctx, p.chunks, hop_ops(used, p.aux, keys), encode_root=False)
+      ops = hop_ops(used, p.aux, keys)
+      if isinstance(plan, TwoStepPlan):
+        mine = two_step_sum(ctx, p.chunks, ops)
+      else:
+        mine = reduce_scatter(plan, ctx, p.chunks, ops, encode_root=False)
     c = (ctx.rank() - plan.root) % n  # the chunk this rank owns: its own row
     full = jax.tree.map(
         lambda a: jax.lax.dynamic_update_index_in_dim(jnp.zeros((n,) + a.shape, a.dtype), a, c,

@@ -63,7 +63,7 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
   Args:
     stacked: pytree whose leaves have a leading worker axis of size n.
     codec: the codec.
-    schedule: ``"ring"``, ``"butterfly"``, ``"hierarchical"`` (with
+    schedule: ``"ring"``, ``"butterfly"``, ``"two_step"``, ``"hierarchical"`` (with
       ``mesh_shape``) or Moshpit averaging (``"moshpit"``, ``dq.Moshpit(...)``).
     seed: the rounding key is ``jax.random.key(seed)`` (unless ``key`` is
       given): the same as ``allreduce(..., key=jax.random.key(seed))`` on n

@@ -151,12 +151,16 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
 
   Each update all-reduces the incoming gradients with ``codec`` on
   ``schedule`` (see :func:`dynamiq_jax.allreduce`); every rank gets the same
-  bytes, so replicas never drift.
+  bytes, so replicas never drift (Moshpit averaging with absent ranks is the
+  exception, and says so: see ``schedule``).
 
   Args:
     axis_name: the data-parallel axis name.
     codec: a codec; ``None`` means ``codecs.DynamiQ(bits=5)``.
-    schedule: ``"ring"`` or ``"butterfly"``.
+    schedule: ``"ring"``, ``"butterfly"``, ``"two_step"``, ``"hierarchical"``
+      or Moshpit averaging (``"moshpit"``, ``dq.Moshpit(...)``; each rank its own
+      result: ``data_parallel_step(per_rank=True)``), see
+      :func:`dynamiq_jax.allreduce`.
     average: mean (True, like ``pmean``) or sum (False, like ``psum``).
     seed: seeds the rounding streams; step t uses
       ``jax.random.fold_in(jax.random.key(seed), t)``.

@@ -88,3 +88,9 @@ def test_compressed_psum_state_carries_the_last_estimate():
   err = np.sum((np.asarray(out[0], np.float64) - exact) ** 2) / np.sum(exact ** 2)
   assert 0.7 <= float(est[0]) / err <= 1.4
   assert isinstance(tx.init(g[0]), dq.CompressedPsumState)
+
+
+def test_two_step_partials_are_counted():
+  err, est = _reduce(family("dense", N, D, seed=2), codecs.DynamiQ(bits=5, correlated=False),
+                     schedule="two_step")
+  assert 0.7 <= est[0] / err <= 1.4, (est[0], err)

@@ -28,6 +28,12 @@ compute. Every phase runs the same training code (:func:`train_run`):
    product of phases 1 and 2, and their parameters are compared bit for bit
    with the simulated run of the same codec and seed at every evaluation.
 
+The Moshpit rows (``dq.reducer("moshpit")``: DynamiQ 5b inside the groups of a
+virtual grid, 2 x 2 for 4 workers) train each rank's own replica
+(``data_parallel_step(per_rank=True)``); their evaluations use the first replica
+and record ``replica_spread``, the largest distance of a replica from the
+replicas' mean relative to the mean's norm (0 where nobody was absent).
+
 Without root (or with ``--no-shaping``) the processes talk over plain
 loopback and the rates are labels only, which the output says. Writes
 ``docs/results/tta.json`` and ``tta_wallclock.png`` (eval loss against

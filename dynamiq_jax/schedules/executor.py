@@ -40,6 +40,7 @@ from dynamiq_jax.schedules.plan import TreePlan
 
 __all__ = [
     "HopOps", "execute", "reduce_scatter", "all_gather", "gather_payloads", "two_step",
+    "two_step_sum", "two_step_payloads",
     "decode_all", "trace_settings", "UNROLL_MAX_STEPS", "LOOP_PLATFORMS",
 ]
 
@@ -211,33 +212,48 @@ def decode_all(payloads, ops: HopOps):
   return jax.tree.map(lambda *p: jnp.stack(p), *parts)
 
 
-def two_step(ctx: AxisContext, chunks, ops: HopOps):
-  """An all-reduce of ``chunks`` (leading axis n) in two collectives; the decoded chunks.
+def two_step_sum(ctx: AxisContext, chunks, ops: HopOps):
+  """The first step of :func:`two_step`: rank r's decoded sum of chunk r.
 
   Every rank encodes each of its n chunks (keys: chunk c, hop = its rank), one
   ``all_to_all`` gives rank r every rank's payload of chunk r, which it decodes
   and adds in rank order (0, 1, ..., n - 1: the same order on every rank and
-  every backend), encodes once more (hop n), and one all-gather forwards those
-  payloads unchanged for every rank to decode. Each rank sends ``n - 1`` chunk
-  payloads in each collective, as many bytes as a ring; every value is
-  encoded twice, whatever n. The sum is ``ops.decode_sum`` where given (a
-  codec's own fixed order), else ``decode_add`` in rank order.
+  every backend; ``ops.decode_sum`` where given, a codec's own fixed order).
+  Each rank sends ``n - 1`` chunk payloads: a reduce-scatter in one collective.
   """
   n, r = ctx.n, ctx.rank()
-  if n == 1:
-    final = ops.encode(_take(chunks, 0), jnp.int32(0), jnp.int32(1))
-    return jax.tree.map(lambda a: a[None], ops.decode(final))
   with jax.named_scope("two_step/encode"):
     payloads = jax.vmap(lambda ch, c: ops.encode(ch, c, r))(chunks,
                                                             jnp.arange(n, dtype=jnp.int32))
   received = ctx.all_to_all(payloads)  # row s: rank s's payload of chunk r
   with jax.named_scope("two_step/sum"):
     if ops.decode_sum is not None:
-      acc = ops.decode_sum(received)
-    else:
-      acc = ops.decode(_take(received, 0))
-      for s in range(1, n):
-        acc = ops.decode_add(_take(received, s), acc)
-    final = ops.encode(acc, r, jnp.int32(n))
+      return ops.decode_sum(received)
+    acc = ops.decode(_take(received, 0))
+    for s in range(1, n):
+      acc = ops.decode_add(_take(received, s), acc)
+    return acc
+
+
+def two_step_payloads(ctx: AxisContext, chunks, ops: HopOps):
+  """:func:`two_step`'s collectives: every rank's re-encoded sum of its chunk (hop n),
+  gathered unchanged: leading axis n in chunk order, to decode with :func:`decode_all`."""
+  n, r = ctx.n, ctx.rank()
+  if n == 1:
+    final = ops.encode(_take(chunks, 0), jnp.int32(0), jnp.int32(1))
+    return jax.tree.map(lambda a: a[None], final)
+  final = ops.encode(two_step_sum(ctx, chunks, ops), r, jnp.int32(n))
   with jax.named_scope("gather"):
-    return decode_all(ctx.all_gather(final), ops)
+    return ctx.all_gather(final)
+
+
+def two_step(ctx: AxisContext, chunks, ops: HopOps):
+  """An all-reduce of ``chunks`` (leading axis n) in two collectives; the decoded chunks.
+
+  :func:`two_step_sum` (one ``all_to_all``: rank r decodes and adds every rank's
+  payload of chunk r), one encode of that sum, and one all-gather that forwards
+  those payloads unchanged for every rank to decode. Each rank sends ``n - 1``
+  chunk payloads in each collective, as many bytes as a ring; every value is
+  encoded twice, whatever n (a ring re-encodes at each of its n - 1 hops).
+  """
+  return decode_all(two_step_payloads(ctx, chunks, ops), ops)

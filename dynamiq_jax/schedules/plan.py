@@ -14,6 +14,11 @@ payloads unchanged.
   re-encoded at the next step (fused decode-add-encode).
 * butterfly: a binary tree by repeated pairing, depth ``log2 n``.
 
+``two_step`` (:class:`TwoStepPlan`, Flash Communication's all-reduce) is not a
+tree: one all-to-all gives each rank every rank's payload of its own chunk,
+which it decodes, adds and encodes once more, and the gather phase forwards
+those payloads: the ring's bytes, two encodes of every value whatever n.
+
 Plans are plain Python data, validated without tracing.
 """
 
@@ -22,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-__all__ = ["TreePlan", "ring_plan", "butterfly_plan", "get_plan"]
+__all__ = ["TreePlan", "TwoStepPlan", "ring_plan", "butterfly_plan", "two_step_plan",
+           "get_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,10 +193,44 @@ def butterfly_plan(n: int) -> TreePlan:
   return TreePlan("butterfly", n, tuple(edges), n - 1)
 
 
-_PLANS = {"ring": ring_plan, "butterfly": butterfly_plan}
+@dataclasses.dataclass(frozen=True)
+class TwoStepPlan:
+  """``schedule="two_step"``: one all-to-all, each rank decoding and adding every rank's
+  payload of its own chunk, one re-encode, one all-gather
+  (:func:`~dynamiq_jax.schedules.executor.two_step`): Flash Communication's all-reduce.
+  As many bytes per rank as the ring, and every value encoded twice whatever n.
+
+  Attributes:
+    name: ``"two_step"``.
+    n: number of ranks.
+  """
+
+  name: str
+  n: int
+
+  @property
+  def root(self) -> int:
+    """Rank r ends the first step with chunk ``r - root``'s sum: its own chunk."""
+    return 0
+
+  def partials(self) -> tuple[int, ...]:
+    """Every rank's encode of each chunk carries one rank's data; each chunk's sum is
+    encoded once more, carrying all n (see :meth:`TreePlan.partials`)."""
+    return (1,) * self.n + (self.n,)
 
 
-def get_plan(schedule: str, n: int) -> TreePlan:
+@functools.lru_cache(maxsize=None)
+def two_step_plan(n: int) -> TwoStepPlan:
+  """The two-step plan over ``n`` ranks."""
+  if n < 1:
+    raise ValueError(f"{n=} must be >= 1")
+  return TwoStepPlan("two_step", n)
+
+
+_PLANS = {"ring": ring_plan, "butterfly": butterfly_plan, "two_step": two_step_plan}
+
+
+def get_plan(schedule: str, n: int) -> TreePlan | TwoStepPlan:
   """The plan for a schedule name."""
   try:
     make = _PLANS[schedule]
