@@ -41,7 +41,7 @@ LONGEST_FIRST = (
     "test_dynamiq.py", "test_bench.py", "test_overlap.py", "test_tta.py", "test_dropcompute.py",
     "test_kernels.py", "test_collectives.py", "test_transform.py", "test_examples.py",
     "test_baselines.py", "test_multiprocess.py", "test_sharded.py", "test_mosaic_gpu.py",
-    "test_hierarchical.py",
+    "test_hierarchical.py", "test_moshpit.py",
     "test_net.py",
     "test_gpu_compile_units.py", "test_allocation_rounds.py", "test_bucketing.py",
     "test_gpu_compile.py", "test_codec_contract.py", "test_notebook.py", "test_docs.py",
