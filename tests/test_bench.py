@@ -61,9 +61,12 @@ def test_schedules_tiny(tmp_path, lm_cache):
   assert {(r["codec"], r["schedule"]) for r in rows} == {
       (c, s) for c in ("DynamiQ 5b", "MXFP8") for s in labels}
   assert {r["dataset"] for r in rows} == {"iid", "lm-word@3"}
-  # MXFP8 keeps state (its adaptive scale), which the hierarchical schedule refuses
+  # MXFP8 keeps state (its adaptive scale), which the hierarchical and Moshpit schedules refuse
   refused = [r for r in rows if r["vnmse"] is None]
-  assert {(r["codec"], r["schedule"].split()[0]) for r in refused} == {("MXFP8", "hierarchical")}
+  assert {(r["codec"], r["schedule"].split()[0]) for r in refused} == {
+      ("MXFP8", "hierarchical"), ("MXFP8", "moshpit")}
+  moshpit = [r for r in rows if r["schedule"].startswith("moshpit") and r["vnmse"] is not None]
+  assert moshpit and all(r["bytes_vs_ring"] > 1 for r in moshpit)  # a round per grid axis
   assert all("stateless" in r["reason"] for r in refused)
   ran = [r for r in rows if r["vnmse"] is not None]
   assert all(0 < r["vnmse"] < 1 for r in ran)
