@@ -51,14 +51,13 @@ from dynamiq_jax.codecs.base import Bucket, Codec, Keys, bucket_key_states
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context
 from dynamiq_jax.schedules.executor import HopOps, decode_all, gather_payloads, reduce_scatter
-from dynamiq_jax.schedules.executor import trace_settings, two_step, two_step_payloads
-from dynamiq_jax.schedules.executor import two_step_sum
+from dynamiq_jax.schedules.executor import trace_settings, two_step
 from dynamiq_jax.schedules.local import run_on_local_shards, sharding_groups
-from dynamiq_jax.schedules.plan import TreePlan, TwoStepPlan, get_plan
+from dynamiq_jax.schedules.plan import TreePlan, get_plan
 
 __all__ = [
-    "SAFE_EXPONENT", "guard", "unguard", "one_after_another", "hop_ops", "combine_metadata",
-    "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
+    "SAFE_EXPONENT", "guard", "guard_votes", "guarded", "unguard", "one_after_another",
+    "hop_ops", "combine_metadata", "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
     "reduce_buckets", "wire_pass", "decode_pass", "wire_loop", "zeros_after", "decode_loop",
     "run_sharded",
 ]
@@ -81,12 +80,25 @@ def guard(x, ctx: AxisContext, after=None):
   gradients). ``after``, a value of the previous bucket's result, rides
   along as a finite flag: see :func:`one_after_another`.
   """
+  finite, votes = guard_votes(x, after)
+  agreed = ctx.pmax(jnp.stack(votes))
+  return guarded(x, finite, agreed[0], agreed[1])
+
+
+def guard_votes(x, after=None):
+  """One rank's part of :func:`guard` -> (``isfinite(x)``, its votes: the largest finite
+  magnitude, 1.0 if any value is not finite, and ``after``'s finite flag if given), to be
+  combined by a maximum over the ranks."""
   finite = jnp.isfinite(x)
   votes = [jnp.max(jnp.where(finite, jnp.abs(x), 0.0)), jnp.any(~finite).astype(jnp.float32)]
   if after is not None:
     votes.append(jnp.isfinite(after).astype(jnp.float32))
-  agreed = ctx.pmax(jnp.stack(votes))
-  amax, bad = agreed[0], agreed[1]
+  return finite, votes
+
+
+def guarded(x, finite, amax, bad):
+  """:func:`guard`'s result from the ranks' largest finite magnitude ``amax`` and their
+  non-finite vote ``bad``: (any rank non-finite, guarded x, scale)."""
   _, e = jnp.frexp(amax)  # amax < 2^e
   scale = jnp.ldexp(jnp.float32(1), jnp.minimum(SAFE_EXPONENT - e, 0))  # 1 unless huge
   return bad > 0, jnp.where(finite, x, 0.0) * scale, scale
@@ -160,11 +172,8 @@ def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan
     with jax.named_scope("metadata"):
       meta = combine_metadata(meta, ctx, keys)
   p = codec.plan(x, meta, bucket, state, keys)
-  ops = hop_ops(codec, p.aux, keys)
-  if isinstance(plan, TwoStepPlan):
-    payloads = two_step_payloads(ctx, p.chunks, ops)
-  else:
-    payloads = gather_payloads(plan, ctx, reduce_scatter(plan, ctx, p.chunks, ops))
+  payloads = gather_payloads(plan, ctx, reduce_scatter(plan, ctx, p.chunks,
+                                                       hop_ops(codec, p.aux, keys)))
   own = codec.contribution(x, p.aux, bucket) if return_own else None
   return payloads, p.aux, own
 
@@ -291,11 +300,7 @@ class ReduceScatter:
         meta = combine_metadata(meta, ctx, keys)
     p = used.plan(x, meta, bucket, None, keys)
     with jax.named_scope("reduce_scatter"):
-      ops = hop_ops(used, p.aux, keys)
-      if isinstance(plan, TwoStepPlan):
-        mine = two_step_sum(ctx, p.chunks, ops)
-      else:
-        mine = reduce_scatter(plan, ctx, p.chunks, ops, encode_root=False)
+      mine = reduce_scatter(plan, ctx, p.chunks, hop_ops(used, p.aux, keys), encode_root=False)
     c = (ctx.rank() - plan.root) % n  # the chunk this rank owns: its own row
     full = jax.tree.map(
         lambda a: jax.lax.dynamic_update_index_in_dim(jnp.zeros((n,) + a.shape, a.dtype), a, c,

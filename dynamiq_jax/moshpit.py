@@ -121,20 +121,16 @@ class MoshpitRounds:
   def _round(self, x, after, present, ctx, keys, index):
     here = present > 0
     mine = jnp.where(here, x, 0.0)  # an absent rank sends nothing of its own
-    with jax.named_scope("guard"):  # one small collective: finite?, scale, the count
-      finite = jnp.isfinite(mine)
-      votes = jnp.stack([jnp.max(jnp.where(finite, jnp.abs(mine), 0.0)),
-                         jnp.any(~finite).astype(jnp.float32),
-                         jnp.isfinite(after).astype(jnp.float32), present])
-      agreed = ctx.all_gather(votes)
-      count = jnp.sum(agreed[:, 3])  # small integers: exact in any order
-      _, e = jnp.frexp(jnp.max(agreed[:, 0]))
-      scale = jnp.ldexp(jnp.float32(1), jnp.minimum(engine.SAFE_EXPONENT - e, 0))
-      nonfinite = jnp.max(agreed[:, 1]) > 0
+    with jax.named_scope("guard"):  # one small collective: the guard's votes and the count
+      finite, votes = engine.guard_votes(mine, after)
+      agreed = ctx.all_gather(jnp.stack(votes + [present]))
+      count = jnp.sum(agreed[:, -1])  # small integers: exact in any order
+      nonfinite, mine, scale = engine.guarded(mine, finite, jnp.max(agreed[:, 0]),
+                                              jnp.max(agreed[:, 1]))
     d = x.shape[0]
     used = bucket_codec(self.codec, d, ctx.n)
     total, _, _, _, sent = engine.codec_pass(
-        jnp.where(finite, mine, 0.0) * scale, used, Bucket(index, d, ctx.n, self.implementation),
-        None, keys, get_plan(self.plan.inner, ctx.n), ctx, False)
+        mine, used, Bucket(index, d, ctx.n, self.implementation), None, keys,
+        get_plan(self.plan.inner, ctx.n), ctx, False)
     mean = engine.unguard(total, nonfinite, scale) / jnp.maximum(count, 1.0)
     return jnp.where(here, mean, x), sent

@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 
 from dynamiq_jax.schedules.context import AxisContext
-from dynamiq_jax.schedules.plan import TreePlan
+from dynamiq_jax.schedules.plan import TreePlan, TwoStepPlan, two_step_plan
 
 __all__ = [
     "HopOps", "execute", "reduce_scatter", "all_gather", "gather_payloads", "two_step",
-    "two_step_sum", "two_step_payloads",
+    "two_step_sum",
     "decode_all", "trace_settings", "UNROLL_MAX_STEPS", "LOOP_PLATFORMS",
 ]
 
@@ -91,7 +91,7 @@ def _shift_perm(n: int, shift: int):
   return [(i, (i + shift) % n) for i in range(n)]
 
 
-def execute(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
+def execute(plan: TreePlan | TwoStepPlan, ctx: AxisContext, chunks, ops: HopOps):
   """Runs one all-reduce of ``chunks`` (leading axis n) and returns the decoded chunks.
 
   Each rank sends ``2 (n - 1)`` payloads of one chunk each.
@@ -99,19 +99,27 @@ def execute(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps):
   return decode_all(gather_payloads(plan, ctx, reduce_scatter(plan, ctx, chunks, ops)), ops)
 
 
-def reduce_scatter(plan: TreePlan, ctx: AxisContext, chunks, ops: HopOps, *,
+def reduce_scatter(plan: TreePlan | TwoStepPlan, ctx: AxisContext, chunks, ops: HopOps, *,
                    encode_root: bool = True):
   """The reduce phase: the full sum of chunk ``rank - plan.root`` (mod n).
 
   With ``encode_root`` (the all-reduce's first half) the root encodes its
   sum once more, for the gather phase to forward; without it (a
   reduce-scatter, which forwards nothing) the root keeps the decoded sum, one
-  quantisation fewer. Each rank sends ``n - 1`` payloads of one chunk each.
+  quantisation fewer. Each rank sends ``n - 1`` payloads of one chunk each:
+  one per hop of a tree plan, all in one ``all_to_all`` for the two-step plan
+  (:func:`two_step_sum`).
   """
   n = plan.n
   if ctx.n != n:
     raise ValueError(f"plan is for n={n} but the axis has size {ctx.n}")
   r = ctx.rank()
+  if isinstance(plan, TwoStepPlan):
+    if n == 1:
+      own = _take(chunks, 0)
+      return ops.encode(own, jnp.int32(0), jnp.int32(1)) if encode_root else own
+    total = two_step_sum(ctx, chunks, ops)
+    return ops.encode(total, r, jnp.int32(n)) if encode_root else total
 
   def mod(v):
     return jnp.asarray(v, jnp.int32) % n
@@ -181,7 +189,7 @@ def _lowering_platform() -> str:
   return device.platform if device is not None else jax.default_backend()
 
 
-def all_gather(plan: TreePlan, ctx: AxisContext, final, ops: HopOps):
+def all_gather(plan: TreePlan | TwoStepPlan, ctx: AxisContext, final, ops: HopOps):
   """The gather phase: every root's payload, forwarded unchanged, decoded everywhere.
 
   Returns the decoded chunks, leading axis n in chunk order, identical on
@@ -190,11 +198,13 @@ def all_gather(plan: TreePlan, ctx: AxisContext, final, ops: HopOps):
   return decode_all(gather_payloads(plan, ctx, final), ops)
 
 
-def gather_payloads(plan: TreePlan, ctx: AxisContext, final):
+def gather_payloads(plan: TreePlan | TwoStepPlan, ctx: AxisContext, final):
   """The gather phase's collective: every root's final payload, leading axis n in chunk
   order (to decode with :func:`decode_all`, as late as the program likes)."""
   with jax.named_scope("gather"):
     gathered = ctx.all_gather(final)  # [rank, ...]; rank s holds chunk s - root
+    if not plan.root:  # (the two-step plan: rank s holds chunk s)
+      return gathered
     return jax.tree.map(lambda g: jnp.roll(g, -plan.root, axis=0), gathered)
 
 
@@ -235,20 +245,9 @@ def two_step_sum(ctx: AxisContext, chunks, ops: HopOps):
     return acc
 
 
-def two_step_payloads(ctx: AxisContext, chunks, ops: HopOps):
-  """:func:`two_step`'s collectives: every rank's re-encoded sum of its chunk (hop n),
-  gathered unchanged: leading axis n in chunk order, to decode with :func:`decode_all`."""
-  n, r = ctx.n, ctx.rank()
-  if n == 1:
-    final = ops.encode(_take(chunks, 0), jnp.int32(0), jnp.int32(1))
-    return jax.tree.map(lambda a: a[None], final)
-  final = ops.encode(two_step_sum(ctx, chunks, ops), r, jnp.int32(n))
-  with jax.named_scope("gather"):
-    return ctx.all_gather(final)
-
-
 def two_step(ctx: AxisContext, chunks, ops: HopOps):
-  """An all-reduce of ``chunks`` (leading axis n) in two collectives; the decoded chunks.
+  """An all-reduce of ``chunks`` (leading axis n) in two collectives; the decoded chunks:
+  :func:`execute` on the two-step plan.
 
   :func:`two_step_sum` (one ``all_to_all``: rank r decodes and adds every rank's
   payload of chunk r), one encode of that sum, and one all-gather that forwards
@@ -256,4 +255,4 @@ def two_step(ctx: AxisContext, chunks, ops: HopOps):
   chunk payloads in each collective, as many bytes as a ring; every value is
   encoded twice, whatever n (a ring re-encodes at each of its n - 1 hops).
   """
-  return decode_all(two_step_payloads(ctx, chunks, ops), ops)
+  return execute(two_step_plan(ctx.n), ctx, chunks, ops)
