@@ -52,8 +52,10 @@ from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.local import strip_axes
 from dynamiq_jax.train import SyncedStep
 from dynamiq_jax.train import data_dims
+from dynamiq_jax.train import data_entry
 from dynamiq_jax.train import gather_params
 from dynamiq_jax.train import is_per_rank
+from dynamiq_jax.train import is_spec
 from dynamiq_jax.train import mean_over
 from dynamiq_jax.train import mesh_spec
 from dynamiq_jax.train import only_axes
@@ -92,7 +94,7 @@ def _keys(path) -> tuple:
 
 def _flat_by_path(tree) -> dict:
   return {_keys(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, P))[0]}
+      tree, is_leaf=is_spec)[0]}
 
 
 class DataParallel:
@@ -128,7 +130,7 @@ class DataParallel:
     self.axis_name = axis_name
     self._axes = axes
     n = int(np.prod([mesh.shape[a] for a in axes]))
-    data = axes[0] if len(axes) == 1 else tuple(axes)
+    data = data_entry(axes)
     self.graphdef, state = nnx.split((model, optimizer))
     per_rank = _per_rank_prefixes(optimizer, (1,))
     declared = _flat_by_path(nnx.get_partition_spec(state))
@@ -175,7 +177,7 @@ class DataParallel:
 
     self.specs = jax.tree_util.tree_map_with_path(spec, state)
     self.shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs,
-                                  is_leaf=lambda x: isinstance(x, P))
+                                  is_leaf=is_spec)
 
     def place(path, x, s):
       if _keys(path) in self._per_rank:  # per-rank leaves start equal: one copy per rank
@@ -210,7 +212,7 @@ class DataParallel:
   def _data_specs(self):
     """The specs of the state over the data axes only (the shard_map's in/out specs)."""
     return jax.tree.map(lambda s: only_axes(s, self._axes), self.specs,
-                        is_leaf=lambda x: isinstance(x, P))
+                        is_leaf=is_spec)
 
   def _full_params(self, params, params_keys):
     """``params`` (an ``nnx.State``) with each split parameter all-gathered at its own

@@ -8,6 +8,7 @@ all-reduces gradients over ``axis_name``; :data:`REDUCERS` lists the names.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax.numpy as jnp
@@ -45,7 +46,7 @@ _PSUMS = {
     "psum-f32": jnp.float32,
 }
 
-_MOSHPIT_OPTIONS = ("grid", "rounds", "dropout", "shuffle", "inner")
+_MOSHPIT_OPTIONS = tuple(f.name for f in dataclasses.fields(Moshpit))
 
 REDUCERS = tuple(sorted(_PSUMS)) + tuple(sorted(_CODECS)) + ("moshpit",)
 """Every name :func:`reducer` accepts."""

@@ -28,7 +28,7 @@ __all__ = [
     "as_varying", "baseline_psum", "data_parallel_init", "data_parallel_step",
     "DataParallelStep", "SyncedStep", "CPU_SYNC_EVERY", "resolve_sync_every", "is_per_rank",
     "zero_shardings", "partial_manual", "mesh_spec", "only_axes", "data_dims", "mean_over",
-    "gather_params", "opt_state_specs", "per_rank_copies",
+    "gather_params", "opt_state_specs", "per_rank_copies", "data_entry", "is_spec",
 ]
 
 
@@ -79,6 +79,17 @@ def is_per_rank(x):
   return isinstance(x, PerRank)
 
 
+def data_entry(axes):
+  """The data ``axes`` as one entry of a ``PartitionSpec`` or an axis name of a collective:
+  the name of one axis, else the tuple."""
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def is_spec(x) -> bool:
+  """Whether ``x`` is a ``PartitionSpec`` (a leaf of a tree of specs)."""
+  return isinstance(x, P)
+
+
 def mesh_spec(x, mesh) -> P:
   """``x``'s ``PartitionSpec`` if it is placed on ``mesh`` (its axes, their sizes), else P()."""
   sharding = getattr(x, "sharding", None)
@@ -118,7 +129,7 @@ def _param_like_specs(params, state, mesh, axes):
   """
   param_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   by_path = {_path_keys(path): (jnp.shape(p), mesh_spec(p, mesh)) for path, p in param_leaves}
-  data = axes[0] if len(axes) == 1 else tuple(axes)
+  data = data_entry(axes)
 
   def like(path, x):
     keys = _path_keys(path)
@@ -198,7 +209,7 @@ def zero_shardings(params, *, mesh, axis_name="data", min_size: int = 1024):
   n = int(np.prod([mesh.shape[a] for a in axes]))
   specs = jax.tree.map(lambda p: mesh_spec(p, mesh), params)
   dims = scatter_dimensions(params, n=n, specs=specs, min_size=min_size)
-  data = axes[0] if len(axes) == 1 else tuple(axes)
+  data = data_entry(axes)
 
   def one(p, spec, dim):
     entries = list(tuple(spec)) + [None] * (jnp.ndim(p) - len(tuple(spec)))
@@ -206,7 +217,7 @@ def zero_shardings(params, *, mesh, axis_name="data", min_size: int = 1024):
       entries[dim] = data
     return NamedSharding(mesh, P(*entries))
 
-  return jax.tree.map(one, params, specs, dims, is_leaf=lambda x: isinstance(x, P) or x is None)
+  return jax.tree.map(one, params, specs, dims, is_leaf=lambda x: is_spec(x) or x is None)
 
 
 # jax 0.10.2 replicates Explicit mesh axes at the boundary of a shard_map that is
@@ -237,7 +248,7 @@ def partial_manual(fn, *, mesh, manual, in_specs, out_specs, out_shardings, chec
 def mean_over(x, axes):
   """The mean of ``x`` over the data ``axes`` in a fixed order (an exact all-gather, then a
   local sum), so that it does not depend on how the backend sums (XLA CPU, gloo, NCCL)."""
-  axis = axes[0] if len(axes) == 1 else tuple(axes)
+  axis = data_entry(axes)
   gathered = jax.lax.all_gather(x, axis, to="invarying") if _checked(axis) else (
       jax.lax.all_gather(x, axis))
   return jnp.mean(gathered, axis=0)
@@ -315,17 +326,15 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
     if a not in mesh.shape:
       raise ValueError(f"axis_name={axis_name!r}: {a!r} is not an axis of the mesh "
                        f"{dict(mesh.shape)}; pass one of {tuple(mesh.shape)}")
-  batch_spec = P(axes[0] if len(axes) == 1 else tuple(axes))
+  batch_spec = P(data_entry(axes))
   model = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
-
-  is_spec = lambda x: isinstance(x, P)
 
   def build(param_specs, state_specs):
     data_param = jax.tree.map(lambda s: only_axes(s, axes), param_specs,
-                              is_leaf=lambda x: isinstance(x, P))
+                              is_leaf=is_spec)
     data_state = jax.tree.map(lambda s: only_axes(s, axes), state_specs,
-                              is_leaf=lambda x: isinstance(x, P))
-    spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=lambda x: isinstance(x, P))
+                              is_leaf=is_spec)
+    spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=is_spec)
     inner_specs = param_specs  # what a rank's own parameters are sharded over
     if per_rank:
       _check_per_rank(spec_leaves, axes)
@@ -375,7 +384,7 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
 
 
 def _check_per_rank(spec_leaves, axes):
-  data = axes[0] if len(axes) == 1 else tuple(axes)
+  data = data_entry(axes)
   for spec in spec_leaves:
     entries = tuple(spec)
     if not entries or entries[0] != data or any(
@@ -406,7 +415,7 @@ def per_rank_copies(tree, *, mesh, axis_name="data"):
   (parameters and optimizer state, ``tx.init(params)``, alike)."""
   axes = axis_names(axis_name)
   n = int(np.prod([mesh.shape[a] for a in axes]))
-  sharding = NamedSharding(mesh, P(axes[0] if len(axes) == 1 else tuple(axes)))
+  sharding = NamedSharding(mesh, P(data_entry(axes)))
   return jax.tree.map(lambda a: jax.device_put(
       jnp.broadcast_to(jnp.asarray(a)[None], (n,) + jnp.shape(a)), sharding), tree)
 
@@ -496,8 +505,8 @@ class DataParallelStep(SyncedStep):
     param_specs = jax.tree.map(lambda p: mesh_spec(p, self._mesh), params)
     state_specs = opt_state_specs(opt_state, self._mesh, self._axes)
     key = (jax.tree.structure(params), jax.tree.structure(opt_state, is_leaf=is_per_rank),
-           tuple(jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))),
-           tuple(jax.tree.leaves(state_specs, is_leaf=lambda x: isinstance(x, P))))
+           tuple(jax.tree.leaves(param_specs, is_leaf=is_spec)),
+           tuple(jax.tree.leaves(state_specs, is_leaf=is_spec)))
     if key not in self._built:
       self._built[key] = self._build(param_specs, state_specs)
     return self._built[key]
@@ -515,7 +524,7 @@ class DataParallelStep(SyncedStep):
 
 def opt_state_specs(opt_state, mesh, axes):
   """Each optimizer-state leaf's spec as placed; per-rank leaves always split over ``axes``."""
-  data = axes[0] if len(axes) == 1 else tuple(axes)
+  data = data_entry(axes)
 
   def one(x):
     if is_per_rank(x):

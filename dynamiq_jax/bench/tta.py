@@ -156,15 +156,14 @@ class Trainer:
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
     opt = jax.tree.map(np.asarray, self.tx.init(params))
 
-    if self.per_rank:  # every leaf: one copy per rank, split over the data axis
-      copies = lambda t: jax.tree.map(
-          lambda a: self._put(np.repeat(np.asarray(a)[None], self.n, axis=0), self.data), t)
-      return copies(params), copies(opt)
+    # rows along the leading axis repeated for every rank, split over the data axis
+    split = lambda t: jax.tree.map(lambda a: self._put(np.repeat(a, self.n, axis=0), self.data),
+                                   t)
+    if self.per_rank:  # every leaf: one copy per rank
+      return split(jax.tree.map(lambda a: np.asarray(a)[None], (params, opt)))
 
-    def put(x):  # per-rank state (error feedback): one slice per rank, split over the data axis
-      if is_per_rank(x):
-        return jax.tree.map(lambda a: self._put(np.repeat(a, self.n, axis=0), self.data), x)
-      return self._put(x, self.repl)
+    def put(x):  # per-rank state (error feedback): one slice per rank
+      return split(x) if is_per_rank(x) else self._put(x, self.repl)
 
     return self._put(params, self.repl), jax.tree.map(put, opt, is_leaf=is_per_rank)
 
