@@ -258,3 +258,24 @@ def test_reducer_name():
     dq.reducer("moshpit", "data", schedule="butterfly")
   with pytest.raises(ValueError, match="codec='nope'"):
     dq.reducer("moshpit", "data", codec="nope")
+
+
+def test_group_collectives_stay_within_their_groups():
+  """GroupContext's vocabulary (what the executor and the metadata pass call) against
+  numpy, on round 1 of a 2 x 4 grid with a shuffle: groups of 4 that are not contiguous."""
+  plan = dq.Moshpit(grid=(2, 4), rounds=2, shuffle=5).plan(8)
+  groups = plan.groups(1)
+  x = np.arange(8 * 4 * 3, dtype=np.float32).reshape(8, 4, 3) ** 1.5  # rank r: [4 rows, 3]
+
+  def f(a):
+    ctx = plan.context(1, "i", 8)
+    return (ctx.rank(), ctx.all_gather(a), ctx.all_to_all(a), ctx.pmax(a), ctx.psum(a))
+
+  rank, gathered, swapped, top, total = jax.vmap(f, axis_name="i")(jnp.asarray(x))
+  for g in groups:
+    for i, r in enumerate(g):
+      assert int(rank[r]) == i
+      np.testing.assert_array_equal(gathered[r], x[list(g)])
+      np.testing.assert_array_equal(swapped[r], x[list(g), i])  # row s: member s's row i
+      np.testing.assert_array_equal(top[r], x[list(g)].max(0))
+      np.testing.assert_array_equal(total[r], x[g[0]] + x[g[1]] + x[g[2]] + x[g[3]])
