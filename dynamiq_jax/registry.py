@@ -19,7 +19,8 @@ from dynamiq_jax.schedules.moshpit import Moshpit
 from dynamiq_jax.train import baseline_psum
 from dynamiq_jax.transform import compressed_psum
 
-__all__ = ["REDUCERS", "reducer", "codec_from_name", "moshpit_options"]
+__all__ = ["REDUCERS", "TP_CODECS", "reducer", "codec_from_name", "tp_codec_from_name",
+           "moshpit_options"]
 
 
 def _dynamiq(bits=5.0, **kw):
@@ -39,6 +40,15 @@ _CODECS: dict[str, Callable[..., object]] = {
     "omnireduce": lambda **kw: codecs.OmniReduce(**kw),
     "globalqsgd": lambda **kw: codecs.GlobalQSGD(**kw),
     "arc-topk": lambda **kw: codecs.ARCTopK(**kw),
+    "int8": lambda **kw: codecs.IntGroup(bits=8, **kw),
+    "int4": lambda **kw: codecs.IntGroup(bits=4, **kw),
+}
+
+_TP_CODECS: dict[str, Callable[[], object]] = {
+    "int8": lambda: codecs.IntGroup(bits=8),
+    "int4": lambda: codecs.IntGroup(bits=4),
+    "dynamiq": lambda: codecs.DynamiQ(bits=5),
+    "mxfp8": lambda: codecs.MX(element="e4m3", scale="e8m0"),
 }
 
 _PSUMS = {
@@ -50,6 +60,22 @@ _MOSHPIT_OPTIONS = tuple(f.name for f in dataclasses.fields(Moshpit))
 
 REDUCERS = tuple(sorted(_PSUMS)) + tuple(sorted(_CODECS)) + ("moshpit",)
 """Every name :func:`reducer` accepts."""
+
+
+TP_CODECS = ("none",) + tuple(_TP_CODECS)
+"""The names :func:`tp_codec_from_name` accepts: ``"none"`` (``jax.lax.psum``)."""
+
+
+def tp_codec_from_name(name: str):
+  """The codec of :func:`dynamiq_jax.tp_psum` called ``name`` (None for ``"none"``:
+  ``jax.lax.psum``): ``"int8"`` / ``"int4"`` (Flash Communication's, groups of 128),
+  ``"dynamiq"`` (5 bits), ``"mxfp8"`` (E4M3, E8M0 block scales: stateless)."""
+  if name == "none":
+    return None
+  try:
+    return _TP_CODECS[name]()
+  except KeyError:
+    raise ValueError(f"tp codec {name!r} is not one of {TP_CODECS}") from None
 
 
 def codec_from_name(name: str, **options):
@@ -87,6 +113,7 @@ def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 
       ``"mxfp6"``, ``"mxfp4"`` (the paper's adaptation), ``"mxfp8-ocp"``
       (E8M0 scales), ``"thc"`` (16 levels), ``"thc120"``, ``"omnireduce"``,
       ``"globalqsgd"``, ``"arc-topk"`` (ARC-Top-K, EF21-M by default),
+      ``"int8"``, ``"int4"`` (``codecs.IntGroup``, groups of 128),
       ``"bf16-ring"``, ``"f32-ring"``.
     axis_name: the data-parallel axis.
     schedule, seed, average, implementation, error_feedback, ef21m_momentum: as for

@@ -74,6 +74,8 @@ class Stream(enum.IntEnum):
   ``ARCTOPK_SKETCH``          (none)                  ARC-Top-K's shared Gaussian sketch matrix
                                                       (identical on every rank)
   ``RANDK_ROWS``              (none)                  Rand-K's shared choice of rows (benchmarks)
+  ``INTGROUP_ROUND``          chunk, hop, rank        IntGroup's stochastic rounding
+                                                      (``rounding="stochastic"``)
   ``USER``                    (any)                   free for codecs written outside the library
   ==========================  =====================  ==============================================
   """
@@ -85,6 +87,7 @@ class Stream(enum.IntEnum):
   PRIVATE_ROUND = 12
   ARCTOPK_SKETCH = 13
   RANDK_ROWS = 14
+  INTGROUP_ROUND = 15
   DYNAMIQ_SCALE = 0x5CA1E5
   USER = 0x55E5
 

@@ -20,6 +20,7 @@ from dynamiq_jax.codecs.bf16 import Bf16
 from dynamiq_jax.codecs.bf16 import F32
 from dynamiq_jax.codecs.dynamiq import DynamiQ
 from dynamiq_jax.codecs.dynamiq import DynamiQLayout
+from dynamiq_jax.codecs.intgroup import IntGroup
 from dynamiq_jax.codecs.mx import MX
 from dynamiq_jax.codecs.mx import mxfp4
 from dynamiq_jax.codecs.mx import mxfp6
@@ -45,6 +46,7 @@ __all__ = [
     "F32",
     "DynamiQ",
     "DynamiQLayout",
+    "IntGroup",
     "MX",
     "mxfp4",
     "mxfp6",

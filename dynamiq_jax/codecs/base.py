@@ -237,10 +237,15 @@ class Codec(abc.ABC):
       needs it).
     default_error_feedback: what :func:`dynamiq_jax.compressed_psum` feeds back
       when its ``error_feedback`` is None: ``False``, ``"ef14"`` or ``"ef21m"``.
+    self_scaled: every payload carries its own scales, computed at each encode, and
+      a non-finite value decodes as non-finite: the codec needs no agreed scale
+      before it runs (:func:`dynamiq_jax.tp_psum` then skips the guard's
+      all-reduce).
   """
 
   granularity: int = 1
   reports_contribution: bool = False
+  self_scaled: bool = False
   default_error_feedback: bool | str = False
 
   # -- static description -----------------------------------------------------

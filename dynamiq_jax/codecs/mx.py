@@ -84,6 +84,11 @@ class MX(Codec):
       raise ValueError(f"mu={self.mu!r} must be positive")
 
   @property
+  def self_scaled(self) -> bool:
+    """``scale="e8m0"``: every hop's payload carries its blocks' own scales."""
+    return self.scale == "e8m0"
+
+  @property
   def fmt(self):
     return ELEMENTS[self.element]
 
