@@ -23,14 +23,17 @@ from dynamiq_jax.dropcompute import DropComputeStats
 from dynamiq_jax.dropcompute import choose_threshold
 from dynamiq_jax.dropcompute import dropcompute_step
 from dynamiq_jax.registry import REDUCERS
+from dynamiq_jax.registry import TP_CODECS
 from dynamiq_jax.registry import codec_from_name
 from dynamiq_jax.registry import reducer
+from dynamiq_jax.registry import tp_codec_from_name
 from dynamiq_jax.scatter import reduce_scatter
 from dynamiq_jax.scatter import scatter_dimensions
 from dynamiq_jax.scatter import scatter_wire_stats
 from dynamiq_jax.schedules.context import UnboundAxisError
 from dynamiq_jax.schedules.moshpit import Moshpit
 from dynamiq_jax.simulate import simulate
+from dynamiq_jax.tp import tp_psum
 from dynamiq_jax.train import as_varying
 from dynamiq_jax.train import baseline_psum
 from dynamiq_jax.train import data_parallel_init
@@ -78,9 +81,12 @@ __all__ = [
     "REDUCERS",
     "codec_from_name",
     "reducer",
+    "TP_CODECS",
+    "tp_codec_from_name",
     "UnboundAxisError",
     "Moshpit",
     "simulate",
+    "tp_psum",
     "as_varying",
     "baseline_psum",
     "data_parallel_init",

@@ -58,7 +58,7 @@ from dynamiq_jax.schedules.plan import TreePlan, get_plan
 __all__ = [
     "SAFE_EXPONENT", "guard", "guard_votes", "guarded", "unguard", "one_after_another",
     "hop_ops", "combine_metadata", "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
-    "reduce_buckets", "wire_pass", "decode_pass", "wire_loop", "zeros_after", "decode_loop",
+    "reduce_buckets", "program_keys", "wire_pass", "decode_pass", "wire_loop", "zeros_after", "decode_loop",
     "run_sharded",
 ]
 
@@ -208,7 +208,8 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
 # Bucket programs: static configuration, called as program(x, after, keys, index, state).
 
 
-def _keys(words, index, ctx: AxisContext) -> Keys:
+def program_keys(words, index, ctx: AxisContext) -> Keys:
+  """A bucket program's :class:`Keys` from its key words ``(k0, k1, s0, s1)`` and index."""
   k0, k1, s0, s1 = words
   return Keys(k0, k1, index, ctx.rank(), (s0, s1))
 
@@ -237,7 +238,7 @@ class AllReduce:
       nonfinite, x, scale = guard(x, ctx, after)
     out, new_state, own, err, sent = codec_pass(
         x, used, Bucket(index, d, ctx.n, self.implementation), state,
-        _keys(words, index, ctx), plan, ctx, self.return_own)
+        program_keys(words, index, ctx), plan, ctx, self.return_own)
     own = own / scale if self.return_own else None
     return (unguard(out, nonfinite, scale), state if used is not self.codec else new_state,
             own, err / (scale * scale), sent)
@@ -251,7 +252,7 @@ class AllReduce:
       nonfinite, x, scale = guard(x, ctx)
     payloads, aux, own = wire_pass(
         x, used, Bucket(index, x.shape[0], ctx.n, self.implementation), None,
-        _keys(words, index, ctx), get_plan(self.schedule, ctx.n), ctx, self.return_own)
+        program_keys(words, index, ctx), get_plan(self.schedule, ctx.n), ctx, self.return_own)
     return payloads, aux, (nonfinite, scale), own / scale if self.return_own else None
 
   def decode(self, payloads, aux, guarded, d: int, index):
@@ -293,7 +294,7 @@ class ReduceScatter:
       return out, (x / scale)[None] if self.return_own else None, out[0]
     used = bucket_codec(self.codec, d, n)
     bucket = Bucket(index, d, n, self.implementation, scatter=True)
-    keys = _keys(words, index, ctx)
+    keys = program_keys(words, index, ctx)
     meta = used.metadata(x, bucket, None, keys)
     if meta is not None:
       with jax.named_scope("metadata"):

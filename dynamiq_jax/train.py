@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dynamiq_jax.schedules.context import as_varying
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
 from dynamiq_jax.schedules.local import strip_axes
@@ -30,14 +31,6 @@ __all__ = [
     "zero_shardings", "partial_manual", "mesh_spec", "only_axes", "data_dims", "mean_over",
     "gather_params", "opt_state_specs", "per_rank_copies", "data_entry", "is_spec",
 ]
-
-
-def as_varying(tree, axis_name):
-  """Marks replicated values as per-rank inside ``shard_map(check_vma=True)``."""
-  cast = getattr(jax.lax, "pcast", None)
-  if cast is not None:
-    return cast(tree, axis_name, to="varying")
-  return jax.lax.pvary(tree, axis_name)  # jax versions before pcast
 
 
 def baseline_psum(axis_name="data", *, dtype=jnp.bfloat16, average: bool = True

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 __all__ = ["AxisContext", "UnboundAxisError", "axis_context", "axis_size", "varying_axes",
-           "axis_names"]
+           "axis_names", "as_varying"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,14 @@ def varying_axes(x) -> frozenset:
     mat = getattr(aval, "manual_axis_type", None)
     vma = getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
   return frozenset(vma)
+
+
+def as_varying(tree, axis_name):
+  """Marks replicated values as per-rank inside ``shard_map(check_vma=True)``."""
+  cast = getattr(jax.lax, "pcast", None)
+  if cast is not None:
+    return cast(tree, axis_name, to="varying")
+  return jax.lax.pvary(tree, axis_name)  # jax versions before pcast
 
 
 class UnboundAxisError(ValueError):
