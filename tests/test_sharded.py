@@ -326,7 +326,7 @@ class TestDataParallelOnSharded:
   """dq.nnx.DataParallel on the example's layouts: the byte LM, 2 steps, tiny."""
 
   @staticmethod
-  def _train(layout, model_axis, codec="f32-ring", axis_types="auto"):
+  def _train(layout, model_axis, codec="f32-ring", axis_types="auto", tp_codec="none"):
     import pathlib
     import sys
     root = str(pathlib.Path(__file__).resolve().parents[1])
@@ -334,15 +334,18 @@ class TestDataParallelOnSharded:
       sys.path.insert(0, root)
     from examples.nnx_sharded_lm import train
     config = train.Config(layout=layout, model_axis=model_axis, codec=codec, steps=2, dim=32,
-                          heads=2, layers=1, context=16, batch_size=16, axis_types=axis_types)
+                          heads=2, layers=1, context=16, batch_size=16, axis_types=axis_types,
+                          tp_codec=tp_codec)
     text = np.frombuffer(bytes(range(256)) * 64, np.uint8)
     before = train.build(config, jax.devices())
     want = jax.tree.map(lambda x: x.sharding.spec, before.state)
     dp = train.build(config, jax.devices())
     step = dp.train_step(train.loss_fn)
-    state = dp.state
+    state, losses = dp.state, []
     for i in range(config.steps):
-      state, _ = step(state, train.place_batch(dp, train.batch(config, text, i)))
+      state, loss = step(state, train.place_batch(dp, train.batch(config, text, i)))
+      losses.append(float(np.asarray(loss)))
+    TestDataParallelOnSharded.losses = losses
     return dp, step, state, want, config, text, train
 
   @pytest.mark.parametrize("layout,model_axis,sharded_over,axis_types", [
@@ -371,6 +374,29 @@ class TestDataParallelOnSharded:
       assert not back, [(c.axes, c.shape) for c in back]  # only the parameters' gathers
       assert any(c.op == "collective-permute" and c.axes == ("local",) for c in found)
       assert any(c.axes == ("host",) for c in found), hlo.summary(found)
+
+  @pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+  def test_tp_codec_compresses_the_activation_all_reduces(self, axis_types):
+    """``--tp-codec int8``: the row-parallel projections' sums over "model" run as
+    ``dq.tp_psum`` (an all-to-all and an all-gather of INT8 payloads), not as XLA's
+    all-reduce; the training step stays within INT8's error of the exact one."""
+    self._train("tensor", 2, axis_types=axis_types)
+    exact = self.losses
+    dp, step, state, _, config, text, train = self._train("tensor", 2, axis_types=axis_types,
+                                                          tp_codec="int8")
+    _assert_replicas_identical(state)
+    lowered = step.jitted.lower(state, train.place_batch(dp, train.batch(config, text, 0)))
+    model = [c for c in hlo.collectives(lowered.compile().as_text(), dp.mesh)
+             if "model" in c.axes]
+    assert {c.op for c in model} >= {"all-to-all", "all-gather"}, hlo.summary(model)
+    # what XLA still all-reduces over "model" is the backward pass's (the activation
+    # gradients at the column-parallel inputs: tp_psum's docstring says why)
+    forward = [c for c in model if c.op == "all-reduce" and "transpose(" not in c.line]
+    assert not forward, [c.line[-300:] for c in forward]
+    np.testing.assert_allclose(self.losses, exact, rtol=2e-3)
+    assert self.losses != exact  # (the codec did run)
+    with pytest.raises(ValueError, match="Fix: --layout tensor"):
+      self._train("data", 1, tp_codec="int8")
 
   @pytest.mark.parametrize("layout,model_axis", [("hsdp", 4), ("zero", 1)])
   def test_dynamiq_on_sharded_layouts_trains_with_identical_replicas(self, layout, model_axis):

@@ -2,6 +2,7 @@
 
     python -m examples.nnx_sharded_lm.main --layout tensor --model_axis 2   # 4 data x 2 model
     python -m examples.nnx_sharded_lm.main --layout hsdp --model_axis 4     # 2 hosts x 4 local
+    python -m examples.nnx_sharded_lm.main --layout tensor --model_axis 4 --tp-codec int8
 
 On one machine it simulates ``--devices`` CPU devices (default 8). As one process of
 a multi-process job (one per host, e.g. two: ``--num_processes 2 --process_id 0|1
@@ -23,6 +24,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
   """The module docstring as written, and every flag's default (argparse adds it)."""
 
 
+def dq_tp_codecs() -> tuple:
+  """``--tp_codec``'s choices: ``dq.TP_CODECS``."""
+  import dynamiq_jax as dq  # noqa: PLC0415
+  return dq.TP_CODECS
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The example's flags (every field of ``train.Config``, and the process layout)."""
   from . import train  # noqa: PLC0415 (jax starts only after the flags are read)
@@ -30,9 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=_HelpFormatter)
   for field in dataclasses.fields(train.Config):
     kind = type(field.default)
-    p.add_argument(f"--{field.name}", type=kind, default=field.default,
-                   choices={"layout": train.LAYOUTS, "axis_types": ("auto", "explicit")}.get(
-                       field.name),
+    names = dict.fromkeys([f"--{field.name}", f"--{field.name.replace('_', '-')}"])
+    p.add_argument(*names, type=kind, default=field.default,
+                   choices={"layout": train.LAYOUTS, "axis_types": ("auto", "explicit"),
+                            "tp_codec": dq_tp_codecs()}.get(field.name),
                    help=f"train.Config.{field.name}")
   p.add_argument("--devices", type=int, default=8,
                  help="simulated CPU devices in one process")
@@ -66,7 +74,8 @@ def main(argv=None) -> list:
   text = datasets.python_source_corpus(2_000_000).train
   mesh, _ = train.make_mesh(config, jax.devices())
   print(f"{config.layout}: mesh {dict(mesh.shape)} over {jax.device_count()} devices in "
-        f"{jax.process_count()} process(es); codec {config.codec}", flush=True)
+        f"{jax.process_count()} process(es); codec {config.codec}; tensor-parallel "
+        f"all-reduce {config.tp_codec}", flush=True)
   losses, _ = train.train(config, jax.devices(), text,
                           on_step=lambda i, loss: print(f"step {i:4d}  loss {float(loss):.6f}",
                                                         flush=True))

@@ -66,6 +66,10 @@ class Config:
     axis_types: ``"auto"`` (the compiler places what the shardings leave open) or
       ``"explicit"`` (shardings are part of the arrays' types).
     bucket_size: the reduction's most coordinates per bucket (the library's default).
+    tp_codec: ``layout="tensor"`` only: the row-parallel projections' all-reduce over
+      ``model``: ``"none"`` (the compiler's own, from the shardings) or a name in
+      ``dq.TP_CODECS`` (``dq.tp_psum`` with that codec, two-step schedule, in a
+      ``shard_map`` manual over ``model``).
   """
 
   layout: str = "tensor"
@@ -82,6 +86,7 @@ class Config:
   seed: int = 0
   axis_types: str = "auto"
   bucket_size: int = DEFAULT_BUCKET_SIZE
+  tp_codec: str = "none"
 
 
 def _linear(din, dout, axes, rngs, bias=True):
@@ -102,12 +107,28 @@ def _row_parallel_out(x):
   return sharding.spec
 
 
+def row_parallel(layer: nnx.Linear, x, out_sharding, tp_codec):
+  """``layer(x)`` for a row-parallel layer (input features split over "model"): the
+  compiler's all-reduce where ``tp_codec`` is None, else the partial sums reduced by
+  ``dq.tp_psum`` inside a ``shard_map`` manual over "model" (the other axes left as
+  they are), the bias added after the sum."""
+  if tp_codec is None:
+    return layer(x, out_sharding=out_sharding)
+  lead = (None,) * (x.ndim - 1)
+  y = jax.shard_map(lambda x, w: dq.tp_psum(x @ w, "model", codec=tp_codec),
+                    in_specs=(P(*lead, "model"), P("model", None)), out_specs=P(),
+                    axis_names={"model"})(x, layer.kernel[...])
+  return y + layer.bias[...] if layer.bias is not None else y
+
+
 class Block(nnx.Module):
   """Pre-norm block: causal self-attention (heads split over "heads"), a GELU MLP
-  (hidden units split over "mlp"); column- then row-parallel, as in Megatron."""
+  (hidden units split over "mlp"); column- then row-parallel, as in Megatron.
+  ``tp_codec``: the row-parallel projections' codec (:func:`row_parallel`)."""
 
-  def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs):
+  def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs, tp_codec=None):
     self.heads = heads
+    self.tp_codec = tp_codec
     self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
     self.qkv = _linear(dim, 3 * dim, ("embed", "heads"), rngs, bias=False)
     self.out = _linear(dim, dim, ("heads", "embed"), rngs, bias=False)
@@ -122,8 +143,9 @@ class Block(nnx.Module):
     qkv = self.qkv(self.norm1(x)).reshape(b, t, self.heads, 3, d // self.heads)
     q, k, v = (qkv[:, :, :, i] for i in range(3))
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    x = x + self.out(y.reshape(b, t, d), out_sharding=_row_parallel_out(x))
-    return x + self.down(nnx.gelu(self.up(self.norm2(x))), out_sharding=_row_parallel_out(x))
+    x = x + row_parallel(self.out, y.reshape(b, t, d), _row_parallel_out(x), self.tp_codec)
+    return x + row_parallel(self.down, nnx.gelu(self.up(self.norm2(x))), _row_parallel_out(x),
+                            self.tp_codec)
 
 
 class ByteLM(nnx.Module):
@@ -134,7 +156,12 @@ class ByteLM(nnx.Module):
         nnx.initializers.normal(0.02), ("vocab", "embed")))
     self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(),
                                                        (config.context, config.dim)))
-    self.blocks = nnx.List([Block(config.dim, config.heads, rngs=rngs)
+    tp_codec = dq.tp_codec_from_name(config.tp_codec)
+    if tp_codec is not None and config.layout != "tensor":
+      raise ValueError(f"tp_codec={config.tp_codec!r} compresses the tensor-parallel "
+                       f"all-reduce over 'model', which layout={config.layout!r} has not. "
+                       f"Fix: --layout tensor, or --tp_codec none")
+    self.blocks = nnx.List([Block(config.dim, config.heads, rngs=rngs, tp_codec=tp_codec)
                             for _ in range(config.layers)])
     self.norm = nnx.LayerNorm(config.dim, rngs=rngs)
 
