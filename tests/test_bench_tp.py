@@ -69,3 +69,9 @@ def test_tiny_run(tmp_path):
   assert set(rows) == set(payload["runs"][0]["accuracy"])
   assert all(r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows.values())
   assert rows["psum-bf16"]["ttft_speedup_vs_bf16"] == 1
+  widths = {(r["family"], r["reduce_bits"], r["gather_bits"]): r
+            for r in payload["gather_widths"]["rows"]}
+  for family in ("iid", "heavy"):  # a wider step never hurts; bits as the codec counts them
+    assert widths[family, 4, 6]["rel_error"] < widths[family, 4, 4]["rel_error"]
+    assert widths[family, 8, 8]["rel_error"] < widths[family, 6, 6]["rel_error"]
+    assert widths[family, 4, 6]["wire_bits"] == pytest.approx(5.25, abs=0.01)

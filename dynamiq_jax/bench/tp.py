@@ -184,6 +184,39 @@ def train(cfg: dict, corpus: np.ndarray, *, steps: int, batch: int, seq: int, se
   return jax.tree.map(np.asarray, params), losses
 
 
+# -- the gather step's width (no processes) ----------------------------------------------
+
+WIDTHS = ((8, 8), (6, 6), (4, 4), (4, 6), (4, 8))
+
+
+def gather_widths(n: int, d: int, families=("iid", "heavy"), seed: int = 0) -> list:
+  """The two-step all-reduce's relative error with IntGroup at ``(reduce bits, gather bits)``
+  (:data:`WIDTHS`) on ``n`` ranks' synthetic data of ``d`` values, and the mean bits per
+  value on the wire: the "INT6" variant (wider gather than reduce) measured."""
+  import jax
+  import jax.numpy as jnp
+
+  import dynamiq_jax as dq
+  from dynamiq_jax.bench.reference import paper_model_gradients
+  from dynamiq_jax.codecs.base import Keys
+
+  keys = Keys.from_key(jax.random.key(seed), bucket=0, rank=0).at(0, 0)
+  trip = lambda c, x: np.asarray(c.decode(c.encode(jnp.asarray(x), None, keys), None))
+  rows = []
+  for family in families:
+    g = np.asarray(paper_model_gradients(family, n, d, seed), np.float32)
+    exact = g.astype(np.float64).sum(0)
+    for b_reduce, b_gather in WIDTHS:
+      reduce, gather = dq.codecs.IntGroup(bits=b_reduce), dq.codecs.IntGroup(bits=b_gather)
+      total = sum(trip(reduce, g[r].reshape(-1, reduce.group)) for r in range(n))
+      out = trip(gather, total.astype(np.float32)).reshape(-1)
+      bits = (reduce.wire_bits(d, n) + gather.wire_bits(d, n)) / (2 * d)
+      rows.append({"family": family, "reduce_bits": b_reduce, "gather_bits": b_gather,
+                   "wire_bits": bits,
+                   "rel_error": float(np.linalg.norm(out - exact) / np.linalg.norm(exact))})
+  return rows
+
+
 # -- a worker process -----------------------------------------------------------------
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
@@ -387,6 +420,9 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--eval-windows", type=int, default=8,
                  help="held-out windows of --train-seq tokens for the perplexity")
   p.add_argument("--seed", type=int, default=0, help="initialisation and data order")
+  p.add_argument("--phases", nargs="+", choices=["widths", "serve"], default=["widths", "serve"],
+                 help="widths: the gather step's width measured on synthetic data (no "
+                      "processes); serve: the tensor-parallel serving over the network")
   common.add_process_flags(p, heartbeat_s=30, timeout=3600,
                            timeout_help="seconds any one phase may take before the job is "
                                         "stopped")
@@ -416,6 +452,25 @@ def main(argv=None):
   model = TINY_MODEL if args.tiny else MODEL
   if any(model["heads"] % w for w in args.workers):
     raise SystemExit(f"--workers {args.workers}: each must divide the {model['heads']} heads")
+  payload = {"benchmark": "tp", "command": common.command_line(), "machine": common.machine()}
+  if "widths" in args.phases:
+    n = max(args.workers)
+    payload["gather_widths"] = {"n": n, "rows": gather_widths(n, 1 << (12 if args.tiny else 16))}
+    print(f"== the two-step all-reduce over {n} ranks, IntGroup: reduce and gather widths ==")
+    for row in payload["gather_widths"]["rows"]:
+      print(f"{row['family']:6s} reduce INT{row['reduce_bits']} gather INT{row['gather_bits']}: "
+            f"{row['wire_bits']:.3f} bits per value, relative error {row['rel_error']:.4f}")
+  if "serve" in args.phases:
+    payload.update(_serve(args, model))
+  name = "tp_tiny.json" if args.tiny else "tp.json" if set(args.phases) == {"widths", "serve"} \
+      else f"tp_{'_'.join(args.phases)}.json"
+  path = common.write_json(os.path.join(common.results_dir(args.out), name), payload)
+  print(f"\nwrote {path}\ncommand: {payload['command']}")
+  return payload
+
+
+def _serve(args, model) -> dict:
+  """Trains the LM, then serves it over ``args.workers`` processes: the payload's part."""
   from dynamiq_jax.bench.lm import stdlib_corpus
   corpus = stdlib_corpus()
   split = int(0.9 * corpus.size)
@@ -447,18 +502,13 @@ def main(argv=None):
       with open(cfg_path, "w") as f:
         json.dump(cfg, f)
       runs.append(_drive(args, cfg, cfg_path, shaped, rates))
-  payload = {
-      "benchmark": "tp", "command": common.command_line(), "machine": common.machine(),
+  return {
       "shaped": shaped, "model": model, "train_steps": args.train_steps,
       "train_loss": [losses[0], losses[-1]], "prompt": args.prompt, "generate": args.generate,
       "link_model": ("each worker's veth into a bridge namespace rate limited with tc tbf in "
                      "both directions" if shaped else "plain loopback, no shaping"),
       "runs": runs,
   }
-  name = "tp_tiny.json" if args.tiny else "tp.json"
-  path = common.write_json(os.path.join(common.results_dir(args.out), name), payload)
-  print(f"\nwrote {path}\ncommand: {payload['command']}")
-  return payload
 
 
 def _drive(args, cfg, cfg_path, shaped, rates):
