@@ -39,7 +39,8 @@ def test_the_guide_has_its_sections():
       "Sharded models: tensor, FSDP and HSDP meshes",
       "Sharded models: tensor, FSDP and HSDP meshes",
       "Sparsification: ARC-Top-K and error feedback", "Scanned layers: `stacked=`",
-      "Moshpit averaging: `schedule=\"moshpit\"`", "Checkpointing with Orbax",
+      "Moshpit averaging: `schedule=\"moshpit\"`",
+      "Tensor-parallel all-reduce: `dq.tp_psum`", "Checkpointing with Orbax",
       "Lowering for GPUs from a CPU host", "A CPU run stops with a rendezvous timeout"]
 
 
