@@ -203,7 +203,7 @@ class _Worker:
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
-  from dynamiq_jax.bench.netns import join_job
+  from dynamiq_jax.bench.netns import driver_commands, join_job
 
   mesh, say, sync = join_job(cfg, rank, coordinator, barrier="dropcompute-step")
   worker = _Worker(cfg, mesh)
@@ -211,15 +211,8 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
   worker.run(everything, noise=False, steps=1, evaluate=True, equal_samples=False,
              sync=sync)  # compile, on the unshaped links
   say("READY", {"rank": rank})
-  for line in sys.stdin:
-    cmd = line.split()
-    if not cmd:
-      continue
-    if cmd[0] == "quit":
-      return
-    if cmd[0] != "run":
-      # run <noise 0|1> <steps> <evaluate 0|1> <equal samples 0|1> <label index>:<mode> ...
-      raise SystemExit(f"unknown command {line!r}")
+  for cmd in driver_commands("run", usage="run <noise 0|1> <steps> <evaluate 0|1> <equal "
+                                            "samples 0|1> <label index>:<mode> ..."):
     configs = [(cfg["labels"][int(c.split(":")[0])], c.split(":")[1]) for c in cmd[5:]]
     res = worker.run(configs, noise=cmd[1] == "1", steps=int(cmd[2]), evaluate=cmd[3] == "1",
                      equal_samples=cmd[4] == "1", sync=sync)

@@ -47,7 +47,7 @@ import time
 import numpy as np
 
 from dynamiq_jax.bench import common
-from dynamiq_jax.bench.netns import shaping, worker_job
+from dynamiq_jax.bench.netns import driver_commands, shaping, worker_job
 
 __all__ = ["main", "parse_method", "summarize"]
 
@@ -198,14 +198,7 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
                 "wire": {f"{s}|{m}": w for s, m, _, _, w in jobs},
                 "lm_wire": {m: w for m, _, w in lm_steps}})
 
-  for line in sys.stdin:
-    cmd = line.split()
-    if not cmd:
-      continue
-    if cmd[0] == "quit":
-      return
-    if cmd[0] != "measure":
-      raise SystemExit(f"unknown command {line!r}")
+  for _ in driver_commands("measure"):
     times = {}
     for size_mb, method, fn, x, _ in jobs:
       times[f"{size_mb}|{method}"] = [timed(fn, x) for _ in range(cfg["repeats"])]

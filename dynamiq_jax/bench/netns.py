@@ -25,7 +25,8 @@ import socket
 import subprocess
 import sys
 
-__all__ = ["Network", "can_shape", "NetworkError", "shaping", "worker_job", "join_job"]
+__all__ = ["Network", "can_shape", "NetworkError", "shaping", "worker_job", "join_job",
+           "driver_commands"]
 
 SUBNET = "10.77.0"
 
@@ -102,6 +103,21 @@ def join_job(cfg: dict, rank: int, coordinator: str, *, barrier: str):
   say = lambda tag, obj: print(f"{tag} {json.dumps(obj)}", flush=True)
   sync = lambda: multihost_utils.sync_global_devices(barrier)
   return mesh, say, sync
+
+
+def driver_commands(*allowed: str, usage: str = ""):
+  """A worker's side of :meth:`dynamiq_jax.multiprocess.Job.send`: yields each command the
+  driver sends on stdin as its words, until ``quit`` (or the end of stdin); a command
+  not in ``allowed`` stops the worker with an error (``usage`` says the form)."""
+  for line in sys.stdin:
+    cmd = line.split()
+    if not cmd:
+      continue
+    if cmd[0] == "quit":
+      return
+    if cmd[0] not in allowed:
+      raise SystemExit(f"unknown command {line!r}" + (f"; expected {usage}" if usage else ""))
+    yield cmd
 
 
 def _run(*cmd: str) -> str:

@@ -47,7 +47,7 @@ import time
 import numpy as np
 
 from dynamiq_jax.bench import common
-from dynamiq_jax.bench.netns import shaping, worker_job
+from dynamiq_jax.bench.netns import driver_commands, shaping, worker_job
 
 __all__ = ["main", "init_params", "forward", "train", "param_specs", "parse_method"]
 
@@ -325,14 +325,7 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
     compiled[method] = (prefill, decode)
   say("READY", {"rank": rank, "accuracy": accuracy})
 
-  for line in sys.stdin:
-    cmd = line.split()
-    if not cmd:
-      continue
-    if cmd[0] == "quit":
-      return
-    if cmd[0] != "measure":
-      raise SystemExit(f"unknown command {line!r}")
+  for _ in driver_commands("measure"):
     times = {}
     for method, (prefill, decode) in compiled.items():
       pre, dec = [], []

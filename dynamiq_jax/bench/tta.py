@@ -318,7 +318,7 @@ def steps_to_target(run: dict, target: float, window: int) -> int | None:
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
-  from dynamiq_jax.bench.netns import join_job
+  from dynamiq_jax.bench.netns import driver_commands, join_job
 
   mesh, say, sync = join_job(cfg, rank, coordinator, barrier="tta-step")
   import jax
@@ -329,12 +329,8 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
     params, opt = trainers[label].init(0)  # compile (the links are not shaped yet)
     jax.block_until_ready(trainers[label].step(params, opt, trainers[label].batch(0, 0)))
   say("READY", {"rank": rank})
-  for line in sys.stdin:
-    cmd = line.split()
-    if not cmd:
-      continue
-    if cmd[0] == "quit":
-      return
+  for cmd in driver_commands("time", "train",
+                             usage="time <steps> or train <label index> <seed> <steps>"):
     if cmd[0] == "time":  # time <steps>: every codec, from seed 0's start
       times = {}
       for label, tr in trainers.items():
@@ -344,8 +340,6 @@ def _worker(cfg: dict, rank: int, coordinator: str) -> None:
       label = cfg["labels"][int(cmd[1])]
       say("RESULT", {"rank": rank, "run": train_run(trainers[label], int(cmd[2]), int(cmd[3]),
                                                    sync=sync)})
-    else:
-      raise SystemExit(f"unknown command {line!r}")
 
 
 # ---------------------------------------------------------------------------
