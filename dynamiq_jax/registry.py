@@ -45,6 +45,7 @@ _CODECS: dict[str, Callable[..., object]] = {
 }
 
 _TP_CODECS: dict[str, Callable[[], object]] = {
+    "bf16": lambda: codecs.Bf16(),
     "int8": lambda: codecs.IntGroup(bits=8),
     "int4": lambda: codecs.IntGroup(bits=4),
     "dynamiq": lambda: codecs.DynamiQ(bits=5),
@@ -69,7 +70,8 @@ TP_CODECS = ("none",) + tuple(_TP_CODECS)
 def tp_codec_from_name(name: str):
   """The codec of :func:`dynamiq_jax.tp_psum` called ``name`` (None for ``"none"``:
   ``jax.lax.psum``): ``"int8"`` / ``"int4"`` (Flash Communication's, groups of 128),
-  ``"dynamiq"`` (5 bits), ``"mxfp8"`` (E4M3, E8M0 block scales: stateless)."""
+  ``"dynamiq"`` (5 bits), ``"mxfp8"`` (E4M3, E8M0 block scales: stateless), ``"bf16"``
+  (uncompressed bf16 partial sums through the same schedule, for comparison)."""
   if name == "none":
     return None
   try:

@@ -29,6 +29,7 @@ class Cast(Codec):
 
   reports_contribution = True
   supports_scatter = True  # chunk c is coordinates [c d/n, (c+1) d/n)
+  self_scaled = True  # a float payload needs no agreed scale; non-finite values stay so
 
   _dtype = None
 
