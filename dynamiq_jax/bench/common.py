@@ -39,6 +39,19 @@ def add_process_flags(parser, *, heartbeat_s: int, timeout: float, timeout_help:
   parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
 
 
+def run_worker(args, worker) -> bool:
+  """A networked benchmark started as a worker process (``--worker r --coordinator
+  host:port --config path``, see :func:`add_process_flags`): runs ``worker(cfg, r,
+  coordinator)`` with the driver's JSON configuration and returns True; False for the
+  driver itself."""
+  if args.worker is None:
+    return False
+  with open(args.config) as f:
+    cfg = json.load(f)
+  worker(cfg, args.worker, args.coordinator)
+  return True
+
+
 def results_dir(path: str | None = None) -> str:
   out = path or os.path.join(os.getcwd(), "docs", "results")
   os.makedirs(out, exist_ok=True)

@@ -709,10 +709,7 @@ def _config(args) -> dict:
 
 def main(argv=None):
   args = _parse(argv)
-  if args.worker is not None:
-    with open(args.config) as f:
-      cfg = json.load(f)
-    _worker(cfg, args.worker, args.coordinator)
+  if common.run_worker(args, _worker):
     return None
   if args.from_json:
     return _resummarize(args)

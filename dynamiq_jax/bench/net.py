@@ -428,10 +428,7 @@ def _parse(argv):
 
 def main(argv=None):
   args = _parse(argv)
-  if args.worker is not None:
-    with open(args.config) as f:
-      cfg = json.load(f)
-    _worker(cfg, args.worker, args.coordinator)
+  if common.run_worker(args, _worker):
     return None
   for m in args.methods:
     kind, _, schedule, _ = parse_method(m)  # fail early on a bad name

@@ -675,9 +675,7 @@ def main(argv=None):
     _gradient_child(args.tiny, args.codec, args.gradient_bucket_size, args.gradient_target,
                     args.gradient_child)
     return None
-  if args.worker is not None:
-    with open(args.config) as f:
-      _worker(json.load(f), args.worker, args.coordinator)
+  if common.run_worker(args, _worker):
     return None
   import jax
   jax.config.update("jax_num_cpu_devices", 8)

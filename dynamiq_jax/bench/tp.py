@@ -431,10 +431,7 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   args = build_parser(tiny="--tiny" in argv).parse_args(argv)
-  if args.worker is not None:
-    with open(args.config) as f:
-      cfg = json.load(f)
-    _worker(cfg, args.worker, args.coordinator)
+  if common.run_worker(args, _worker):
     return None
   for m in args.methods:
     parse_method(m)  # fail early on a bad name

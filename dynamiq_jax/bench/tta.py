@@ -428,10 +428,7 @@ def _training_config(args) -> dict:
 
 def main(argv=None):
   args = _parse(argv)
-  if args.worker is not None:
-    with open(args.config) as f:
-      cfg = json.load(f)
-    _worker(cfg, args.worker, args.coordinator)
+  if common.run_worker(args, _worker):
     return None
   from dynamiq_jax.examples import devices as ex_devices  # examples/, shipped in the wheel
 
