@@ -22,6 +22,7 @@ from dynamiq_jax.dropcompute import DropCompute
 from dynamiq_jax.dropcompute import DropComputeStats
 from dynamiq_jax.dropcompute import choose_threshold
 from dynamiq_jax.dropcompute import dropcompute_step
+from dynamiq_jax.lossy import lossy_init
 from dynamiq_jax.registry import REDUCERS
 from dynamiq_jax.registry import TP_CODECS
 from dynamiq_jax.registry import codec_from_name
@@ -31,6 +32,7 @@ from dynamiq_jax.scatter import reduce_scatter
 from dynamiq_jax.scatter import scatter_dimensions
 from dynamiq_jax.scatter import scatter_wire_stats
 from dynamiq_jax.schedules.context import UnboundAxisError
+from dynamiq_jax.schedules.loss import PacketLoss
 from dynamiq_jax.schedules.moshpit import Moshpit
 from dynamiq_jax.simulate import simulate
 from dynamiq_jax.tp import tp_psum
@@ -85,6 +87,8 @@ __all__ = [
     "tp_codec_from_name",
     "UnboundAxisError",
     "Moshpit",
+    "PacketLoss",
+    "lossy_init",
     "simulate",
     "tp_psum",
     "as_varying",

@@ -47,6 +47,7 @@ from dynamiq_jax.buckets import report
 from dynamiq_jax.buckets import unpack
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import axis_context, axis_names
+from dynamiq_jax.schedules.loss import PacketLoss
 from dynamiq_jax.schedules.local import local_specs, model_axes
 from dynamiq_jax.schedules.moshpit import as_moshpit, is_moshpit
 from dynamiq_jax.schedules.plan import get_plan
@@ -54,7 +55,7 @@ from dynamiq_jax.schedules.plan import get_plan
 __all__ = [
     "allreduce", "allreduce_local", "AllReduceStats", "wire_stats", "init_codec_state",
     "bucket_layout", "Segment", "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "HIERARCHICAL",
-    "hierarchical_axes", "hierarchical_share",
+    "hierarchical_axes", "hierarchical_share", "check_loss",
 ]
 
 HIERARCHICAL = hierarchical.HIERARCHICAL
@@ -106,7 +107,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
               average: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
               max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
               implementation: str | None = None, codec_state=None,
-              return_own: bool = False, specs=None, stacked=None, absent=None):
+              return_own: bool = False, specs=None, stacked=None, absent=None, loss=None):
   """Compressed all-reduce of a gradient pytree over ``axis_name``.
 
   Inside a ``jax.shard_map`` that is manual over ``axis_name`` only and
@@ -170,6 +171,14 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     absent: Moshpit averaging only: bool ``[rounds, n]``, the same on every
       rank, True where rank r is absent from round t (simulated dropout,
       besides the schedule's own ``dropout``).
+    loss: ``schedule="two_step"`` only: a :class:`~dynamiq_jax.PacketLoss`, the
+      reduce step's payload packets lost (simulated: XLA's collectives lose
+      nothing) and each chunk's sum estimated without bias from those that
+      arrived (:mod:`dynamiq_jax.schedules.loss`). The metadata pass, the guard
+      and the gather step are not lossy (every rank keeps the same result: a
+      rank that missed a packet of the reduced gradient would step its replica
+      apart from the others; the sharded optimizer's parameter broadcast is
+      where that loss is absorbed, ``data_parallel_step(loss=...)``).
 
   Returns:
     ``(tree, stats)``: the reduced pytree (same structure, shapes and dtypes;
@@ -196,6 +205,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     True
   """
   check_codec(codec)
+  check_loss(loss, schedule, stacked)
   hier = schedule in HIERARCHICAL
   if hier:
     hierarchical_axes(axis_name, codec, codec_state, return_own)
@@ -222,7 +232,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       allreduce_local, axis_name=axis_name, codec=codec, schedule=schedule,
       average=average, bucket_size=bucket_size, max_buckets=max_buckets,
       implementation=implementation, codec_state=codec_state, return_own=return_own,
-      absent=absent)
+      absent=absent, loss=loss)
   if local is None:
     out, stats, err, ref = reduce_local(tree, key=key, leaf_order=leaf_order, stacked=flags)
     return out, stats._replace(error_estimate=err if ref is None else relative(err, ref))
@@ -236,7 +246,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
 
 def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_size,
                     max_buckets, leaf_order, implementation, codec_state, return_own,
-                    stacked=None, absent=None):
+                    stacked=None, absent=None, loss=None):
   """:func:`allreduce` of local arrays -> ``(tree, stats, err, ref)``: the estimated
   squared error and the squared norm of the result, or ``(estimate, None)`` where the
   estimate is final (one rank, or an empty tree). ``stacked``: None, or which leaves are
@@ -283,7 +293,7 @@ def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_si
     stats = stats._replace(codec_state=tuple(states) if codec.stateful else None, own=own)
     return unpack(xs, layout, arrays, treedef), stats, jnp.float32(0), None
   get_plan(schedule, ctx.n)  # validates the schedule's name before tracing any bucket
-  program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own)
+  program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own, loss)
   outs, new_states, owns, errs, _ = zip(*engine.reduce_buckets(
       xs, program, key=key, states=states))
   own = None
@@ -327,7 +337,7 @@ def _looped(arrays, treedef, flags, *, codec, schedule, axis_name, key, average,
       own = jax.tree_util.tree_unflatten(treedef, [a.astype(jnp.float32) for a in arrays])
     return (jax.tree_util.tree_unflatten(treedef, arrays), stats._replace(own=own),
             jnp.float32(0), None)
-  program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own)
+  program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own, loss)
   size = loops.loop_bucket(shapes, flags, bucket_size, codec.granularity * n)
   outs, owns, err, ref = loops.reduce_stacked(arrays, flags, program, key=key, size=size,
                                               n_divide=n if average else None)
@@ -389,6 +399,22 @@ def _moshpit(arrays, treedef, layout, *, codec, schedule, axis_name, key, averag
   stats = AllReduceStats(jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank),
                          jnp.int32(rep.coords), uncompressed=jnp.int32(rep.uncompressed))
   return unpack(outs, layout, arrays, treedef), stats, nan, None
+
+
+def check_loss(loss, schedule, stacked=None):
+  """``loss=`` checked: None or a :class:`PacketLoss` on ``schedule="two_step"``."""
+  if loss is None:
+    return
+  if not isinstance(loss, PacketLoss):
+    raise TypeError(f"loss={loss!r} must be a dq.PacketLoss(p=...) or None")
+  if not (isinstance(schedule, str) and schedule == "two_step"):
+    raise ValueError(
+        f"loss= runs on schedule='two_step', where a lost packet removes one rank's "
+        f"contribution, which the owner of the chunk can count and correct for; on "
+        f"schedule={schedule!r} a hop forwards partial sums, and one lost packet would take "
+        f"several ranks' contributions with it. Fix: schedule='two_step'")
+  if stacked is not None:
+    raise ValueError("stacked= does not run lossy links; leave stacked=None with loss=")
 
 
 def _check_sharded_codec(codec, codec_state):

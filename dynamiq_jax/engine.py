@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -50,14 +51,16 @@ from dynamiq_jax.codecs import base as codec_base
 from dynamiq_jax.codecs.base import Bucket, Codec, Keys, bucket_key_states
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context
-from dynamiq_jax.schedules.executor import HopOps, decode_all, gather_payloads, reduce_scatter
+from dynamiq_jax.schedules.executor import HopOps, Lossy, decode_all, gather_payloads
+from dynamiq_jax.schedules.executor import reduce_scatter
+from dynamiq_jax.schedules.loss import REDUCE_HOP, loss_key
 from dynamiq_jax.schedules.executor import trace_settings, two_step
 from dynamiq_jax.schedules.local import run_on_local_shards, sharding_groups
 from dynamiq_jax.schedules.plan import TreePlan, get_plan
 
 __all__ = [
     "SAFE_EXPONENT", "guard", "guard_votes", "guarded", "unguard", "one_after_another",
-    "hop_ops", "combine_metadata", "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
+    "hop_ops", "combine_metadata", "lossy_receive", "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
     "reduce_buckets", "program_keys", "wire_pass", "decode_pass", "wire_loop", "zeros_after", "decode_loop",
     "run_sharded",
 ]
@@ -163,17 +166,34 @@ def combine_metadata(meta, ctx: AxisContext, keys: Keys):
   raise ValueError(f"Metadata.combine={meta.combine!r} must be 'max' or a Codec")
 
 
+def lossy_receive(loss, codec: Codec, bucket: Bucket, keys: Keys, ctx: AxisContext, chunks):
+  """What this rank lost of the reduce step's payloads of its chunk (:class:`Lossy`), or
+  None without ``loss``: packets of the codec's wire bits per coordinate, cut at its
+  blocks, drawn from the bucket's key (identical on every rank)."""
+  if loss is None:
+    return None
+  elements = math.prod(jax.tree.leaves(chunks)[0].shape[1:])
+  coords = loss.coords_per_packet(codec.wire_bits(bucket.d, bucket.n) / bucket.d,
+                                  codec.granularity)
+  lost = loss.draw(loss_key(keys.state), REDUCE_HOP, jnp.arange(ctx.n, dtype=jnp.int32),
+                   ctx.rank(), -(-elements // coords))
+  return Lossy(loss, lost, coords)
+
+
 def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
-              ctx: AxisContext, return_own: bool):
+              ctx: AxisContext, return_own: bool, loss=None):
   """A guarded bucket's collectives: metadata pass and payload pass -> (gathered payloads,
-  the plan's aux, own contribution or None). :func:`decode_pass` finishes it."""
+  the plan's aux, own contribution or None). :func:`decode_pass` finishes it. With
+  ``loss`` (a :class:`~dynamiq_jax.schedules.loss.PacketLoss`), the payload's reduce
+  step loses packets; the metadata pass and the gather step do not."""
   meta = codec.metadata(x, bucket, state, keys)
   if meta is not None:
     with jax.named_scope("metadata"):
       meta = combine_metadata(meta, ctx, keys)
   p = codec.plan(x, meta, bucket, state, keys)
-  payloads = gather_payloads(plan, ctx, reduce_scatter(plan, ctx, p.chunks,
-                                                       hop_ops(codec, p.aux, keys)))
+  payloads = gather_payloads(plan, ctx, reduce_scatter(
+      plan, ctx, p.chunks, hop_ops(codec, p.aux, keys),
+      lossy=lossy_receive(loss, codec, bucket, keys, ctx, p.chunks)))
   own = codec.contribution(x, p.aux, bucket) if return_own else None
   return payloads, p.aux, own
 
@@ -188,7 +208,7 @@ def decode_pass(payloads, aux, codec: Codec, bucket: Bucket, state, plan: TreePl
 
 
 def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
-               ctx: AxisContext, return_own: bool):
+               ctx: AxisContext, return_own: bool, loss=None):
   """One guarded bucket through the codec: metadata pass, payload pass, finish -> (out, new
   state, own, estimated squared error: NaN where the codec makes no estimate, sent).
 
@@ -198,7 +218,7 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
   the optimizer that reads them, while the next buckets are on the wire: what
   waits in between is the compressed payloads, not the float32 result.
   """
-  payloads, aux, own = wire_pass(x, codec, bucket, state, keys, plan, ctx, return_own)
+  payloads, aux, own = wire_pass(x, codec, bucket, state, keys, plan, ctx, return_own, loss)
   sent = jax.tree.leaves(payloads)[0].reshape(-1)[0].astype(jnp.float32)
   out, new_state, err = decode_pass(payloads, aux, codec, bucket, state, plan)
   return out, new_state, own, err, sent
@@ -221,6 +241,7 @@ class AllReduce:
   ``program(x, after, words, index, state) -> (out, new state, own or None, err, sent)``:
   ``x`` the bucket's flat float32 data, ``after`` the chained value
   (:func:`one_after_another`), ``words`` its key words, ``state`` the codec's state.
+  ``loss``: the reduce step's packet loss (two-step schedule), or None.
   """
 
   codec: Codec
@@ -228,6 +249,7 @@ class AllReduce:
   axis_name: Any
   implementation: str | None
   return_own: bool
+  loss: Any = None
 
   def __call__(self, x, after, words, index, state):
     ctx = axis_context(self.axis_name)
@@ -238,7 +260,7 @@ class AllReduce:
       nonfinite, x, scale = guard(x, ctx, after)
     out, new_state, own, err, sent = codec_pass(
         x, used, Bucket(index, d, ctx.n, self.implementation), state,
-        program_keys(words, index, ctx), plan, ctx, self.return_own)
+        program_keys(words, index, ctx), plan, ctx, self.return_own, self.loss)
     own = own / scale if self.return_own else None
     return (unguard(out, nonfinite, scale), state if used is not self.codec else new_state,
             own, err / (scale * scale), sent)
@@ -252,7 +274,8 @@ class AllReduce:
       nonfinite, x, scale = guard(x, ctx)
     payloads, aux, own = wire_pass(
         x, used, Bucket(index, x.shape[0], ctx.n, self.implementation), None,
-        program_keys(words, index, ctx), get_plan(self.schedule, ctx.n), ctx, self.return_own)
+        program_keys(words, index, ctx), get_plan(self.schedule, ctx.n), ctx, self.return_own,
+        self.loss)
     return payloads, aux, (nonfinite, scale), own / scale if self.return_own else None
 
   def decode(self, payloads, aux, guarded, d: int, index):
@@ -270,7 +293,8 @@ class ReduceScatter:
   """One bucket's reduce-scatter on a flat schedule.
 
   ``program(rows, after, words, index, state) -> (this rank's row, own rows or None,
-  sent)``: ``rows`` [n, m], row r the slice that rank r keeps.
+  sent)``: ``rows`` [n, m], row r the slice that rank r keeps. ``loss``: as
+  :class:`AllReduce`'s.
   """
 
   codec: Codec
@@ -278,6 +302,7 @@ class ReduceScatter:
   axis_name: Any
   implementation: str | None
   return_own: bool
+  loss: Any = None
 
   def __call__(self, rows, after, words, index, state):
     del state
@@ -301,7 +326,8 @@ class ReduceScatter:
         meta = combine_metadata(meta, ctx, keys)
     p = used.plan(x, meta, bucket, None, keys)
     with jax.named_scope("reduce_scatter"):
-      mine = reduce_scatter(plan, ctx, p.chunks, hop_ops(used, p.aux, keys), encode_root=False)
+      mine = reduce_scatter(plan, ctx, p.chunks, hop_ops(used, p.aux, keys), encode_root=False,
+                            lossy=lossy_receive(self.loss, used, bucket, keys, ctx, p.chunks))
     c = (ctx.rank() - plan.root) % n  # the chunk this rank owns: its own row
     full = jax.tree.map(
         lambda a: jax.lax.dynamic_update_index_in_dim(jnp.zeros((n,) + a.shape, a.dtype), a, c,

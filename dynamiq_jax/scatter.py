@@ -44,6 +44,7 @@ import numpy as np
 from dynamiq_jax import engine
 from dynamiq_jax._sizes import round_up
 from dynamiq_jax.allreduce import HIERARCHICAL
+from dynamiq_jax.allreduce import check_loss
 from dynamiq_jax.allreduce import allreduce_local
 from dynamiq_jax.allreduce import hierarchical_axes
 from dynamiq_jax.allreduce import hierarchical_share
@@ -76,7 +77,8 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
                    schedule: str = "ring", average: bool = True,
                    bucket_size: int = DEFAULT_BUCKET_SIZE,
                    max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
-                   implementation: str | None = None, return_own: bool = False, specs=None):
+                   implementation: str | None = None, return_own: bool = False, specs=None,
+                   loss=None):
   """Compressed reduce-scatter of a gradient pytree over ``axis_name``.
 
   Args:
@@ -93,7 +95,7 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
       or None; None all-reduces that leaf whole (every rank gets all of it).
       The dimension's size must be a multiple of the number of ranks it is
       split over (:func:`scatter_dimensions` picks such dimensions).
-    schedule: ``"ring"``, ``"butterfly"`` or ``"hierarchical"``.
+    schedule: ``"ring"``, ``"butterfly"``, ``"two_step"`` or ``"hierarchical"``.
     average: the mean over ranks (workers pre-divide by n) or the sum.
     bucket_size: the most coordinates in one bucket (all ranks' slices).
     max_buckets: the most buckets of scattered leaves (and as many again of
@@ -105,6 +107,9 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
     specs: the leaves' ``PartitionSpec`` on the mesh, needed where other mesh
       axes are ``AxisType.Auto`` (:func:`dynamiq_jax.allreduce`). A leaf's
       scattered dimension must not be sharded over another mesh axis.
+    loss: a :class:`~dynamiq_jax.PacketLoss` (``schedule="two_step"``): the
+      payload packets lost on their way to each slice's owner, who estimates
+      its slice of the sum from those that arrived, as :func:`dynamiq_jax.allreduce`.
 
   Returns:
     ``(tree, stats)``: each scattered leaf replaced by this rank's slice of the
@@ -133,6 +138,7 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
     ZeRO++ (Wang et al., 2023) quantises the same collective, hierarchically (qgZ).
   """
   check_codec(codec)
+  check_loss(loss, schedule)
   hier = schedule in HIERARCHICAL
   if hier:
     hierarchical_axes(axis_name, codec, None, return_own)
@@ -159,7 +165,7 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
   run = functools.partial(
       _reduce_scatter_local, axis_name=axis_name, codec=codec, schedule=schedule,
       average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-      implementation=implementation, return_own=return_own)
+      implementation=implementation, return_own=return_own, loss=loss)
   if local is None:
     out, stats, _, _ = run(tree, dims=dims, key=key, leaf_order=leaf_order)
     return out, stats
@@ -275,7 +281,7 @@ def _scattered_layout(pieces, codec, n: int, bucket_size: int, max_buckets):
 
 
 def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, average, bucket_size,
-                          max_buckets, leaf_order, implementation, return_own):
+                          max_buckets, leaf_order, implementation, return_own, loss=None):
   """:func:`reduce_scatter` of local arrays -> ``(tree, stats, err, ref)``: ``err`` and
   ``ref`` the whole leaves' expected squared error and squared norm (None: no whole
   leaves, or no estimate from the codec), for a caller that weighs several groups."""
@@ -311,7 +317,8 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
                                     implementation, gather=False)
       bucket_key = jax.random.fold_in(key, jax.lax.axis_index(names[1]))
     else:
-      program = engine.ReduceScatter(codec, schedule, axis_name, implementation, return_own)
+      program = engine.ReduceScatter(codec, schedule, axis_name, implementation, return_own,
+                                     loss)
       bucket_key = key
     results = engine.reduce_buckets(buckets, program, key=bucket_key)
     mine = {i: [] for i in scat}
@@ -341,7 +348,7 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
         sub, axis_name=axis_name, codec=codec, schedule=schedule,
         key=jax.random.fold_in(key, WHOLE_LEAVES_STREAM), average=average,
         bucket_size=bucket_size, max_buckets=max_buckets, leaf_order="forward",
-        implementation=implementation, codec_state=None, return_own=return_own)
+        implementation=implementation, codec_state=None, return_own=return_own, loss=loss)
     for j, i in enumerate(whole):
       outs[i] = out[j]
       if return_own:

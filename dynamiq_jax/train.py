@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dynamiq_jax import lossy
 from dynamiq_jax.schedules.context import as_varying
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
@@ -268,7 +269,7 @@ def gather_params(p, dims, axes):
 def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                        *, mesh, axis_name="data", has_aux: bool = False,
                        donate: bool = True, sync_every: int | None = None,
-                       per_rank: bool = False):
+                       per_rank: bool = False, loss=None):
   """A jitted data-parallel step: local gradients, ``tx`` all-reduces them.
 
   ``tx`` must start with the gradient reduction over ``axis_name``
@@ -305,6 +306,14 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
       carries a leading axis of size n split over ``axis_name``, rank r's copy
       at index r (:func:`per_rank_copies` makes them from one copy). Without it,
       such a reduction raises a ValueError rather than let replicas drift.
+    loss: a :class:`~dynamiq_jax.PacketLoss`: training over lossy links
+      (:mod:`dynamiq_jax.lossy`), with ``per_rank=True`` and one data axis. Each
+      rank owns a shard of every large leaf: ``tx`` starts with
+      ``dq.compressed_psum_scatter(schedule="two_step", loss=...)`` and gets that
+      shard (``dq.lossy_init`` makes the replicas and each rank's optimizer state
+      of its shard); each owner's updated shard then reaches the other replicas
+      packet by packet with the same loss process, and a replica that misses a
+      packet keeps its stale values there.
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss[, aux])``.
@@ -312,7 +321,9 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
     with (place the state with :func:`data_parallel_init`); every batch leaf
     is split over ``axis_name`` along its leading axis (``jax.device_put``
     it with ``NamedSharding(mesh, P(axis_name))`` first). ``loss`` is the
-    mean over ranks, summed in a fixed order.
+    mean over ranks, summed in a fixed order. With ``loss``, one more output
+    last: the largest L2 distance of a replica from the owners' parameters
+    this step (:func:`dynamiq_jax.lossy.lossy_broadcast`).
   """
   axes = axis_names(axis_name)
   for a in axes:
@@ -321,6 +332,8 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
                        f"{dict(mesh.shape)}; pass one of {tuple(mesh.shape)}")
   batch_spec = P(data_entry(axes))
   model = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
+  if loss is not None:
+    lossy.check_lossy_step(loss, per_rank, axes, model)
 
   def build(param_specs, state_specs):
     data_param = jax.tree.map(lambda s: only_axes(s, axes), param_specs,
@@ -338,6 +351,8 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
     extra = {"specs": inner_specs} if model else {}
 
     def local(params, opt_state, batch):
+      if loss is not None:
+        return lossy_local(params, opt_state, batch)
       if per_rank:  # this rank's copies (the leading axis, of size 1 here), varying already
         params, opt_state = jax.tree.map(lambda a: a[0], (params, opt_state))
         full = params
@@ -359,7 +374,28 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
         return params, opt_state, out[0], out[1]
       return params, opt_state, out
 
-    n_extra = 2 if has_aux else 1
+    def lossy_local(params, opt_state, batch):
+      axis = axes[0]
+      n, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+      params, opt_state = jax.tree.map(lambda a: a[0], (params, opt_state))
+      leaves, treedef = jax.tree.flatten(params)
+      dims = lossy.owner_dims(params, n)
+      shards = treedef.unflatten([lossy.owner_shard(a, d, r, n) for a, d in zip(leaves, dims)])
+      out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
+      key = lossy.broadcast_key(opt_state)
+      with jax.named_scope("optimizer"):
+        updates, opt_state = tx.update(grads, opt_state, shards)
+      _check_shard_updates(updates, shards)
+      shards = optax.apply_updates(shards, updates)
+      with jax.named_scope("lossy_broadcast"):
+        new, dist2 = lossy.lossy_broadcast(treedef.flatten_up_to(shards), leaves, dims, loss,
+                                           key, axis)
+      params, opt_state = jax.tree.map(lambda a: a[None], (treedef.unflatten(new), opt_state))
+      out = jax.tree.map(lambda v: mean_over(v, axes), out)
+      drift = jnp.sqrt(jax.lax.pmax(dist2, axis))
+      return (params, opt_state) + (tuple(out) if has_aux else (out,)) + (drift,)
+
+    n_extra = (2 if has_aux else 1) + (loss is not None)
     shard = lambda spec: NamedSharding(mesh, spec)
     out_shardings = ((jax.tree.map(shard, param_specs, is_leaf=is_spec),
                       jax.tree.map(shard, state_specs, is_leaf=is_spec))

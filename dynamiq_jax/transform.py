@@ -12,6 +12,7 @@ import optax
 from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.allreduce import allreduce
+from dynamiq_jax.allreduce import check_loss
 from dynamiq_jax.allreduce import init_codec_state
 from dynamiq_jax.codecs.dynamiq import DynamiQ
 from dynamiq_jax.scatter import reduce_scatter
@@ -141,6 +142,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                     error_feedback: bool | str | None = None,
                     ef21m_momentum: float = 0.5,
                     stacked=None,
+                    loss=None,
                     ) -> optax.GradientTransformationExtraArgs:
   """Replaces ``jax.lax.pmean``/``psum`` of gradients with a compressed all-reduce.
 
@@ -195,6 +197,9 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
       callable ``(path, leaf) -> bool``; the gradient is then reduced in
       loops, its bucket program compiled once
       (:func:`dynamiq_jax.allreduce`, :mod:`dynamiq_jax.stacked`).
+    loss: a :class:`~dynamiq_jax.PacketLoss` with ``schedule="two_step"``: the
+      reduce step loses packets and each chunk's sum is estimated without bias
+      from those that arrived (:func:`dynamiq_jax.allreduce`); simulated.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init`` accepts
@@ -211,6 +216,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
   codec = DynamiQ() if codec is None else codec
   mode = feedback_mode(error_feedback, codec)
   check_stateless(stacked, codec)
+  check_loss(loss, schedule, stacked)
   if not (isinstance(ef21m_momentum, (int, float)) and 0 < ef21m_momentum <= 1):
     raise ValueError(f"ef21m_momentum={ef21m_momentum!r} must be in (0, 1] (EF21-M's eta; "
                      f"1: no momentum)")
@@ -248,7 +254,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
           tree, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
           average=average, bucket_size=bucket_size, max_buckets=max_buckets,
           leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
-          return_own=mode is not None, specs=specs, stacked=stacked)
+          return_own=mode is not None, specs=specs, stacked=stacked, loss=loss)
       return out, stats.own
 
     residual = mean = None
@@ -299,6 +305,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
                             max_buckets: int | None = DEFAULT_MAX_BUCKETS,
                             leaf_order=None, implementation: str | None = None,
                             error_feedback: bool | str | None = None,
+                            loss=None,
                             ) -> optax.GradientTransformationExtraArgs:
   """The compressed reduce-scatter of gradients, for optimizers sharded over the data axis.
 
@@ -326,7 +333,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
       replicated over ``slow``; the gradient reduced exactly over ``fast``
       and with the codec over ``slow``).
     codec: a codec that can reduce-scatter; ``None`` means ``DynamiQ(bits=5)``.
-    schedule: ``"ring"``, ``"butterfly"`` or ``"hierarchical"``.
+    schedule: ``"ring"``, ``"butterfly"``, ``"two_step"`` or ``"hierarchical"``.
     average: mean (True) or sum.
     seed: seeds the rounding streams (step t folds t into it).
     scatter_dimension: ``"params"`` (each leaf's from the shapes of the
@@ -339,6 +346,11 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
       *whole* gradient (:class:`PerRank`), for codecs that report their
       contribution; ``None``: the codec's default; ``"ef21m"`` is
       :func:`compressed_psum`'s only (its running mean is the whole update).
+    loss: a :class:`~dynamiq_jax.PacketLoss` with ``schedule="two_step"``: each
+      shard's owner estimates its shard of the mean from the packets that
+      arrived (:func:`dynamiq_jax.reduce_scatter`); with
+      ``data_parallel_step(per_rank=True, loss=...)`` the parameter broadcast
+      that follows loses packets too.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` returns this
@@ -363,6 +375,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
         "mean of the whole update); use compressed_psum with a replicated optimizer, or "
         "error_feedback='ef14'")
   error_feedback = mode == "ef14"
+  check_loss(loss, schedule)
 
   def init_fn(params):
     residual = ef14_init(params) if error_feedback else None
@@ -387,7 +400,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
           tree, axis_name=axis_name, codec=codec, key=key, scatter_dimension=dims,
           schedule=schedule, average=average, bucket_size=bucket_size,
           max_buckets=max_buckets, leaf_order=leaf_order, implementation=implementation,
-          return_own=error_feedback, specs=specs)
+          return_own=error_feedback, specs=specs, loss=loss)
       return out, stats.own
 
     residual = None

@@ -12,6 +12,7 @@ from dynamiq_jax.schedules.executor import all_gather
 from dynamiq_jax.schedules.executor import execute
 from dynamiq_jax.schedules.executor import reduce_scatter
 from dynamiq_jax.schedules.hierarchical import HIERARCHICAL
+from dynamiq_jax.schedules.loss import PacketLoss
 from dynamiq_jax.schedules.moshpit import GroupContext
 from dynamiq_jax.schedules.moshpit import Moshpit
 from dynamiq_jax.schedules.moshpit import MoshpitPlan
@@ -31,6 +32,7 @@ __all__ = [
     "execute",
     "reduce_scatter",
     "HIERARCHICAL",
+    "PacketLoss",
     "GroupContext",
     "Moshpit",
     "MoshpitPlan",

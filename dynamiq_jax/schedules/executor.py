@@ -39,8 +39,8 @@ from dynamiq_jax.schedules.context import AxisContext
 from dynamiq_jax.schedules.plan import TreePlan, TwoStepPlan, two_step_plan
 
 __all__ = [
-    "HopOps", "execute", "reduce_scatter", "all_gather", "gather_payloads", "two_step",
-    "two_step_sum",
+    "HopOps", "Lossy", "execute", "reduce_scatter", "all_gather", "gather_payloads",
+    "two_step", "two_step_sum", "lossy_sum",
     "decode_all", "trace_settings", "UNROLL_MAX_STEPS", "LOOP_PLATFORMS",
 ]
 
@@ -100,7 +100,7 @@ def execute(plan: TreePlan | TwoStepPlan, ctx: AxisContext, chunks, ops: HopOps)
 
 
 def reduce_scatter(plan: TreePlan | TwoStepPlan, ctx: AxisContext, chunks, ops: HopOps, *,
-                   encode_root: bool = True):
+                   encode_root: bool = True, lossy: "Lossy | None" = None):
   """The reduce phase: the full sum of chunk ``rank - plan.root`` (mod n).
 
   With ``encode_root`` (the all-reduce's first half) the root encodes its
@@ -108,7 +108,8 @@ def reduce_scatter(plan: TreePlan | TwoStepPlan, ctx: AxisContext, chunks, ops: 
   reduce-scatter, which forwards nothing) the root keeps the decoded sum, one
   quantisation fewer. Each rank sends ``n - 1`` payloads of one chunk each:
   one per hop of a tree plan, all in one ``all_to_all`` for the two-step plan
-  (:func:`two_step_sum`).
+  (:func:`two_step_sum`). ``lossy``: the two-step plan's reduce step loses packets
+  (:class:`Lossy`).
   """
   n = plan.n
   if ctx.n != n:
@@ -118,8 +119,11 @@ def reduce_scatter(plan: TreePlan | TwoStepPlan, ctx: AxisContext, chunks, ops: 
     if n == 1:
       own = _take(chunks, 0)
       return ops.encode(own, jnp.int32(0), jnp.int32(1)) if encode_root else own
-    total = two_step_sum(ctx, chunks, ops)
+    total = two_step_sum(ctx, chunks, ops, lossy)
     return ops.encode(total, r, jnp.int32(n)) if encode_root else total
+
+  if lossy is not None:
+    raise ValueError(f"lossy links run on schedule='two_step' only, not {plan.name!r}")
 
   def mod(v):
     return jnp.asarray(v, jnp.int32) % n
@@ -222,7 +226,22 @@ def decode_all(payloads, ops: HopOps):
   return jax.tree.map(lambda *p: jnp.stack(p), *parts)
 
 
-def two_step_sum(ctx: AxisContext, chunks, ops: HopOps):
+class Lossy(NamedTuple):
+  """The reduce step of a two-step plan over lossy links, on one receiving rank.
+
+  Attributes:
+    loss: the :class:`~dynamiq_jax.schedules.loss.PacketLoss` (its estimator).
+    lost: bool ``[n, packets]``: which packets of each rank's payload of this rank's
+      chunk were lost (this rank's own row is ignored: its own part crosses no link).
+    coords: decoded chunk elements per packet.
+  """
+
+  loss: Any
+  lost: Any
+  coords: int
+
+
+def two_step_sum(ctx: AxisContext, chunks, ops: HopOps, lossy: Lossy | None = None):
   """The first step of :func:`two_step`: rank r's decoded sum of chunk r.
 
   Every rank encodes each of its n chunks (keys: chunk c, hop = its rank), one
@@ -230,6 +249,8 @@ def two_step_sum(ctx: AxisContext, chunks, ops: HopOps):
   and adds in rank order (0, 1, ..., n - 1: the same order on every rank and
   every backend; ``ops.decode_sum`` where given, a codec's own fixed order).
   Each rank sends ``n - 1`` chunk payloads: a reduce-scatter in one collective.
+  With ``lossy``, the packets it lost are discarded and the sum is estimated
+  from the rest (:func:`lossy_sum`).
   """
   n, r = ctx.n, ctx.rank()
   with jax.named_scope("two_step/encode"):
@@ -237,12 +258,52 @@ def two_step_sum(ctx: AxisContext, chunks, ops: HopOps):
                                                             jnp.arange(n, dtype=jnp.int32))
   received = ctx.all_to_all(payloads)  # row s: rank s's payload of chunk r
   with jax.named_scope("two_step/sum"):
-    if ops.decode_sum is not None:
-      return ops.decode_sum(received)
-    acc = ops.decode(_take(received, 0))
-    for s in range(1, n):
-      acc = ops.decode_add(_take(received, s), acc)
-    return acc
+    total = _decoded_sum(received, ops, n)
+    if lossy is None:
+      return total
+  with jax.named_scope("two_step/lossy_sum"):
+    return lossy_sum(received, total, ops, lossy, r)
+
+
+def _decoded_sum(received, ops: HopOps, n: int):
+  if ops.decode_sum is not None:
+    return ops.decode_sum(received)
+  acc = ops.decode(_take(received, 0))
+  for s in range(1, n):
+    acc = ops.decode_add(_take(received, s), acc)
+  return acc
+
+
+def lossy_sum(received, total, ops: HopOps, lossy: Lossy, r):
+  """Rank r's estimate of its chunk's sum from the packets that arrived.
+
+  Every payload is decoded on its own; per packet, the contributions of the other
+  ranks that arrived are summed in rank order and counted, and
+  ``lossy.loss.combine`` makes the estimate with rank r's own. Where every packet
+  arrived the result is ``total``, the lossless sum, bit for bit.
+  """
+  values = jax.vmap(ops.decode)(received)
+  leaves = jax.tree.leaves(values)
+  if len(leaves) != 1 or not jnp.issubdtype(leaves[0].dtype, jnp.floating):
+    raise ValueError(
+        "this codec decodes a chunk to "
+        f"{[(str(a.dtype), a.shape[1:]) for a in leaves]}, not one floating array of the "
+        "chunk's coordinates, so a lost packet cannot be left out of its sum. Fix: a codec "
+        "whose contributions add as values (DynamiQ, MX, IntGroup, Bf16, F32), or loss=None")
+  n = leaves[0].shape[0]
+  flat = leaves[0].reshape(n, -1).astype(jnp.float32)
+  packet = jnp.arange(flat.shape[1], dtype=jnp.int32) // lossy.coords
+  rows = jnp.arange(n, dtype=jnp.int32)[:, None]
+  came = ~lossy.lost[:, packet] & (rows != r)  # [n, elements]: another rank's value arrived
+  others = jnp.where(came[0], flat[0], 0.0)
+  for s in range(1, n):
+    others = others + jnp.where(came[s], flat[s], 0.0)
+  arrived = jnp.sum(came, axis=0, dtype=jnp.int32)
+  own = jax.lax.dynamic_index_in_dim(flat, r, axis=0, keepdims=False)
+  estimate = lossy.loss.combine(own, others, arrived.astype(jnp.float32), n)
+  shape = leaves[0].shape[1:]
+  return jnp.where((arrived == n - 1).reshape(shape), total,
+                   estimate.reshape(shape).astype(total.dtype))
 
 
 def two_step(ctx: AxisContext, chunks, ops: HopOps):
