@@ -279,8 +279,8 @@ def lossy_sum(received, total, ops: HopOps, lossy: Lossy, r):
 
   Every payload is decoded on its own; per packet, the contributions of the other
   ranks that arrived are summed in rank order and counted, and
-  ``lossy.loss.combine`` makes the estimate with rank r's own. Where every packet
-  arrived the result is ``total``, the lossless sum, bit for bit.
+  ``lossy.loss.combine`` makes the estimate with rank r's own and ``total``, the
+  lossless sum (which it returns bit for bit at ``p = 0``).
   """
   values = jax.vmap(ops.decode)(received)
   leaves = jax.tree.leaves(values)
@@ -300,10 +300,9 @@ def lossy_sum(received, total, ops: HopOps, lossy: Lossy, r):
     others = others + jnp.where(came[s], flat[s], 0.0)
   arrived = jnp.sum(came, axis=0, dtype=jnp.int32)
   own = jax.lax.dynamic_index_in_dim(flat, r, axis=0, keepdims=False)
-  estimate = lossy.loss.combine(own, others, arrived.astype(jnp.float32), n)
-  shape = leaves[0].shape[1:]
-  return jnp.where((arrived == n - 1).reshape(shape), total,
-                   estimate.reshape(shape).astype(total.dtype))
+  estimate = lossy.loss.combine(own, others, arrived.astype(jnp.float32), n,
+                                total.reshape(-1).astype(jnp.float32))
+  return estimate.reshape(total.shape).astype(total.dtype)
 
 
 def two_step(ctx: AxisContext, chunks, ops: HopOps):

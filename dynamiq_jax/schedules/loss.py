@@ -138,10 +138,11 @@ class PacketLoss:
 
     return self.lost(jax.vmap(one)(jnp.asarray(sources, jnp.int32)))
 
-  def combine(self, own, others, arrived, n: int):
+  def combine(self, own, others, arrived, n: int, total):
     """What the owner of a chunk makes of one packet's contributions: ``own`` its own
     value, ``others`` the sum of the other ranks' values that arrived, ``arrived`` how
-    many did (float32, 0 to n - 1) -> the estimate of the sum over all n ranks:
+    many did (float32, 0 to n - 1), ``total`` the lossless sum (meaningful where all
+    arrived) -> the estimate of the sum over all n ranks:
     ``own + (n - 1) / arrived * others / (1 - p^(n - 1))``, or ``own`` where none arrived.
 
     Given that at least one arrived, each other rank's value is in ``others`` with
@@ -149,11 +150,14 @@ class PacketLoss:
     ``(n - 1) / arrived * others`` has the expectation of their sum; the last
     factor makes up for the packets that no other rank's copy reached (probability
     ``p^(n - 1)``, the sources' losses being independent), which leaves the estimate
-    exactly unbiased over the loss process.
+    exactly unbiased over the loss process. Where all arrived it is computed as
+    ``total + (1 / (1 - p^(n - 1)) - 1) * others``: ``total`` itself, bit for bit, at
+    ``p = 0``.
     """
     reach = 1.0 - self.p ** (n - 1)
     scale = jnp.float32(n - 1) / (jnp.maximum(arrived, 1.0) * jnp.float32(reach))
-    return jnp.where(arrived > 0, own + scale * others, own)
+    full = total + jnp.float32(1.0 / reach - 1.0) * others
+    return jnp.where(arrived == n - 1, full, jnp.where(arrived > 0, own + scale * others, own))
 
   def packets(self, coords: int, bits_per_coord: float, block: int = 1) -> int:
     """Packets that carry ``coords`` coordinates."""
