@@ -38,7 +38,7 @@ __all__ = ["main", "SETTINGS", "ESTIMATORS", "ZeroFill", "run"]
 
 # (label, p, mean burst length in packets or None)
 SETTINGS = (("no loss", 0.0, None), ("1%", 0.01, None), ("5%", 0.05, None),
-            ("10%", 0.1, None), ("10%, bursts of 4", 0.1, 4.0))
+            ("10%", 0.1, None), ("10% in bursts of 4", 0.1, 4.0))
 ESTIMATORS = ("unbiased", "zero-fill")
 
 
