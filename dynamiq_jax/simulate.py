@@ -29,9 +29,9 @@ SIM_HOST_AXIS = "dynamiq_sim_host"
 
 @functools.partial(jax.jit, static_argnames=("codec", "schedule", "average", "bucket_size",
                                              "max_buckets", "leaf_order", "implementation",
-                                             "mesh_shape", "layers"))
+                                             "mesh_shape", "layers", "loss"))
 def _run(stacked, key, codec_state, absent, *, codec, schedule, average, bucket_size,
-         max_buckets, leaf_order, implementation, mesh_shape, layers):
+         max_buckets, leaf_order, implementation, mesh_shape, layers, loss):
   axis = (SIM_HOST_AXIS, SIM_AXIS) if mesh_shape else SIM_AXIS
 
   def one(tree):
@@ -39,7 +39,7 @@ def _run(stacked, key, codec_state, absent, *, codec, schedule, average, bucket_
         tree, axis_name=axis, codec=codec, schedule=schedule, key=key,
         average=average, bucket_size=bucket_size, max_buckets=max_buckets,
         leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
-        stacked=layers, absent=absent)
+        stacked=layers, absent=absent, loss=loss)
     return out, stats.codec_state
 
   if mesh_shape:  # workers laid out [slow, fast]: nested vmaps bind both axes
@@ -57,7 +57,7 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
              max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
              implementation: str | None = None,
              codec_state=None, return_state: bool = False, mesh_shape=None,
-             layers=None, absent=None):
+             layers=None, absent=None, loss=None):
   """All-reduces per-worker gradients stacked on axis 0, on one device.
 
   Args:
@@ -86,6 +86,8 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
       (after the worker axis), reduced in loops.
     absent: Moshpit averaging's mask of absent workers, bool ``[rounds, n]``
       (as for :func:`dynamiq_jax.allreduce`).
+    loss: a :class:`~dynamiq_jax.PacketLoss` (``schedule="two_step"``): the reduce
+      step's packets lost, as for :func:`dynamiq_jax.allreduce`.
 
   Returns:
     The per-worker results stacked on axis 0 (all rows identical, except under
@@ -123,5 +125,5 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
   out, state = _run(stacked, key, codec_state, absent, codec=codec, schedule=schedule,
                     average=average, bucket_size=bucket_size, max_buckets=max_buckets,
                     leaf_order=leaf_order, implementation=implementation,
-                    mesh_shape=mesh_shape, layers=layers)
+                    mesh_shape=mesh_shape, layers=layers, loss=loss)
   return (out, state) if return_state else out
