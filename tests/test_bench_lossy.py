@@ -19,6 +19,8 @@ def test_tiny_run(tmp_path):
   runs = report["runs"]
   assert runs["10% / unbiased"]["0"]["train_loss"] != runs["10% / zero-fill"]["0"]["train_loss"]
   assert runs["10% / unbiased"]["0"]["train_loss"] != runs["no loss / unbiased"]["0"]["train_loss"]
+  again = lossy.main(["--tiny", "--summarize", str(tmp_path / "lossy_tiny.json")])
+  assert again["summary"] == report["summary"]
 
 
 def test_bad_flags():

@@ -18,7 +18,9 @@ loss process drops.
 
 Reports per run: the final eval loss (mean of the last ``--smooth``
 evaluations, replica 0), the perplexity change against the lossless run of the
-same seed, and the largest replica drift of the run (the step's output: L2
+same seed, the steps to reach the lossless run's smoothed eval loss at 80% of
+its run (the time-to-accuracy benchmark's target), and the largest replica
+drift of the run (the step's output: L2
 distance of a replica from the owners' parameters, relative to their norm at
 the end). Writes ``docs/results/lossy.json``.
 """
@@ -101,37 +103,45 @@ def run(cfg: dict, mesh, seed: int, p: float, burst, estimator: str, progress=No
   return out
 
 
-def summarize(runs: dict, smooth: int) -> list[dict]:
-  """Rows: setting x estimator -> final eval loss, perplexity change vs no loss, drift."""
+def summarize(runs: dict, smooth: int, target_at: float = 0.8) -> list[dict]:
+  """Rows: setting x estimator -> final eval loss, perplexity change vs no loss, steps to
+  the target (the lossless run's smoothed eval loss at ``target_at`` of its run, as
+  :mod:`dynamiq_jax.bench.tta` defines it), drift."""
   rows = []
   for label, p, burst in SETTINGS:
     for est in ESTIMATORS:
       key = f"{label} / {est}"
       if key not in runs:
         continue
-      finals, changes, drifts = [], [], []
+      finals, changes, drifts, steps = [], [], [], []
       for seed, r in runs[key].items():
         final = float(np.mean([e["eval_loss"] for e in r["evals"][-smooth:]]))
-        base = runs.get(f"no loss / unbiased", {}).get(seed)
+        base = runs.get("no loss / unbiased", {}).get(seed)
         base_final = (float(np.mean([e["eval_loss"] for e in base["evals"][-smooth:]]))
                       if base else float("nan"))
         finals.append(final)
         changes.append(math.exp(final - base_final) - 1.0)
         drifts.append(max(r["drift"]) / r["param_norm"])
+        if base:
+          steps.append(tta.steps_to_target(r, tta.target_of(base, target_at, smooth), smooth))
       rows.append({"setting": label, "p": p, "burst": burst, "estimator": est,
                    "eval_loss": float(np.mean(finals)),
                    "perplexity": float(math.exp(np.mean(finals))),
                    "perplexity_change": float(np.mean(changes)),
-                   "max_relative_drift": float(np.max(drifts)), "seeds": len(finals)})
+                   "max_relative_drift": float(np.max(drifts)), "seeds": len(finals),
+                   "steps_to_target": steps})
   return rows
 
 
 def markdown(rows: list[dict]) -> str:
-  lines = ["| loss | estimator | final eval loss | perplexity | vs no loss | largest drift |",
-           "|---|---|---:|---:|---:|---:|"]
+  lines = ["| loss | estimator | final eval loss | perplexity | vs no loss | steps to target "
+           "| largest drift |", "|---|---|---:|---:|---:|---:|---:|"]
   for r in rows:
+    reached = [s for s in r["steps_to_target"] if s is not None]
+    steps = (f"{np.mean(reached):.0f} ({len(reached)}/{len(r['steps_to_target'])})"
+             if reached else f"- (0/{len(r['steps_to_target'])})")
     lines.append(f"| {r['setting']} | {r['estimator']} | {r['eval_loss']:.4f} | "
-                 f"{r['perplexity']:.2f} | {100 * r['perplexity_change']:+.2f}% | "
+                 f"{r['perplexity']:.2f} | {100 * r['perplexity_change']:+.2f}% | {steps} | "
                  f"{r['max_relative_drift']:.1e} |")
   return "\n".join(lines)
 
@@ -147,6 +157,8 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--workers", type=int, default=4, help="data-parallel ranks")
   p.add_argument("--steps", type=int, default=200, help="training steps per run")
   p.add_argument("--smooth", type=int, default=3, help="last evaluations averaged")
+  p.add_argument("--summarize", metavar="JSON", default=None,
+                 help="train nothing: remake the table of a written lossy.json's runs")
   p.add_argument("--tiny", action="store_true", help="smoke test: 2 workers, a tiny LM")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   if tiny:
@@ -165,6 +177,15 @@ def main(argv=None):
   if unknown or bad_est or not settings:
     raise SystemExit(f"--settings from {names}, --estimators from {list(ESTIMATORS)}; got "
                      f"{unknown or args.settings} / {bad_est}")
+  if args.summarize:
+    import json
+    with open(args.summarize) as f:
+      report = json.load(f)
+    report["summary"] = summarize(report["runs"], args.smooth)
+    report["summary_command"] = common.command_line()
+    common.write_json(args.summarize, report)
+    print(markdown(report["summary"]))
+    return report
   from dynamiq_jax.examples import devices as ex_devices
 
   devices = ex_devices.select_devices(args.workers)
