@@ -337,7 +337,7 @@ def _looped(arrays, treedef, flags, *, codec, schedule, axis_name, key, average,
       own = jax.tree_util.tree_unflatten(treedef, [a.astype(jnp.float32) for a in arrays])
     return (jax.tree_util.tree_unflatten(treedef, arrays), stats._replace(own=own),
             jnp.float32(0), None)
-  program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own, loss)
+  program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own)
   size = loops.loop_bucket(shapes, flags, bucket_size, codec.granularity * n)
   outs, owns, err, ref = loops.reduce_stacked(arrays, flags, program, key=key, size=size,
                                               n_divide=n if average else None)
