@@ -175,9 +175,8 @@ def lossy_receive(loss, codec: Codec, bucket: Bucket, keys: Keys, ctx: AxisConte
   elements = math.prod(jax.tree.leaves(chunks)[0].shape[1:])
   coords = loss.coords_per_packet(codec.wire_bits(bucket.d, bucket.n) / bucket.d,
                                   codec.granularity)
-  lost = loss.draw(loss_key(keys.state), REDUCE_HOP, jnp.arange(ctx.n, dtype=jnp.int32),
-                   ctx.rank(), -(-elements // coords))
-  return Lossy(loss, lost, coords)
+  return Lossy(loss, loss.lost_elements(loss_key(keys.state), REDUCE_HOP, ctx.n, ctx.rank(),
+                                        elements, coords))
 
 
 def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -69,11 +68,11 @@ def lossy_init(tx, params, *, mesh, axis_name="data"):
   dims = owner_dims(params, n)
   states = [tx.init(treedef.unflatten([owner_shard(jnp.asarray(a), d, r, n)
                                        for a, d in zip(leaves, dims)])) for r in range(n)]
-  sharding = NamedSharding(mesh, P(names[0]))
+  # here, not at the top: dynamiq_jax.train imports this module
+  from dynamiq_jax.train import per_rank_copies  # pylint: disable=import-outside-toplevel
   stacked = jax.tree.map(lambda *s: jnp.stack(s), *states)
-  replicas = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a)[None], (n,) + np.shape(a)),
-                          params)
-  return jax.device_put((replicas, stacked), sharding)
+  return (per_rank_copies(params, mesh=mesh, axis_name=names[0]),
+          jax.device_put(stacked, NamedSharding(mesh, P(names[0]))))
 
 
 def broadcast_key(opt_state):
@@ -114,18 +113,16 @@ def lossy_broadcast(shards, replicas, dims, loss: PacketLoss, key, axis):
       out.append(shard)
       continue
     owners = jax.lax.all_gather(shard, axis, axis=dim, tiled=True)  # what the owners hold
-    rows = jnp.moveaxis(owners, dim, 0).reshape(n, -1)
+    front = jnp.moveaxis(owners, dim, 0)
+    rows = front.reshape(n, -1)
     stale = jnp.moveaxis(old, dim, 0).reshape(n, -1)
-    coords = loss.coords_per_packet(8 * jnp.dtype(shard.dtype).itemsize)
-    packets = -(-rows.shape[1] // coords)
-    lost = loss.draw(jax.random.fold_in(key, i), BROADCAST_HOP,
-                     jnp.arange(n, dtype=jnp.int32), r, packets)
-    missed = lost[:, jnp.arange(rows.shape[1]) // coords] & (jnp.arange(n)[:, None] != r)
+    missed = loss.lost_elements(jax.random.fold_in(key, i), BROADCAST_HOP, n, r,
+                                rows.shape[1],
+                                loss.coords_per_packet(8 * jnp.dtype(shard.dtype).itemsize))
     kept = jnp.where(missed, stale, rows)
     diff = (kept - rows).astype(jnp.float32)
     dist2 = dist2 + jnp.sum(diff * diff)
-    moved = jnp.moveaxis(owners, dim, 0).shape
-    out.append(jnp.moveaxis(kept.reshape(moved), 0, dim))
+    out.append(jnp.moveaxis(kept.reshape(front.shape), 0, dim))
   return out, dist2
 
 

@@ -231,14 +231,13 @@ class Lossy(NamedTuple):
 
   Attributes:
     loss: the :class:`~dynamiq_jax.schedules.loss.PacketLoss` (its estimator).
-    lost: bool ``[n, packets]``: which packets of each rank's payload of this rank's
-      chunk were lost (this rank's own row is ignored: its own part crosses no link).
-    coords: decoded chunk elements per packet.
+    lost: bool ``[n, elements]``: which elements of each rank's decoded payload of this
+      rank's chunk were lost (:meth:`~dynamiq_jax.schedules.loss.PacketLoss.lost_elements`;
+      this rank's own row never: its own part crosses no link).
   """
 
   loss: Any
   lost: Any
-  coords: int
 
 
 def two_step_sum(ctx: AxisContext, chunks, ops: HopOps, lossy: Lossy | None = None):
@@ -292,9 +291,8 @@ def lossy_sum(received, total, ops: HopOps, lossy: Lossy, r):
         "whose contributions add as values (DynamiQ, MX, IntGroup, Bf16, F32), or loss=None")
   n = leaves[0].shape[0]
   flat = leaves[0].reshape(n, -1).astype(jnp.float32)
-  packet = jnp.arange(flat.shape[1], dtype=jnp.int32) // lossy.coords
   rows = jnp.arange(n, dtype=jnp.int32)[:, None]
-  came = ~lossy.lost[:, packet] & (rows != r)  # [n, elements]: another rank's value arrived
+  came = ~lossy.lost & (rows != r)  # [n, elements]: another rank's value arrived
   others = jnp.where(came[0], flat[0], 0.0)
   for s in range(1, n):
     others = others + jnp.where(came[s], flat[s], 0.0)

@@ -138,6 +138,15 @@ class PacketLoss:
 
     return self.lost(jax.vmap(one)(jnp.asarray(sources, jnp.int32)))
 
+  def lost_elements(self, key, hop: int, n: int, destination, elements: int, coords: int):
+    """Which of ``elements`` consecutive values each of ``n`` ranks sends ``destination`` at
+    ``hop`` were lost, ``coords`` to a packet (:meth:`draw`): bool ``[n, elements]``,
+    never ``destination``'s own row (its own part crosses no link)."""
+    lost = self.draw(key, hop, jnp.arange(n, dtype=jnp.int32), destination,
+                     -(-elements // coords))
+    rows = jnp.arange(n, dtype=jnp.int32)[:, None]
+    return lost[:, jnp.arange(elements, dtype=jnp.int32) // coords] & (rows != destination)
+
   def combine(self, own, others, arrived, n: int, total):
     """What the owner of a chunk makes of one packet's contributions: ``own`` its own
     value, ``others`` the sum of the other ranks' values that arrived, ``arrived`` how
@@ -158,7 +167,3 @@ class PacketLoss:
     scale = jnp.float32(n - 1) / (jnp.maximum(arrived, 1.0) * jnp.float32(reach))
     full = total + jnp.float32(1.0 / reach - 1.0) * others
     return jnp.where(arrived == n - 1, full, jnp.where(arrived > 0, own + scale * others, own))
-
-  def packets(self, coords: int, bits_per_coord: float, block: int = 1) -> int:
-    """Packets that carry ``coords`` coordinates."""
-    return max(1, math.ceil(coords / self.coords_per_packet(bits_per_coord, block)))
