@@ -77,6 +77,7 @@ __all__ = [
     "MIN_MOSAIC_CAPABILITY",
     "MOSAIC_FIRST",
     "dispatch",
+    "target_gpu",
     "traced_once",
     "triton_backend",
     "map_batch_rule",
@@ -347,7 +348,7 @@ def _types(operands) -> tuple:
   return tuple(f"{_dtype(v)}{list(np.shape(v))}" for v in operands)
 
 
-def _target_gpu():
+def target_gpu():
   """``(device_kind, compute capability x 10 or None)`` of the GPU a lowering is for:
   the abstract mesh's GPU in context, else this process's first GPU; ``(None, None)``
   when neither says (jax 0.10.2 lowering for ``cuda`` on a CPU host)."""
@@ -400,7 +401,7 @@ def _mosaic_lowers(op, kernels: Kernels) -> bool:
   """
   if kernels.mosaic is None or kernels.mosaic_probe is None:
     return False
-  kind, capability = _target_gpu()
+  kind, capability = target_gpu()
   if kind is None or kind.startswith("gfx"):
     # No NVIDIA GPU in context or on this process: ``platform_dependent`` traces this
     # branch for every program (one for the CPU or ROCm too), so there is nothing to probe

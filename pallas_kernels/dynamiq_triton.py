@@ -74,6 +74,9 @@ from pallas_kernels import triton_ops as tt
 __all__ = [
     "BLOCK",
     "GPU_OPS",
+    "NUM_WARPS",
+    "TUNED",
+    "launch_config",
     "TRITON_DEPRECATION",
     "compress_pallas",
     "decompress_pallas",
@@ -82,8 +85,21 @@ __all__ = [
 ]
 
 BLOCK = 16
-"""Super-groups per program: 32 coordinates per thread with 4 warps
-(``docs/results/kernels_sass.md`` weighs it against 8 and 32)."""
+"""Super-groups per program by default: 32 coordinates per thread with
+:data:`NUM_WARPS` warps (``docs/results/kernels_sass.md`` weighs it against 8 and 32)."""
+
+NUM_WARPS = 4
+"""Warps per program by default."""
+
+TUNED: dict[str, dict[str, tuple[int, int]]] = {
+    # bench.kernels --sweep, docs/results/kernels_gpu_h200_sweep.json: at 2^28
+    # coordinates 0.656 / 0.808 ms against 0.756 / 0.859 at (16, 4); one group per
+    # thread, 64-thread programs (more programs resident per SM).
+    "NVIDIA H200": {"compress": (4, 2), "decompress_accumulate_recompress": (4, 2)},
+}
+"""Per GPU (its ``device_kind``), per operation: ``(block, num_warps)`` chosen by
+measurement (``python -m dynamiq_jax.bench.kernels --gpu --sweep``); a GPU or an
+operation not listed gets ``(BLOCK, NUM_WARPS)``."""
 
 _G = B.GROUP  # scale groups per super-group
 _PTAB = 16  # entries of the plane-offset input (off_p for p < 8, then the units used)
@@ -103,6 +119,8 @@ class _Config:
   width_set: tuple
   plane_bits: int
   scale_rounding: str
+  sg: int = 16  # super-groups per program (the launch's ``block``)
+  num_warps: int = 4
 
   per = property(lambda self: 8 // self.plane_bits)
   cb = property(lambda self: _G // self.per)
@@ -141,10 +159,10 @@ def _iota(shape, dim):
   return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _scale_offsets(s_count: int, one=1):
+def _scale_offsets(cfg: _Config, s_count: int, one=1):
   """Offsets of this program's scale records: k bytes [BLOCK, G], super-group
   scale [BLOCK], masks."""
-  block = BLOCK
+  block = cfg.sg
   base = pl.program_id(0) * block
   sg2 = base + _iota((block, _G), 0)
   sg1 = base + _iota((block,), 0)
@@ -172,7 +190,7 @@ def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False):
   program's tail past ``s_count`` is excluded too, as ``count_p <= s_count``).
   :func:`_plane_table` clamps the offsets to the payload's units, so that no
   widths, valid or not, reach outside it."""
-  block = BLOCK
+  block = cfg.sg
   shape = (block, _G) if words else (block, _G, cfg.cb)
   sg = pl.program_id(0) * block + _iota(shape, 0)
   byte = _iota(shape, 1) * cfg.cb + (0 if words else _iota(shape, 2))
@@ -234,11 +252,11 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
   :func:`_load_dense` gives): returns ``decode + addend``, each sum one
   ``fma.rn.f32`` on a GPU."""
   dec = functools.partial(B.decode_block, fma=B.REFERENCE_OPS.fma if interpret else tt.fma)
-  k_off, k_ok, v_off, v_ok = _scale_offsets(s_count, _hidden_one(ptab_ref, cfg))
+  k_off, k_ok, v_off, v_ok = _scale_offsets(cfg, s_count, _hidden_one(ptab_ref, cfg))
   k = _load_u8(pay16_ref, k_off, k_ok)
   sg_scale = jax.lax.bitcast_convert_type(_load_u16(pay16_ref, v_off, v_ok) << np.uint32(16),
                                           jnp.float32)
-  shape = cfg.block(BLOCK)
+  shape = cfg.block(cfg.sg)
   lookup = lambda j: jax.lax.bitcast_convert_type(tab_ref[j], jnp.float32)
   scale = B.decoded_scale(k, sg_scale)
   if cfg.split:
@@ -275,8 +293,8 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   """Encodes float32 [BLOCK, G, CB, P] (or its halves, :func:`_load_dense`);
   stores its scale records, planes and its share of the unused units (zeros).
   ``hop``: the DAR kernel (the k bytes' offsets hidden, :func:`_hidden_one`)."""
-  block = BLOCK
-  shape = cfg.block(BLOCK)
+  block = cfg.sg
+  shape = cfg.block(block)
   group_idx = ((pl.program_id(0) * block + _iota(shape[:2], 0)) * _G
                + _iota(shape[:2], 1)).astype(jnp.uint32)
   if cfg.split:  # halves [BLOCK, G, P]: half c holds the group's codes c P + [0, P)
@@ -303,7 +321,7 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
       levels=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.levels_at + j], jnp.float32))
   # the k offsets hidden in the hop, not in compress: docs/results/kernels_sass.md
   one = _hidden_one(ptab_ref, cfg) if hop else 1
-  k_off, k_ok, _, _ = _scale_offsets(s_count, one)
+  k_off, k_ok, _, _ = _scale_offsets(cfg, s_count, one)
   tt.store(out_ref, k_off, k, k_ok)
   # The super-group scale from the thread of each super-group's group 0, in
   # the groups' layout (from the [BLOCK] vector, Triton would convert the
@@ -400,12 +418,12 @@ def _plane_table(widths, plane_bits: int, units: int):
   return jnp.minimum(table, units).astype(jnp.int32)
 
 
-def _compiler_params(interpret):
+def _compiler_params(cfg: _Config, interpret):
   """Triton's (what makes a ``pallas_call`` lower with the Triton backend on GPU)."""
   if interpret:
     return None
   from jax.experimental.pallas import triton as pltr
-  return pltr.CompilerParams(num_warps=4, num_stages=1)
+  return pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
 
 
 _KERNELS = {  # op: (kernel body, reads a payload, reads x, writes a payload)
@@ -429,10 +447,10 @@ def _launch(payload, x, widths, karr, *, op, cfg, units, strata, interpret, fill
   if writes:
     static.update(units=units, strata=strata)
   args = ([karr] if writes else []) + [_plane_table(widths, cfg.plane_bits, units), tab, widths]
-  dense_spec = pl.BlockSpec(cfg.block(BLOCK), lambda i: (i, 0, 0, 0))
+  dense_spec = pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))
   whole = lambda n: pl.BlockSpec((n,), lambda i: (0,))
   in_specs = ([whole(8)] if writes else []) + [
-      whole(_PTAB), whole(tab.shape[0]), pl.BlockSpec((BLOCK,), lambda i: (i,))]
+      whole(_PTAB), whole(tab.shape[0]), pl.BlockSpec((cfg.sg,), lambda i: (i,))]
   if reads:
     args.append(_u16_payload(payload))
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
@@ -455,25 +473,52 @@ def _launch(payload, x, widths, karr, *, op, cfg, units, strata, interpret, fill
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     aliases = {n: 0}
   out = pl.pallas_call(
-      kernel, out_shape=dispatch.typed_like(out_shape, args), grid=(pl.cdiv(s_count, BLOCK),),
+      kernel, out_shape=dispatch.typed_like(out_shape, args), grid=(pl.cdiv(s_count, cfg.sg),),
       in_specs=in_specs, out_specs=out_spec, input_output_aliases=aliases,
-      compiler_params=_compiler_params(interpret), interpret=interpret,
+      compiler_params=_compiler_params(cfg, interpret), interpret=interpret,
       name=f"dynamiq_units_{op}_p{cfg.plane_bits}")(*args)
   return out if writes else out.reshape(s_count, B.SUPERGROUP)
 
 
+def launch_config(op: str, launch=None, *, interpret: bool = False) -> tuple[int, int]:
+  """``(block, num_warps)`` of a launch of ``op``: ``launch`` if given (checked), else
+  :data:`TUNED`'s entry for the GPU the program is lowered for (the abstract
+  mesh's device in context, else the first GPU), else ``(BLOCK, NUM_WARPS)``.
+
+  Raises:
+    ValueError: a ``launch`` that is not two positive ints, a block that is not a
+      power of two, or fewer scale groups (``16 block``) than threads (``32
+      num_warps``): each thread holds at least one whole group.
+  """
+  if launch is None:
+    kind = None if interpret else dispatch.target_gpu()[0]
+    return TUNED.get(kind, {}).get(op, (BLOCK, NUM_WARPS))
+  try:
+    block, warps = (int(v) for v in launch)
+  except (TypeError, ValueError):
+    raise ValueError(f"launch={launch!r}: give (block, num_warps), two ints") from None
+  if block < 1 or block & (block - 1) or warps not in (1, 2, 4, 8, 16):
+    raise ValueError(f"launch={launch!r}: block must be a power of two and num_warps one of "
+                     "1, 2, 4, 8, 16")
+  if _G * block < 32 * warps:
+    raise ValueError(f"launch={launch!r}: {_G * block} scale groups for {32 * warps} threads; "
+                     f"use block >= {2 * warps} with {warps} warps")
+  return block, warps
+
+
 def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_rounding, plane_bits,
-         width_set, interpret, fill=None):
+         width_set, interpret, fill=None, launch=None):
   """Validates (ValueError; NotImplementedError for what the kernels do not support,
-  so that dispatch falls back to the reference), then launches ``op``, mapped
-  over a ``vmap`` batch: a chunk's units are plane-major over its own
-  super-groups, so batches do not merge into one chunk."""
+  so that dispatch falls back to the reference), then launches ``op``
+  (:func:`launch_config`), mapped over a ``vmap`` batch: a chunk's units are
+  plane-major over its own super-groups, so batches do not merge into one chunk."""
   widths = jnp.asarray(widths).astype(jnp.int32)
   R.check_chunk(widths, units, plane_bits=plane_bits, width_set=width_set,
                 scale_rounding=scale_rounding, x=x, payload=payload)
+  block, warps = launch_config(op, launch, interpret=bool(interpret))
   cfg = _Config(eps=tuple(sorted((int(w), float(e)) for w, e in dict(eps).items())),
                 width_set=tuple(sorted(int(w) for w in width_set)), plane_bits=plane_bits,
-                scale_rounding=scale_rounding)
+                scale_rounding=scale_rounding, sg=block, num_warps=warps)
   if x is not None and x.dtype not in _SUPPORTED_DTYPES:
     raise NotImplementedError(f"x dtype {x.dtype} (kernels take float32, bfloat16, float16)")
   if widths.shape[0] == 0:
@@ -525,40 +570,42 @@ def _triton_entry(kernel):
 @_triton_entry
 def compress_pallas(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
                     scale_rounding="up", plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
-                    interpret=False, fill=None):
+                    interpret=False, fill=None, launch=None):
   """Kernel version of :func:`~pallas_kernels.dynamiq_reference.compress_reference`
-  (the same arguments; ``fill``: see :func:`_launch`)."""
+  (the same arguments; ``fill``: see :func:`_launch`; ``launch``: ``(block,
+  num_warps)``, :func:`launch_config`)."""
   return _run("compress", None, x, widths, units, keys, rank, eps=eps, strata=strata,
               scale_rounding=scale_rounding, plane_bits=plane_bits, width_set=width_set,
-              interpret=interpret, fill=fill)
+              interpret=interpret, fill=fill, launch=launch)
 
 
 @_triton_entry
 def decompress_pallas(payload, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
-                      width_set=R.WIDTH_SET, interpret=False):
+                      width_set=R.WIDTH_SET, interpret=False, launch=None):
   """Kernel version of :func:`~pallas_kernels.dynamiq_reference.decompress_reference`."""
   return _run("decompress", payload, None, widths, units, None, None, eps=eps, strata=1,
               scale_rounding="up", plane_bits=plane_bits, width_set=width_set,
-              interpret=interpret)
+              interpret=interpret, launch=launch)
 
 
 @_triton_entry
 def decompress_accumulate_pallas(payload, x, widths, units: int, *, eps,
                                  plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
-                                 interpret=False):
+                                 interpret=False, launch=None):
   """Kernel version of ``decompress_reference(payload) + x``."""
   return _run("decompress_accumulate", payload, x, widths, units, None, None, eps=eps, strata=1,
               scale_rounding="up", plane_bits=plane_bits, width_set=width_set,
-              interpret=interpret)
+              interpret=interpret, launch=launch)
 
 
 @_triton_entry
 def decompress_accumulate_recompress_pallas(payload, x, widths, units: int, *, eps, keys,
                                             rank=0, strata: int = 1, scale_rounding="up",
                                             plane_bits: int = R.PLANE_BITS,
-                                            width_set=R.WIDTH_SET, interpret=False, fill=None):
+                                            width_set=R.WIDTH_SET, interpret=False, fill=None,
+                                            launch=None):
   """Kernel version of the fused ring hop
   (:func:`~pallas_kernels.dynamiq_reference.decompress_accumulate_recompress_reference`)."""
   return _run("decompress_accumulate_recompress", payload, x, widths, units, keys, rank,
               eps=eps, strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
-              width_set=width_set, interpret=interpret, fill=fill)
+              width_set=width_set, interpret=interpret, fill=fill, launch=launch)

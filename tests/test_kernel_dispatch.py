@@ -353,7 +353,7 @@ ANY_ERROR = _AnyError()
 def _no_probe(probe):
   """``probe`` that fails the test if it would lower anything."""
   def guarded(op, kernels):
-    kind, _ = D._target_gpu()
+    kind, _ = D.target_gpu()
     if kind is not None and not kind.startswith("gfx"):
       pytest.fail(f"probed Mosaic GPU for {kind}")
     return probe(op, kernels)
@@ -414,7 +414,7 @@ def test_mosaic_gpu_cannot_lower_the_kernels_yet(monkeypatch):
   compiler params lowers with Triton). If this starts failing, Mosaic GPU has
   learnt something: measure it again."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  monkeypatch.setattr(T, "_compiler_params", lambda interpret: plgpu.CompilerParams())
+  monkeypatch.setattr(T, "_compiler_params", lambda cfg, interpret: plgpu.CompilerParams())
   # _launch is a module-level jit: drop traces made with Triton params by other
   # tests before, and those made here with Mosaic's after.
   T._launch.clear_cache()

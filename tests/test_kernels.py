@@ -212,6 +212,54 @@ def test_every_payload_byte_is_written(plane_bits, width_set, room):
             plane_bits=plane_bits, width_set=width_set))
 
 
+@pytest.mark.parametrize("launch", [(4, 2), (32, 8)])
+def test_other_launches_give_the_same_bits(launch):
+  """Another (block, num_warps) launch (bench.kernels --sweep; dynamiq_triton.TUNED)
+  cuts the chunk into other programs only: every kernel still equals the reference
+  bit for bit (a partial last program at both blocks: 37 super-groups), and every
+  payload byte is written (output buffer started at 0xA5)."""
+  s = 37
+  x = _x(9, s, jnp.bfloat16)
+  widths = _widths(9, s, WS6, "mixed")
+  units = _units(widths, 1, 6)
+  geo = dict(eps=EPS, plane_bits=1, width_set=WS6)
+  enc = dict(keys=_keys(9), rank=1, strata=8, scale_rounding="stochastic")
+  run = dict(interpret=True, launch=launch)
+  p_ref = R.compress_reference(x, widths, units, **enc, **geo)
+  _same(T.compress_pallas(x, widths, units, **enc, **geo, **run, fill=0xA5), p_ref)
+  _same(T.decompress_pallas(p_ref, widths, units, **geo, **run),
+        R.decompress_reference(p_ref, widths, units, **geo))
+  _same(T.decompress_accumulate_pallas(p_ref, x, widths, units, **geo, **run),
+        R.decompress_accumulate_reference(p_ref, x, widths, units, **geo))
+  _same(T.decompress_accumulate_recompress_pallas(p_ref, x, widths, units, **enc, **geo, **run,
+                                                  fill=0xA5),
+        R.decompress_accumulate_recompress_reference(p_ref, x, widths, units, **enc, **geo))
+
+
+def test_launch_config():
+  """The default launch, a tuned entry for the target GPU, and clear errors for bad launches."""
+  assert T.launch_config("compress", interpret=True) == (T.BLOCK, T.NUM_WARPS)
+  assert T.launch_config("compress", (8, 4)) == (8, 4)
+  for bad, match in [((16,), "two ints"), ("fast", "two ints"), ((12, 4), "power of two"),
+                     ((16, 3), "num_warps"), ((4, 4), "block >= 8")]:
+    with pytest.raises(ValueError, match=match):
+      T.launch_config("compress", bad)
+  with pytest.raises(ValueError, match="power of two"):
+    T.compress_pallas(_x(1, 4), _widths(1, 4, WS6, "mixed"), 40, eps=EPS, keys=_keys(1),
+                      interpret=True, launch=(6, 2))
+  mesh = GT.abstract_h100_mesh((1,), ("gpu",))
+  kind = mesh.abstract_device.device_kind
+  saved = dict(T.TUNED)
+  try:
+    T.TUNED[kind] = {"compress": (32, 8)}
+    with jax.sharding.use_abstract_mesh(mesh):
+      assert T.launch_config("compress") == (32, 8)
+      assert T.launch_config("decompress") == (T.BLOCK, T.NUM_WARPS)
+  finally:
+    T.TUNED.clear()
+    T.TUNED.update(saved)
+
+
 @pytest.mark.slow  # .ci/run-slow
 def test_vmap_maps_the_kernels_over_a_batch():
   """Batched x, keys and widths (each batch element its own chunk); the unbatched

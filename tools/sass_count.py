@@ -60,7 +60,6 @@ CONFIGS = {  # name: (plane_bits, width set)
     "w5": (1, (5,)),
     "p2": (2, (2, 4, 8)),  # the 2-bit-plane layout (the paper's width set)
 }
-NUM_WARPS = 4
 SM90_INSTR_BYTES = 16
 OP_NOP, OP_BRA = 0x918, 0x947
 # Throughput model (the issue's): thread-instructions per second of an H100 SXM.
@@ -69,8 +68,9 @@ INSTR_PER_S = SMS * SCHEDULERS * LANES * CLOCK_HZ
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3
 
 
-def compile_units(config: str) -> list:
-  """Compiles the four unit kernels of ``config`` alone for one H100 (in the child)."""
+def compile_units(config: str, launch=None) -> list:
+  """Compiles the four unit kernels of ``config`` alone for one H100 (in the child), at
+  ``launch`` (``(block, num_warps)``; None: the kernels' default)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -84,7 +84,8 @@ def compile_units(config: str) -> list:
   s = 37
   pb, ws = CONFIGS[config]
   units = s * max(ws) // pb // 2  # about half the widest: every plane is live somewhere
-  geo = dict(eps={2: 0.23, 4: 0.18, 8: 0.10}, plane_bits=pb, width_set=ws)
+  geo = dict(eps={2: 0.23, 4: 0.18, 8: 0.10}, plane_bits=pb, width_set=ws,
+             launch=None if launch is None else tuple(launch))
   x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
   w = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=sharding)
   p = jax.ShapeDtypeStruct((R.payload_bytes(s, units, pb),), jnp.uint8, sharding=sharding)
@@ -137,10 +138,10 @@ def _has_backward_branch(ptx: str, kernel: str) -> bool:
   return False
 
 
-def measure(config: str) -> dict[str, dict]:
-  """Compiles ``config``'s kernels in a child and returns ``{kernel: report}``."""
+def measure(config: str, launch=None) -> dict[str, dict]:
+  """Compiles ``config``'s kernels (at ``launch``) in a child and returns ``{kernel: report}``."""
   ptxas = G.ptxas()
-  with G.compile_in_child(f"{__file__}:compile_units", kwargs={"config": config},
+  with G.compile_in_child(f"{__file__}:compile_units", kwargs={"config": config, "launch": launch},
                           path=(ROOT,), cwd=ROOT, ptx=True, strict_warnings=False) as build:
     out = {}
     for path in build.ptx:
@@ -173,15 +174,17 @@ def _dar_bytes_per_coord(width: int, local_bytes: int = 2) -> float:
   return 2 * payload + local_bytes + 4 / 256
 
 
-def table(configs=None) -> dict:
-  """Measures every configuration; returns the JSON-able report."""
+def table(configs=None, launch=None) -> dict:
+  """Measures every configuration (at ``launch``: ``(block, num_warps)``, None: the
+  default); returns the JSON-able report."""
   from pallas_kernels import dynamiq_triton as T
 
   configs = configs or list(CONFIGS)
-  cpt = T.BLOCK * 256 // (32 * NUM_WARPS)  # coordinates per thread
+  block, warps = launch or (T.BLOCK, T.NUM_WARPS)
+  cpt = block * 256 // (32 * warps)  # coordinates per thread
   rows = []
   for config in configs:
-    for name, r in sorted(measure(config).items()):
+    for name, r in sorted(measure(config, launch).items()):
       per = r["instructions"] / cpt
       row = {"config": config, "kernel": name, **r, "coords_per_thread": cpt,
              "instructions_per_coord": round(per, 2),
@@ -196,7 +199,7 @@ def table(configs=None) -> dict:
   rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                        capture_output=True, text=True).stdout.strip()
   return {"command": "python tools/sass_count.py " + " ".join(sys.argv[1:]), "source": rev,
-          "block_supergroups": T.BLOCK, "num_warps": NUM_WARPS, "coords_per_thread": cpt,
+          "block_supergroups": block, "num_warps": warps, "coords_per_thread": cpt,
           "model": {"thread_instructions_per_s": INSTR_PER_S,
                     "terms": f"{SMS} SMs x {SCHEDULERS} schedulers x {LANES} lanes x "
                              f"{CLOCK_HZ / 1e9} GHz", "hbm_bytes_per_s": HBM_BYTES_PER_S},
@@ -245,13 +248,16 @@ def main(argv=None):
   p.add_argument("--configs", default=None,
                  help=f"comma-separated, of {sorted(CONFIGS)} (default: all)")
   p.add_argument("--json", default=None, help="write the report here")
+  p.add_argument("--launch", default=None,
+                 help="(block)x(num_warps) of the kernels, e.g. 32x8 (default: theirs)")
   p.add_argument("--before", default=None,
                  help="a report written earlier: print a before / after table against it")
   args = p.parse_args(argv)
   missing = G.missing()
   if missing:
     sys.exit(f"cannot run: {missing}")
-  report = table(args.configs.split(",") if args.configs else None)
+  launch = [int(v) for v in args.launch.split("x")] if args.launch else None
+  report = table(args.configs.split(",") if args.configs else None, launch)
   if any(r["loops"] for r in report["rows"]):
     print("warning: a kernel has a loop; its static count is not its per-coordinate cost")
   print(format_table(report))
