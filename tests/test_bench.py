@@ -177,17 +177,35 @@ def test_robustness_tiny(tmp_path, lm_cache):
 
 def test_kernels_tiny(tmp_path):
   """The --gpu benchmark's body (the default codec's kernels), interpreted on CPU."""
-  rows = kernels.main(["--tiny", "--widths", "4", "--out", str(tmp_path)])
-  assert {r["op"] for r in rows} == set(kernels.OPS) | {"copy"}
-  assert {r["impl"] for r in rows if r["op"] != "copy"} == {"pallas", "xla"}
+  rows = kernels.main(["--tiny", "--widths", "4", "--sweep", "--launches", "8x4,16x8",
+                       "--out", str(tmp_path)])
+  main = [r for r in rows if "launch" not in r]
+  assert {r["op"] for r in main} == set(kernels.OPS) | {"copy"}
+  assert {r["impl"] for r in main if r["op"] != "copy"} == {"pallas", "xla"}
   assert all(r["seconds"] > 0 and r["coords_per_s"] > 0 for r in rows)
+  for r in rows:  # every kernel row beside the same run's copy of as many bytes
+    if r["op"] != "copy":
+      assert r["fraction_of_copy"] == pytest.approx(r["gbs"] / r["copy_gbs"])
+  sweep = [r for r in rows if "launch" in r]
+  assert sorted((tuple(r["launch"]), r["op"]) for r in sweep) == sorted(
+      (launch, op) for launch in [(8, 4), (16, 8)]
+      for op in ("compress", "decompress_accumulate_recompress"))
   with open(os.path.join(tmp_path, "kernels_interpret_tiny.json")) as f:
     saved = json.load(f)
   assert saved["interpret"] is True and saved["complete"] is True
-  assert len(saved["results"]) == len(rows)
+  assert len(saved["results"]) == len(main) and len(saved["sweep"]) == len(sweep)
   assert saved["backend_lowering"]["triton"] == "lowers"
   assert saved["backend_lowering"]["mosaic_gpu"] != "lowers"  # test_kernel_dispatch says why
   assert saved["backend_lowering_target"] == kernels.H100[0]  # no GPU here: the abstract H100
+
+
+def test_kernels_bad_flags(tmp_path):
+  with pytest.raises(SystemExit, match="--impls"):
+    kernels.main(["--tiny", "--impls", "cuda", "--out", str(tmp_path)])
+  with pytest.raises(SystemExit, match="--launches"):
+    kernels.main(["--tiny", "--sweep", "--launches", "16-4", "--out", str(tmp_path)])
+  with pytest.raises(ValueError, match="block >= 16"):
+    kernels.main(["--tiny", "--sweep", "--launches", "8x8", "--out", str(tmp_path)])
 
 
 def test_kernels_gpu_fails_without_a_gpu(tmp_path):

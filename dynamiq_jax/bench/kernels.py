@@ -53,6 +53,12 @@ import time
 __all__ = ["main"]
 
 OPS = ("compress", "decompress_accumulate_recompress", "decompress")
+IMPLS = ("pallas", "xla", "mosaic", "mosaic_record")
+SWEEP = ((4, 2), (8, 4), (16, 8), (8, 2), (16, 4), (32, 8), (32, 4))
+"""(block, num_warps) launches of the Triton kernels that ``--sweep`` times: 1, 2 and
+4 scale groups per thread (``16 block / (32 num_warps)``), programs of 64 to 256
+threads; a thread's code depends only on its groups (``tools/sass_count.py
+--launch``: about the same instructions per coordinate at every launch)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--log2-sizes", default="20,22,24,26,28",
                  help="comma-separated log2 of coordinates per call")
-  p.add_argument("--widths", default="4,5", help="code widths of the chunks timed")
+  p.add_argument("--widths", default="4,5",
+                 help="code widths of the chunks timed ('': none, e.g. for --sweep alone)")
   p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                  help="dtype of the local values")
   p.add_argument("--reps", type=int, default=20, help="launches per timed loop")
@@ -70,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--tiny", action="store_true", help="smoke-test sizes (CI)")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   p.add_argument("--gpu", action="store_true", help="fail unless a GPU runs the kernels")
+  p.add_argument("--impls", default=",".join(IMPLS),
+                 help="comma-separated implementations timed (mosaic ones on a GPU only)")
+  p.add_argument("--sweep", action="store_true",
+                 help="also time the Triton kernels at every launch of --launches")
+  p.add_argument("--launches", default=",".join(f"{b}x{w}" for b, w in SWEEP),
+                 help="the sweep's (block)x(num_warps) launches")
+  p.add_argument("--sweep-log2-sizes", default="24,28", help="the sweep's sizes (log2)")
+  p.add_argument("--sweep-widths", default="4", help="the sweep's code widths")
+  p.add_argument("--sweep-ops", default="compress,decompress_accumulate_recompress",
+                 help="the operations the sweep times")
   return p
 
 
@@ -194,8 +211,33 @@ def _timer(reps: int, repeats: int):
   return timed
 
 
+def _copy_bandwidth(timed):
+  """``copy_gbs(nbytes)``: GB/s of a device copy (read + write of a float32 array)
+  that moves ``nbytes`` in all, timed once per byte count: the roofline of a
+  kernel that must move as many bytes, measured rather than quoted."""
+  import jax.numpy as jnp
+  seen = {}
+
+  def copy_gbs(nbytes: int) -> float:
+    n = max(1, nbytes // 8)
+    if n not in seen:
+      a = jnp.zeros((n,), jnp.float32) + 1.0
+      seen[n] = 8 * n / timed(lambda i, a: a + jnp.asarray(i, jnp.float32), a) / 1e9
+    return seen[n]
+
+  return copy_gbs
+
+
+def _parse_launches(text: str):
+  try:
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+  except ValueError:
+    raise SystemExit(f"--launches {text!r}: give (block)x(num_warps) pairs, e.g. 16x4,32x8")
+
+
 def _timed_row(timed, f, operands, *, coords, minimal_bytes, copy_gbs, **row):
-  """One result row: ``f`` timed on ``operands``. A failure (a kernel that does not
+  """One result row: ``f`` timed on ``operands``, set against the device copy of as
+  many bytes (``copy_gbs(minimal_bytes)``). A failure (a kernel that does not
   lower on this GPU or jax) is recorded in the row's ``error`` and printed, so that
   the other rows still run."""
   row.update(coords=coords, minimal_bytes=minimal_bytes)
@@ -205,9 +247,11 @@ def _timed_row(timed, f, operands, *, coords, minimal_bytes, copy_gbs, **row):
     row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
     print(row, file=sys.stderr, flush=True)
     return row
+  copy = copy_gbs(minimal_bytes)
   row.update(seconds=sec, gbs=minimal_bytes / sec / 1e9, coords_per_s=coords / sec,
-             fraction_of_copy=minimal_bytes / sec / 1e9 / copy_gbs)
-  print(f"  {row['op']} {row['impl']} w{row['width']} {coords}: {sec * 1e3:.3f} ms",
+             copy_gbs=copy, fraction_of_copy=minimal_bytes / sec / 1e9 / copy)
+  print(f"  {row['op']} {row['impl']}{row.get('launch', '')} w{row['width']} {coords}: "
+        f"{sec * 1e3:.3f} ms, {row['fraction_of_copy']:.0%} of copy",
         file=sys.stderr, flush=True)  # progress, in case the run is cut short
   return row
 
@@ -223,6 +267,7 @@ def main(argv=None):
   from pallas_kernels import dynamiq_mosaic as M
   from pallas_kernels import dynamiq_planar as P
   from pallas_kernels import dynamiq_reference as R
+  from pallas_kernels import dynamiq_triton as T
   from pallas_kernels import rng
 
   on_gpu = jax.default_backend() == "gpu"
@@ -251,42 +296,67 @@ def main(argv=None):
         "copy_gbs": copy_gbs, "reps": args.reps, "repeats": args.repeats,
         "complete": complete, **more, "results": rows})
 
+  impls = [v for v in args.impls.split(",") if v]
+  if set(impls) - set(IMPLS):
+    raise SystemExit(f"--impls {args.impls!r}: choose from {', '.join(IMPLS)}")
+  if not on_gpu:  # Mosaic GPU is not timed in interpret mode (a simulator)
+    impls = [v for v in impls if not v.startswith("mosaic")]
+  launches = _parse_launches(args.launches) if args.sweep else []
+  if set(v for v in args.sweep_ops.split(",") if v) - set(OPS):
+    raise SystemExit(f"--sweep-ops {args.sweep_ops!r}: choose from {', '.join(OPS)}")
+  for launch in launches:
+    T.launch_config("compress", launch)  # ValueError names a bad launch before any timing
+  copy_at = _copy_bandwidth(timed)
+
+  def chunk(width, size):
+    """(widths, units, local values, their payload, minimal bytes per op) of a chunk
+    of one code width."""
+    s_count = size // 256
+    units = s_count * width // R.PLANE_BITS
+    widths = jnp.full((s_count,), width, jnp.int32)
+    x = jax.random.normal(jax.random.key(0), (s_count, 256), jnp.float32).astype(dtype)
+    payload = R.compress_reference(x, widths, units, keys=keys_of(0), strata=8, **geo)
+    pay_b, x_b = payload.size, x.size * dtype.itemsize
+    minimal = {"compress": x_b + pay_b, "decompress": pay_b + size * 4,
+               "decompress_accumulate_recompress": 2 * pay_b + x_b, "copy": 2 * x_b}
+    return widths, units, x, payload, minimal
+
+  def calls(widths, units, x, payload, **kw):
+    """op: (f(i, *operands), operands) through ``pallas_kernels.dynamiq`` (or, with
+    ``launch`` in ``kw``, the Triton entry points)."""
+    mod = T if "launch" in kw else K
+    suffix = "_pallas" if "launch" in kw else ""
+    get = lambda op: getattr(mod, op + suffix)
+    return {
+        "compress": (lambda i, x: get("compress")(x, widths, units, keys=keys_of(i),
+                                                  strata=8, **kw), (x,)),
+        "decompress": (lambda i, p: get("decompress")(p, widths, units, **kw), (payload,)),
+        "decompress_accumulate_recompress": (
+            lambda i, p, x: get("decompress_accumulate_recompress")(
+                p, x, widths, units, keys=keys_of(i), strata=8, **kw), (payload, x)),
+    }
+
   rows = []
-  for width in [int(w) for w in args.widths.split(",")]:
+  for width in [int(w) for w in args.widths.split(",") if w]:
     for size in sizes:
-      s_count = size // 256
-      units = s_count * width // R.PLANE_BITS
-      widths = jnp.full((s_count,), width, jnp.int32)
-      x = jax.random.normal(jax.random.key(0), (s_count, 256), jnp.float32).astype(dtype)
-      payload = R.compress_reference(x, widths, units, keys=keys_of(0), strata=8, **geo)
-      pay_b, x_b = payload.size, x.size * dtype.itemsize
-      minimal = {"compress": x_b + pay_b, "decompress": pay_b + size * 4,
-                 "decompress_accumulate_recompress": 2 * pay_b + x_b,
-                 "copy": 2 * x_b}
+      widths, units, x, payload, minimal = chunk(width, size)
       # A plain copy of the local values (read + write), as a kernel would see it.
       sec = timed(lambda i, x: x + jnp.asarray(i, x.dtype), x)
       rows.append({"width": width, "coords": size, "op": "copy", "impl": "xla", "seconds": sec,
                    "minimal_bytes": minimal["copy"], "gbs": minimal["copy"] / sec / 1e9,
                    "coords_per_s": size / sec})
-      for op in OPS:
+      for impl in [v for v in impls if v != "mosaic"]:
         # "mosaic_record": the Mosaic GPU kernel on the record payload, as the
         # training step calls it today (record <-> planar conversions included).
-        for impl in ("pallas", "xla") + (("mosaic_record",) if on_gpu else ()):
-          kw = dict(implementation="mosaic" if impl == "mosaic_record" else impl,
+        ops = calls(widths, units, x, payload,
+                    implementation="mosaic" if impl == "mosaic_record" else impl,
                     interpret=interpret if impl == "pallas" else None, **geo)
-          if op == "compress":
-            f = lambda i, x: K.compress(x, widths, units, keys=keys_of(i), strata=8, **kw)
-            operands = (x,)
-          elif op == "decompress":
-            f = lambda i, p: K.decompress(p, widths, units, **kw)
-            operands = (payload,)
-          else:
-            f = lambda i, p, x: K.decompress_accumulate_recompress(
-                p, x, widths, units, keys=keys_of(i), strata=8, **kw)
-            operands = (payload, x)
+        for op in OPS:
+          f, operands = ops[op]
           rows.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
-                                 impl=impl, minimal_bytes=minimal[op], copy_gbs=copy_gbs))
-      if on_gpu:  # Mosaic GPU's kernels, on planar payloads
+                                 impl=impl, minimal_bytes=minimal[op], copy_gbs=copy_at))
+      if "mosaic" in impls:  # Mosaic GPU's kernels, on planar payloads
+        s_count = widths.shape[0]
         planar = P.to_planar(payload, s_count, units, R.PLANE_BITS)
         mgeo = dict(eps=DEFAULT_EPS, width_set=R.WIDTH_SET)
         mosaic = {
@@ -301,24 +371,51 @@ def main(argv=None):
         for op in OPS:
           f, operands = mosaic[op]
           rows.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
-                                 impl="mosaic", minimal_bytes=minimal[op], copy_gbs=copy_gbs))
+                                 impl="mosaic", minimal_bytes=minimal[op], copy_gbs=copy_at))
       save(rows, complete=False)
+  sweep = []
+  if launches:
+    sweep_sizes = [1 << 12] if args.tiny else [1 << int(v)
+                                                for v in args.sweep_log2_sizes.split(",")]
+    for width in [int(w) for w in args.sweep_widths.split(",")]:
+      for size in sweep_sizes:
+        widths, units, x, payload, minimal = chunk(width, size)
+        for launch in launches:
+          ops = calls(widths, units, x, payload, launch=launch, interpret=not on_gpu, **geo)
+          for op in [v for v in args.sweep_ops.split(",") if v]:
+            f, operands = ops[op]
+            sweep.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
+                                    impl="pallas", launch=list(launch),
+                                    minimal_bytes=minimal[op], copy_gbs=copy_at))
+        save(rows, complete=False, sweep=sweep)
   target, backends = backend_check()
   print(f"\nDynamiQ kernels on {kind} ({jax.default_backend()}, "
         f"jax {jax.__version__}); local values {args.dtype}; copy bandwidth {copy_gbs:.1f} GB/s")
   if not on_gpu:
     print("no GPU: Pallas runs in interpret mode; these numbers only show that the benchmark runs")
-  print(f"{'w':>2} {'coords':>10} {'op':<34} {'impl':<7} {'ms':>9} {'GB/s':>8} {'coords/s':>10}")
-  for r in rows:
+  head = (f"{'w':>2} {'coords':>10} {'op':<34} {'impl':<13} {'ms':>9} {'GB/s':>8} "
+          f"{'of copy':>7} {'coords/s':>10}")
+  print(head)
+  for r in rows + sweep:
+    impl = r["impl"] + (" {}x{}".format(*r["launch"]) if "launch" in r else "")
     if "error" in r:
-      print(f"{r['width']:>2} {r['coords']:>10} {r['op']:<34} {r['impl']:<7} {r['error']}")
+      print(f"{r['width']:>2} {r['coords']:>10} {r['op']:<34} {impl:<13} {r['error']}")
       continue
-    print(f"{r['width']:>2} {r['coords']:>10} {r['op']:<34} {r['impl']:<7} "
-          f"{r['seconds'] * 1e3:>9.3f} {r['gbs']:>8.1f} {r['coords_per_s']:>10.3e}")
+    frac = f"{r['fraction_of_copy']:>7.0%}" if "fraction_of_copy" in r else f"{'':>7}"
+    print(f"{r['width']:>2} {r['coords']:>10} {r['op']:<34} {impl:<13} "
+          f"{r['seconds'] * 1e3:>9.3f} {r['gbs']:>8.1f} {frac} {r['coords_per_s']:>10.3e}")
+  if sweep:
+    print("fastest launch per op and size (block x num_warps):")
+    for key in sorted({(r["op"], r["width"], r["coords"]) for r in sweep}):
+      ok = [r for r in sweep if (r["op"], r["width"], r["coords"]) == key and "seconds" in r]
+      if ok:
+        best = min(ok, key=lambda r: r["seconds"])
+        print(f"  {key[0]} w{key[1]} {key[2]}: {best['launch'][0]}x{best['launch'][1]} "
+              f"{best['seconds'] * 1e3:.3f} ms ({best['fraction_of_copy']:.0%} of copy)")
   print(f"Pallas GPU backends, level-table gather lowering for cuda ({target}):",
         ", ".join(f"{k}: {v}" for k, v in backends.items()))
-  print(f"wrote {save(rows, complete=True, backend_lowering=backends, backend_lowering_target=target)}")
-  return rows
+  print(f"wrote {save(rows, complete=True, sweep=sweep, backend_lowering=backends, backend_lowering_target=target)}")
+  return rows + sweep
 
 
 if __name__ == "__main__":
