@@ -189,19 +189,32 @@ def _decode_rows(u_s, k_s, sc_s, w_s, ptab_s, s0, *, tabs: B.LevelTables, planes
   return lam * scale
 
 
-def _fetch(gmem, smem, bar, s0, planes: int, more=()):
+def _copy_all(copies, bars, first: int = 0):
+  """Issues every (src, dst) copy, each on its own barrier ``bars.at[first + i]``, then
+  waits for all: the copies are in flight together, not one after another."""
+  for i, (src, dst) in enumerate(copies):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[first + i])
+  for i in range(len(copies)):
+    plgpu.barrier_wait(bars.at[first + i])
+
+
+def _fetch_barriers(planes: int, more: int) -> int:
+  """Barriers :func:`_fetch` uses: one per copy."""
+  return 4 + more + planes
+
+
+def _fetch(gmem, smem, bars, s0, planes: int, more=()):
   """The block's payload operands (and ``more`` (src, dst) copies) into shared memory:
-  plane table, ``k`` words, scales, widths, then each plane's 64 unit words."""
+  plane table, ``k`` words, scales, widths (and ``more``) together, then, once the
+  plane table has arrived, each plane's 64 unit words together
+  (:func:`_copy_all`; ``bars``: :func:`_fetch_barriers` of them)."""
   units_g, k_g, sc_g, w_g, ptab_g = gmem
   u_s, k_s, sc_s, w_s, ptab_s = smem
   copies = [(ptab_g, ptab_s), (k_g.at[pl.ds(s0 * BLOCK, _ROWS)], k_s),
             (sc_g.at[pl.ds(s0, BLOCK)], sc_s), (w_g.at[pl.ds(s0, BLOCK)], w_s), *more]
-  for src, dst in copies:
-    plgpu.copy_gmem_to_smem(src, dst, bar)
-    plgpu.barrier_wait(bar)
-  for p in range(planes):
-    plgpu.copy_gmem_to_smem(units_g.at[pl.ds((ptab_s[p] + s0) * _WORDS, _ROWS)], u_s.at[p], bar)
-    plgpu.barrier_wait(bar)
+  _copy_all(copies, bars)
+  _copy_all([(units_g.at[pl.ds((ptab_s[p] + s0) * _WORDS, _ROWS)], u_s.at[p])
+             for p in range(planes)], bars, first=len(copies))
 
 
 def _decode_kernel(*refs, tabs: B.LevelTables, planes: int, s_count: int, accumulate: bool):
@@ -244,7 +257,8 @@ def _decode(planar, x, widths, *, units, eps, plane_bits, width_set, interpret):
   if accumulate:
     operands.append(x.reshape(s_count * _WORDS, 32))
     scratch.append(plgpu.SMEM((_ROWS, 32), x.dtype))
-  scratch += [plgpu.SMEM((_ROWS, 32), jnp.float32), plgpu.Barrier()]
+  scratch += [plgpu.SMEM((_ROWS, 32), jnp.float32),
+              plgpu.Barrier(num_barriers=_fetch_barriers(planes, int(accumulate)))]
   kernel = plgpu.kernel(
       functools.partial(_decode_kernel, tabs=tabs, planes=planes, s_count=s_count,
                         accumulate=accumulate),
@@ -345,10 +359,8 @@ def _encode_kernel(x_g, w_g, key_g, codes_g, k_g, v_g, x_s, w_s, key_s, codes_s,
                    vs_s, bar, **static):
   """One program: 8 super-groups -> their plane words, k bytes and scale bits (per row)."""
   s0 = lax.axis_index("b") * BLOCK
-  for src, dst in ((x_g.at[pl.ds(s0 * BLOCK, _ROWS)], x_s), (w_g.at[pl.ds(s0, BLOCK)], w_s),
-                   (key_g, key_s)):
-    plgpu.copy_gmem_to_smem(src, dst, bar)
-    plgpu.barrier_wait(bar)
+  _copy_all([(x_g.at[pl.ds(s0 * BLOCK, _ROWS)], x_s), (w_g.at[pl.ds(s0, BLOCK)], w_s),
+             (key_g, key_s)], bar)
   _encode_rows(x_s[...].astype(jnp.float32), w_s, key_s, (codes_s, k_s, v_s), vs_s, s0,
                **static)
   _store_encoded((codes_s, k_s, v_s), (codes_g, k_g, v_g), s0)
@@ -451,7 +463,7 @@ def _compress(x, widths, keys, rank, *, units, eps, strata, scale_rounding, plan
   planes = max(width_set)
   rows = s_count * _WORDS
   scratch = [plgpu.SMEM((_ROWS, 32), x.dtype), plgpu.SMEM((BLOCK,), jnp.int32),
-             *_encode_scratch(planes), plgpu.Barrier()]
+             *_encode_scratch(planes), plgpu.Barrier(num_barriers=3)]
   kernel = plgpu.kernel(
       functools.partial(_encode_kernel, tabs=tabs, planes=planes, strata=strata,
                         scale_rounding=scale_rounding),
@@ -544,7 +556,7 @@ def _dar(planar, x, widths, keys, rank, *, units, eps, strata, scale_rounding, p
   scratch = [plgpu.SMEM((planes, _ROWS), jnp.uint32), plgpu.SMEM((_ROWS,), jnp.uint16),
              plgpu.SMEM((BLOCK,), jnp.uint16), plgpu.SMEM((BLOCK,), jnp.int32),
              plgpu.SMEM((_PTAB,), jnp.int32), plgpu.SMEM((_ROWS, 32), x.dtype),
-             *_encode_scratch(planes), plgpu.Barrier()]
+             *_encode_scratch(planes), plgpu.Barrier(num_barriers=_fetch_barriers(planes, 2))]
   kernel = plgpu.kernel(
       functools.partial(_dar_kernel, tabs=tabs, planes=planes, strata=strata,
                         scale_rounding=scale_rounding),
