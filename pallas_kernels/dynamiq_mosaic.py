@@ -28,6 +28,13 @@ that runs past the unit plane's end reads only masked rows: on a GPU the
 TMA unit fills such reads with zeros and drops writes past the output's
 end.
 
+Copies: a program issues its independent copies together, each on its own
+barrier (:func:`_copy_all`): plane table, ``k`` words, scales, widths, local
+values and keys, then, once the plane table is in shared memory, every
+plane's words; it waits twice rather than once per copy. (On an H200 this
+did not change the kernels' time: they are bound by their arithmetic,
+docs/results.md, "Kernels on an H200".)
+
 Level lookups have no gather: the magnitude index ``l`` of a code and its
 sign come from its top bit, and ``lam[l]`` is a chain of selects over
 the width's constant levels (``R`` selects, one partial result live: a
