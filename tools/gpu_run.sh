@@ -67,7 +67,7 @@ bench "${MOSAIC_S:-90}" mosaic --impls mosaic --log2-sizes 24 --widths 4,5
 part "tests/test_kernels_on_gpu.py"
 # three processes share the GPU (no preallocation): the tests are bound by compiles
 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda,cpu timeout "${TEST_S:-150}" \
-  $PY -m pytest -n 3 -q --tb=short -p no:cacheprovider -p no:benchmark -rs \
+  $PY -m pytest -n 3 --dist load -q --tb=short -p no:cacheprovider -p no:benchmark -rs \
   tests/test_kernels_on_gpu.py 2>&1 | tail -40 | tee -a "$LOG"
 part "codec cost"
 timeout "${COST_S:-110}" $PY -m dynamiq_jax.bench.codec_cost --out "$OUT" --log2-coords "${COST_LOG2:-28}" 2>&1 | tee -a "$LOG" | tail -30
