@@ -119,8 +119,8 @@ class _Config:
   width_set: tuple
   plane_bits: int
   scale_rounding: str
-  sg: int = 16  # super-groups per program (the launch's ``block``)
-  num_warps: int = 4
+  sg: int  # super-groups per program (the launch's ``block``, :func:`launch_config`)
+  num_warps: int
 
   per = property(lambda self: 8 // self.plane_bits)
   cb = property(lambda self: _G // self.per)
