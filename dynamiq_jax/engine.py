@@ -107,8 +107,19 @@ def guarded(x, finite, amax, bad):
   return bad > 0, jnp.where(finite, x, 0.0) * scale, scale
 
 
-def unguard(out, nonfinite, scale):
-  """The codec's result in input units, NaN where :func:`guard` found a non-finite value."""
+def unguard(out, nonfinite, scale, dtype=None):
+  """The codec's result in input units (float32), NaN where :func:`guard` found a
+  non-finite value.
+
+  With ``dtype`` (a codec's :attr:`~dynamiq_jax.codecs.Codec.result_dtype`), ``out``
+  is first rounded to ``dtype`` and held there by an optimization barrier: the
+  rounded result is what waits for its reader (the optimizer, at the end of the
+  step), and the float32 one dies as soon as it is made, however early XLA
+  schedules the decoding. The division by the guard's power-of-two scale (exact)
+  and the NaNs are elementwise, so XLA fuses them into the reader.
+  """
+  if dtype is not None and jnp.dtype(dtype) != out.dtype:
+    out = jax.lax.optimization_barrier(out.astype(dtype))
   return jnp.where(nonfinite, jnp.float32(jnp.nan), out / scale)
 
 
@@ -261,7 +272,7 @@ class AllReduce:
         x, used, Bucket(index, d, ctx.n, self.implementation), state,
         program_keys(words, index, ctx), plan, ctx, self.return_own, self.loss)
     own = own / scale if self.return_own else None
-    return (unguard(out, nonfinite, scale), state if used is not self.codec else new_state,
+    return (unguard(out, nonfinite, scale, used.result_dtype), state if used is not self.codec else new_state,
             own, err / (scale * scale), sent)
 
   def wire(self, x, words, index):
@@ -280,11 +291,11 @@ class AllReduce:
   def decode(self, payloads, aux, guarded, d: int, index):
     """The second half: :meth:`wire`'s outputs -> (out, estimated squared error)."""
     n = axis_context(self.axis_name).n
-    out, _, err = decode_pass(payloads, aux, bucket_codec(self.codec, d, n),
-                              Bucket(index, d, n, self.implementation), None,
-                              get_plan(self.schedule, n))
+    used = bucket_codec(self.codec, d, n)
+    out, _, err = decode_pass(payloads, aux, used, Bucket(index, d, n, self.implementation),
+                              None, get_plan(self.schedule, n))
     nonfinite, scale = guarded
-    return unguard(out, nonfinite, scale), err / (scale * scale)
+    return unguard(out, nonfinite, scale, used.result_dtype), err / (scale * scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +348,7 @@ class ReduceScatter:
     if self.return_own:
       own = jnp.roll((used.contribution(x, p.aux, bucket) / scale).reshape(n, m), plan.root,
                      axis=0)
-    piece = unguard(piece, nonfinite, scale)
+    piece = unguard(piece, nonfinite, scale, used.result_dtype)
     return piece, own, piece[0]
 
 
@@ -378,22 +389,24 @@ class Hierarchical:
         shares = jnp.roll(flat.reshape(rows.shape), -root, axis=0)
       owned = hierarchical.reduce_scatter_shares(fast, shares)
     m = owned.shape[0]
-    reduced, err = owned, jnp.float32(0)
+    reduced, err, dtype = owned, jnp.float32(0), None
     if slow.n > 1:  # (the caller folded the fast rank into the key: fresh rounding per share)
       k0, k1, s0, s1 = words
+      used = bucket_codec(self.codec, m, slow.n)
+      dtype = used.result_dtype
       reduced, _, _, err, _ = codec_pass(
-          owned, bucket_codec(self.codec, m, slow.n),
+          owned, used,
           Bucket(index, m, slow.n, self.implementation), None,
           Keys(k0, k1, index, slow.rank(), (s0, s1)), get_plan(self.inner, slow.n), slow,
           False)
     if not self.gather:
-      mine = unguard(reduced, nonfinite, scale)
+      mine = unguard(reduced, nonfinite, scale, dtype)
       return mine, None, mine[0]
     with jax.named_scope("fast_all_gather"):
       out = hierarchical.join_shares(hierarchical.all_gather_shares(fast, reduced),
                                      flat.shape[0], unit)
     unit_sq = scale * scale
-    out = unguard(out, nonfinite, scale)
+    out = unguard(out, nonfinite, scale, dtype)
     return out, err / unit_sq, jnp.sum(reduced * reduced) / unit_sq, out[0]
 
 

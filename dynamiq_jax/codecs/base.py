@@ -241,9 +241,15 @@ class Codec(abc.ABC):
       a non-finite value decodes as non-finite: the codec needs no agreed scale
       before it runs (:func:`dynamiq_jax.tp_psum` then skips the guard's
       all-reduce).
+    result_dtype: the dtype a bucket's reduced gradient is rounded to and kept in
+      until the optimizer reads it (its leaves get their own dtypes back there).
+      bfloat16, as ``psum`` of bf16 gradients gives, for every lossy codec: the
+      rounding's relative error (at most 2^-9, a relative MSE near 3e-6) is small
+      beside the codec's own; the cast codecs keep their own dtype's precision.
   """
 
   granularity: int = 1
+  result_dtype: Any = jnp.bfloat16
   reports_contribution: bool = False
   self_scaled: bool = False
   default_error_feedback: bool | str = False

@@ -42,6 +42,12 @@ class Cast(Codec):
   def dtype(self):
     return jnp.dtype(self._dtype)
 
+  @property
+  def result_dtype(self):
+    """bfloat16 for bf16 payloads (the sums are bf16 already), float32 for every other
+    payload dtype: a cast codec's result keeps its payload's precision."""
+    return jnp.dtype(jnp.bfloat16) if self.dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
   def wire_bits(self, d: int, n: int) -> int:
     return self.dtype.itemsize * 8 * padded_length(d, n)
 
