@@ -114,3 +114,19 @@ def test_every_library_module_has_a_docstring():
              if ast.get_docstring(ast.parse(p.read_text())) is None
              and p.name != "__init__.py" and os.path.getsize(p) > 0]
   assert not missing, missing
+
+
+@pytest.mark.parametrize("schedule,mesh_shape", [("ring", None), ("hierarchical", (2, 4))])
+def test_results_wait_in_the_codecs_result_dtype(schedule, mesh_shape):
+  """A lossy codec's reduced gradient is rounded to bfloat16 (Codec.result_dtype: what
+  waits for the optimizer is 2 bytes per coordinate, as pmean's bf16 sums); the float32
+  ring's keeps float32. Both come back in the leaves' dtype."""
+  g = np.random.default_rng(0).standard_normal((8, 3, 1000)).astype(np.float32)
+  for codec, rounded in ((DynamiQ(bits=5), True), (F32(), False)):
+    assert (jnp.dtype(codec.result_dtype) == jnp.bfloat16) == rounded
+    out = np.asarray(dq.simulate(g, codec=codec, schedule=schedule, mesh_shape=mesh_shape,
+                                 average=False))
+    assert out.dtype == np.float32 and out.shape == g.shape
+    as_bf16 = np.asarray(jnp.asarray(out).astype(jnp.bfloat16).astype(jnp.float32))
+    assert np.array_equal(as_bf16, out) == rounded, codec
+    np.testing.assert_allclose(out, np.broadcast_to(g.sum(0), g.shape), rtol=0.5, atol=1.0)
