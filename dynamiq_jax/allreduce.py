@@ -182,7 +182,9 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
 
   Returns:
     ``(tree, stats)``: the reduced pytree (same structure, shapes and dtypes;
-    bit-identical on every rank) and :class:`AllReduceStats`. Each rank sends
+    bit-identical on every rank; a lossy codec's values rounded to bfloat16,
+    its :attr:`~dynamiq_jax.codecs.Codec.result_dtype`, as ``psum`` of bf16
+    gradients gives) and :class:`AllReduceStats`. Each rank sends
     ``stats.bytes_per_rank`` bytes: per hop one chunk payload, i.e.
     ``wire_bits / n`` bits, for ``2 (n - 1)`` hops. With leaves sharded
     over other mesh axes, the stats count one device's shards.
