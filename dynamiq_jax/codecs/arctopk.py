@@ -121,6 +121,11 @@ class RowSelection(Codec):
     return self.row
 
   @property
+  def result_dtype(self):
+    """The element codec's: the selected rows' sums are kept in its precision."""
+    return self.element.result_dtype
+
+  @property
   def element(self) -> Codec:
     """The element codec the selected rows travel through (checked when built)."""
     return _VALUES[self.values]() if isinstance(self.values, str) else self.values

@@ -245,7 +245,8 @@ class Codec(abc.ABC):
       until the optimizer reads it (its leaves get their own dtypes back there).
       bfloat16, as ``psum`` of bf16 gradients gives, for every lossy codec: the
       rounding's relative error (at most 2^-9, a relative MSE near 3e-6) is small
-      beside the codec's own; the cast codecs keep their own dtype's precision.
+      beside the codec's own. The cast codecs (and THC, Global-QSGD and OmniReduce,
+      built on them) keep their payload's precision; ARC-Top-K its element codec's.
   """
 
   granularity: int = 1
