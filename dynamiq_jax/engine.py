@@ -272,8 +272,8 @@ class AllReduce:
         x, used, Bucket(index, d, ctx.n, self.implementation), state,
         program_keys(words, index, ctx), plan, ctx, self.return_own, self.loss)
     own = own / scale if self.return_own else None
-    return (unguard(out, nonfinite, scale, used.result_dtype), state if used is not self.codec else new_state,
-            own, err / (scale * scale), sent)
+    return (unguard(out, nonfinite, scale, used.result_dtype),
+            state if used is not self.codec else new_state, own, err / (scale * scale), sent)
 
   def wire(self, x, words, index):
     """The collectives of a stateless bucket -> (payloads, aux, (non-finite, scale), own or

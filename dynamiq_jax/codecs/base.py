@@ -250,7 +250,7 @@ class Codec(abc.ABC):
   """
 
   granularity: int = 1
-  result_dtype: Any = jnp.bfloat16
+  result_dtype: Any = jnp.dtype(jnp.bfloat16)
   reports_contribution: bool = False
   self_scaled: bool = False
   default_error_feedback: bool | str = False
