@@ -88,3 +88,9 @@ def test_buckets_overlap_only_one_after_another(tiny, record_property):
   assert default["backward_gemms_in_windows"] >= pmean["backward_gemms_in_windows"]
   assert default["backward_gemms_in_windows"] >= default["backward_gemms"] // 2
   assert unchained["backward_gemms_in_windows"] < default["backward_gemms"] // 2
+
+
+@pytest.mark.parametrize("size", ["0", "-4"])
+def test_a_bucket_size_below_one_is_refused_before_compiling(size, capsys):
+  with pytest.raises(SystemExit, match=f"--bucket-size {size}: must be a positive"):
+    scale.main(["--sizes", "125m", "--bucket-size", size])

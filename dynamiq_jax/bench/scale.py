@@ -3,6 +3,7 @@
     python -m dynamiq_jax.bench.scale                    # ~125 M, ~350 M, ~1.3 B, 1.3 B scanned
     python -m dynamiq_jax.bench.scale --sizes 1.3b       # one size
     python -m dynamiq_jax.bench.scale --tiny             # smoke test (CI)
+    python -m dynamiq_jax.bench.scale --sizes 1.3b --bucket-size 134217728   # 11 buckets
 
 No GPU is needed. Each step is compiled in a child process
 (:func:`~dynamiq_jax.bench.gpu_compile.compile_in_child`) by XLA's GPU
@@ -234,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--library", default=None,
                  help="compile against the dynamiq_jax at this directory (e.g. a worktree of "
                       "an older commit) instead of this one")
+  p.add_argument("--bucket-size", type=int, default=None,
+                 help="the compressed steps' bucket_size (coordinates; unset: the library's "
+                      "default): fewer, larger buckets trade compile time for overlap")
   p.add_argument("--label", default=None, help="writes scale_<label>.json instead of scale.json")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
@@ -245,9 +249,10 @@ def _row(name, method, r, base=None):
   if base is not None:
     ratio = (f" {r['total_cpu_s'] / base['total_cpu_s']:>6.1f}x"
              f" {r['temp_bytes'] / base['temp_bytes']:>6.2f}x")
+  buckets = r["scopes"]["buckets"] if "scopes" in r else ""
   return (f"{name:<10} {method:<8} {r['params'] / 1e6:>7.0f} {r['lower_cpu_s']:>8.1f} "
           f"{r['compile_cpu_s']:>9.1f} {r['temp_bytes'] / 2**30:>8.2f} {r['instructions']:>9} "
-          f"{r['backward_gemms_in_windows']:>5}/{r['backward_gemms']:<5}{ratio}")
+          f"{r['backward_gemms_in_windows']:>5}/{r['backward_gemms']:<5}{ratio} {buckets:>7}")
 
 
 def main(argv=None) -> dict:
@@ -268,12 +273,18 @@ def main(argv=None) -> dict:
         sys.exit(f"--sizes: unknown size {name!r}; choose from {', '.join(SIZES)} "
                  f"(optionally with -scan)")
       cases[name] = (SIZES[base], name.endswith("-scan"), {})
+  if args.bucket_size is not None:
+    if args.bucket_size < 1:
+      sys.exit(f"--bucket-size {args.bucket_size}: must be a positive number of coordinates")
+    for _, _, options in cases.values():
+      options["bucket_size"] = args.bucket_size
   methods = {m.strip() for m in args.methods.split(",") if m.strip()}
   if methods - {"pmean", "default", "stacked"}:
     sys.exit(f"--methods: unknown {sorted(methods - {'pmean', 'default', 'stacked'})}; choose "
              f"from pmean, default, stacked")
   print(f"{'model':<10} {'method':<8} {'M par':>7} {'lower s':>8} {'compile s':>9} "
-        f"{'temp GiB':>8} {'HLO instr':>9} {'bwd GEMMs':>11} {'CPU s':>7} {'temp':>7}")
+        f"{'temp GiB':>8} {'HLO instr':>9} {'bwd GEMMs':>11} {'CPU s':>7} {'temp':>7} "
+        f"{'buckets':>7}")
   runs = {}
   for name, (model, scan, options) in cases.items():
     rows = {}
