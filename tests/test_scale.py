@@ -91,6 +91,6 @@ def test_buckets_overlap_only_one_after_another(tiny, record_property):
 
 
 @pytest.mark.parametrize("size", ["0", "-4"])
-def test_a_bucket_size_below_one_is_refused_before_compiling(size, capsys):
+def test_a_bucket_size_below_one_is_refused_before_compiling(size):
   with pytest.raises(SystemExit, match=f"--bucket-size {size}: must be a positive"):
     scale.main(["--sizes", "125m", "--bucket-size", size])
