@@ -90,7 +90,8 @@ def test_buckets_overlap_only_one_after_another(tiny, record_property):
   assert unchained["backward_gemms_in_windows"] < default["backward_gemms"] // 2
 
 
-@pytest.mark.parametrize("size", ["0", "-4"])
-def test_a_bucket_size_below_one_is_refused_before_compiling(size):
-  with pytest.raises(SystemExit, match=f"--bucket-size {size}: must be a positive"):
+@pytest.mark.parametrize("size", ["0", "-4", "100"])
+def test_a_bucket_size_the_library_refuses_is_refused_before_compiling(size):
+  with pytest.raises(SystemExit, match=f"--bucket-size {size}: bucket_size={size} must be a "
+                                       f"positive multiple of 256 for DynamiQ"):
     scale.main(["--sizes", "125m", "--bucket-size", size])

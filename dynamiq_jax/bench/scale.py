@@ -263,8 +263,16 @@ def main(argv=None) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads the machine
   from dynamiq_jax.bench.common import command_line, machine, write_results
 
+  options = {}
+  if args.bucket_size is not None:  # the library's own check, before minutes of compiling
+    import dynamiq_jax as dq
+    try:
+      dq.bucket_layout([], codec=dq.codecs.DynamiQ(), bucket_size=args.bucket_size)
+    except ValueError as e:
+      sys.exit(f"--bucket-size {args.bucket_size}: {e}")
+    options["bucket_size"] = args.bucket_size
   if args.tiny:
-    cases = {"tiny": (TINY, False, {"bucket_size": TINY_BUCKET})}
+    cases = {"tiny": (TINY, False, {"bucket_size": TINY_BUCKET, **options})}
   else:
     cases = {}
     for name in [s.strip() for s in args.sizes.split(",") if s.strip()]:
@@ -272,12 +280,7 @@ def main(argv=None) -> dict:
       if base not in SIZES:
         sys.exit(f"--sizes: unknown size {name!r}; choose from {', '.join(SIZES)} "
                  f"(optionally with -scan)")
-      cases[name] = (SIZES[base], name.endswith("-scan"), {})
-  if args.bucket_size is not None:
-    if args.bucket_size < 1:
-      sys.exit(f"--bucket-size {args.bucket_size}: must be a positive number of coordinates")
-    for _, _, options in cases.values():
-      options["bucket_size"] = args.bucket_size
+      cases[name] = (SIZES[base], name.endswith("-scan"), dict(options))
   methods = {m.strip() for m in args.methods.split(",") if m.strip()}
   if methods - {"pmean", "default", "stacked"}:
     sys.exit(f"--methods: unknown {sorted(methods - {'pmean', 'default', 'stacked'})}; choose "
