@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynamiq_jax.schedules.context import axis_names
+from dynamiq_jax.schedules.context import varying_axes
 from dynamiq_jax.schedules.local import strip_axes
 from dynamiq_jax.train import SyncedStep
 from dynamiq_jax.train import data_dims
@@ -95,6 +96,54 @@ def _keys(path) -> tuple:
 def _flat_by_path(tree) -> dict:
   return {_keys(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=is_spec)[0]}
+
+
+def _sync_batch_norm(model: nnx.Module, data) -> None:
+  """Sets ``axis_name=data`` on every ``nnx.BatchNorm`` of ``model`` that has none, so that
+  it normalises with, and keeps running averages of, the statistics of the global batch
+  (Flax's ``lax.pmean`` of the per-rank moments over the data axes)."""
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
+      module.axis_name = data
+
+
+def _rank_keys(keys, axes):
+  """Every RNG stream's key with this rank's index folded in: the ranks draw different
+  numbers from the one stored (replicated) stream."""
+  rank = jax.lax.axis_index(data_entry(axes))
+  return jax.tree.map(lambda k: jax.random.fold_in(k, rank), keys)
+
+
+def _consistent(new, old, axes):
+  """The model state ``new`` (its non-parameter variables after the forward pass), each
+  leaf that differs between ranks replaced by its mean over the data ``axes``.
+
+  Raises:
+    ValueError: the forward pass created variables (``sow``, a lazily built one), or left
+      a per-rank value that has no mean (an integer or boolean).
+  """
+  new_paths = {_keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(new)[0]}
+  old_paths = {_keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(old)[0]}
+  if new_paths != old_paths:
+    raise ValueError(
+        f"the forward pass created the variables {sorted(new_paths - old_paths, key=str)} "
+        f"(and dropped {sorted(old_paths - new_paths, key=str)}); the state of a "
+        f"DataParallel step keeps its structure. Fix: create every variable in the "
+        f"model's __init__, or remove intermediates in loss_fn "
+        f"(nnx.pop(model, nnx.Intermediate))")
+
+  def one(path, x):
+    if not set(axes) & varying_axes(x):
+      return x  # the same on every rank already (a count, statistics reduced by the model)
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      raise ValueError(
+          f"the model variable {_keys(path)} ({jax.typeof(x)}) takes a different "
+          f"value on each rank of {axes} in the forward pass, and an integer has no mean "
+          f"to keep the replicas equal. Fix: reduce it over the data axis in the model "
+          f"(e.g. jax.lax.psum(value, {data_entry(axes)!r})), or keep it a float")
+    return mean_over(x, axes).astype(jnp.result_type(x))
+
+  return jax.tree_util.tree_map_with_path(one, new)
 
 
 class DataParallel:
@@ -252,14 +301,19 @@ class DataParallel:
 
     def local(state, batch):
       model, optimizer = nnx.merge(graphdef, state)
-      params_def, params, rest = nnx.split(model, optimizer.wrt, ...)
+      _sync_batch_norm(model, data_entry(axes))
+      params_def, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngKey, ...)
 
-      def loss_of(params):
-        return loss_fn(nnx.merge(params_def, params, rest), batch)
+      def loss_of(params, keys, rest):  # the model merged here, so its state may change here
+        m = nnx.merge(params_def, params, keys, rest, copy=True)
+        loss = loss_fn(m, batch)
+        return loss, nnx.split(m, optimizer.wrt, nnx.RngKey, ...)[3]
 
       # Gradients of a per-rank copy stay per-rank; the optimizer's chain
       # reduces them (compressed), not XLA.
-      loss, grads = jax.value_and_grad(loss_of)(self._full_params(params, (0,)))
+      (loss, new_rest), grads = jax.value_and_grad(loss_of, has_aux=True)(
+          self._full_params(params, (0,)), _rank_keys(keys, axes), rest)
+      nnx.update(model, _consistent(new_rest, rest, axes))  # the stored keys stay unfolded
       extra = {"specs": self._param_specs(params, (0,))} if model_axes else {}
       with jax.named_scope("optimizer"):  # the reduction and the update, labelled in profiles
         optimizer.update(model, grads, **extra)
@@ -275,20 +329,36 @@ class DataParallel:
                      donate_argnums=(0,) if donate else ())
     return SyncedStep(jitted, resolve_sync_every(sync_every, self.mesh))
 
-  def eval_step(self, per_example_fn: Callable[[nnx.Module, Any], Any]):
+  def eval_step(self, per_example_fn: Callable[[nnx.Module, Any], Any], *,
+                eval_mode: bool = True):
     """The jitted ``evaluate(state, batch) -> per-example outputs`` (split like the batch).
+
+    The model handed to ``per_example_fn`` is in evaluation mode, as after
+    ``model.eval()``: ``deterministic=True`` (no dropout) and
+    ``use_running_average=True`` (BatchNorm normalises with the running
+    statistics the train step kept) on every submodule that has them. The
+    evaluation changes no state: what ``per_example_fn`` does to the model
+    (an RNG stream drawn, statistics updated) is discarded.
 
     Args:
       per_example_fn: ``fn(model, batch) -> pytree`` of arrays with the
         batch's leading axis (e.g. per-example loss and correctness).
+      eval_mode: ``False`` hands over the model in the mode it was built in
+        (e.g. dropout on, for Monte Carlo dropout: each rank then draws its
+        own masks, as in the train step, from the stored stream, whose count
+        the evaluation does not advance).
     """
-    graphdef = self.graphdef
+    graphdef, axes = self.graphdef, self._axes
 
     def local(state, batch):
       model, optimizer = nnx.merge(graphdef, state)
-      params_def, params, rest = nnx.split(model, optimizer.wrt, ...)
+      if eval_mode:
+        model.set_attributes(deterministic=True, use_running_average=True,
+                             raise_if_not_found=False)
+      _sync_batch_norm(model, data_entry(axes))
+      params_def, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngKey, ...)
       full = self._full_params(params, (0,))
-      return per_example_fn(nnx.merge(params_def, full, rest), batch)
+      return per_example_fn(nnx.merge(params_def, full, _rank_keys(keys, axes), rest), batch)
 
     spec = self._batch_spec()
     return jax.jit(partial_manual(local, mesh=self.mesh, manual=self._axes,
