@@ -33,6 +33,15 @@ that differs between ranks (:class:`dynamiq_jax.PerRank`, the
 error-feedback residuals of ``compressed_psum(error_feedback=True)``) is
 split over the data axis.
 
+The model's other state goes through the step too, the same on every rank
+(docs/guide.md, "Dropout, BatchNorm and model state"): RNG streams keep one
+stored key and count, and each rank folds its index over the data axis into
+the keys it draws with (its own dropout masks); ``nnx.BatchNorm`` layers
+without an ``axis_name`` average their batch moments over the data axis, so
+they normalise with, and keep running statistics of, the global batch; any
+other variable the forward pass leaves different on each rank becomes its
+mean over the data axis (a float) or is refused (an integer).
+
 Needs flax (``pip install "dynamiq-jax[examples]"``); ``import dynamiq_jax``
 loads this module only when ``dq.nnx`` is first used.
 """
@@ -111,7 +120,14 @@ def _rank_keys(keys, axes):
   """Every RNG stream's key with this rank's index folded in: the ranks draw different
   numbers from the one stored (replicated) stream."""
   rank = jax.lax.axis_index(data_entry(axes))
-  return jax.tree.map(lambda k: jax.random.fold_in(k, rank), keys)
+
+  def fold(key):  # a stack of keys (a scanned layer's streams) key by key
+    one = lambda k: jax.random.fold_in(k, rank)
+    for _ in range(jnp.ndim(key)):
+      one = jax.vmap(one)
+    return one(key)
+
+  return jax.tree.map(fold, keys)
 
 
 def _consistent(new, old, axes):
@@ -122,22 +138,26 @@ def _consistent(new, old, axes):
     ValueError: the forward pass created variables (``sow``, a lazily built one), or left
       a per-rank value that has no mean (an integer or boolean).
   """
-  new_paths = {_keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(new)[0]}
-  old_paths = {_keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(old)[0]}
-  if new_paths != old_paths:
+  def names(tree):
+    return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
+
+  if names(new) != names(old):
+    created = ", ".join(sorted(names(new) - names(old)))
+    dropped = ", ".join(sorted(names(old) - names(new)))
     raise ValueError(
-        f"the forward pass created the variables {sorted(new_paths - old_paths, key=str)} "
-        f"(and dropped {sorted(old_paths - new_paths, key=str)}); the state of a "
+        f"the forward pass created the model variables {created or '(none)'}"
+        f"{f' and dropped {dropped}' if dropped else ''}; the state of a "
         f"DataParallel step keeps its structure. Fix: create every variable in the "
-        f"model's __init__, or remove intermediates in loss_fn "
-        f"(nnx.pop(model, nnx.Intermediate))")
+        f"model's __init__, or remove the new ones in loss_fn before it returns "
+        f"(e.g. nnx.pop(model, nnx.Intermediate))")
 
   def one(path, x):
     if not set(axes) & varying_axes(x):
       return x  # the same on every rank already (a count, statistics reduced by the model)
     if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
       raise ValueError(
-          f"the model variable {_keys(path)} ({jax.typeof(x)}) takes a different "
+          f"the model variable {jax.tree_util.keystr(path)} ({jax.typeof(x)}) takes a different "
           f"value on each rank of {axes} in the forward pass, and an integer has no mean "
           f"to keep the replicas equal. Fix: reduce it over the data axis in the model "
           f"(e.g. jax.lax.psum(value, {data_entry(axes)!r})), or keep it a float")
@@ -150,8 +170,10 @@ class DataParallel:
   """An NNX model and its optimizer as one state pytree on a data-parallel mesh.
 
   Args:
-    model: the NNX module (its state must change only through the optimizer:
-      no batch statistics or RNG streams updated in the forward pass).
+    model: the NNX module, in the mode the train step runs it in (NNX's
+      default, training). Its state besides the parameters (RNG streams,
+      BatchNorm statistics, variables of its own) is carried through the
+      steps and kept the same on every rank; see the module docstring.
     optimizer: ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` with ``tx``
       starting with the gradient reduction over ``axis_name``
       (:func:`dynamiq_jax.compressed_psum`, :func:`dynamiq_jax.reducer`, or
@@ -284,7 +306,9 @@ class DataParallel:
 
     Args:
       loss_fn: ``loss_fn(model, batch) -> loss``, the mean loss over this
-        rank's part of the batch.
+        rank's part of the batch. What it changes in the model's state (RNG
+        counts, BatchNorm statistics, its own variables) is kept: the same
+        on every rank, per-rank floats averaged over the data axis.
       donate: donate the state buffers to the step.
       sync_every: wait for the results every this many steps (0: never);
         ``None`` means after every step on a CPU mesh
@@ -295,6 +319,10 @@ class DataParallel:
       The step (its ``jitted`` attribute is the ``jax.jit`` function).
       ``batch`` leaves must be split over the data axis along their leading
       axis (:meth:`shard_batch`); ``loss`` is the mean over ranks.
+
+    Raises:
+      ValueError: (when the step is first traced) the forward pass created
+        variables, or left an integer variable different on each rank.
     """
     graphdef, axes = self.graphdef, self._axes
     model_axes = [a for a in self.mesh.axis_names if a not in axes and self.mesh.shape[a] > 1]
