@@ -1,11 +1,11 @@
 """Training over lossy links: each rank owns a shard of the parameters, and the owners'
 updates reach the other replicas packet by packet.
 
-``data_parallel_step(..., per_rank=True, loss=dq.PacketLoss(p))`` runs this step
+``data_parallel_step(..., per_rank=True, packet_loss=dq.PacketLoss(p))`` runs this step
 (Weintraub, Banner and Orda, "Distributed Training under Packet Loss"):
 
 1. every rank computes its gradient on its own replica of the parameters;
-2. ``dq.compressed_psum_scatter(schedule="two_step", loss=...)`` gives each rank
+2. ``dq.compressed_psum_scatter(schedule="two_step", packet_loss=...)`` gives each rank
    the unbiased estimate of its shard of the mean gradient from the packets
    that reached it (:class:`~dynamiq_jax.PacketLoss`);
 3. the rest of the chain updates that shard (its optimizer state is the
@@ -16,11 +16,11 @@ updates reach the other replicas packet by packet.
    it missed since it last heard from them: bounded (in expectation, about
    ``p / (1 - p)`` steps' updates per coordinate), not a random walk.
 
-The step returns that distance every step: the largest over the replicas of the
-L2 distance between a replica and the owners' parameters (any two replicas
-differ by at most twice it). Leaves below ``min_size`` coordinates, or with no
-dimension that splits over the ranks, are reduced whole and stepped alike on
-every replica, so they never differ.
+The step reports that distance every step, in ``step.stats["drift"]``: the
+largest over the replicas of the L2 distance between a replica and the owners'
+parameters (any two replicas differ by at most twice it). Leaves below
+``min_size`` coordinates, or with no dimension that splits over the ranks, are
+reduced whole and stepped alike on every replica, so they never differ.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def owner_shard(leaf, dim, rank, n: int):
 
 
 def lossy_init(tx, params, *, mesh, axis_name="data"):
-  """``(replicas, opt_state)`` for ``data_parallel_step(..., per_rank=True, loss=...)``: one
-  replica of ``params`` per rank, and rank r's optimizer state of its own shard
-  (``tx.init`` of it), each with a leading axis of ranks split over ``axis_name``."""
+  """``(replicas, opt_state)`` for ``data_parallel_step(..., per_rank=True,
+  packet_loss=...)``: one replica of ``params`` per rank, and rank r's optimizer state of
+  its own shard (``tx.init`` of it), each with a leading axis of ranks split over
+  ``axis_name``."""
   names = axis_names(axis_name)
   if len(names) != 1:
     raise ValueError(f"lossy links run over one data axis; got axis_name={axis_name!r}")
@@ -84,10 +85,10 @@ def broadcast_key(opt_state):
                                                      s.step)).reshape(-1)
       return loss_key((words[0], words[-1]))
   raise ValueError(
-      "data_parallel_step(loss=...) keys the parameter broadcast's losses by the reduction's "
-      "seed and step, from the chain's state; its chain has no dq.compressed_psum_scatter. "
-      "Fix: tx = optax.chain(dq.compressed_psum_scatter('data', schedule='two_step', "
-      "loss=...), ...)")
+      "data_parallel_step(packet_loss=...) keys the parameter broadcast's losses by the "
+      "reduction's seed and step, from the chain's state; its chain has no "
+      "dq.compressed_psum_scatter. Fix: tx = optax.chain(dq.compressed_psum_scatter('data', "
+      "schedule='two_step', packet_loss=...), ...)")
 
 
 def lossy_broadcast(shards, replicas, dims, loss: PacketLoss, key, axis):
@@ -126,16 +127,16 @@ def lossy_broadcast(shards, replicas, dims, loss: PacketLoss, key, axis):
   return out, dist2
 
 
-def check_lossy_step(loss, per_rank: bool, axes, model):
-  """``data_parallel_step``'s ``loss=`` checked against its other options."""
-  if not isinstance(loss, PacketLoss):
-    raise TypeError(f"loss={loss!r} must be a dq.PacketLoss(p=...) or None")
+def check_lossy_step(packet_loss, per_rank: bool, axes, model):
+  """``data_parallel_step``'s ``packet_loss=`` checked against its other options."""
+  if not isinstance(packet_loss, PacketLoss):
+    raise TypeError(f"packet_loss={packet_loss!r} must be a dq.PacketLoss(p=...) or None")
   if not per_rank:
     raise ValueError(
-        "data_parallel_step(loss=...) leaves replicas that missed a parameter packet with "
-        "stale values, so each rank keeps its own replica: pass per_rank=True, with the "
+        "data_parallel_step(packet_loss=...) leaves replicas that missed a parameter packet "
+        "with stale values, so each rank keeps its own replica: pass per_rank=True, with the "
         "replicas and optimizer state from dq.lossy_init(tx, params, mesh=mesh)")
   if len(axes) != 1 or model:
     raise ValueError(
-        f"data_parallel_step(loss=...) runs pure data parallelism over one axis; got data "
-        f"axes {tuple(axes)} and other mesh axes {tuple(model)} of size > 1")
+        f"data_parallel_step(packet_loss=...) runs pure data parallelism over one axis; got "
+        f"data axes {tuple(axes)} and other mesh axes {tuple(model)} of size > 1")

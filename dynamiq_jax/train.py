@@ -11,6 +11,7 @@ raises a clear error when it receives already-reduced gradients.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -268,15 +269,19 @@ def gather_params(p, dims, axes):
 
 def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                        *, mesh, axis_name="data", has_aux: bool = False,
-                       donate: bool = True, sync_every: int | None = None,
-                       per_rank: bool = False, loss=None):
+                       model_state: bool | str = False, donate: bool = True,
+                       sync_every: int | None = None, per_rank: bool = False,
+                       packet_loss=None, loss=None):
   """A jitted data-parallel step: local gradients, ``tx`` all-reduces them.
 
   ``tx`` must start with the gradient reduction over ``axis_name``
-  (``compressed_psum``, ``compressed_psum_scatter`` or ``baseline_psum``).
-  The step runs under ``jax.shard_map(check_vma=True)``, manual over the
-  data axes only, and differentiates with respect to a per-rank copy of the
-  parameters, so gradients reach ``tx`` un-reduced.
+  (``compressed_psum``, ``compressed_psum_scatter``, ``reducer`` or
+  ``baseline_psum``): ``optax.chain(dq.compressed_psum("data"), optax.adamw(1e-3))``,
+  not ``optax.adamw(1e-3)`` alone, which the step refuses (each rank would step
+  with its own gradient). The step runs under
+  ``jax.shard_map(check_vma=True)``, manual over the data axes only, and
+  differentiates with respect to a per-rank copy of the parameters, so
+  gradients reach ``tx`` un-reduced.
 
   Parameters keep the shardings they arrive with. Over other mesh axes
   (tensor, FSDP) the compiler partitions the forward and backward passes as
@@ -287,16 +292,58 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
   returns this rank's shard of the mean gradient, and the rest of the chain
   updates only that shard (a sharded optimizer: ZeRO, FSDP, HSDP).
 
+  **Donation.** By default (``donate=True``) the step donates the buffers of
+  the parameters, the model state and the optimizer state it is given: after
+  ``params, opt_state, loss = step(params, opt_state, batch)`` the arrays
+  passed in are deleted, and using them again (say, the initial parameters
+  of a second run) raises ``RuntimeError: Array has been deleted``. Pass
+  ``donate=False`` to keep them usable (at the cost of a second copy).
+
+  **Model state.** With ``model_state=True`` (or ``"mean"``) the step takes
+  and returns non-trainable state next to the parameters (Flax Linen's
+  ``batch_stats``, a Flax NNX ``nnx.BatchStat`` state):
+  ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, or
+  ``(loss, (new_model_state, aux))`` with ``has_aux``. The new state must have
+  the structure of the old one. Replicas must not drift apart, so every rank
+  must end with the same state:
+
+  * ``model_state=True`` requires it: the loss function computes the state
+    from global quantities, e.g. ``nn.BatchNorm(axis_name="data")``, whose
+    batch statistics are means over the whole global batch (a ``pmean`` over
+    the data axis inside the step), so the running statistics are the global
+    batch's on every rank. A new state that differs between ranks raises a
+    ValueError naming both fixes.
+  * ``model_state="mean"`` averages each floating-point leaf of the new state
+    over the ranks (an exact, fixed-order mean). For a batch norm without
+    ``axis_name`` that makes the running mean the global batch's, and the
+    running variance the mean of the per-rank variances (smaller than the
+    global batch's by the variance of the per-rank means).
+
+  **Random keys.** Call the step with ``key=`` (a PRNG key, the same on every
+  rank) and the loss function gets ``key=`` too: that key folded with this
+  rank's index on the data axes (``jax.lax.axis_index``), so each rank draws
+  its own dropout masks. Pass a different key every step, e.g.
+  ``key=jax.random.fold_in(seed_key, step_number)``: the masks are then
+  reproducible from the seed and differ per rank and per step.
+
   Args:
-    loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
-      ``has_aux``), the mean loss over this rank's part of the batch.
-    tx: the optimizer chain.
+    loss_fn: the mean loss over this rank's part of the batch:
+      ``loss_fn(params, batch) -> loss``, ``(loss, aux)`` with ``has_aux``;
+      with ``model_state`` it takes ``(params, model_state, batch)`` and returns
+      ``(loss, new_model_state)`` or ``(loss, (new_model_state, aux))``; called
+      with a keyword argument ``key`` when the step is called with ``key=``.
+    tx: the optimizer chain, its gradient reduction first.
     mesh: a mesh with axis ``axis_name``.
     axis_name: the data-parallel mesh axis, or a tuple of axes (e.g.
       ``("host", "local")`` for ``schedule="hierarchical"``).
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux is averaged
+    has_aux: whether ``loss_fn`` returns auxiliary outputs; aux is averaged
       over ranks (it must be a pytree of floats).
-    donate: donate params and optimizer state buffers.
+    model_state: ``False`` (none), ``True`` (a model state every rank
+      computes identically) or ``"mean"`` (averaged over ranks), see above.
+      Not with ``per_rank`` or ``packet_loss``.
+    donate: donate the parameters', model state's and optimizer state's
+      buffers to the step (the arrays passed in are deleted); ``False`` keeps
+      them usable.
     sync_every: wait for the results every this many steps (0: never);
       ``None`` means after every step on CPU meshes (:data:`CPU_SYNC_EVERY`,
       which avoids a deadlock of XLA's CPU collectives) and never on others.
@@ -306,40 +353,99 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
       carries a leading axis of size n split over ``axis_name``, rank r's copy
       at index r (:func:`per_rank_copies` makes them from one copy). Without it,
       such a reduction raises a ValueError rather than let replicas drift.
-    loss: a :class:`~dynamiq_jax.PacketLoss`: training over lossy links
+    packet_loss: a :class:`~dynamiq_jax.PacketLoss`: training over lossy links
       (:mod:`dynamiq_jax.lossy`), with ``per_rank=True`` and one data axis. Each
       rank owns a shard of every large leaf: ``tx`` starts with
-      ``dq.compressed_psum_scatter(schedule="two_step", loss=...)`` and gets that
-      shard (``dq.lossy_init`` makes the replicas and each rank's optimizer state
-      of its shard); each owner's updated shard then reaches the other replicas
-      packet by packet with the same loss process, and a replica that misses a
-      packet keeps its stale values there.
+      ``dq.compressed_psum_scatter(schedule="two_step", packet_loss=...)`` and
+      gets that shard (``dq.lossy_init`` makes the replicas and each rank's
+      optimizer state of its shard); each owner's updated shard then reaches the
+      other replicas packet by packet with the same loss process, and a replica
+      that misses a packet keeps its stale values there. After each call,
+      ``step.stats["drift"]`` holds the largest L2 distance of a replica from
+      the owners' parameters (:func:`dynamiq_jax.lossy.lossy_broadcast`).
+    loss: the former name of ``packet_loss``; deprecated (a DeprecationWarning),
+      removed in the next release.
 
   Returns:
-    ``step(params, opt_state, batch) -> (params, opt_state, loss[, aux])``.
-    Params and optimizer state come back with the shardings they came in
-    with (place the state with :func:`data_parallel_init`); every batch leaf
-    is split over ``axis_name`` along its leading axis (``jax.device_put``
-    it with ``NamedSharding(mesh, P(axis_name))`` first). ``loss`` is the
-    mean over ranks, summed in a fixed order. With ``loss``, one more output
-    last: the largest L2 distance of a replica from the owners' parameters
-    this step (:func:`dynamiq_jax.lossy.lossy_broadcast`).
+    A :class:`DataParallelStep`:
+    ``step(params, opt_state, batch, *, key=None) -> (params, opt_state, loss)``,
+    with ``model_state``
+    ``step(params, model_state, opt_state, batch, *, key=None)
+    -> (params, model_state, opt_state, loss)``, and ``aux`` as one more
+    output last with ``has_aux``; no other option changes the outputs
+    (diagnostics such as the lossy step's drift are in ``step.stats``).
+    Params and the two states come back with the shardings they came in
+    with (place the optimizer state with :func:`data_parallel_init`); every
+    batch leaf is split over ``axis_name`` along its leading axis
+    (``jax.device_put`` it with ``NamedSharding(mesh, P(axis_name))`` first).
+    ``loss`` is the mean over ranks, summed in a fixed order.
+
+  Raises:
+    ValueError: for an ``axis_name`` not in ``mesh``, an unknown
+      ``model_state``, or ``model_state`` with ``per_rank``/``packet_loss``
+      (at once); at the first call, for a chain without a gradient reduction
+      first, a reduction whose result differs between ranks without
+      ``per_rank=True``, or a model state that differs between ranks with
+      ``model_state=True``.
+    TypeError: for both ``packet_loss`` and ``loss``.
   """
+  if loss is not None:
+    if packet_loss is not None:
+      raise TypeError("data_parallel_step got both packet_loss= and its deprecated name "
+                      "loss=; pass packet_loss= only")
+    warnings.warn("data_parallel_step(loss=...) is deprecated: the option is now "
+                  "packet_loss=dq.PacketLoss(...) (loss= is removed in the next release)",
+                  DeprecationWarning, stacklevel=2)
+    packet_loss = loss
+  if model_state not in (False, True, "mean"):
+    raise ValueError(f"model_state={model_state!r} must be False, True (a state every rank "
+                     f"computes alike, e.g. nn.BatchNorm(axis_name=...)) or 'mean' (averaged "
+                     f"over ranks)")
+  if model_state and (per_rank or packet_loss is not None):
+    raise ValueError(
+        f"model_state={model_state!r} runs with replicated parameters; it is not supported "
+        f"with per_rank=True or packet_loss=. Fix: drop model_state (keep the state in the "
+        f"loss function's closure) or train without per_rank/packet_loss")
   axes = axis_names(axis_name)
   for a in axes:
     if a not in mesh.shape:
       raise ValueError(f"axis_name={axis_name!r}: {a!r} is not an axis of the mesh "
                        f"{dict(mesh.shape)}; pass one of {tuple(mesh.shape)}")
-  batch_spec = P(data_entry(axes))
+  data = data_entry(axes)
+  batch_spec = P(data)
   model = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
-  if loss is not None:
-    lossy.check_lossy_step(loss, per_rank, axes, model)
+  if packet_loss is not None:
+    lossy.check_lossy_step(packet_loss, per_rank, axes, model)
 
-  def build(param_specs, state_specs):
+  def objective(params, mstate, batch, key):
+    """``loss_fn`` as ``params -> (loss, (new model state or None, aux or None))``."""
+    args = (params, mstate, batch) if model_state else (params, batch)
+    out = loss_fn(*args, **({} if key is None else {"key": key}))
+    if not (model_state or has_aux):
+      return out, (None, None)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(
+          f"data_parallel_step(has_aux={has_aux}, model_state={model_state!r}) takes a "
+          f"loss_fn returning {_returns(has_aux, model_state)}; it returned "
+          f"{jax.tree.structure(out)}")
+    value, rest = out
+    if model_state and has_aux:
+      if not (isinstance(rest, (tuple, list)) and len(rest) == 2):
+        raise TypeError(
+            f"with model_state and has_aux, loss_fn returns (loss, (new_model_state, aux)); "
+            f"its second output is {jax.tree.structure(rest)}")
+      return value, tuple(rest)
+    return value, ((rest, None) if model_state else (None, rest))
+
+  def build(param_specs, state_specs, mstate_specs, keyed):
     data_param = jax.tree.map(lambda s: only_axes(s, axes), param_specs,
                               is_leaf=is_spec)
     data_state = jax.tree.map(lambda s: only_axes(s, axes), state_specs,
                               is_leaf=is_spec)
+    data_mstate = None
+    if model_state:
+      data_mstate = jax.tree.map(lambda s: only_axes(s, axes), mstate_specs, is_leaf=is_spec)
+      _check_model_state_specs(mstate_specs, axes)
     spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=is_spec)
     inner_specs = param_specs  # what a rank's own parameters are sharded over
     if per_rank:
@@ -350,66 +456,134 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
     sharded = any(dims)
     extra = {"specs": inner_specs} if model else {}
 
-    def local(params, opt_state, batch):
-      if loss is not None:
-        return lossy_local(params, opt_state, batch)
+    def local(params, mstate, opt_state, batch, key):
+      if key is not None:  # this rank's key
+        key = jax.random.fold_in(key, jax.lax.axis_index(data))
+      if packet_loss is not None:
+        return lossy_local(params, opt_state, batch, key)
       if per_rank:  # this rank's copies (the leading axis, of size 1 here), varying already
         params, opt_state = jax.tree.map(lambda a: a[0], (params, opt_state))
         full = params
       else:
         full = spec_def.unflatten(
             [gather_params(p, d, axes) for p, d in zip(spec_def.flatten_up_to(params), dims)])
-      out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(full, batch)
+      (value, (new_mstate, aux)), grads = jax.value_and_grad(
+          objective, has_aux=True)(full, mstate, batch, key)
       with jax.named_scope("optimizer"):
-        updates, opt_state = tx.update(grads, opt_state, params, **extra)
+        updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
       if sharded:
         _check_shard_updates(updates, params)
       elif not per_rank:
-        _check_replicated(updates, axes)
+        _check_replicated(updates, axes, lambda *a: tx.update(*a, **extra),
+                          (grads, opt_state, params))
+      if not per_rank:
+        _check_state_shared(new_opt_state, data_state, axes)
       params = optax.apply_updates(params, updates)
       if per_rank:
-        params, opt_state = jax.tree.map(lambda a: a[None], (params, opt_state))
-      out = jax.tree.map(lambda v: mean_over(v, axes), out)
-      if has_aux:
-        return params, opt_state, out[0], out[1]
-      return params, opt_state, out
+        params, new_opt_state = jax.tree.map(lambda a: a[None], (params, new_opt_state))
+      if model_state:
+        new_mstate = _settle_model_state(new_mstate, mstate, model_state, axes)
+      value, aux = jax.tree.map(lambda v: mean_over(v, axes), (value, aux))
+      return params, new_mstate, new_opt_state, value, aux, {}
 
-    def lossy_local(params, opt_state, batch):
+    def lossy_local(params, opt_state, batch, key):
       axis = axes[0]
       n, r = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
       params, opt_state = jax.tree.map(lambda a: a[0], (params, opt_state))
       leaves, treedef = jax.tree.flatten(params)
       dims = lossy.owner_dims(params, n)
       shards = treedef.unflatten([lossy.owner_shard(a, d, r, n) for a, d in zip(leaves, dims)])
-      out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
-      key = lossy.broadcast_key(opt_state)
+      (value, (_, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
+          params, None, batch, key)
+      bkey = lossy.broadcast_key(opt_state)
       with jax.named_scope("optimizer"):
         updates, opt_state = tx.update(grads, opt_state, shards)
       _check_shard_updates(updates, shards)
       shards = optax.apply_updates(shards, updates)
       with jax.named_scope("lossy_broadcast"):
-        new, dist2 = lossy.lossy_broadcast(treedef.flatten_up_to(shards), leaves, dims, loss,
-                                           key, axis)
+        new, dist2 = lossy.lossy_broadcast(treedef.flatten_up_to(shards), leaves, dims,
+                                           packet_loss, bkey, axis)
       params, opt_state = jax.tree.map(lambda a: a[None], (treedef.unflatten(new), opt_state))
-      out = jax.tree.map(lambda v: mean_over(v, axes), out)
+      value, aux = jax.tree.map(lambda v: mean_over(v, axes), (value, aux))
       drift = jnp.sqrt(jax.lax.pmax(dist2, axis))
-      return (params, opt_state) + (tuple(out) if has_aux else (out,)) + (drift,)
+      return params, None, opt_state, value, aux, {"drift": drift}
 
-    n_extra = (2 if has_aux else 1) + (loss is not None)
+    # The jitted function takes the step's arguments in the caller's order and returns its
+    # outputs followed by the stats dict (empty but for the lossy step).
+    def step_fn(*args):
+      args = list(args)
+      params, mstate = args.pop(0), (args.pop(0) if model_state else None)
+      opt_state, batch = args.pop(0), args.pop(0)
+      key = args.pop(0) if keyed else None
+      params, mstate, opt_state, value, aux, stats = local(params, mstate, opt_state, batch,
+                                                           key)
+      return ((params,) + ((mstate,) if model_state else ()) + (opt_state, value)
+              + ((aux,) if has_aux else ()) + (stats,))
+
     shard = lambda spec: NamedSharding(mesh, spec)
-    out_shardings = ((jax.tree.map(shard, param_specs, is_leaf=is_spec),
-                      jax.tree.map(shard, state_specs, is_leaf=is_spec))
-                     + (shard(P()),) * n_extra)
-    step = partial_manual(local, mesh=mesh, manual=axes,
-                          in_specs=(data_param, data_state, batch_spec),
-                          out_specs=(data_param, data_state) + (P(),) * n_extra,
-                          out_shardings=out_shardings)
+    shardings = lambda specs: jax.tree.map(shard, specs, is_leaf=is_spec)
+    mst = ((data_mstate,) if model_state else ())
+    in_specs = (data_param,) + mst + (data_state, batch_spec) + ((P(),) if keyed else ())
+    n_extra = 1 + has_aux + 1  # loss, aux, stats
+    out_specs = (data_param,) + mst + (data_state,) + (P(),) * n_extra
+    out_shardings = ((shardings(param_specs),)
+                     + ((shardings(mstate_specs),) if model_state else ())
+                     + (shardings(state_specs),) + (shard(P()),) * n_extra)
+    step = partial_manual(step_fn, mesh=mesh, manual=axes, in_specs=in_specs,
+                          out_specs=out_specs, out_shardings=out_shardings)
     # Outputs carry the shardings the inputs carry, so feeding a step's outputs to the
     # next step hits the jit cache.
-    return jax.jit(step, out_shardings=out_shardings, donate_argnums=(0, 1) if donate else ())
+    donated = (0, 1, 2) if model_state else (0, 1)
+    return jax.jit(step, out_shardings=out_shardings, donate_argnums=donated if donate else ())
 
-  return DataParallelStep(build, mesh=mesh, axes=axes,
+  return DataParallelStep(build, mesh=mesh, axes=axes, model_state=bool(model_state),
                           sync_every=resolve_sync_every(sync_every, mesh))
+
+
+def _returns(has_aux, model_state) -> str:
+  if model_state:
+    return "(loss, (new_model_state, aux))" if has_aux else "(loss, new_model_state)"
+  return "(loss, aux)"
+
+
+def _check_model_state_specs(mstate_specs, axes):
+  for spec in jax.tree.leaves(mstate_specs, is_leaf=is_spec):
+    if data_dims(spec, axes):
+      raise ValueError(
+          f"data_parallel_step(model_state=...) keeps the model state replicated over the "
+          f"data axes {tuple(axes)}; a leaf is placed with {spec}. Fix: jax.device_put the "
+          f"model state replicated over them, e.g. with NamedSharding(mesh, P())")
+
+
+def _settle_model_state(new, old, mode, axes):
+  """The new model state, the same on every rank: checked (``True``) or averaged
+  (``"mean"``)."""
+  from dynamiq_jax.schedules.context import varying_axes
+  if jax.tree.structure(new) != jax.tree.structure(old):
+    raise ValueError(
+        f"loss_fn returned a new model state of structure {jax.tree.structure(new)} for one "
+        f"of structure {jax.tree.structure(old)}: return the updated state itself (for Flax "
+        f"Linen, the 'batch_stats' entry of apply's mutated variables)")
+
+  def one(path, x):
+    if not set(axes) & varying_axes(x):
+      return x
+    name = jax.tree_util.keystr(path)
+    if mode == "mean" and jnp.issubdtype(x.dtype, jnp.inexact):
+      return mean_over(x, axes).astype(x.dtype)
+    if mode == "mean":
+      raise ValueError(
+          f"model state leaf {name} ({x.dtype}) differs between ranks of {tuple(axes)} and "
+          f"model_state='mean' averages floating-point leaves only. Fix: compute it alike on "
+          f"every rank (from values reduced over {data_entry(axes)!r})")
+    raise ValueError(
+        f"model state leaf {name} differs between ranks of {tuple(axes)} (each rank computed "
+        f"it from its own shard of the batch), so replicas would drift apart. Fix: compute "
+        f"it from the global batch (Flax: nn.BatchNorm(axis_name={data_entry(axes)!r}), "
+        f"which averages the batch statistics over ranks), or pass "
+        f"data_parallel_step(..., model_state='mean') to average the new state over ranks")
+
+  return jax.tree_util.tree_map_with_path(one, new)
 
 
 def _check_per_rank(spec_leaves, axes):
@@ -425,17 +599,70 @@ def _check_per_rank(spec_leaves, axes):
           f"axis_name={data!r})")
 
 
-def _check_replicated(updates, axes):
+def _check_replicated(updates, axes, update, args):
+  """Replicated parameters need updates every rank shares. ``update(*args)`` is the chain's
+  update, traced again only to tell a missing reduction from a per-rank one."""
   from dynamiq_jax.schedules.context import varying_axes
   for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
     if set(axes) & varying_axes(u):
+      name = jax.tree_util.keystr(path)
+      if not _communicates(jax.make_jaxpr(update)(*args).jaxpr, axes):
+        raise ValueError(
+            f"the update of {name} differs between ranks of {axes}: the optimizer chain has "
+            f"no gradient reduction over {data_entry(axes)!r}, so each rank would step with "
+            f"its own gradient. Fix: put the reduction first in the chain, e.g. "
+            f"optax.chain(dq.compressed_psum({data_entry(axes)!r}), optax.adamw(1e-3)) "
+            f"(or dq.reducer(name, {data_entry(axes)!r}), dq.baseline_psum("
+            f"{data_entry(axes)!r})) instead of optax.adamw(1e-3) alone")
       raise ValueError(
-          f"the update of {jax.tree_util.keystr(path)} differs between ranks of {axes}: the "
+          f"the update of {name} differs between ranks of {axes}: the "
           f"gradient reduction (e.g. Moshpit averaging, schedule=dq.Moshpit(...)) leaves each "
           f"rank its own result, and replicated parameters would drift apart. Fix: "
           f"data_parallel_step(..., per_rank=True) with each rank's own parameters and "
           f"optimizer state (dq.per_rank_copies), or a schedule whose result every rank "
           f"shares ('ring', 'butterfly', 'hierarchical')")
+
+
+# Primitives that name an axis but move no data between ranks.
+_LOCAL_AXIS_PRIMITIVES = frozenset({"axis_index", "axis_size", "pvary", "pbroadcast", "pcast"})
+
+
+def _communicates(jaxpr, axes) -> bool:
+  """Whether ``jaxpr`` (or a jaxpr nested in it) has a collective over one of ``axes``."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name not in _LOCAL_AXIS_PRIMITIVES:
+      for name in ("axes", "axis_name"):
+        if name in eqn.params and set(axis_names(_flat_axes(eqn.params[name]))) & set(axes):
+          return True
+    for value in eqn.params.values():
+      for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns") and _communicates(sub, axes):
+          return True
+  return False
+
+
+def _flat_axes(names) -> tuple:
+  if isinstance(names, (tuple, list)):
+    return tuple(a for n in names for a in _flat_axes(n))
+  return (names,)
+
+
+def _check_state_shared(opt_state, data_state, axes):
+  """The optimizer state replicated over the data axes must stay the same on every rank: a
+  reduction that is not first in the chain leaves the transforms before it per-rank."""
+  from dynamiq_jax.schedules.context import varying_axes
+  specs = jax.tree.leaves(data_state, is_leaf=is_spec)
+  leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+  if len(specs) != len(leaves):
+    return
+  for (path, x), spec in zip(leaves, specs):
+    if not data_dims(spec, axes) and set(axes) & varying_axes(x):
+      raise ValueError(
+          f"the optimizer state {jax.tree_util.keystr(path)} differs between ranks of {axes}: "
+          f"a transform before the gradient reduction saw each rank's own gradient. Fix: "
+          f"put the reduction first in the chain, e.g. optax.chain(dq.compressed_psum("
+          f"{data_entry(axes)!r}), optax.adamw(1e-3))")
 
 
 def per_rank_copies(tree, *, mesh, axis_name="data"):
@@ -513,42 +740,71 @@ class SyncedStep:
 class DataParallelStep(SyncedStep):
   """The callable :func:`data_parallel_step` returns.
 
-  It waits for its results every ``sync_every`` steps (by default after
-  every step on CPU, see :data:`CPU_SYNC_EVERY`, and never on GPUs).
+  ``step(params, opt_state, batch, *, key=None)``, or
+  ``step(params, model_state, opt_state, batch, *, key=None)`` when built with
+  ``model_state``. It waits for its results every ``sync_every`` steps (by
+  default after every step on CPU, see :data:`CPU_SYNC_EVERY`, and never on
+  GPUs).
 
   Attributes:
     jitted: the underlying ``jax.jit`` function (``.lower``, ``._cache_size``),
-      built at the first call (its shardings follow the arguments').
+      built at the first call (its shardings follow the arguments'). It takes
+      the step's arguments positionally (``key`` last, where given) and returns
+      the step's outputs followed by its stats dict.
     sync_every: steps between waits (0: never).
+    stats: diagnostics of the latest call, a dict of arrays: ``{"drift": ...}``
+      for a step built with ``packet_loss`` (the largest L2 distance of a
+      replica from the owners' parameters), else empty.
   """
 
-  def __init__(self, build, sync_every: int, *, mesh, axes):
+  def __init__(self, build, sync_every: int, *, mesh, axes, model_state: bool = False):
     super().__init__(None, sync_every)
     self._build = build
     self._built = {}
     self._mesh = mesh
     self._axes = axes
+    self._model_state = model_state
+    self.stats = {}
 
-  def _select(self, params, opt_state):
+  def _arguments(self, args) -> tuple:
+    """``(params, model_state or None, opt_state, batch)`` from a call's ``args``."""
+    names = ("params", "model_state", "opt_state", "batch") if self._model_state else (
+        "params", "opt_state", "batch")
+    if len(args) != len(names):
+      raise TypeError(
+          f"this step takes ({', '.join(names)}, *, key=None) (model_state="
+          f"{self._model_state} when built); got {len(args)} positional arguments")
+    if self._model_state:
+      return tuple(args)
+    return args[0], None, args[1], args[2]
+
+  def _select(self, params, mstate, opt_state, keyed: bool):
     """The jitted step for these arguments' structures and shardings (built once each)."""
     param_specs = jax.tree.map(lambda p: mesh_spec(p, self._mesh), params)
     state_specs = opt_state_specs(opt_state, self._mesh, self._axes)
+    mstate_specs = jax.tree.map(lambda p: mesh_spec(p, self._mesh), mstate)
     key = (jax.tree.structure(params), jax.tree.structure(opt_state, is_leaf=is_per_rank),
            tuple(jax.tree.leaves(param_specs, is_leaf=is_spec)),
-           tuple(jax.tree.leaves(state_specs, is_leaf=is_spec)))
+           tuple(jax.tree.leaves(state_specs, is_leaf=is_spec)),
+           jax.tree.structure(mstate), tuple(jax.tree.leaves(mstate_specs, is_leaf=is_spec)),
+           keyed)
     if key not in self._built:
-      self._built[key] = self._build(param_specs, state_specs)
+      self._built[key] = self._build(param_specs, state_specs, mstate_specs, keyed)
     return self._built[key]
 
-  def __call__(self, params, opt_state, batch):
-    self.jitted = self._select(params, opt_state)
-    return super().__call__(params, opt_state, batch)
+  def __call__(self, *args, key=None):
+    params, mstate, opt_state, _ = self._arguments(args)
+    self.jitted = self._select(params, mstate, opt_state, key is not None)
+    *out, self.stats = super().__call__(*args, *(() if key is None else (key,)))
+    return tuple(out)
 
-  def lower(self, params, opt_state, batch) -> jax.stages.Lowered:
+  def lower(self, *args, key=None) -> jax.stages.Lowered:
     """The step for these arguments, lowered and not run: ``.compile()`` it for
     ``memory_analysis()`` or the optimized HLO. The arguments may be arrays or
     ``jax.ShapeDtypeStruct`` with their ``sharding``."""
-    return self._select(params, opt_state).lower(params, opt_state, batch)
+    params, mstate, opt_state, _ = self._arguments(args)
+    return self._select(params, mstate, opt_state, key is not None).lower(
+        *args, *(() if key is None else (key,)))
 
 
 def opt_state_specs(opt_state, mesh, axes):

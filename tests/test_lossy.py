@@ -145,16 +145,16 @@ def test_lossy_broadcast_keeps_replica_drift_bounded_over_1000_steps():
   loss_fn = _quadratic(d)
   tx = optax.chain(dq.compressed_psum_scatter("data", schedule="two_step", loss=loss),
                    optax.sgd(lr))
-  step = dq.data_parallel_step(loss_fn, tx, mesh=mesh, per_rank=True, loss=loss)
+  step = dq.data_parallel_step(loss_fn, tx, mesh=mesh, per_rank=True, packet_loss=loss)
   reps, opt = dq.lossy_init(tx, {"w": jnp.zeros((d,)), "b": jnp.zeros((3,))}, mesh=mesh)
   noise = NamedSharding(mesh, P("data"))
   with_bc, reported = [], []
   for t in range(steps):
     batch = (jax.device_put(jax.random.normal(jax.random.key(t), (N, 1, d)), noise),)
-    reps, opt, _, drift = step(reps, opt, batch)
+    reps, opt, _ = step(reps, opt, batch)
     if t % 50 == 49:
       with_bc.append(_pairwise(reps["w"]))
-      reported.append(float(drift))
+      reported.append(float(step.stats["drift"]))
   assert all(pw <= 2 * r + 1e-6 for pw, r in zip(with_bc, reported))
   np.testing.assert_array_equal(np.asarray(reps["b"])[0], np.asarray(reps["b"])[N - 1])
 
@@ -192,11 +192,11 @@ def test_lossy_step_errors():
   mesh = _mesh()
   tx = optax.chain(dq.compressed_psum_scatter("data", schedule="two_step"), optax.sgd(0.1))
   with pytest.raises(ValueError, match="per_rank=True"):
-    dq.data_parallel_step(lambda p, b: 0.0, tx, mesh=mesh, loss=dq.PacketLoss(0.1))
+    dq.data_parallel_step(lambda p, b: 0.0, tx, mesh=mesh, packet_loss=dq.PacketLoss(0.1))
   with pytest.raises(TypeError, match="PacketLoss"):
-    dq.data_parallel_step(lambda p, b: 0.0, tx, mesh=mesh, per_rank=True, loss=0.1)
+    dq.data_parallel_step(lambda p, b: 0.0, tx, mesh=mesh, per_rank=True, packet_loss=0.1)
   step = dq.data_parallel_step(_quadratic(4096), optax.sgd(0.1), mesh=mesh, per_rank=True,
-                               loss=dq.PacketLoss(0.1))
+                               packet_loss=dq.PacketLoss(0.1))
   reps, opt = dq.lossy_init(optax.sgd(0.1), {"w": jnp.zeros((4096,)), "b": jnp.zeros((3,))},
                             mesh=mesh)
   batch = (jax.device_put(jnp.zeros((N, 1, 4096)), NamedSharding(mesh, P("data"))),)

@@ -6,7 +6,7 @@
 The word-level LM, data, AdamW schedule and evaluations of
 :mod:`dynamiq_jax.bench.tta` (its ``simulate`` phase: ``--workers`` simulated
 CPU devices in this process), trained by ``dq.data_parallel_step(per_rank=True,
-loss=...)``: DynamiQ 5b reduce-scatters the gradient on the two-step schedule,
+packet_loss=...)``: DynamiQ 5b reduce-scatters the gradient on the two-step schedule,
 whose reduce step loses packets (:class:`dynamiq_jax.PacketLoss`), each rank's
 AdamW steps its shard, and the owners' shards reach the other replicas over the
 same lossy links (stale values kept). Every loss setting runs twice: with the
@@ -20,7 +20,7 @@ Reports per run: the final eval loss (mean of the last ``--smooth``
 evaluations, replica 0), the perplexity change against the lossless run of the
 same seed, the steps to reach the lossless run's smoothed eval loss at 80% of
 its run (the time-to-accuracy benchmark's target), and the largest replica
-drift of the run (the step's output: L2
+drift of the run (the step's ``step.stats["drift"]``: L2
 distance of a replica from the owners' parameters, relative to their norm at
 the end). Writes ``docs/results/lossy.json``.
 """
@@ -80,7 +80,7 @@ def run(cfg: dict, mesh, seed: int, p: float, burst, estimator: str, progress=No
       optax.adamw(optax.warmup_cosine_decay_schedule(
           0.0, cfg["lr"], cfg["warmup"], max(cfg["steps"], cfg["warmup"] + 1),
           end_value=cfg["lr"] / 10), weight_decay=0.01))
-  step = dq.data_parallel_step(data.loss, tx, mesh=mesh, per_rank=True, loss=loss,
+  step = dq.data_parallel_step(data.loss, tx, mesh=mesh, per_rank=True, packet_loss=loss,
                                donate=False)
   from flax import nnx
 
@@ -96,9 +96,9 @@ def run(cfg: dict, mesh, seed: int, p: float, burst, estimator: str, progress=No
   out = {"train_loss": [], "drift": [], "evals": [{"step": 0,
                                                     "eval_loss": data.evaluate(params)[0]}]}
   for s in range(cfg["steps"]):
-    params, opt, train_loss, drift = step(params, opt, data.batch(seed, s))
+    params, opt, train_loss = step(params, opt, data.batch(seed, s))
     out["train_loss"].append(float(np.asarray(train_loss.addressable_data(0))))
-    out["drift"].append(float(np.asarray(drift.addressable_data(0))))
+    out["drift"].append(float(np.asarray(step.stats["drift"].addressable_data(0))))
     if (s + 1) % cfg["eval_every"] == 0 or s + 1 == cfg["steps"]:
       out["evals"].append({"step": s + 1, "eval_loss": data.evaluate(params)[0]})
     if progress:
