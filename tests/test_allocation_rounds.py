@@ -1,5 +1,6 @@
 """The default's allocation: widths per chunk position from the global statistics
-(allocation.capacities_threshold), against the exact whole-position optimum."""
+(allocation.allocate), against the exact whole-position optimum, and the slot of
+every super-group against a sort of the statistics."""
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,11 @@ def _fine_errors(widths):
   return out
 
 
+def _run(norms, valid, errors, positions, cost, budget, n, blocks=1):
+  return [np.asarray(a) for a in jax.jit(lambda g, v: allocation.allocate(
+      g, v, errors, positions, cost, budget, n, blocks=blocks))(jnp.asarray(norms), valid)]
+
+
 @pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "wide"])
 @pytest.mark.parametrize("widths", [(2, 4, 8), (2, 3, 4, 5, 6, 8)])
 def test_threshold_rule_near_optimal(kind, widths):
@@ -79,10 +85,7 @@ def test_threshold_rule_near_optimal(kind, widths):
   budget = 5.0 * m * 256 - 32 * m
   norms = np.asarray(jnp.asarray(_norms(kind, m, rng), jnp.float32).astype(jnp.bfloat16)
                      .astype(jnp.float32))
-  f = lambda g: allocation.capacities_threshold(g, jnp.ones(m, bool), errors, units, cost,
-                                                budget, n)
-  got = np.asarray(f(jnp.asarray(norms)))
-  assert (np.asarray(jax.jit(f)(jnp.asarray(norms))) == got).all()
+  _, got = _run(norms, jnp.ones(m, bool), errors, units, cost, budget, n)
   assert got.sum() == units
   spent = sum(int(k) * cost[w] for w, k in zip(widths, got))
   assert spent <= budget
@@ -95,49 +98,65 @@ def test_threshold_rule_near_optimal(kind, widths):
   assert budget - spent < max(cost.values()) - min(cost.values())
 
 
-@pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "edge"])
-def test_threshold_rule_same_with_the_plans_order(kind):
-  """``order=`` (the plan's :func:`descending_order`, a gather instead of a sort)
-  gives the sort's counts, with ties, padding rows and non-finite norms."""
+def _slot_widths(counts, widths, n):
+  """The width of every slot ``j n + c`` (position j: widest first)."""
+  ws = sorted(widths, reverse=True)
+  return np.repeat(np.repeat(ws, [counts[widths.index(w)] for w in ws]), n)
+
+
+@pytest.mark.parametrize("blocks", ["all", "scatter"])
+@pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "ties", "edge"])
+def test_slots_follow_the_statistic(kind, blocks):
+  """Every super-group gets one slot; within a block a larger statistic never gets a
+  narrower width (ties: the lower index first), a width's super-groups keep their index
+  order, and in a reduce-scatter chunk c holds block c."""
   rng = np.random.default_rng(5)
   widths = (2, 3, 4, 5, 6, 8)
   n, units = 4, 96
   m = n * units
-  cost = {w: n * (256 * w + 144) for w in widths}
+  cost = {w: n * 256 * w for w in widths}
   budget = 5.0 * m * 256 - 32 * m
-  if kind == "edge":  # repeated values, zeros, inf, nan, the largest float
+  if kind == "ties":
+    norms = np.round(rng.random(m) * 4) / 4
+  elif kind == "edge":  # repeated values, zeros, tiny, inf, nan, the largest float
     norms = rng.choice(np.float32([0, 1e-30, 1, 1, 2.5, 3e38, np.inf, np.nan]), m)
   else:
-    norms = np.asarray(jnp.asarray(_norms(kind, m, rng), jnp.float32))
-  valid = jnp.arange(m) < m - 37  # the last super-groups are padding
-  errors = _fine_errors(widths)
-  g = jnp.asarray(norms)
-
-  @jax.jit
-  def both(g):
-    sort = allocation.capacities_threshold(g, valid, errors, units, cost, budget, n)
-    order = allocation.descending_order(g, valid)
-    return sort, allocation.capacities_threshold(g, valid, errors, units, cost, budget, n,
-                                                 order=order)
-
-  sort, gather = both(g)
-  assert (np.asarray(sort) == np.asarray(gather)).all(), (sort, gather)
+    norms = _norms(kind, m, rng)
+  norms = np.asarray(norms, np.float32)
+  scatter = blocks == "scatter"
+  valid = jnp.arange(m) < (m if scatter else m - 37)  # the last super-groups: padding
+  dest, counts = _run(norms, valid, _fine_errors(widths), units, cost, budget, n,
+                      blocks=n if scatter else 1)
+  np.testing.assert_array_equal(np.sort(dest), np.arange(m))
+  assert counts.sum() == units
+  width = _slot_widths(list(counts), widths, n)[dest]  # each super-group's width
+  f = np.asarray(allocation.statistic(jnp.asarray(norms), valid))
+  groups = [np.arange(c * units, (c + 1) * units) for c in range(n)] if scatter else [
+      np.arange(m)]
+  for c, idx in enumerate(groups):
+    ranked = idx[np.lexsort((idx, -f[idx]))]  # by statistic, ties by index
+    assert (np.diff(width[ranked]) <= 0).all(), width[ranked]
+    for w in set(width[idx].tolist()):
+      assert (np.diff(dest[idx[width[idx] == w]]) > 0).all()
+    if scatter:
+      assert (dest[idx] % n == c).all()
 
 
 def test_same_under_vmap_and_jit():
-  """simulate runs the allocation under vmap: every rank must get the same counts."""
+  """simulate runs the allocation under vmap: every rank must get the same slots."""
   rng = np.random.default_rng(0)
   n, units, widths = 8, 64, (2, 3, 4, 5, 6, 8)
   errors = _fine_errors(widths)
   cost = {w: n * (256 * w + 144) for w in widths}
   m = n * units
   g = jnp.asarray(_norms("paper", m, rng), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
-  f = lambda x: allocation.capacities_threshold(x, jnp.ones(m, bool), errors, units, cost,
-                                                5.0 * m * 256 - 32 * m, n)
-  a = np.asarray(f(g))
-  b = np.asarray(jax.jit(f)(g))
-  c = np.asarray(jax.vmap(f)(jnp.stack([g] * 3)))
-  assert (a == b).all() and (c == a).all()
+  f = lambda x: allocation.allocate(x, jnp.ones(m, bool), errors, units, cost,
+                                    5.0 * m * 256 - 32 * m, n)
+  a = [np.asarray(v) for v in f(g)]
+  b = [np.asarray(v) for v in jax.jit(f)(g)]
+  c = [np.asarray(v) for v in jax.vmap(f)(jnp.stack([g] * 3))]
+  for x, y, z in zip(a, b, c):
+    assert (x == y).all() and (z == x).all()
 
 
 def test_padding_and_zero_and_inf():
@@ -146,37 +165,51 @@ def test_padding_and_zero_and_inf():
   cost = {w: n * (256 * w + 144) for w in widths}
   budget = 5.0 * n * units * 256 - 32 * n * units
   for g in [np.zeros(n * units), np.full(n * units, np.inf), np.r_[np.ones(5), np.zeros(27)]]:
-    got = np.asarray(allocation.capacities_threshold(
-        jnp.asarray(g, jnp.float32), jnp.arange(n * units) < 30, errors, units, cost, budget, n))
+    dest, got = _run(np.asarray(g, np.float32), jnp.arange(n * units) < 30, errors, units, cost,
+                     budget, n)
     assert got.sum() == units
+    np.testing.assert_array_equal(np.sort(dest), np.arange(n * units))
     assert sum(int(k) * cost[w] for w, k in zip(sorted(errors), got)) <= budget
 
 
-def _bisected_multiplier(position_f, t, step, limit):
-  """The oracle of :func:`allocation._switching_multiplier`: 31 bisection steps over the
-  float32 bit patterns (the least multiplier whose cost fits, and the one below it)."""
-
-  def cost(lam):
-    return sum(s * jnp.sum((position_f >= lam * tb).astype(jnp.int32)) for tb, s in zip(t, step))
-
-  def bisect(_, bounds):
-    lo, hi = bounds
-    mid = lo + (hi - lo) // 2
-    ok = cost(jax.lax.bitcast_convert_type(mid, jnp.float32)) <= limit
-    return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
-
-  lo, hi = jax.lax.fori_loop(0, 31, bisect, (jnp.uint32(0), jnp.uint32(0x7F800000)))
-  return (jax.lax.bitcast_convert_type(lo, jnp.float32),
-          jax.lax.bitcast_convert_type(hi, jnp.float32))
+def test_one_width_keeps_index_order():
+  """A budget that pays for the widest width everywhere: slots in index order."""
+  n, units, widths = 4, 8, (2, 4)
+  cost = {w: n * 256 * w for w in widths}
+  for blocks in (1, n):
+    dest, got = _run(np.arange(n * units, dtype=np.float32), jnp.ones(n * units, bool),
+                     _fine_errors(widths), units, cost, 10.0 * n * units * 256, n, blocks)
+    assert list(got) == [0, units]
+    want = np.arange(n * units) if blocks == 1 else (
+        (np.arange(n * units) % units) * n + np.arange(n * units) // units)
+    np.testing.assert_array_equal(dest, want)
 
 
-@pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "wide", "ties", "tiny"])
-def test_switching_multiplier_is_what_a_bisection_finds(kind, monkeypatch):
-  """The loop-free search (candidates, two 16-bit histograms) gives the widths that 31
-  bisection steps over the multiplier's bit patterns give, budget by budget."""
+def _bisected_counts(f, t, step, limit, positions, n):
+  """The oracle of the multiplier: the least float32 (zero or normal) whose widths fit,
+  by a plain scan over candidate multipliers (every ``f / t`` and its neighbours)."""
+  q = (f[:, None] / np.float32(t)[None, :]).astype(np.float32).ravel()
+  inf = np.float32(np.inf)
+  cands = np.unique(np.concatenate([[np.float32(0)], q, np.nextafter(q, -inf),
+                                    np.nextafter(q, inf)]))
+  cands = cands[(cands == 0) | (cands >= np.finfo(np.float32).tiny)]
+
+  def beyond(lam):
+    return [(int(np.sum(f >= np.float32(lam) * np.float32(tb))) + n // 2) // n for tb in t]
+
+  for lam in cands:  # ascending: the first that fits
+    if sum(s * c for s, c in zip(step, beyond(lam))) <= limit:
+      return beyond(lam)
+  return [0] * len(t)
+
+
+@pytest.mark.parametrize("kind", ["flat", "paper", "ties", "tiny"])
+def test_multiplier_is_the_least_that_fits(kind, monkeypatch):
+  """The 31 bisection steps find the least multiplier whose widths fit: without the
+  tie fill, the positions beyond each boundary are the oracle's."""
   rng = np.random.default_rng(11)
-  n, s = 8, 48
-  widths = (2, 3, 4, 5, 6, 8)
+  n, s = 8, 24
+  widths = (2, 4, 8)
   errors = _fine_errors(widths)
   cost = {w: n * 256 * w for w in widths}
   if kind == "ties":
@@ -186,16 +219,17 @@ def test_switching_multiplier_is_what_a_bisection_finds(kind, monkeypatch):
   else:
     norms = _norms(kind, n * s, rng)
   g = jnp.asarray(norms.astype(np.float32))
-  valid = jnp.asarray(rng.random(n * s) < 0.9)
-  budgets = s * cost[2] + rng.integers(0, s * (cost[8] - cost[2]), 6)
-
-  def run(budget):
-    return np.asarray(jax.jit(lambda g, v: allocation.capacities_threshold(
-        g, v, errors, s, cost, float(budget), n, order=allocation.descending_order(g, v)))(
-            g, valid))
-
-  got = [run(b) for b in budgets]
-  monkeypatch.setattr(allocation, "_switching_multiplier", _bisected_multiplier)
-  want = [run(b) for b in budgets]
-  for b, x, y in zip(budgets, got, want):
-    np.testing.assert_array_equal(x, y, err_msg=f"budget {b}")
+  valid = jnp.ones(n * s, bool)
+  f = np.asarray(allocation.statistic(g, valid))
+  hull = allocation.hull_widths(errors, cost)
+  t = [(cost[b] - cost[a]) / (errors[a] - errors[b]) for a, b in zip(hull[:-1], hull[1:])]
+  step = [cost[b] - cost[a] for a, b in zip(hull[:-1], hull[1:])]
+  for budget in s * cost[2] + rng.integers(0, s * (cost[8] - cost[2]), 4):
+    limit = int(budget) - s * cost[hull[0]]
+    want = _bisected_counts(f, t, step, limit, s, n)
+    _, got = _run(np.asarray(g), valid, errors, s, cost, float(budget), n)
+    beyond = [int(got[widths.index(w):].sum()) for w in hull[1:]]
+    # the tie fill only adds positions that switch just below the multiplier
+    assert all(b >= w for b, w in zip(beyond, want)), (budget, beyond, want)
+    assert sum(st * (b - w) for st, b, w in zip(step, beyond, want)) <= limit - sum(
+        st * w for st, w in zip(step, want))

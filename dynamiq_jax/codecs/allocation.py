@@ -6,8 +6,8 @@ round from the global statistics F (the paper's §3.2), identically on every
 rank. A *position* is the j-th super-group of every chunk: the n
 super-groups ranked ``jn .. jn + n - 1`` by F.
 
-The rule is the paper's threshold rule (§3.2 / App. A): a position gets the
-width b iff ``T_{a,b} <= F < T_{b,c}``, with thresholds set so that every
+The rule is the paper's threshold rule (§3.2 / App. A): a super-group gets
+the width b iff ``T_{a,b} <= F < T_{b,c}``, with thresholds set so that every
 extra bit buys the same error reduction. If one quantisation at width ``w``
 leaves a relative MSE ``c_w``, raising a position of statistic F from ``a``
 to ``b`` bits saves ``F (c_a - c_b)`` for ``b - a`` bits per coordinate, so
@@ -16,6 +16,15 @@ equal gain per bit means ``T_{a,b} = lam (b - a) / (c_a - c_b)``, with
 the model ``c_w = 4^-w``; this module uses each width's own ``c_w``
 (:func:`level_error`), far from that model for the ternary 2-bit quantiser
 (docs/design.md, *How it works*, has the numbers).
+
+Positions hold n super-groups of one width, so each width takes a multiple
+of n super-groups: the ``n N_b`` largest by F (ties by index) take a width of
+at least the b-th boundary, ``N_b`` the number of super-groups with ``F >= lam
+t_b`` over n, rounded to the nearest (a position is worth the wider width when
+its middle super-group is). Which
+super-group of a width sits in which position does not change its error, so
+inside a width they keep their index order: the allocation needs the class
+sizes and one boundary key per class, not a sort (:func:`allocate`).
 """
 
 from __future__ import annotations
@@ -34,8 +43,7 @@ from pallas_kernels import dynamiq_reference as payload_lib
 __all__ = [
     "level_error",
     "hull_widths",
-    "descending_order",
-    "capacities_threshold",
+    "allocate",
 ]
 
 
@@ -92,181 +100,182 @@ def _finite_norms(gnorm):
   return jnp.where(jnp.isfinite(g), g, jnp.finfo(jnp.float32).max)
 
 
-def descending_order(gnorm, valid, chunks: int | None = None):
-  """The permutation that sorts super-groups by norm, largest first, ties by
-  index, the ones not ``valid`` (padding) last: the order in which the
-  allocation hands out widths.
-
-  With ``chunks=n`` (a reduce-scatter, whose chunk c must hold super-groups
-  ``[c s, (c+1) s)``), each of the n contiguous blocks of ``s`` super-groups
-  is sorted on its own and the blocks are interleaved: position ``j n + c``
-  holds the j-th largest super-group of block c, so ``order.reshape(s, n).T``
-  gives chunk c its own super-groups, largest first, and position j of every
-  chunk the j-th largest of each.
-  """
-  key = jnp.where(valid, -_finite_norms(gnorm), jnp.inf)
-  if chunks is None:
-    return jnp.argsort(key, stable=True)
-  s = key.shape[0] // chunks
-  local = jnp.argsort(key.reshape(chunks, s), axis=1, stable=True)
-  return (local + (jnp.arange(chunks) * s)[:, None]).T.reshape(-1)
+_TINY = np.finfo(np.float32).tiny
+"""The least normal float32: statistics and multipliers are 0 or at least this (XLA:CPU
+flushes subnormals and XLA:GPU does not, so a subnormal would differ between them)."""
 
 
-def capacities_threshold(gnorm, valid, errors: Mapping[int, float], positions: int,
-                         cost_per_position: Mapping[int, int], budget: float, n: int,
-                         order=None):
-  """Positions per width by the paper's threshold rule, for any number of widths (traced).
+def statistic(gnorm, valid):
+  """Each super-group's F, the key of the allocation: the norm scaled by a power of two
+  (exact), rounded to bf16 and squared (exact), 0 for padding and below the normal
+  range. float32, ``>= 0``; its bit pattern orders as its value."""
+  g = jnp.where(valid, _finite_norms(gnorm), 0.0)
+  top = jnp.max(g)
+  _, e = jnp.frexp(jnp.where(top > 0, top, 1.0))
+  r = jnp.ldexp(g, -e).astype(jnp.bfloat16).astype(jnp.float32)
+  f = r * r
+  return jnp.where(f >= _TINY, f, 0.0)
 
-  The rule (equal marginal gain per bit, with each width's measured error
-  ``c_w``): for a multiplier ``lam``, a position of statistic F (the sum of its
-  n super-groups' F) gets the widest width b with ``F >= lam * t_ab`` for
-  every hull boundary ``a | b`` below it, ``t_ab = (cost_b - cost_a) / (c_a
-  - c_b)``; ``lam`` is the smallest that fits the budget. Exact and
-  deterministic: F is scaled by a power of two (exact) and squared from
-  bf16-exact norms (exact), a position's F summed in a fixed order; ``lam``
-  is the least float32 whose widths fit (:func:`_switching_multiplier`: each
-  position's largest multiplier that keeps it above a boundary, ``F >= lam *
-  t`` as one rounded product, then one sort of those); positions that tie at
-  the switching multiplier then take the next width while the budget allows.
+
+def _multiplier(k):
+  """The float32 multiplier of bit pattern ``k`` (uint32), zero below the normal range:
+  non-decreasing in ``k``."""
+  return jnp.where(k >= 0x00800000, jax.lax.bitcast_convert_type(k, jnp.float32), 0.0)
+
+
+def allocate(gnorm, valid, errors: Mapping[int, float], positions: int,
+             cost_per_position: Mapping[int, int], budget: float, n: int,
+             blocks: int = 1):
+  """Which chunk position each super-group takes, and positions per width (traced).
+
+  The threshold rule with each width's measured error ``c_w``: for a multiplier
+  ``lam``, a super-group of statistic F (:func:`statistic`) is worth the b-th
+  hull boundary ``a | b`` iff ``F >= lam * t_ab``, ``t_ab = (cost_b - cost_a) /
+  (c_a - c_b)``; a position holds n super-groups of one width, so ``N_b(lam) =
+  floor(#{F >= lam t_b} / n)`` positions take a width beyond boundary b.
+  ``lam`` is the least float32 (zero or normal) whose widths fit the budget,
+  found by 31 bisection steps over its bit patterns; what the budget has left
+  then goes to the positions that switch just below it, boundary by boundary
+  in order of gain per bit. The ``n N_b`` largest F (ties: lower index first)
+  take a width beyond boundary b, found by 32 bisection steps over the keys'
+  bit patterns and a prefix count of the ties. Within a width, super-groups keep
+  their index order. Exact and deterministic: integer counts, float32
+  comparisons of normal numbers, no sort.
 
   Args:
     gnorm: float32 ``[positions * n]`` global super-group norms (>= 0).
-    valid: bool ``[positions * n]``: real super-groups (padding is ranked last, F = 0).
+    valid: bool ``[positions * n]``: real super-groups (padding: F = 0, after the
+      real ones of its block).
     errors: ``{width: c_w}``, decreasing in width.
     positions: positions per chunk (static).
     cost_per_position: ``{width: bits}`` of one position (static).
     budget: payload bits allowed (static).
     n: super-groups per position, one per chunk (static).
-    order: optional, :func:`descending_order` of ``(gnorm, valid)``, when the
-      caller has it: the statistics are then put in order by one gather
-      instead of a sort (the same values: the map from a norm to its F is
-      non-decreasing).
+    blocks: 1 (an all-reduce: positions are filled from all super-groups) or
+      ``n`` (a reduce-scatter: chunk c takes the ``positions`` super-groups
+      ``[c positions, (c + 1) positions)``, each ranked within its block, and
+      position j of every chunk has the same width).
 
   Returns:
-    int32 ``[len(errors)]``: positions per width, ascending widths (0 off the hull).
+    ``(dest, counts)``: int32 ``[positions * n]``, the slot of each super-group
+    (slot ``j n + c``: chunk c, position j; positions widest first), and int32
+    ``[len(errors)]``, positions per width, ascending widths (0 off the hull).
   """
   w = sorted(errors)
   lo_w = w[0]
   if positions * cost_per_position[lo_w] > budget:
     raise ValueError(f"even all {positions} positions at {lo_w} bits cost "
                      f"{positions * cost_per_position[lo_w]} > {budget}")
+  if blocks not in (1, n):
+    raise ValueError(f"{blocks=} must be 1 or n={n}")
+  total = positions * n
+  per = total // blocks
   hull = hull_widths(errors, cost_per_position)
-  if len(hull) == 1:
-    return jnp.asarray([positions if x == hull[0] else 0 for x in w], jnp.int32)
-  g = jnp.where(valid, _finite_norms(gnorm), 0.0)
-  top = jnp.max(g)
-  _, e = jnp.frexp(jnp.where(top > 0, top, 1.0))
-  r = jnp.ldexp(g, -e).astype(jnp.bfloat16).astype(jnp.float32)
-  if order is None:
-    f = jnp.sort(r * r)[::-1]
-  else:  # r * r is non-decreasing in g (>= 0), and 0 where not valid (last in order)
-    f = payload_lib.take_in_range(r * r, order)
-  f = f.reshape(positions, n)
-  position_f = f[:, 0]
-  for i in range(1, n):
-    position_f = position_f + f[:, i]
   t = [np.float32((cost_per_position[b] - cost_per_position[a]) / (errors[a] - errors[b]))
        for a, b in zip(hull[:-1], hull[1:])]
-  step = [int(cost_per_position[b] - cost_per_position[a])
-          for a, b in zip(hull[:-1], hull[1:])]
-  base = int(positions * cost_per_position[hull[0]])
-  limit = int(math.floor(budget)) - base
-  if limit >= sum(step) * positions:  # everything at the widest hull width fits
-    return jnp.asarray([positions if x == hull[-1] else 0 for x in w], jnp.int32)
+  step = [int(cost_per_position[b] - cost_per_position[a]) for a, b in zip(hull[:-1], hull[1:])]
+  limit = int(math.floor(budget)) - int(positions * cost_per_position[hull[0]])
+  if len(hull) == 1 or limit >= sum(step) * positions:  # one width for every position
+    top = hull[0] if len(hull) == 1 else hull[-1]
+    counts = jnp.asarray([positions if x == top else 0 for x in w], jnp.int32)
+    # one class: slots in index order
+    return _place(jnp.broadcast_to(jnp.arange(per, dtype=jnp.int32), (blocks, per)), n,
+                  blocks), counts
+  f = statistic(gnorm, valid)
+  tb = jnp.asarray(t, jnp.float32)[:, None]
 
-  def at_least(lam):  # positions at or above each hull boundary (nested: t increases)
-    return [jnp.sum((position_f >= lam * tb).astype(jnp.int32)) for tb in t]
+  def at_least(lam):  # positions beyond each boundary: [B]
+    return _div(jnp.sum((f[None, :] >= lam * tb).astype(jnp.int32), axis=1) + n // 2, n)
 
-  lo, hi = _switching_multiplier(position_f, t, step, limit)
-  c = at_least(hi)
-  # Spend what is left on the positions that tie at the switching multiplier:
-  # those that take the next width at ``lo`` but not at ``hi`` (a prefix
-  # extension of each boundary's count), boundary by boundary in order of
-  # gain per bit (lowest t first), as many as fit. Integer arithmetic.
-  c_lo = at_least(lo)
+  weights = jnp.asarray(step, jnp.int32)
+
+  def bisect(_, bounds):
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    ok = jnp.sum(weights * at_least(_multiplier(mid))) <= limit
+    return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+  # cost(0) is over the limit (checked above), cost(inf) = 0 is not
+  zero = _zero_like(f)  # (varying over the same mesh axes as the statistics)
+  lo, hi = jax.lax.fori_loop(0, 31, bisect, (zero, zero | jnp.uint32(0x7F800000)))
+  c_hi, c_lo = at_least(_multiplier(hi)), at_least(_multiplier(lo))
+  c = [c_hi[i] for i in range(len(t))]
   left = jnp.int32(limit) - sum(ci * st for ci, st in zip(c, step))
   for i in np.argsort(np.asarray(t, np.float64), kind="stable"):
     room = c[i - 1] - c[i] if i > 0 else positions - c[i]  # stay nested
-    extra = jnp.minimum(jnp.minimum(c_lo[i] - c[i], room), left // step[i])
-    extra = jnp.maximum(extra, 0)
+    extra = jnp.maximum(jnp.minimum(jnp.minimum(c_lo[i] - c[i], room),
+                                    _div(jnp.maximum(left, 0), step[i])), 0)
     c[i] = c[i] + extra
     left = left - extra * step[i]
   counts = {hull[0]: positions - c[0]}
   for i, x in enumerate(hull[1:]):
     counts[x] = c[i] - (c[i + 1] if i + 1 < len(c) else 0)
-  return jnp.stack([jnp.asarray(counts.get(x, 0), jnp.int32) for x in w])
+  counts = jnp.stack([jnp.asarray(counts.get(x, 0), jnp.int32) for x in w])
+  # members per block beyond each boundary: all n N_b of them, or N_b of each block
+  want = jnp.stack(c) * (n if blocks == 1 else 1)  # [B]
+  keys = jax.lax.bitcast_convert_type(f, jnp.uint32).reshape(blocks, 1, per)
+  return _slots_of(keys, jnp.broadcast_to(want[None, :], (blocks, len(t))), n, blocks), counts
 
 
-def _largest_below(f, t):
-  """Elementwise, the largest float32 ``lam``, zero or normal, with ``fl(lam * t) <= f``
-  (``f >= 0`` finite, ``t >= 1`` a float32 constant): ``f / t`` moved one float at a
-  time (:func:`_next_up`, :func:`_next_down`) until it is.
-
-  ``fl(lam * t)`` is non-decreasing in ``lam``, so those ``lam`` are ``[0, result]``.
-  A correctly rounded quotient is within one step of the result; two steps each
-  way leave room for a quotient off by one more (unrolled and elementwise: one
-  fusion). Subnormal multipliers are left out: XLA:CPU flushes them to zero and
-  XLA:GPU does not, so a product with one would differ between them.
-  """
-  t = np.float32(t)
-  q = f / t
-  q = jnp.where(q >= _TINY, q, 0.0)  # +0.0 below the normal range
-  for _ in range(2):  # too large: step down
-    q = jnp.where(q * t > f, _next_down(q), q)
-  for _ in range(2):  # room above: step up
-    up = _next_up(q)
-    q = jnp.where(up * t <= f, up, q)
-  return q
+def _zero_like(x):
+  """A uint32 zero made from ``x``: a loop's carry must vary over the mesh axes ``x``
+  varies over (inside ``shard_map``), as its body's results do."""
+  return jax.lax.bitcast_convert_type(jnp.ravel(x)[0] * 0, jnp.uint32) & jnp.uint32(0)
 
 
-_TINY = np.finfo(np.float32).tiny
-"""The least normal float32: the multipliers are 0 or at least this."""
+def _div(a, b: int):
+  """``a // b`` for ``a >= 0`` (int32) and a positive constant ``b``: one truncating
+  division (jnp's ``//`` adds the sign corrections of a floor division)."""
+  return jax.lax.div(a, jnp.int32(b))
 
 
-def _next_up(q):
-  """The next float32 above ``q >= 0`` among zero and the normal ones."""
-  bits = jax.lax.bitcast_convert_type(q, jnp.uint32)
-  return jnp.where(q == 0, _TINY, jax.lax.bitcast_convert_type(bits + 1, jnp.float32))
+def _largest_first(keys, want):
+  """``(v, above, tie, need)`` of the ``want[k, b]`` largest ``keys[k, 0]`` (uint32; ties:
+  lower index first) for each block k and boundary b: ``v`` the ``want``-th largest
+  key (32 bisection steps over its bit patterns), ``above`` / ``tie`` the keys above /
+  at it, ``need`` how many of the ties (the first by index) are among them."""
+
+  def bit(i, v):
+    cand = v | (jnp.uint32(1) << (jnp.uint32(31) - i.astype(jnp.uint32)))
+    enough = jnp.sum((keys >= cand[..., None]).astype(jnp.int32), axis=-1) >= want
+    return jnp.where(enough, cand, v)
+
+  v = jax.lax.fori_loop(0, 32, bit, jnp.broadcast_to(_zero_like(keys), want.shape))[..., None]
+  above = keys > v
+  tie = keys == v
+  return above, tie, want - jnp.sum(above.astype(jnp.int32), axis=-1)
 
 
-def _next_down(q):
-  """The next float32 below ``q > 0`` among zero and the normal ones (0 stays 0)."""
-  bits = jax.lax.bitcast_convert_type(q, jnp.uint32)
-  down = jax.lax.bitcast_convert_type(jnp.maximum(bits, 1) - 1, jnp.float32)
-  return jnp.where(q <= _TINY, 0.0, down)
+def _slots_of(keys, want, n: int, blocks: int):
+  """Each super-group's slot: the ``want[k, b]`` largest keys of block k (ties: lower
+  index first) are beyond boundary b; widest class first, index order within a class.
+
+  One prefix sum, of the keys above each boundary's key and of its ties, gives
+  ``P_b(i)``, how many super-groups before i are beyond boundary b (the ties taken
+  first by index): a super-group's class is the boundaries it is beyond, its rank in
+  its class k is ``P_{k-1}(i) - P_k(i)``, and the classes above k take ``want[k]``
+  slots."""
+  above, tie, need = _largest_first(keys, want)  # [blocks, B, per] x 2, [blocks, B]
+  bounds, per = above.shape[1], keys.shape[-1]
+  flags = jnp.concatenate([above, tie], axis=1).astype(jnp.int32)
+  before = jnp.cumsum(flags, axis=-1) - flags  # exclusive prefix counts
+  tie_before = before[:, bounds:]
+  prefix = before[:, :bounds] + jnp.minimum(tie_before, need[..., None])  # P_b(i)
+  beyond = above | (tie & (tie_before < need[..., None]))
+  cls = jnp.sum(beyond.astype(jnp.int32), axis=1)  # [blocks, per]
+  index = jnp.broadcast_to(jnp.arange(per, dtype=jnp.int32), (blocks, 1, per))
+  zero = jnp.zeros((blocks, 1, per), jnp.int32)
+  p = jnp.concatenate([index, prefix, zero], axis=1)  # P_{-1} .. P_B: [blocks, B + 2, per]
+  slots_above = jnp.concatenate([want, jnp.zeros((blocks, 1), jnp.int32)], axis=1)  # [blocks, B + 1]
+  mine = jnp.take_along_axis(p, cls[:, None, :], axis=1)[:, 0]
+  nxt = jnp.take_along_axis(p, cls[:, None, :] + 1, axis=1)[:, 0]
+  local = jnp.take_along_axis(slots_above, cls, axis=1) + mine - nxt
+  return _place(local, n, blocks)
 
 
-def _switching_multiplier(position_f, t, step, limit: int):
-  """``(lo, hi)`` float32 multipliers: ``hi`` the least (zero or normal) with
-  ``cost(hi) <= limit``, ``lo`` the one just below it, over budget.
-
-  ``cost(lam) = sum_b step[b] * #{j: position_f[j] >= fl(lam * t[b])}``. Position j
-  stays at or above boundary b exactly while ``lam <= c[j, b]``
-  (:func:`_largest_below`), so ``cost(lam)`` is the total weight of the
-  candidates ``c >= lam``, and ``lo`` is the largest candidate whose cost is
-  over ``limit``; ``hi`` is the next float up. The candidates (floats >= 0, so
-  ordered as their bit patterns) are found by weight in two rounds of 16 bits
-  (:func:`_largest_over`): integer histograms and suffix sums, no sort and no
-  loop. The caller has checked that all candidates together weigh more than
-  ``limit``. Exact: what a bisection over the float32 bit patterns finds,
-  without its 31 steps.
-  """
-  cands = jnp.concatenate([_largest_below(position_f, tb) for tb in t])
-  weights = jnp.concatenate([jnp.full(position_f.shape, w, jnp.int32) for w in step])
-  bits = jax.lax.bitcast_convert_type(cands, jnp.uint32)
-  top = (bits >> 16).astype(jnp.int32)  # < 0x7F80: finite, >= 0
-  high, above = _largest_over(top, weights, 1 << 15, 0, limit)
-  low, _ = _largest_over((bits & 0xFFFF).astype(jnp.int32), jnp.where(top == high, weights, 0),
-                         1 << 16, above, limit)
-  lo = jax.lax.bitcast_convert_type((high.astype(jnp.uint32) << 16) | low.astype(jnp.uint32),
-                                    jnp.float32)
-  return lo, _next_up(lo)
-
-
-def _largest_over(keys, weights, bins: int, base, limit: int):
-  """``(k, above)``: the largest key ``k`` with ``base + weight(keys >= k) > limit``, and
-  ``base + weight(keys > k)`` (int32 keys in ``[0, bins)``; integer sums: exact)."""
-  hist = jnp.zeros((bins,), jnp.int32).at[keys].add(weights, mode="promise_in_bounds")
-  at_least = base + jnp.cumsum(hist[::-1])[::-1]  # weight of keys >= each bin
-  k = jnp.max(jnp.where(at_least > limit, jnp.arange(bins, dtype=jnp.int32), 0))
-  return k, at_least[k] - hist[k]
+def _place(local, n: int, blocks: int):
+  """Slots from each block's local positions ``local`` [blocks, per]: block k's
+  position j is slot ``j n + k`` (blocks = n), or the position itself (blocks = 1)."""
+  if blocks == 1:
+    return local.reshape(-1)
+  return (local * n + jnp.arange(blocks, dtype=jnp.int32)[:, None]).reshape(-1)

@@ -15,11 +15,11 @@ n when averaging), as in the paper's §3:
    subtracts the global mean). Both give the same final sum, but with local
    centring every partial sum along the path is exactly zero-mean, and no rank
    has to wait for the statistics before centring.
-3. Super-groups are ranked by the global F (identical on every rank); chunk
-   c takes ranks c, c + n, ..., so position j of every chunk holds the n
-   super-groups ranked jn .. jn + n - 1, and the widths of the positions are
-   chosen this round from the statistics, widest first, within the chunk's
-   fixed byte budget (:func:`~dynamiq_jax.codecs.allocation.capacities_threshold`).
+3. The widths are chosen this round from the global F (identical on every
+   rank), within the chunk's fixed byte budget: each width takes a multiple of
+   n super-groups, the largest F first, dealt to the chunks in turn, so
+   position j of every chunk has one width, widest first
+   (:func:`~dynamiq_jax.codecs.allocation.allocate`: no sort).
 4. Each chunk travels as one payload of static size (:mod:`pallas_kernels.dynamiq_reference`:
    scale records, then code units), reduced on the schedule with the per-hop
    decompress-accumulate-recompress of :mod:`pallas_kernels.dynamiq`.
@@ -256,11 +256,13 @@ class DynamiQ(Codec):
   def plan(self, x, meta, bucket, state, keys):
     """Widths chosen this round from the global statistics (identical on every rank).
 
-    Super-groups are ranked by the global norm; chunk c takes ranks c, c + n,
-    c + 2n, ..., so position j of every chunk holds ranks jn .. jn + n - 1
-    and every chunk gets the same widths, widest first: the equal-marginal-gain
-    rule of :func:`~dynamiq_jax.codecs.allocation.capacities_threshold`
-    with each width's measured error, within the chunk's fixed code budget.
+    The equal-marginal-gain rule of :func:`~dynamiq_jax.codecs.allocation.allocate`,
+    with each width's measured error, within the chunk's fixed code budget: a
+    width takes a multiple of n super-groups, the largest by the global norm
+    (ties by index), and hands them to the chunks in turn (slot ``j n + c``:
+    chunk c, position j), so position j of every chunk has the same width,
+    widest first. With ``bucket.scatter``, chunk c takes its own super-groups,
+    ranked among themselves.
     """
     del state
     n = bucket.n
@@ -271,12 +273,12 @@ class DynamiQ(Codec):
     _, resid = self._rows(x, bucket)
     with jax.named_scope("dynamiq/allocate"):
       valid = jnp.arange(total) < lay.supergroups
-      order = allocation.descending_order(gnorm, valid, chunks=n if bucket.scatter else None)
-      chunks = payload_lib.take_in_range(resid, order.reshape(s, n).T)  # [n, s, 256]
       unit_bits = payload_lib.unit_bytes(lay.plane_bits) * 8
-      counts = allocation.capacities_threshold(
+      dest, counts = allocation.allocate(
           gnorm, valid, self.width_errors(), s, {w: n * SUPERGROUP * w for w in self.widths},
-          n * lay.units * unit_bits, n, order=order)
+          n * lay.units * unit_bits, n, blocks=n if bucket.scatter else 1)
+      order = _inverse(dest)  # slot j n + c: chunk c's position j
+      chunks = payload_lib.take_in_range(resid, order.reshape(s, n).T)  # [n, s, 256]
       widths = payload_lib.position_widths(counts, self.widths, s)
     # every chunk's shared stratum key, and its rounding key at every hop (hop <= n: the
     # schedules' steps, and the two-step reduction's), derived once for all hops; stored:
@@ -287,7 +289,7 @@ class DynamiQ(Codec):
     rounding = rng.finish_key(rng.absorb(tuple(v[:, None] for v in prefix), hops,
                                          rng.Stream.DYNAMIQ_ROUND))
     chunk_keys = jax.lax.optimization_barrier((*rounding, *strata))
-    return Plan(chunks, DynamiQAux(order, gmean, gnorm, widths, lay, bucket.implementation,
+    return Plan(chunks, DynamiQAux(dest, gmean, gnorm, widths, lay, bucket.implementation,
                                    chunk_keys))
 
   def _geometry(self, aux, decode=False):
@@ -330,7 +332,7 @@ class DynamiQ(Codec):
   def finish(self, decoded, aux, bucket, state):
     del state
     dec = decoded.transpose(1, 0, 2).reshape(-1, SUPERGROUP)  # chunk c: ranks c, c + n, ...
-    out = payload_lib.take_in_range(dec, _inverse(aux.order)) + aux.gmean[:, None]
+    out = payload_lib.take_in_range(dec, aux.dest) + aux.gmean[:, None]
     # stored: otherwise XLA:CPU fuses every bucket's decode and gather into the one
     # loop that concatenates the buckets (and casts), which it cannot vectorise
     return payload_lib.materialize(out.reshape(-1)[:bucket.d]), None
@@ -355,15 +357,15 @@ class DynamiQ(Codec):
     errors = self.width_errors()
     table = jnp.asarray([errors.get(w, 0.0) for w in range(max(errors) + 1)], jnp.float32)
     by_rank = jnp.repeat(aux.widths, n, total_repeat_length=total)  # rank i: position i // n
-    return jnp.sum(table[by_rank] * energy[aux.order])
+    return jnp.sum(table[by_rank][aux.dest] * energy)
 
 
 class DynamiQAux(NamedTuple):
-  """One bucket's allocation: super-groups in rank order, reduced means and
+  """One bucket's allocation: each super-group's slot in the chunks, reduced means and
   residual norms, the width of each chunk position (widest first), static
   layout; each chunk's random-key prefix, derived once for all its hops."""
 
-  order: jax.Array
+  dest: jax.Array
   gmean: jax.Array
   gnorm: jax.Array
   widths: jax.Array
