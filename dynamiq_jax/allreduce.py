@@ -29,6 +29,7 @@ import numpy as np
 from dynamiq_jax import engine
 from dynamiq_jax import moshpit
 from dynamiq_jax import stacked as loops
+from dynamiq_jax._renamed import UNSET, renamed
 from dynamiq_jax._sizes import ceil_div
 from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
@@ -36,7 +37,6 @@ from dynamiq_jax.buckets import AllReduceStats
 from dynamiq_jax.buckets import Segment
 from dynamiq_jax.buckets import bucket_layout
 from dynamiq_jax.buckets import bucket_sizes
-from dynamiq_jax.buckets import check_codec
 from dynamiq_jax.buckets import check_leaves
 from dynamiq_jax.buckets import check_varying
 from dynamiq_jax.buckets import flat_specs
@@ -45,11 +45,13 @@ from dynamiq_jax.buckets import relative
 from dynamiq_jax.buckets import resolve_leaf_order
 from dynamiq_jax.buckets import report
 from dynamiq_jax.buckets import unpack
+from dynamiq_jax.registry import resolve_codec
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.loss import PacketLoss
 from dynamiq_jax.schedules.local import local_specs, model_axes
 from dynamiq_jax.schedules.moshpit import as_moshpit, is_moshpit
+from dynamiq_jax.schedules.names import FLAT_SCHEDULES, SCHEDULES, check_schedule
 from dynamiq_jax.schedules.plan import get_plan
 
 __all__ = [
@@ -68,7 +70,7 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
 
   Args:
     tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``).
-    codec: the codec.
+    codec: the codec, or its name (as for :func:`allreduce`).
     n: number of ranks.
     bucket_size, max_buckets, leaf_order, stacked: as passed to :func:`allreduce`.
     schedule: as passed to :func:`allreduce`; only Moshpit averaging's accounting
@@ -77,6 +79,8 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
   Returns:
     :class:`AllReduceStats` of Python numbers.
   """
+  codec = resolve_codec(codec, what="wire_stats")
+  check_schedule(schedule, SCHEDULES, what="wire_stats")
   flags = loops.stacked_flags(jax.tree_util.tree_flatten_with_path(tree)[0], stacked)
   if flags is not None:
     return loop_stats([np.shape(x) for x in jax.tree.leaves(tree)], flags, codec, n,
@@ -95,7 +99,7 @@ def init_codec_state(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_S
   One entry per bucket of :func:`bucket_layout`. Its structure and shapes do
   not depend on ``n``; only its values do.
   """
-  check_codec(codec)
+  codec = resolve_codec(codec, what="init_codec_state")
   layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
                          leaf_order=leaf_order)
   if not codec.stateful or not layout:
@@ -103,11 +107,12 @@ def init_codec_state(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_S
   return tuple(codec.init_state(d, n) for d in bucket_sizes(layout))
 
 
-def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
+def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key=None, seed: int = 0,
               average: bool = True, bucket_size: int = DEFAULT_BUCKET_SIZE,
               max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
               implementation: str | None = None, codec_state=None,
-              return_own: bool = False, specs=None, stacked=None, absent=None, loss=None):
+              return_own: bool = False, specs=None, stacked=None, absent=None,
+              packet_loss=None, loss=UNSET):
   """Compressed all-reduce of a gradient pytree over ``axis_name``.
 
   Inside a ``jax.shard_map`` that is manual over ``axis_name`` only and
@@ -122,7 +127,8 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       varying over ``axis_name``.
     axis_name: the data-parallel axis (bound by shard_map, pmap or vmap);
       ``(slow, fast)`` for ``schedule="hierarchical"``.
-    codec: e.g. ``codecs.DynamiQ(bits=5)`` or ``codecs.Bf16()``.
+    codec: e.g. ``codecs.DynamiQ(bits=5)`` or ``codecs.Bf16()``, or a codec's name
+      (``"dynamiq"``, ``"int8"``, ...: ``dq.codec_from_name``'s, as ``dq.reducer``).
     schedule: ``"ring"``, ``"butterfly"`` (power-of-two axes), ``"two_step"``
       (one all-to-all, each rank decoding and adding its chunk from every rank,
       one re-encode, one all-gather: every value encoded twice whatever n),
@@ -132,7 +138,11 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
       grid; stateless codecs, one axis; results differ between ranks where
       some were absent).
     key: a ``jax.random`` key, identical on every rank (it seeds the shared
-      rounding streams); fold the training step into it.
+      rounding streams); fold the training step into it. None:
+      ``jax.random.key(seed)``.
+    seed: the rounding key's seed where ``key`` is None (default 0), as
+      ``compressed_psum(seed=)`` and ``simulate(seed=)``: the same call repeats
+      the same rounding; pass ``key=`` to vary it from step to step.
     average: return the mean over ranks (workers pre-divide by n) instead of
       the sum.
     bucket_size: the coordinates of one bucket, a multiple of the codec's
@@ -171,14 +181,16 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     absent: Moshpit averaging only: bool ``[rounds, n]``, the same on every
       rank, True where rank r is absent from round t (simulated dropout,
       besides the schedule's own ``dropout``).
-    loss: ``schedule="two_step"`` only: a :class:`~dynamiq_jax.PacketLoss`, the
+    packet_loss: ``schedule="two_step"`` only: a :class:`~dynamiq_jax.PacketLoss`, the
       reduce step's payload packets lost (simulated: XLA's collectives lose
       nothing) and each chunk's sum estimated without bias from those that
       arrived (:mod:`dynamiq_jax.schedules.loss`). The metadata pass, the guard
       and the gather step are not lossy (every rank keeps the same result: a
       rank that missed a packet of the reduced gradient would step its replica
       apart from the others; the sharded optimizer's parameter broadcast is
-      where that loss is absorbed, ``data_parallel_step(loss=...)``).
+      where that loss is absorbed, ``data_parallel_step(packet_loss=...)``).
+    loss: the old name of ``packet_loss`` (deprecated: a ``DeprecationWarning``;
+      removed in the next release).
 
   Returns:
     ``(tree, stats)``: the reduced pytree (same structure, shapes and dtypes;
@@ -190,12 +202,14 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     over other mesh axes, the stats count one device's shards.
 
   Raises:
-    ValueError: unbound ``axis_name``; gradients already reduced by XLA
+    ValueError: unbound ``axis_name``; an unknown codec name or schedule;
+      gradients already reduced by XLA
       (not varying over the axis); a budget the codec cannot meet; a bad
       ``bucket_size`` or ``leaf_order``; leaves on Auto mesh axes without
       ``specs``; a stateful codec with leaves sharded over other axes, or
       with ``stacked``; ``stacked`` leaves without one common leading axis.
-    TypeError: a non-floating leaf (the message names its path).
+    TypeError: a non-floating leaf (the message names its path); a ``codec`` that
+      is neither a codec nor a codec's name.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dynamiq_jax as dq
@@ -206,7 +220,10 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
     >>> bool(jnp.allclose(out[0], g.mean(0)))
     True
   """
-  check_codec(codec)
+  codec = resolve_codec(codec, what="allreduce")
+  loss = renamed(packet_loss, loss, new="packet_loss", old="loss", where="allreduce")
+  check_schedule(schedule, SCHEDULES, what="allreduce")
+  key = jax.random.key(seed) if key is None else key
   check_loss(loss, schedule, stacked)
   hier = schedule in HIERARCHICAL
   if hier:
@@ -214,7 +231,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key,
   if is_moshpit(schedule):
     moshpit.check_moshpit(schedule, axis_name, codec, codec_state, return_own)
     if stacked is not None:
-      raise ValueError(f"stacked= runs the flat schedules ('ring', 'butterfly'), not "
+      raise ValueError(f"stacked= runs the flat schedules {FLAT_SCHEDULES}, not "
                        f"schedule={schedule!r}. Fix: leave stacked=None")
   elif absent is not None:
     raise ValueError(f"absent= is a mask of Moshpit averaging's rounds; schedule={schedule!r} "
@@ -324,7 +341,7 @@ def _looped(arrays, treedef, flags, *, codec, schedule, axis_name, key, average,
   (:mod:`dynamiq_jax.stacked`)."""
   if schedule in HIERARCHICAL:
     raise ValueError(
-        f"stacked= reduces in loops on the flat schedules ('ring', 'butterfly'), not on "
+        f"stacked= reduces in loops on the flat schedules {FLAT_SCHEDULES}, not on "
         f"schedule={schedule!r}. Fix: leave stacked=None for the hierarchical schedule, or "
         f"use a flat schedule over one axis")
   n = axis_context(axis_name).n
@@ -404,19 +421,19 @@ def _moshpit(arrays, treedef, layout, *, codec, schedule, axis_name, key, averag
 
 
 def check_loss(loss, schedule, stacked=None):
-  """``loss=`` checked: None or a :class:`PacketLoss` on ``schedule="two_step"``."""
+  """``packet_loss=`` checked: None or a :class:`PacketLoss` on ``schedule="two_step"``."""
   if loss is None:
     return
   if not isinstance(loss, PacketLoss):
-    raise TypeError(f"loss={loss!r} must be a dq.PacketLoss(p=...) or None")
+    raise TypeError(f"packet_loss={loss!r} must be a dq.PacketLoss(p=...) or None")
   if not (isinstance(schedule, str) and schedule == "two_step"):
     raise ValueError(
-        f"loss= runs on schedule='two_step', where a lost packet removes one rank's "
+        f"packet_loss= runs on schedule='two_step', where a lost packet removes one rank's "
         f"contribution, which the owner of the chunk can count and correct for; on "
         f"schedule={schedule!r} a hop forwards partial sums, and one lost packet would take "
         f"several ranks' contributions with it. Fix: schedule='two_step'")
   if stacked is not None:
-    raise ValueError("stacked= does not run lossy links; leave stacked=None with loss=")
+    raise ValueError("stacked= does not run lossy links; leave stacked=None with packet_loss=")
 
 
 def _check_sharded_codec(codec, codec_state):
@@ -440,5 +457,5 @@ def hierarchical_axes(axis_name, codec, codec_state, return_own):
     raise ValueError(
         f"schedule='hierarchical' supports stateless codecs without error feedback; "
         f"{codec!r} keeps state (or error feedback was asked for). Fix: use a flat schedule "
-        f"('ring' or 'butterfly') over axis_name={tuple(names)!r} for this codec")
+        f"{FLAT_SCHEDULES} over axis_name={tuple(names)!r} for this codec")
   return names

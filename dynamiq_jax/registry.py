@@ -16,11 +16,9 @@ import optax
 
 from dynamiq_jax import codecs
 from dynamiq_jax.schedules.moshpit import Moshpit
-from dynamiq_jax.train import baseline_psum
-from dynamiq_jax.transform import compressed_psum
 
 __all__ = ["REDUCERS", "TP_CODECS", "reducer", "codec_from_name", "tp_codec_from_name",
-           "moshpit_options"]
+           "moshpit_options", "resolve_codec"]
 
 
 def _dynamiq(bits=5.0, **kw):
@@ -44,12 +42,12 @@ _CODECS: dict[str, Callable[..., object]] = {
     "int4": lambda **kw: codecs.IntGroup(bits=4, **kw),
 }
 
-_TP_CODECS: dict[str, Callable[[], object]] = {
-    "bf16": lambda: codecs.Bf16(),
-    "int8": lambda: codecs.IntGroup(bits=8),
-    "int4": lambda: codecs.IntGroup(bits=4),
-    "dynamiq": lambda: codecs.DynamiQ(bits=5),
-    "mxfp8": lambda: codecs.MX(element="e4m3", scale="e8m0"),
+_TP_CODECS: dict[str, str] = {  # tp codec name -> its name in _CODECS
+    "bf16": "bf16-ring",
+    "int8": "int8",
+    "int4": "int4",
+    "dynamiq": "dynamiq",
+    "mxfp8": "mxfp8-ocp",  # stateless E8M0 scales: tp_psum cannot carry MX's adaptive state
 }
 
 _PSUMS = {
@@ -75,7 +73,7 @@ def tp_codec_from_name(name: str):
   if name == "none":
     return None
   try:
-    return _TP_CODECS[name]()
+    return codec_from_name(_TP_CODECS[name])
   except KeyError:
     raise ValueError(f"tp codec {name!r} is not one of {TP_CODECS}") from None
 
@@ -87,6 +85,38 @@ def codec_from_name(name: str, **options):
   except KeyError:
     raise ValueError(f"codec {name!r} is not one of {sorted(_CODECS)}") from None
   return make(**options)
+
+
+def resolve_codec(codec, default=None, *, what: str = "codec"):
+  """``codec`` as a codec object: every front door's one resolver of ``codec=``.
+
+  Args:
+    codec: a :class:`~dynamiq_jax.codecs.Codec`, a name of :func:`codec_from_name`
+      (``"dynamiq"``, ``"int8"``, ``"mxfp8-ocp"``, ...: the names of
+      :func:`reducer`, built with their defaults), or None.
+    default: what None means (a codec, or None where ``codec=`` is required).
+    what: the argument, for the message (e.g. ``"allreduce(codec=...)"``).
+
+  Returns:
+    The codec.
+
+  Raises:
+    ValueError: an unknown name (the message lists the names).
+    TypeError: anything else that is not a codec.
+  """
+  if codec is None:
+    codec = default
+  if isinstance(codec, str):
+    if codec not in _CODECS:
+      raise ValueError(f"{what}: codec={codec!r} is not one of {sorted(_CODECS)}. Fix: one "
+                       f"of those names, or a codec object, e.g. dq.codecs.DynamiQ(bits=5)")
+    return codec_from_name(codec)
+  if not isinstance(codec, codecs.Codec):
+    raise TypeError(f"{what}: codec={codec!r} is neither a codec name nor a dynamiq_jax "
+                    f"codec. Fix: a name from {sorted(_CODECS)} (e.g. codec='int8'), a codec "
+                    f"object (e.g. dq.codecs.DynamiQ(bits=5)), or a subclass of "
+                    f"dq.codecs.Codec")
+  return codec
 
 
 def moshpit_options(options: dict):
@@ -129,6 +159,9 @@ def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 
     >>> tx = dq.reducer("dynamiq", "data", bits=4)
     >>> tx = dq.reducer("moshpit", "data", grid=(2, 2), dropout=0.1, bits=5)
   """
+  from dynamiq_jax.train import baseline_psum  # train and transform resolve codecs here
+  from dynamiq_jax.transform import compressed_psum
+
   if name in _PSUMS:
     if options:
       raise ValueError(f"reducer {name!r} takes no codec options, got {sorted(options)}")

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax import engine
+from dynamiq_jax._renamed import UNSET, renamed
 from dynamiq_jax._sizes import round_up
 from dynamiq_jax.allreduce import HIERARCHICAL
 from dynamiq_jax.allreduce import check_loss
@@ -54,7 +55,6 @@ from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.buckets import AllReduceStats
 from dynamiq_jax.buckets import bucket_layout
 from dynamiq_jax.buckets import bucket_sizes
-from dynamiq_jax.buckets import check_codec
 from dynamiq_jax.buckets import check_leaves
 from dynamiq_jax.buckets import check_varying
 from dynamiq_jax.buckets import flat_specs
@@ -63,7 +63,9 @@ from dynamiq_jax.buckets import report
 from dynamiq_jax.buckets import resolve_leaf_order
 from dynamiq_jax.buckets import scatter_report
 from dynamiq_jax.buckets import sum_stats
+from dynamiq_jax.registry import resolve_codec
 from dynamiq_jax.schedules.context import axis_context, axis_names
+from dynamiq_jax.schedules.names import SCATTER_SCHEDULES, check_schedule
 from dynamiq_jax.schedules.local import local_specs
 
 __all__ = ["reduce_scatter", "scatter_dimensions", "scatter_wire_stats"]
@@ -73,12 +75,12 @@ WHOLE_LEAVES_STREAM = 0x5CA7
 streams differ from the scattered buckets' with the same index."""
 
 
-def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
-                   schedule: str = "ring", average: bool = True,
+def reduce_scatter(tree, *, axis_name, codec, key=None, seed: int = 0,
+                   scatter_dimension: Any = 0, schedule: str = "ring", average: bool = True,
                    bucket_size: int = DEFAULT_BUCKET_SIZE,
                    max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
                    implementation: str | None = None, return_own: bool = False, specs=None,
-                   loss=None):
+                   packet_loss=None, loss=UNSET):
   """Compressed reduce-scatter of a gradient pytree over ``axis_name``.
 
   Args:
@@ -88,8 +90,11 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
       scattered over ``fast`` and all-reduced over ``slow``).
     codec: a codec with ``supports_scatter`` (DynamiQ, MX, Bf16, F32,
       GlobalQSGD; THC's rotation and OmniReduce's packing mix chunks) and no
-      state.
-    key: a ``jax.random`` key, identical on every rank.
+      state, or its name (as for :func:`dynamiq_jax.allreduce`).
+    key: a ``jax.random`` key, identical on every rank; None:
+      ``jax.random.key(seed)``.
+    seed: the rounding key's seed where ``key`` is None (default 0), as for
+      :func:`dynamiq_jax.allreduce`.
     scatter_dimension: the dimension of each leaf that is split over the
       axis: an int for every leaf, or a pytree (a prefix of ``tree``) of int
       or None; None all-reduces that leaf whole (every rank gets all of it).
@@ -107,9 +112,10 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
     specs: the leaves' ``PartitionSpec`` on the mesh, needed where other mesh
       axes are ``AxisType.Auto`` (:func:`dynamiq_jax.allreduce`). A leaf's
       scattered dimension must not be sharded over another mesh axis.
-    loss: a :class:`~dynamiq_jax.PacketLoss` (``schedule="two_step"``): the
+    packet_loss: a :class:`~dynamiq_jax.PacketLoss` (``schedule="two_step"``): the
       payload packets lost on their way to each slice's owner, who estimates
       its slice of the sum from those that arrived, as :func:`dynamiq_jax.allreduce`.
+    loss: the old name of ``packet_loss`` (deprecated, with a ``DeprecationWarning``).
 
   Returns:
     ``(tree, stats)``: each scattered leaf replaced by this rank's slice of the
@@ -123,7 +129,9 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
 
   Raises:
     ValueError: a codec that cannot reduce-scatter, or keeps state; a
-      dimension that does not divide; the checks of :func:`dynamiq_jax.allreduce`.
+      dimension that does not divide; a schedule that is not one of
+      :data:`~dynamiq_jax.schedules.names.SCATTER_SCHEDULES`; the checks of
+      :func:`dynamiq_jax.allreduce`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dynamiq_jax as dq
@@ -137,7 +145,10 @@ def reduce_scatter(tree, *, axis_name, codec, key, scatter_dimension: Any = 0,
   References:
     ZeRO++ (Wang et al., 2023) quantises the same collective, hierarchically (qgZ).
   """
-  check_codec(codec)
+  codec = resolve_codec(codec, what="reduce_scatter")
+  loss = renamed(packet_loss, loss, new="packet_loss", old="loss", where="reduce_scatter")
+  check_schedule(schedule, SCATTER_SCHEDULES, what="reduce_scatter")
+  key = jax.random.key(seed) if key is None else key
   check_loss(loss, schedule)
   hier = schedule in HIERARCHICAL
   if hier:
@@ -384,7 +395,7 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
 
   Args:
     tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``), one rank's.
-    codec: the codec.
+    codec: the codec, or its name.
     n: ranks the leaves are scattered over (the fast axis's size for
       ``schedule="hierarchical"``).
     scatter_dimension: as for :func:`reduce_scatter`.
@@ -396,6 +407,8 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
     :class:`~dynamiq_jax.AllReduceStats` of Python numbers (``error_estimate``
     NaN where leaves are scattered).
   """
+  codec = resolve_codec(codec, what="scatter_wire_stats")
+  check_schedule(schedule, SCATTER_SCHEDULES, what="scatter_wire_stats")
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   dims = _dims(scatter_dimension, [((), a) for a in leaves], treedef, n)
   order = resolve_leaf_order(len(leaves), leaf_order)

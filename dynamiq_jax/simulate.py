@@ -14,10 +14,13 @@ import functools
 import jax
 import numpy as np
 
+from dynamiq_jax._renamed import UNSET, renamed
 from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.allreduce import HIERARCHICAL
 from dynamiq_jax.allreduce import allreduce
+from dynamiq_jax.registry import resolve_codec
+from dynamiq_jax.schedules.names import SCHEDULES, check_schedule
 
 __all__ = ["simulate", "SIM_AXIS"]
 
@@ -29,9 +32,9 @@ SIM_HOST_AXIS = "dynamiq_sim_host"
 
 @functools.partial(jax.jit, static_argnames=("codec", "schedule", "average", "bucket_size",
                                              "max_buckets", "leaf_order", "implementation",
-                                             "mesh_shape", "layers", "loss"))
-def _run(stacked, key, codec_state, absent, *, codec, schedule, average, bucket_size,
-         max_buckets, leaf_order, implementation, mesh_shape, layers, loss):
+                                             "mesh_shape", "stacked", "packet_loss"))
+def _run(grads, key, codec_state, absent, *, codec, schedule, average, bucket_size,
+         max_buckets, leaf_order, implementation, mesh_shape, stacked, packet_loss):
   axis = (SIM_HOST_AXIS, SIM_AXIS) if mesh_shape else SIM_AXIS
 
   def one(tree):
@@ -39,30 +42,30 @@ def _run(stacked, key, codec_state, absent, *, codec, schedule, average, bucket_
         tree, axis_name=axis, codec=codec, schedule=schedule, key=key,
         average=average, bucket_size=bucket_size, max_buckets=max_buckets,
         leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
-        stacked=layers, absent=absent, loss=loss)
+        stacked=stacked, absent=absent, packet_loss=packet_loss)
     return out, stats.codec_state
 
   if mesh_shape:  # workers laid out [slow, fast]: nested vmaps bind both axes
-    grid = jax.tree.map(lambda x: x.reshape(mesh_shape + x.shape[1:]), stacked)
+    grid = jax.tree.map(lambda x: x.reshape(mesh_shape + x.shape[1:]), grads)
     out, state = jax.vmap(jax.vmap(one, axis_name=SIM_AXIS), axis_name=SIM_HOST_AXIS)(grid)
     out = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
     return out, jax.tree.map(lambda s: s[0, 0], state)
-  out, state = jax.vmap(one, axis_name=SIM_AXIS)(stacked)
+  out, state = jax.vmap(one, axis_name=SIM_AXIS)(grads)
   return out, jax.tree.map(lambda s: s[0], state)  # identical on every worker
 
 
-def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
+def simulate(grads, *, codec, schedule: str = "ring", seed: int = 0, key=None,
              average: bool = True,
              bucket_size: int = DEFAULT_BUCKET_SIZE,
              max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None,
              implementation: str | None = None,
              codec_state=None, return_state: bool = False, mesh_shape=None,
-             layers=None, absent=None, loss=None):
+             stacked=None, absent=None, packet_loss=None, layers=UNSET, loss=UNSET):
   """All-reduces per-worker gradients stacked on axis 0, on one device.
 
   Args:
-    stacked: pytree whose leaves have a leading worker axis of size n.
-    codec: the codec.
+    grads: pytree whose leaves have a leading worker axis of size n (positional).
+    codec: the codec, or its name (as for :func:`dynamiq_jax.allreduce`).
     schedule: ``"ring"``, ``"butterfly"``, ``"two_step"``, ``"hierarchical"`` (with
       ``mesh_shape``) or Moshpit averaging (``"moshpit"``, ``dq.Moshpit(...)``).
     seed: the rounding key is ``jax.random.key(seed)`` (unless ``key`` is
@@ -81,13 +84,15 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
     mesh_shape: ``(slow, fast)`` for ``schedule="hierarchical"``: the n
       workers are laid out row-major on that grid (worker ``i`` is slow rank
       ``i // fast``, fast rank ``i % fast``), as on a 2-axis mesh.
-    layers: ``allreduce``'s ``stacked`` (renamed here, where ``stacked`` is
-      the workers' gradients): the leaves stacked along an axis of layers
-      (after the worker axis), reduced in loops.
+    stacked: as for :func:`dynamiq_jax.allreduce`: the leaves stacked along an
+      axis of layers (after the worker axis; e.g. ``"layers"``, a pytree key),
+      reduced in loops.
     absent: Moshpit averaging's mask of absent workers, bool ``[rounds, n]``
       (as for :func:`dynamiq_jax.allreduce`).
-    loss: a :class:`~dynamiq_jax.PacketLoss` (``schedule="two_step"``): the reduce
-      step's packets lost, as for :func:`dynamiq_jax.allreduce`.
+    packet_loss: a :class:`~dynamiq_jax.PacketLoss` (``schedule="two_step"``): the
+      reduce step's packets lost, as for :func:`dynamiq_jax.allreduce`.
+    layers: the old name of ``stacked`` (deprecated, with a ``DeprecationWarning``).
+    loss: the old name of ``packet_loss`` (deprecated, with a ``DeprecationWarning``).
 
   Returns:
     The per-worker results stacked on axis 0 (all rows identical, except under
@@ -101,13 +106,17 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
     >>> bool((out == out[0]).all())
     True
   """
-  leaves = jax.tree.leaves(stacked)
+  stacked = renamed(stacked, layers, new="stacked", old="layers", where="simulate")
+  packet_loss = renamed(packet_loss, loss, new="packet_loss", old="loss", where="simulate")
+  codec = resolve_codec(codec, what="simulate")
+  check_schedule(schedule, SCHEDULES, what="simulate")
+  leaves = jax.tree.leaves(grads)
   if not leaves:
-    return stacked
+    return grads
   lead = sorted({np.shape(x)[0] if np.ndim(x) else -1 for x in leaves})
   if len(lead) != 1 or lead[0] < 1:
     raise ValueError(
-        f"every leaf of `stacked` needs the same leading worker axis; got leading "
+        f"every leaf of `grads` needs the same leading worker axis; got leading "
         f"sizes {[s if s >= 0 else 'scalar' for s in lead]}. Stack per-worker "
         f"gradients with jax.tree.map(lambda *g: jnp.stack(g), *per_worker).")
   if mesh_shape is not None:
@@ -122,8 +131,8 @@ def simulate(stacked, *, codec, schedule: str = "ring", seed: int = 0, key=None,
     key = jax.random.key(seed)
   if leaf_order is not None and not isinstance(leaf_order, str):
     leaf_order = tuple(int(i) for i in leaf_order)  # hashable: a static argument
-  out, state = _run(stacked, key, codec_state, absent, codec=codec, schedule=schedule,
+  out, state = _run(grads, key, codec_state, absent, codec=codec, schedule=schedule,
                     average=average, bucket_size=bucket_size, max_buckets=max_buckets,
                     leaf_order=leaf_order, implementation=implementation,
-                    mesh_shape=mesh_shape, layers=layers, loss=loss)
+                    mesh_shape=mesh_shape, stacked=stacked, packet_loss=packet_loss)
   return (out, state) if return_state else out

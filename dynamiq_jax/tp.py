@@ -40,20 +40,49 @@ import jax
 import jax.numpy as jnp
 
 from dynamiq_jax import engine
-from dynamiq_jax.buckets import bucket_codec, check_codec
+from dynamiq_jax.buckets import bucket_codec
 from dynamiq_jax.codecs.base import Bucket, Codec, round_up
 from dynamiq_jax.codecs.intgroup import IntGroup
+from dynamiq_jax.registry import resolve_codec
+from dynamiq_jax.schedules.context import UnboundAxisError
 from dynamiq_jax.schedules.context import as_varying, axis_context, axis_names, varying_axes
+from dynamiq_jax.schedules.names import FLAT_SCHEDULES, check_schedule
 from dynamiq_jax.schedules.plan import get_plan
 
-__all__ = ["tp_psum", "TP_SCHEDULES"]
+__all__ = ["tp_psum", "TP_SCHEDULES", "check_tp_codec"]
 
-TP_SCHEDULES = ("two_step", "ring", "butterfly")
-"""The flat schedules :func:`tp_psum` runs."""
+TP_SCHEDULES = ("two_step",) + tuple(s for s in FLAT_SCHEDULES if s != "two_step")
+"""The flat schedules :func:`tp_psum` runs (every one of
+:data:`~dynamiq_jax.schedules.names.FLAT_SCHEDULES`), its default first."""
+
+_TP_FIX = ("codec=None (codecs.IntGroup(bits=8), Flash Communication's INT8), 'int4', "
+           "'dynamiq' (codecs.DynamiQ(bits=5)), 'mxfp8-ocp' (codecs.MX(scale='e8m0')) or "
+           "'bf16-ring' (codecs.Bf16())")
+"""The codecs :func:`tp_psum`'s errors suggest."""
 
 
-def tp_psum(x, axis_name: Any = "model", *, codec: Codec | None = None,
-            schedule: str = "two_step", key=None, implementation: str | None = None):
+def check_tp_codec(codec: Codec) -> None:
+  """Raises a ValueError, saying why and what to use instead, for a codec :func:`tp_psum`
+  cannot use: one that keeps state from call to call, or one that relies on error
+  feedback to be right on average (a top-k selection: ARC-Top-K)."""
+  if codec.default_error_feedback:
+    raise ValueError(
+        f"tp_psum cannot use {codec!r}: its selection is biased (it drops what it does not "
+        f"select), and what makes it converge in training is error feedback "
+        f"({codec.default_error_feedback!r}: compressed_psum carries each rank's dropped "
+        f"part into the next step's gradient). An activation is summed once and has no next "
+        f"step to carry its error to: tp_psum with it measured a relative error of about "
+        f"0.7-0.9. Fix: {_TP_FIX}")
+  if codec.stateful:
+    raise ValueError(
+        f"tp_psum cannot use {codec!r}: it keeps state from one all-reduce to the next (an "
+        f"adaptive scale, a momentum, an error-feedback residual), and tp_psum is one message "
+        f"per call with no state to carry. Fix: {_TP_FIX}")
+
+
+def tp_psum(x, axis_name: Any = "model", *, codec: Codec | str | None = None,
+            schedule: str = "two_step", key=None, seed: int = 0,
+            implementation: str | None = None):
   """``jax.lax.psum(x, axis_name)``, compressed by ``codec`` on ``schedule``.
 
   Call it inside ``jax.shard_map`` (manual over ``axis_name``, fully or
@@ -65,13 +94,20 @@ def tp_psum(x, axis_name: Any = "model", *, codec: Codec | None = None,
     x: a floating array (any shape, f32 / bf16 / f16), this rank's partial sum.
       Under ``shard_map(check_vma=True)`` it must vary over ``axis_name``.
     axis_name: the tensor-parallel axis.
-    codec: any stateless codec (default ``codecs.IntGroup(bits=8, group=128)``,
-      Flash Communication's INT8); ``codecs.IntGroup(bits=4)`` for INT4,
-      ``codecs.DynamiQ(bits=5)``, ``codecs.mxfp8()``, ...
+    codec: a stateless codec that is unbiased without error feedback (default
+      ``codecs.IntGroup(bits=8, group=128)``, Flash Communication's INT8);
+      ``codecs.IntGroup(bits=4)`` for INT4, ``codecs.DynamiQ(bits=5)``,
+      ``codecs.MX(scale="e8m0")``, ``codecs.Bf16()``, ...; or its name
+      (``"int8"``, ``"int4"``, ``"dynamiq"``, ``"mxfp8-ocp"``, ``"bf16-ring"``: the
+      names of :func:`dynamiq_jax.codec_from_name`). Not ARC-Top-K (or any codec
+      that relies on error feedback) and not a stateful codec (MX's adaptive
+      scales, OmniReduce's momentum): see :func:`check_tp_codec`.
     schedule: ``"two_step"`` (default), ``"ring"`` or ``"butterfly"``.
     key: a ``jax.random`` key for codecs that round stochastically (DynamiQ,
-      ``IntGroup(rounding="stochastic")``), the same on every rank; None: a
-      fixed key (rounding streams repeat from call to call).
+      ``IntGroup(rounding="stochastic")``), the same on every rank; None:
+      ``jax.random.key(seed)`` (rounding streams repeat from call to call).
+    seed: the rounding key's seed where ``key`` is None (default 0), as for
+      :func:`dynamiq_jax.allreduce`.
     implementation: the codec's kernels, as in :func:`dynamiq_jax.allreduce`.
 
   Returns:
@@ -80,10 +116,12 @@ def tp_psum(x, axis_name: Any = "model", *, codec: Codec | None = None,
     see the module docstring for what the backward sends.
 
   Raises:
-    TypeError: a non-floating ``x`` or a codec that is not a ``Codec``.
-    ValueError: an unbound ``axis_name`` (:class:`~dynamiq_jax.UnboundAxisError`),
-      an unknown schedule, a stateful codec, or (under ``check_vma``) an ``x``
-      already replicated over the axis.
+    TypeError: a non-floating ``x`` or a codec that is neither a ``Codec`` nor a
+      codec's name.
+    ValueError: an unbound ``axis_name`` (:class:`~dynamiq_jax.UnboundAxisError`:
+      call it inside a ``jax.shard_map`` manual over the model axis), an unknown
+      schedule or codec name, a codec it cannot use (:func:`check_tp_codec`), or
+      (under ``check_vma``) an ``x`` already replicated over the axis.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dynamiq_jax as dq
@@ -92,19 +130,17 @@ def tp_psum(x, axis_name: Any = "model", *, codec: Codec | None = None,
     >>> bool(jnp.allclose(y[0], x.sum(0), atol=0.02))
     True
   """
-  codec = IntGroup() if codec is None else codec
-  check_codec(codec)
+  codec = resolve_codec(codec, IntGroup(), what="tp_psum")
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"tp_psum sums floating activations; got dtype {x.dtype}. Fix: cast x to "
                     f"float32 / bfloat16 first, or use jax.lax.psum for integers")
-  if codec.stateful:
-    raise ValueError(f"{codec!r} keeps state from one all-reduce to the next, which tp_psum "
-                     f"(one message per call, no state) cannot carry. Fix: a stateless codec "
-                     f"(IntGroup, DynamiQ, MX(scale='e8m0'), Bf16)")
-  if schedule not in TP_SCHEDULES:
-    raise ValueError(f"schedule={schedule!r} is not one of {TP_SCHEDULES} for tp_psum")
-  ctx = axis_context(axis_name)  # UnboundAxisError where the name is not bound
+  check_tp_codec(codec)
+  check_schedule(schedule, TP_SCHEDULES, what="tp_psum")
+  try:
+    ctx = axis_context(axis_name)
+  except UnboundAxisError:
+    raise _unbound_model_axis(axis_name) from None
   want = set(axis_names(axis_name))
   if ctx.invariant_gather and not want <= varying_axes(x):
     raise ValueError(
@@ -114,11 +150,28 @@ def tp_psum(x, axis_name: Any = "model", *, codec: Codec | None = None,
         f"drop the tp_psum")
   if ctx.n == 1 or x.size == 0:
     return x
-  key = jax.random.key(0) if key is None else key
+  key = jax.random.key(seed) if key is None else key
   words = jax.lax.stop_gradient(engine.bucket_keys(key, 1))
   program = TensorParallelSum(codec, schedule, axis_name, implementation,
                               ctx.invariant_gather)
   return _tp_sum(program, x, words)
+
+
+def _unbound_model_axis(axis_name) -> UnboundAxisError:
+  """tp_psum's :class:`~dynamiq_jax.UnboundAxisError`: the tensor-parallel fix, not the
+  gradient all-reduce's."""
+  return UnboundAxisError(
+      f"tp_psum: axis_name={axis_name!r} is not bound here. tp_psum sums a row-parallel "
+      f"layer's per-rank partial sums over the tensor-parallel (model) axis, so it must run "
+      f"inside a jax.shard_map that is manual over that axis; plain jax.jit binds no axis "
+      f"name. Fix: wrap the row-parallel matmul and its sum, e.g. jax.shard_map(lambda x, w: "
+      f"dq.tp_psum(x @ w, {axis_name!r}), mesh=mesh, in_specs=(P(None, {axis_name!r}), "
+      f"P({axis_name!r}, None)), out_specs=P(), axis_names={{{axis_name!r}}}), on a mesh "
+      f"with the axis {axis_name!r}; the same works in a model run by dq.data_parallel_step "
+      f"or dq.nnx.DataParallel on such a mesh (their shard_map is manual over the data axis "
+      f"only). Or pass the name your mesh gives its model axis: data_parallel_step's "
+      f"axis_name= is the gradient all-reduce's data axis, not the one activations are "
+      f"summed over")
 
 
 @dataclasses.dataclass(frozen=True)

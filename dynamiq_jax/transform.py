@@ -9,15 +9,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dynamiq_jax._renamed import UNSET, renamed
 from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.allreduce import allreduce
 from dynamiq_jax.allreduce import check_loss
 from dynamiq_jax.allreduce import init_codec_state
 from dynamiq_jax.codecs.dynamiq import DynamiQ
+from dynamiq_jax.registry import resolve_codec
 from dynamiq_jax.scatter import reduce_scatter
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
+from dynamiq_jax.schedules.names import SCATTER_SCHEDULES, SCHEDULES, check_schedule
 from dynamiq_jax.stacked import check_stateless
 
 __all__ = ["CompressedPsumState", "PerRank", "ERROR_FEEDBACK", "feedback_mode", "ef14_init",
@@ -142,7 +145,8 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                     error_feedback: bool | str | None = None,
                     ef21m_momentum: float = 0.5,
                     stacked=None,
-                    loss=None,
+                    packet_loss=None,
+                    loss=UNSET,
                     ) -> optax.GradientTransformationExtraArgs:
   """Replaces ``jax.lax.pmean``/``psum`` of gradients with a compressed all-reduce.
 
@@ -158,7 +162,8 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
 
   Args:
     axis_name: the data-parallel axis name.
-    codec: a codec; ``None`` means ``codecs.DynamiQ(bits=5)``.
+    codec: a codec, or its name (``"dynamiq"``, ``"int8"``, ...: the names of
+      :func:`dynamiq_jax.reducer`); ``None`` means ``codecs.DynamiQ(bits=5)``.
     schedule: ``"ring"``, ``"butterfly"``, ``"two_step"``, ``"hierarchical"``
       or Moshpit averaging (``"moshpit"``, ``dq.Moshpit(...)``; each rank its own
       result: ``data_parallel_step(per_rank=True)``), see
@@ -197,9 +202,10 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
       callable ``(path, leaf) -> bool``; the gradient is then reduced in
       loops, its bucket program compiled once
       (:func:`dynamiq_jax.allreduce`, :mod:`dynamiq_jax.stacked`).
-    loss: a :class:`~dynamiq_jax.PacketLoss` with ``schedule="two_step"``: the
+    packet_loss: a :class:`~dynamiq_jax.PacketLoss` with ``schedule="two_step"``: the
       reduce step loses packets and each chunk's sum is estimated without bias
       from those that arrived (:func:`dynamiq_jax.allreduce`); simulated.
+    loss: the old name of ``packet_loss`` (deprecated, with a ``DeprecationWarning``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init`` accepts
@@ -213,7 +219,9 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     >>> import optax, dynamiq_jax as dq
     >>> tx = optax.chain(dq.compressed_psum("data"), optax.sgd(0.1))
   """
-  codec = DynamiQ() if codec is None else codec
+  codec = resolve_codec(codec, DynamiQ(), what="compressed_psum")
+  loss = renamed(packet_loss, loss, new="packet_loss", old="loss", where="compressed_psum")
+  check_schedule(schedule, SCHEDULES, what="compressed_psum")
   mode = feedback_mode(error_feedback, codec)
   check_stateless(stacked, codec)
   check_loss(loss, schedule, stacked)
@@ -254,7 +262,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
           tree, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
           average=average, bucket_size=bucket_size, max_buckets=max_buckets,
           leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
-          return_own=mode is not None, specs=specs, stacked=stacked, loss=loss)
+          return_own=mode is not None, specs=specs, stacked=stacked, packet_loss=loss)
       return out, stats.own
 
     residual = mean = None
@@ -305,7 +313,8 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
                             max_buckets: int | None = DEFAULT_MAX_BUCKETS,
                             leaf_order=None, implementation: str | None = None,
                             error_feedback: bool | str | None = None,
-                            loss=None,
+                            packet_loss=None,
+                            loss=UNSET,
                             ) -> optax.GradientTransformationExtraArgs:
   """The compressed reduce-scatter of gradients, for optimizers sharded over the data axis.
 
@@ -332,7 +341,8 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
       ``schedule="hierarchical"`` (HSDP: parameters sharded over ``fast``,
       replicated over ``slow``; the gradient reduced exactly over ``fast``
       and with the codec over ``slow``).
-    codec: a codec that can reduce-scatter; ``None`` means ``DynamiQ(bits=5)``.
+    codec: a codec that can reduce-scatter, or its name (as for
+      :func:`compressed_psum`); ``None`` means ``DynamiQ(bits=5)``.
     schedule: ``"ring"``, ``"butterfly"``, ``"two_step"`` or ``"hierarchical"``.
     average: mean (True) or sum.
     seed: seeds the rounding streams (step t folds t into it).
@@ -346,11 +356,12 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
       *whole* gradient (:class:`PerRank`), for codecs that report their
       contribution; ``None``: the codec's default; ``"ef21m"`` is
       :func:`compressed_psum`'s only (its running mean is the whole update).
-    loss: a :class:`~dynamiq_jax.PacketLoss` with ``schedule="two_step"``: each
+    packet_loss: a :class:`~dynamiq_jax.PacketLoss` with ``schedule="two_step"``: each
       shard's owner estimates its shard of the mean from the packets that
       arrived (:func:`dynamiq_jax.reduce_scatter`); with
-      ``data_parallel_step(per_rank=True, loss=...)`` the parameter broadcast
+      ``data_parallel_step(per_rank=True, packet_loss=...)`` the parameter broadcast
       that follows loses packets too.
+    loss: the old name of ``packet_loss`` (deprecated, with a ``DeprecationWarning``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` returns this
@@ -364,7 +375,10 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
     >>> import optax, dynamiq_jax as dq
     >>> tx = optax.chain(dq.compressed_psum_scatter("data"), optax.adamw(1e-3))
   """
-  codec = DynamiQ() if codec is None else codec
+  codec = resolve_codec(codec, DynamiQ(), what="compressed_psum_scatter")
+  loss = renamed(packet_loss, loss, new="packet_loss", old="loss",
+                 where="compressed_psum_scatter")
+  check_schedule(schedule, SCATTER_SCHEDULES, what="compressed_psum_scatter")
   names = axis_names(axis_name)
   if schedule in ("hierarchical", "hierarchical-butterfly") and len(names) != 2:
     raise ValueError(f"schedule={schedule!r} needs axis_name=(slow, fast); got {axis_name!r}")
@@ -400,7 +414,7 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
           tree, axis_name=axis_name, codec=codec, key=key, scatter_dimension=dims,
           schedule=schedule, average=average, bucket_size=bucket_size,
           max_buckets=max_buckets, leaf_order=leaf_order, implementation=implementation,
-          return_own=error_feedback, specs=specs, loss=loss)
+          return_own=error_feedback, specs=specs, packet_loss=loss)
       return out, stats.own
 
     residual = None

@@ -28,10 +28,10 @@ def _reduce(g, key, loss, codec=None, schedule="two_step", scatter=False):
   codec = codec or dq.codecs.F32()
   if scatter:
     f = lambda x: dq.reduce_scatter(x, axis_name="i", codec=codec, key=key, schedule=schedule,
-                                    loss=loss)[0]
+                                    packet_loss=loss)[0]
   else:
     f = lambda x: dq.allreduce(x, axis_name="i", codec=codec, key=key, schedule=schedule,
-                               loss=loss)[0]
+                               packet_loss=loss)[0]
   return jax.vmap(f, axis_name="i")(g)
 
 
@@ -114,7 +114,7 @@ def test_loss_needs_two_step_and_a_value_codec():
   with pytest.raises(TypeError, match="PacketLoss"):
     _reduce(g, jax.random.key(0), 0.1)
   with pytest.raises(ValueError, match="schedule='two_step'"):
-    dq.compressed_psum("data", loss=dq.PacketLoss(0.1))
+    dq.compressed_psum("data", packet_loss=dq.PacketLoss(0.1))
   with pytest.raises(ValueError, match="add as values"):
     _reduce(g, jax.random.key(0), dq.PacketLoss(0.1), codec=dq.codecs.THC())
 
@@ -143,7 +143,7 @@ def test_lossy_broadcast_keeps_replica_drift_bounded_over_1000_steps():
   loss = dq.PacketLoss(0.1)
   mesh = _mesh()
   loss_fn = _quadratic(d)
-  tx = optax.chain(dq.compressed_psum_scatter("data", schedule="two_step", loss=loss),
+  tx = optax.chain(dq.compressed_psum_scatter("data", schedule="two_step", packet_loss=loss),
                    optax.sgd(lr))
   step = dq.data_parallel_step(loss_fn, tx, mesh=mesh, per_rank=True, packet_loss=loss)
   reps, opt = dq.lossy_init(tx, {"w": jnp.zeros((d,)), "b": jnp.zeros((3,))}, mesh=mesh)
@@ -164,7 +164,7 @@ def test_lossy_broadcast_keeps_replica_drift_bounded_over_1000_steps():
   def apart(w, g, key):
     w, g = w[0], g[0]
     shard = dq.reduce_scatter(g, axis_name="data", codec=dq.codecs.F32(), key=key,
-                              schedule="two_step", loss=loss)[0]
+                              schedule="two_step", packet_loss=loss)[0]
     est, _ = lossy.lossy_broadcast([shard], [g], [0], loss,
                                    loss_key(jax.random.key_data(key)), "data")
     return (w - lr * est[0])[None]

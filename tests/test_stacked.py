@@ -63,7 +63,7 @@ class TestExact:
   def test_empty_leaves(self):
     tree = {**_tree(np.random.default_rng(7)), "none": np.zeros((N, 0), np.float32)}
     tree["layers"]["none"] = np.zeros((N, 3, 0), np.float32)
-    out = _host(dq.simulate(tree, codec=F32(), bucket_size=4096, layers="layers"))
+    out = _host(dq.simulate(tree, codec=F32(), bucket_size=4096, stacked="layers"))
     assert out["none"].shape == (N, 0) and out["layers"]["none"].shape == (N, 3, 0)
     np.testing.assert_allclose(out["layers"]["w"][0], _mean(tree)["layers"]["w"], rtol=1e-6,
                                atol=1e-6)
@@ -114,7 +114,7 @@ class TestCompressed:
   def test_simulate_is_the_distributed_code(self, mesh):
     tree = _tree(np.random.default_rng(5), width=300)
     dist, _ = _host(per_rank(mesh, _reduce(DynamiQ(), bucket_size=1 << 14), tree))
-    sim = dq.simulate(tree, codec=DynamiQ(), key=KEY, bucket_size=1 << 14, layers="layers")
+    sim = dq.simulate(tree, codec=DynamiQ(), key=KEY, bucket_size=1 << 14, stacked="layers")
     for a, b in zip(jax.tree.leaves(dist), jax.tree.leaves(sim)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -163,7 +163,7 @@ class TestErrors:
   def test_different_layer_axes(self):
     tree = {"a": jnp.zeros((N, 3, 4)), "b": jnp.zeros((N, 2, 4))}
     with pytest.raises(ValueError, match="leading axes differ"):
-      dq.simulate(tree, codec=F32(), layers=lambda path, leaf: True)
+      dq.simulate(tree, codec=F32(), stacked=lambda path, leaf: True)
 
   def test_stateful_codec(self):
     with pytest.raises(ValueError, match="keeps state"):
@@ -173,7 +173,7 @@ class TestErrors:
     tree = {"layers": jnp.zeros((N, 3, 4))}
     with pytest.raises(ValueError, match="flat schedules"):
       dq.simulate(tree, codec=F32(), schedule="hierarchical", mesh_shape=(2, 4),
-                  layers="layers")
+                  stacked="layers")
 
   def test_bad_type(self):
     with pytest.raises(TypeError, match="stacked=3"):

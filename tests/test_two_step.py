@@ -76,6 +76,6 @@ def test_reduce_scatter_keeps_each_rank_its_chunk():
 def test_stacked_loops_run_two_step():
   g = {"layers": jnp.asarray(model_data("iid", 4, 4 * 2048, 5), jnp.float32).reshape(
       4, 4, 2048)}
-  out = dq.simulate(g, codec=F32(), schedule="two_step", layers="layers")
+  out = dq.simulate(g, codec=F32(), schedule="two_step", stacked="layers")
   np.testing.assert_allclose(np.asarray(out["layers"])[0], np.asarray(g["layers"]).mean(0),
                              rtol=1e-6, atol=1e-9)

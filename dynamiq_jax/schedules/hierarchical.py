@@ -25,13 +25,11 @@ from dynamiq_jax._sizes import ceil_div
 
 from dynamiq_jax.schedules.context import AxisContext
 from dynamiq_jax.schedules.executor import HopOps, all_gather, reduce_scatter
+from dynamiq_jax.schedules.names import HIERARCHICAL
 from dynamiq_jax.schedules.plan import ring_plan
 
 __all__ = ["HIERARCHICAL", "split_shares", "join_shares", "reduce_scatter_shares",
            "all_gather_shares"]
-
-HIERARCHICAL = {"hierarchical": "ring", "hierarchical-butterfly": "butterfly"}
-"""Two-level schedules for ``axis_name=(slow, fast)``, and their slow-axis schedule."""
 
 
 def _exact_f32_ops() -> HopOps:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.schedules.context import AxisContext
+from dynamiq_jax.schedules.names import FLAT_SCHEDULES, check_schedule
 from dynamiq_jax.schedules.plan import get_plan
 
 __all__ = ["Moshpit", "MoshpitPlan", "GroupContext", "default_grid", "is_moshpit"]
@@ -72,7 +73,8 @@ class Moshpit:
       round, the members of each group are given new coordinates along the
       axis they just averaged, in an order drawn from this seed (fixed when the
       program is traced, as ``ppermute``'s pairs must be).
-    inner: the schedule inside a group, ``"ring"`` or ``"butterfly"``.
+    inner: the schedule inside a group: ``"ring"``, ``"butterfly"`` (power-of-two
+      sides) or ``"two_step"`` (:data:`~dynamiq_jax.schedules.names.FLAT_SCHEDULES`).
   """
 
   grid: tuple[int, ...] | None = None
@@ -97,8 +99,8 @@ class Moshpit:
       raise ValueError(f"dropout={self.dropout!r} must be a probability in [0, 1)")
     if self.shuffle is not None and not isinstance(self.shuffle, (int, np.integer)):
       raise ValueError(f"shuffle={self.shuffle!r} must be None or an int seed")
-    if self.inner not in ("ring", "butterfly"):
-      raise ValueError(f"inner={self.inner!r} must be 'ring' or 'butterfly'")
+    check_schedule(self.inner, FLAT_SCHEDULES, what="dq.Moshpit (the schedule inside a group)",
+                   keyword="inner")
 
   def plan(self, n: int) -> "MoshpitPlan":
     """The static plan over ``n`` ranks (validates the grid against ``n``)."""

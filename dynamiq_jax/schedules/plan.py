@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from dynamiq_jax.schedules.names import FLAT_SCHEDULES, check_schedule
+
 __all__ = ["TreePlan", "TwoStepPlan", "ring_plan", "butterfly_plan", "two_step_plan",
            "get_plan"]
 
@@ -232,13 +234,8 @@ _PLANS = {"ring": ring_plan, "butterfly": butterfly_plan, "two_step": two_step_p
 
 def get_plan(schedule: str, n: int) -> TreePlan | TwoStepPlan:
   """The plan for a schedule name."""
-  try:
-    make = _PLANS[schedule]
-  except KeyError:
-    raise ValueError(
-        f"schedule={schedule!r} is not one of {sorted(_PLANS)} (or 'hierarchical', "
-        f"'hierarchical-butterfly' with axis_name=(slow, fast))") from None
-  return make(n)
+  check_schedule(schedule, FLAT_SCHEDULES, what="a flat plan (one axis)")
+  return _PLANS[schedule](n)
 
 
 def ring_bytes_per_rank(total_bytes, n: int):
