@@ -16,16 +16,33 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dynamiq_jax import lossy
+from dynamiq_jax.data_axes import data_dims
+from dynamiq_jax.data_axes import data_entry
+from dynamiq_jax.data_axes import data_parallel_init
+from dynamiq_jax.data_axes import gather_params
+from dynamiq_jax.data_axes import is_per_rank
+from dynamiq_jax.data_axes import is_spec
+from dynamiq_jax.data_axes import mean_over
+from dynamiq_jax.data_axes import mesh_spec
+from dynamiq_jax.data_axes import only_axes
+from dynamiq_jax.data_axes import opt_state_specs
+from dynamiq_jax.data_axes import per_rank_copies
+from dynamiq_jax.data_axes import zero_shardings
+from dynamiq_jax.step_checks import check_model_state_specs
+from dynamiq_jax.step_checks import check_per_rank
+from dynamiq_jax.step_checks import check_replicated
+from dynamiq_jax.step_checks import check_shard_updates
+from dynamiq_jax.step_checks import check_state_shared
+from dynamiq_jax.step_checks import expected_returns
+from dynamiq_jax.step_checks import settle_model_state
 from dynamiq_jax.schedules.context import as_varying
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
-from dynamiq_jax.schedules.local import strip_axes
 
 __all__ = [
     "as_varying", "baseline_psum", "data_parallel_init", "data_parallel_step",
@@ -67,154 +84,6 @@ def baseline_psum(axis_name="data", *, dtype=jnp.bfloat16, average: bool = True
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def is_per_rank(x):
-  """Whether ``x`` is a :class:`~dynamiq_jax.transform.PerRank` part of an optimizer
-  state (one value per rank, e.g. the error-feedback residual)."""
-  from dynamiq_jax.transform import PerRank
-  return isinstance(x, PerRank)
-
-
-def data_entry(axes):
-  """The data ``axes`` as one entry of a ``PartitionSpec`` or an axis name of a collective:
-  the name of one axis, else the tuple."""
-  return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def is_spec(x) -> bool:
-  """Whether ``x`` is a ``PartitionSpec`` (a leaf of a tree of specs)."""
-  return isinstance(x, P)
-
-
-def mesh_spec(x, mesh) -> P:
-  """``x``'s ``PartitionSpec`` if it is placed on ``mesh`` (its axes, their sizes), else P()."""
-  sharding = getattr(x, "sharding", None)
-  if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.shape.items()) == tuple(
-      mesh.shape.items()):
-    return sharding.spec
-  return P()
-
-
-def only_axes(spec, axes) -> P:
-  """``spec`` with every mesh axis not in ``axes`` dropped (dimensions kept)."""
-  return strip_axes(spec, [a for entry in tuple(spec) for a in (
-      entry if isinstance(entry, tuple) else (entry,)) if a is not None and a not in axes])
-
-
-def data_dims(spec, axes) -> list:
-  """``[(dim, data axes)]``: the dimensions ``spec`` shards over the data ``axes``."""
-  out = []
-  for k, entry in enumerate(tuple(only_axes(spec, axes))):
-    if entry is not None:
-      out.append((k, entry))
-  return out
-
-
-def _path_keys(path) -> tuple:
-  return tuple(str(k) for k in path)
-
-
-def _param_like_specs(params, state, mesh, axes):
-  """The spec of every leaf of an optimizer ``state`` built from ``params``.
-
-  A leaf whose key path ends with a parameter's path and has that
-  parameter's shape (Adam's moments, ...) takes the parameter's sharding; a
-  per-rank residual (:class:`~dynamiq_jax.PerRank`) is split over the data
-  ``axes`` along a leading axis and sharded like its parameter after it;
-  everything else is replicated.
-  """
-  param_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  by_path = {_path_keys(path): (jnp.shape(p), mesh_spec(p, mesh)) for path, p in param_leaves}
-  data = data_entry(axes)
-
-  def like(path, x):
-    keys = _path_keys(path)
-    for i in range(len(keys)):
-      hit = by_path.get(keys[i:])
-      if hit is not None and hit[0] == jnp.shape(x):
-        return hit[1]
-    return P()
-
-  def per_rank(path, x):
-    keys = _path_keys(path)
-    for i in range(len(keys)):
-      hit = by_path.get(keys[i:])
-      if hit is not None and tuple(jnp.shape(x)[1:]) == tuple(hit[0]):
-        model = tuple(strip_axes(hit[1], axes))
-        return P(data, *model)
-    return P(data)
-
-  def place(path, x):
-    if is_per_rank(x):
-      return jax.tree_util.tree_map_with_path(lambda p, a: per_rank(path + p, a), x)
-    return like(path, x)
-
-  return jax.tree_util.tree_map_with_path(place, state, is_leaf=is_per_rank)
-
-
-def data_parallel_init(tx: optax.GradientTransformation, params, *, mesh, axis_name="data"):
-  """``tx.init(params)`` placed for :func:`data_parallel_step`.
-
-  A leaf shaped like a parameter (Adam's moments) takes that parameter's
-  sharding, so optimizer state is sharded wherever the parameters are
-  (over model axes, and over the data axis for a sharded optimizer, see
-  :func:`zero_shardings`); per-rank state (the error-feedback residuals of
-  ``error_feedback=True``) gets one slice per rank along ``axis_name``;
-  everything else is replicated.
-  """
-  axes = axis_names(axis_name)
-  state = tx.init(params)
-  n = int(np.prod([mesh.shape[a] for a in axes]))
-  specs = _param_like_specs(params, state, mesh, axes)
-
-  def place(x, spec):
-    if is_per_rank(x):
-      return jax.tree.map(lambda a, s: jax.device_put(jnp.repeat(a, n, axis=0),
-                                                      NamedSharding(mesh, s)), x, spec)
-    return jax.device_put(x, NamedSharding(mesh, spec))
-
-  return jax.tree.map(place, state, specs, is_leaf=is_per_rank)
-
-
-def zero_shardings(params, *, mesh, axis_name="data", min_size: int = 1024):
-  """Shardings that split each parameter over ``axis_name`` too (ZeRO / FSDP / HSDP).
-
-  Each leaf keeps its sharding over the other mesh axes and is split over
-  ``axis_name`` along its largest dimension that divides and is not already
-  sharded (:func:`dynamiq_jax.scatter_dimensions`); leaves with fewer than
-  ``min_size`` coordinates, or no such dimension, stay replicated over it.
-  :func:`data_parallel_step` then all-gathers each split parameter at its own
-  precision before the forward pass, and a chain that starts with
-  :func:`dynamiq_jax.compressed_psum_scatter` updates only this rank's shard
-  (optimizer state included: place it with :func:`data_parallel_init`). For
-  HSDP pass the fast axis (``axis_name="local"``): the parameters are
-  sharded inside a host and replicated across hosts.
-
-  Args:
-    params: the parameters (arrays, placed or not).
-    mesh: the mesh.
-    axis_name: the mesh axis (or tuple of axes) to split the parameters over.
-    min_size: smaller leaves stay replicated over ``axis_name``.
-
-  Returns:
-    A pytree of ``NamedSharding`` shaped like ``params``
-    (``jax.device_put(params, zero_shardings(params, mesh=mesh))``).
-  """
-  from dynamiq_jax.scatter import scatter_dimensions
-  axes = axis_names(axis_name)
-  n = int(np.prod([mesh.shape[a] for a in axes]))
-  specs = jax.tree.map(lambda p: mesh_spec(p, mesh), params)
-  dims = scatter_dimensions(params, n=n, specs=specs, min_size=min_size)
-  data = data_entry(axes)
-
-  def one(p, spec, dim):
-    entries = list(tuple(spec)) + [None] * (jnp.ndim(p) - len(tuple(spec)))
-    if dim is not None:
-      entries[dim] = data
-    return NamedSharding(mesh, P(*entries))
-
-  return jax.tree.map(one, params, specs, dims, is_leaf=lambda x: is_spec(x) or x is None)
-
-
 # jax 0.10.2 replicates Explicit mesh axes at the boundary of a shard_map that is
 # manual over other axes (its in/out shardings name the manual axes only: an
 # all-gather in, a slice out); 0.12.0 keeps them (0.11 not checked). The steps
@@ -238,33 +107,6 @@ def partial_manual(fn, *, mesh, manual, in_specs, out_specs, out_shardings, chec
     return inner(*args)
 
   return jax.sharding.auto_axes(auto, axes=tuple(explicit), out_sharding=out_shardings)
-
-
-def mean_over(x, axes):
-  """The mean of ``x`` over the data ``axes`` in a fixed order (an exact all-gather, then a
-  local sum), so that it does not depend on how the backend sums (XLA CPU, gloo, NCCL)."""
-  axis = data_entry(axes)
-  gathered = jax.lax.all_gather(x, axis, to="invarying") if _checked(axis) else (
-      jax.lax.all_gather(x, axis))
-  return jnp.mean(gathered, axis=0)
-
-
-def _checked(axis) -> bool:
-  from dynamiq_jax.schedules.context import varying_axes
-  return bool(set(axis_names(axis)) <= varying_axes(jax.lax.axis_index(axis)))
-
-
-@jax.named_scope("gather_params")  # labels the gathered parameters in profiles
-def gather_params(p, dims, axes):
-  """A parameter split over the data axes (``dims``: ``[(dim, axes)]``), all-gathered at
-  its own precision; a replicated one marked per-rank (so that ``jax.grad`` leaves its
-  gradient un-reduced)."""
-  gathered = set()
-  for k, over in dims:
-    p = jax.lax.all_gather(p, over, axis=k, tiled=True)
-    gathered |= set(axis_names(over))
-  rest = tuple(a for a in axes if a not in gathered)  # e.g. HSDP's host axis
-  return as_varying(p, rest) if rest else p
 
 
 def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
@@ -426,7 +268,7 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise TypeError(
           f"data_parallel_step(has_aux={has_aux}, model_state={model_state!r}) takes a "
-          f"loss_fn returning {_returns(has_aux, model_state)}; it returned "
+          f"loss_fn returning {expected_returns(has_aux, model_state)}; it returned "
           f"{jax.tree.structure(out)}")
     value, rest = out
     if model_state and has_aux:
@@ -445,11 +287,11 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
     data_mstate = None
     if model_state:
       data_mstate = jax.tree.map(lambda s: only_axes(s, axes), mstate_specs, is_leaf=is_spec)
-      _check_model_state_specs(mstate_specs, axes)
+      check_model_state_specs(mstate_specs, axes)
     spec_leaves, spec_def = jax.tree.flatten(param_specs, is_leaf=is_spec)
     inner_specs = param_specs  # what a rank's own parameters are sharded over
     if per_rank:
-      _check_per_rank(spec_leaves, axes)
+      check_per_rank(spec_leaves, axes)
       inner_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), param_specs, is_leaf=is_spec)
       spec_leaves = spec_def.flatten_up_to(inner_specs)
     dims = [data_dims(s, axes) for s in spec_leaves]
@@ -472,17 +314,17 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
       with jax.named_scope("optimizer"):
         updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
       if sharded:
-        _check_shard_updates(updates, params)
+        check_shard_updates(updates, params)
       elif not per_rank:
-        _check_replicated(updates, axes, lambda *a: tx.update(*a, **extra),
+        check_replicated(updates, axes, lambda *a: tx.update(*a, **extra),
                           (grads, opt_state, params))
       if not per_rank:
-        _check_state_shared(new_opt_state, data_state, axes)
+        check_state_shared(new_opt_state, data_state, axes)
       params = optax.apply_updates(params, updates)
       if per_rank:
         params, new_opt_state = jax.tree.map(lambda a: a[None], (params, new_opt_state))
       if model_state:
-        new_mstate = _settle_model_state(new_mstate, mstate, model_state, axes)
+        new_mstate = settle_model_state(new_mstate, mstate, model_state, axes)
       value, aux = jax.tree.map(lambda v: mean_over(v, axes), (value, aux))
       return params, new_mstate, new_opt_state, value, aux, {}
 
@@ -498,7 +340,7 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
       bkey = lossy.broadcast_key(opt_state)
       with jax.named_scope("optimizer"):
         updates, opt_state = tx.update(grads, opt_state, shards)
-      _check_shard_updates(updates, shards)
+      check_shard_updates(updates, shards)
       shards = optax.apply_updates(shards, updates)
       with jax.named_scope("lossy_broadcast"):
         new, dist2 = lossy.lossy_broadcast(treedef.flatten_up_to(shards), leaves, dims,
@@ -538,152 +380,6 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
 
   return DataParallelStep(build, mesh=mesh, axes=axes, model_state=bool(model_state),
                           sync_every=resolve_sync_every(sync_every, mesh))
-
-
-def _returns(has_aux, model_state) -> str:
-  if model_state:
-    return "(loss, (new_model_state, aux))" if has_aux else "(loss, new_model_state)"
-  return "(loss, aux)"
-
-
-def _check_model_state_specs(mstate_specs, axes):
-  for spec in jax.tree.leaves(mstate_specs, is_leaf=is_spec):
-    if data_dims(spec, axes):
-      raise ValueError(
-          f"data_parallel_step(model_state=...) keeps the model state replicated over the "
-          f"data axes {tuple(axes)}; a leaf is placed with {spec}. Fix: jax.device_put the "
-          f"model state replicated over them, e.g. with NamedSharding(mesh, P())")
-
-
-def _settle_model_state(new, old, mode, axes):
-  """The new model state, the same on every rank: checked (``True``) or averaged
-  (``"mean"``)."""
-  from dynamiq_jax.schedules.context import varying_axes
-  if jax.tree.structure(new) != jax.tree.structure(old):
-    raise ValueError(
-        f"loss_fn returned a new model state of structure {jax.tree.structure(new)} for one "
-        f"of structure {jax.tree.structure(old)}: return the updated state itself (for Flax "
-        f"Linen, the 'batch_stats' entry of apply's mutated variables)")
-
-  def one(path, x):
-    if not set(axes) & varying_axes(x):
-      return x
-    name = jax.tree_util.keystr(path)
-    if mode == "mean" and jnp.issubdtype(x.dtype, jnp.inexact):
-      return mean_over(x, axes).astype(x.dtype)
-    if mode == "mean":
-      raise ValueError(
-          f"model state leaf {name} ({x.dtype}) differs between ranks of {tuple(axes)} and "
-          f"model_state='mean' averages floating-point leaves only. Fix: compute it alike on "
-          f"every rank (from values reduced over {data_entry(axes)!r})")
-    raise ValueError(
-        f"model state leaf {name} differs between ranks of {tuple(axes)} (each rank computed "
-        f"it from its own shard of the batch), so replicas would drift apart. Fix: compute "
-        f"it from the global batch (Flax: nn.BatchNorm(axis_name={data_entry(axes)!r}), "
-        f"which averages the batch statistics over ranks), or pass "
-        f"data_parallel_step(..., model_state='mean') to average the new state over ranks")
-
-  return jax.tree_util.tree_map_with_path(one, new)
-
-
-def _check_per_rank(spec_leaves, axes):
-  data = data_entry(axes)
-  for spec in spec_leaves:
-    entries = tuple(spec)
-    if not entries or entries[0] != data or any(
-        a in axes for e in entries[1:] for a in (e if isinstance(e, tuple) else (e,))):
-      raise ValueError(
-          f"per_rank=True takes every parameter and optimizer-state leaf with a leading axis "
-          f"of ranks split over {data!r} (and nothing else over it); a leaf is placed with "
-          f"{spec}. Fix: make them with dq.per_rank_copies(tree, mesh=mesh, "
-          f"axis_name={data!r})")
-
-
-def _check_replicated(updates, axes, update, args):
-  """Replicated parameters need updates every rank shares. ``update(*args)`` is the chain's
-  update, traced again only to tell a missing reduction from a per-rank one."""
-  from dynamiq_jax.schedules.context import varying_axes
-  for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
-    if set(axes) & varying_axes(u):
-      name = jax.tree_util.keystr(path)
-      if not _communicates(jax.make_jaxpr(update)(*args).jaxpr, axes):
-        raise ValueError(
-            f"the update of {name} differs between ranks of {axes}: the optimizer chain has "
-            f"no gradient reduction over {data_entry(axes)!r}, so each rank would step with "
-            f"its own gradient. Fix: put the reduction first in the chain, e.g. "
-            f"optax.chain(dq.compressed_psum({data_entry(axes)!r}), optax.adamw(1e-3)) "
-            f"(or dq.reducer(name, {data_entry(axes)!r}), dq.baseline_psum("
-            f"{data_entry(axes)!r})) instead of optax.adamw(1e-3) alone")
-      raise ValueError(
-          f"the update of {name} differs between ranks of {axes}: the "
-          f"gradient reduction (e.g. Moshpit averaging, schedule=dq.Moshpit(...)) leaves each "
-          f"rank its own result, and replicated parameters would drift apart. Fix: "
-          f"data_parallel_step(..., per_rank=True) with each rank's own parameters and "
-          f"optimizer state (dq.per_rank_copies), or a schedule whose result every rank "
-          f"shares ('ring', 'butterfly', 'hierarchical')")
-
-
-# Primitives that name an axis but move no data between ranks.
-_LOCAL_AXIS_PRIMITIVES = frozenset({"axis_index", "axis_size", "pvary", "pbroadcast", "pcast"})
-
-
-def _communicates(jaxpr, axes) -> bool:
-  """Whether ``jaxpr`` (or a jaxpr nested in it) has a collective over one of ``axes``."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name not in _LOCAL_AXIS_PRIMITIVES:
-      for name in ("axes", "axis_name"):
-        if name in eqn.params and set(axis_names(_flat_axes(eqn.params[name]))) & set(axes):
-          return True
-    for value in eqn.params.values():
-      for sub in (value if isinstance(value, (tuple, list)) else (value,)):
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-        if hasattr(sub, "eqns") and _communicates(sub, axes):
-          return True
-  return False
-
-
-def _flat_axes(names) -> tuple:
-  if isinstance(names, (tuple, list)):
-    return tuple(a for n in names for a in _flat_axes(n))
-  return (names,)
-
-
-def _check_state_shared(opt_state, data_state, axes):
-  """The optimizer state replicated over the data axes must stay the same on every rank: a
-  reduction that is not first in the chain leaves the transforms before it per-rank."""
-  from dynamiq_jax.schedules.context import varying_axes
-  specs = jax.tree.leaves(data_state, is_leaf=is_spec)
-  leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
-  if len(specs) != len(leaves):
-    return
-  for (path, x), spec in zip(leaves, specs):
-    if not data_dims(spec, axes) and set(axes) & varying_axes(x):
-      raise ValueError(
-          f"the optimizer state {jax.tree_util.keystr(path)} differs between ranks of {axes}: "
-          f"a transform before the gradient reduction saw each rank's own gradient. Fix: "
-          f"put the reduction first in the chain, e.g. optax.chain(dq.compressed_psum("
-          f"{data_entry(axes)!r}), optax.adamw(1e-3))")
-
-
-def per_rank_copies(tree, *, mesh, axis_name="data"):
-  """One copy of ``tree`` per rank of ``axis_name``: every leaf stacked ``n`` times along a
-  new leading axis split over ``axis_name``, for ``data_parallel_step(..., per_rank=True)``
-  (parameters and optimizer state, ``tx.init(params)``, alike)."""
-  axes = axis_names(axis_name)
-  n = int(np.prod([mesh.shape[a] for a in axes]))
-  sharding = NamedSharding(mesh, P(data_entry(axes)))
-  return jax.tree.map(lambda a: jax.device_put(
-      jnp.broadcast_to(jnp.asarray(a)[None], (n,) + jnp.shape(a)), sharding), tree)
-
-
-def _check_shard_updates(updates, params):
-  u_shapes = jax.tree.map(jnp.shape, updates)
-  p_shapes = jax.tree.map(jnp.shape, params)
-  if u_shapes != p_shapes:
-    raise ValueError(
-        "parameters split over the data axis (dq.zero_shardings) need a chain that returns "
-        "this rank's shard of the update: start it with dq.compressed_psum_scatter(...) "
-        f"(got updates shaped {u_shapes} for parameter shards {p_shapes})")
 
 
 CPU_SYNC_EVERY = 1
@@ -805,19 +501,3 @@ class DataParallelStep(SyncedStep):
     params, mstate, opt_state, _ = self._arguments(args)
     return self._select(params, mstate, opt_state, key is not None).lower(
         *args, *(() if key is None else (key,)))
-
-
-def opt_state_specs(opt_state, mesh, axes):
-  """Each optimizer-state leaf's spec as placed; per-rank leaves always split over ``axes``."""
-  data = data_entry(axes)
-
-  def one(x):
-    if is_per_rank(x):
-      def per_rank(a):
-        spec = tuple(mesh_spec(a, mesh))
-        rest = tuple(strip_axes(P(*spec[1:]), axes)) if spec else ()
-        return P(data, *rest)
-      return jax.tree.map(per_rank, x)
-    return mesh_spec(x, mesh)
-
-  return jax.tree.map(one, opt_state, is_leaf=is_per_rank)
