@@ -45,7 +45,7 @@ from dynamiq_jax.buckets import relative
 from dynamiq_jax.buckets import resolve_leaf_order
 from dynamiq_jax.buckets import report
 from dynamiq_jax.buckets import unpack
-from dynamiq_jax.registry import resolve_codec
+from dynamiq_jax.codec_names import resolve_codec
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.loss import PacketLoss

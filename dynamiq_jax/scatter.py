@@ -63,7 +63,7 @@ from dynamiq_jax.buckets import report
 from dynamiq_jax.buckets import resolve_leaf_order
 from dynamiq_jax.buckets import scatter_report
 from dynamiq_jax.buckets import sum_stats
-from dynamiq_jax.registry import resolve_codec
+from dynamiq_jax.codec_names import resolve_codec
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.names import SCATTER_SCHEDULES, check_schedule
 from dynamiq_jax.schedules.local import local_specs

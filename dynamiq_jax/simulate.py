@@ -19,7 +19,7 @@ from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.allreduce import HIERARCHICAL
 from dynamiq_jax.allreduce import allreduce
-from dynamiq_jax.registry import resolve_codec
+from dynamiq_jax.codec_names import resolve_codec
 from dynamiq_jax.schedules.names import SCHEDULES, check_schedule
 
 __all__ = ["simulate", "SIM_AXIS"]

@@ -43,7 +43,7 @@ from dynamiq_jax import engine
 from dynamiq_jax.buckets import bucket_codec
 from dynamiq_jax.codecs.base import Bucket, Codec, round_up
 from dynamiq_jax.codecs.intgroup import IntGroup
-from dynamiq_jax.registry import resolve_codec
+from dynamiq_jax.codec_names import resolve_codec
 from dynamiq_jax.schedules.context import UnboundAxisError
 from dynamiq_jax.schedules.context import as_varying, axis_context, axis_names, varying_axes
 from dynamiq_jax.schedules.names import FLAT_SCHEDULES, check_schedule

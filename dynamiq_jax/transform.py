@@ -16,7 +16,7 @@ from dynamiq_jax.allreduce import allreduce
 from dynamiq_jax.allreduce import check_loss
 from dynamiq_jax.allreduce import init_codec_state
 from dynamiq_jax.codecs.dynamiq import DynamiQ
-from dynamiq_jax.registry import resolve_codec
+from dynamiq_jax.codec_names import resolve_codec
 from dynamiq_jax.scatter import reduce_scatter
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
