@@ -170,6 +170,53 @@ def test_nnx_digits_main(tmp_path):
   assert "nnx_digits: dynamiq" in stdout
 
 
+def test_nnx_digits_model_keeps_batch_norm_and_dropout_state_and_evaluates_in_eval_mode():
+  from dynamiq_jax.nnx import DataParallel
+  from flax import nnx
+  config = digits_config.get_config(codec="psum-f32", batch_size=64, features=8, hidden=16,
+                                    dropout=0.5)
+  _, n, mesh = devices.setup(config)
+  data = datasets.load_digits(config.test_fraction)
+  batch = devices.shard_batch(mesh, (data.x_train[:64], data.y_train[:64]))
+  model = digits_train.make_model(config)
+  assert [type(m) for m in (model.norm1, model.norm2, model.dropout)] == [
+      nnx.BatchNorm, nnx.BatchNorm, nnx.Dropout]
+  dp = DataParallel.create(model, reduction.make_optimizer(config), mesh=mesh)
+
+  def model_state(state):
+    m, _ = dp.merge(state)
+    return (np.asarray(m.norm1.mean[...]), np.asarray(m.norm2.var[...]),
+            int(m.dropout.rngs.count[...]))
+
+  mean0, var0, count0 = model_state(dp.state)
+  step = dp.train_step(digits_train.loss_fn, donate=False)
+  state, _ = step(dp.state, batch)
+  state, _ = step(state, batch)
+  mean2, var2, count2 = model_state(state)
+  assert not np.allclose(mean2, mean0) and not np.allclose(var2, var0)  # running statistics
+  assert count2 == count0 + 2  # one dropout draw per step: new masks every step
+
+  # Eval mode: each example's outputs depend on it alone (running statistics, no
+  # dropout), so evaluating the batch shifted by one rank's share shifts the outputs; in
+  # train mode the batch statistics and the per-rank masks change with the shift.
+  shifted = devices.shard_batch(mesh, tuple(np.roll(a, 64 // n, axis=0)
+                                            for a in (data.x_train[:64], data.y_train[:64])))
+  losses = {}
+  for eval_mode in (True, False):
+    evaluate = dp.eval_step(digits_train.per_example, eval_mode=eval_mode)
+    losses[eval_mode] = np.asarray(evaluate(state, batch)["loss"])
+    again = np.asarray(evaluate(state, batch)["loss"])
+    moved = np.roll(np.asarray(evaluate(state, shifted)["loss"]), -(64 // n))
+    np.testing.assert_array_equal(losses[eval_mode], again)
+    assert np.allclose(moved, losses[eval_mode], rtol=1e-5, atol=1e-6) == eval_mode, eval_mode
+  assert model_state(state)[2] == count2  # evaluation advances no stream
+
+  host, _ = dp.merge(state)  # the same numbers as the model's own eval mode, on the host
+  host.eval()
+  on_host = digits_train.per_example(host, (data.x_train[:64], data.y_train[:64]))["loss"]
+  np.testing.assert_allclose(losses[True], np.asarray(on_host), rtol=1e-5, atol=1e-6)
+
+
 def test_linen_pmap_main(tmp_path):
   metrics, _ = _run_main("linen_pmap", tmp_path, "--steps", "20", "--eval_every", "0")
   _check_run(metrics, 20)

@@ -14,6 +14,7 @@ class Config(TrainConfig):
 
   features: int = flag(32, "channels of the first convolution (the second has twice as many)")
   hidden: int = flag(128, "width of the dense layer")
+  dropout: float = flag(0.1, "dropout rate before the last dense layer (0: none)")
   test_fraction: float = flag(0.25, "share of the 1,797 digits held out for testing")
   # Shared settings with this example's defaults (the others keep TrainConfig's:
   # 300 steps, batch 256, learning rate 3e-3, 20 warm-up steps, weight decay 1e-4).

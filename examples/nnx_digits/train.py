@@ -32,21 +32,43 @@ from ..nnx_parallel import train_loop
 
 
 class CNN(nnx.Module):
-  """Two 3x3 convolutions, average pooling, two dense layers."""
+  """Two 3x3 convolutions with BatchNorm, average pooling, two dense layers with Dropout.
 
-  def __init__(self, *, features: int = 32, hidden: int = 128, rngs: nnx.Rngs):
-    self.conv1 = nnx.Conv(1, features, (3, 3), rngs=rngs)
-    self.conv2 = nnx.Conv(features, 2 * features, (3, 3), rngs=rngs)
+  Built in training mode (BatchNorm normalises with the batch's statistics and
+  updates its running averages; Dropout drops); ``model.eval()``, or
+  ``DataParallel.eval_step``, switches to the running averages and no dropout.
+  Under ``dq.nnx.DataParallel`` the BatchNorm statistics are those of the global
+  batch and every rank draws its own dropout mask from the ``dropout`` stream.
+  """
+
+  def __init__(self, *, features: int = 32, hidden: int = 128, dropout: float = 0.1,
+               rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, features, (3, 3), use_bias=False, rngs=rngs)
+    self.norm1 = nnx.BatchNorm(features, rngs=rngs)
+    self.conv2 = nnx.Conv(features, 2 * features, (3, 3), use_bias=False, rngs=rngs)
+    self.norm2 = nnx.BatchNorm(2 * features, rngs=rngs)
     self.dense1 = nnx.Linear(4 * 4 * 2 * features, hidden, rngs=rngs)
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
     self.dense2 = nnx.Linear(hidden, 10, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """float32[batch, 8, 8, 1] images -> float32[batch, 10] logits."""
-    x = nnx.relu(self.conv1(x))
-    x = nnx.relu(self.conv2(x))
+    x = nnx.relu(self.norm1(self.conv1(x)))
+    x = nnx.relu(self.norm2(self.conv2(x)))
     x = nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
     x = x.reshape(x.shape[0], -1)
-    return self.dense2(nnx.relu(self.dense1(x)))
+    return self.dense2(self.dropout(nnx.relu(self.dense1(x))))
+
+
+def make_model(config: Config) -> CNN:
+  """The CNN of ``config``, in training mode, initialised from ``config.seed``.
+
+  Parameters come from the default stream (``config.seed``); dropout masks from
+  a ``dropout`` stream whose key is derived from the seed too, so that a run is
+  reproducible from its seed alone.
+  """
+  rngs = nnx.Rngs(config.seed, dropout=jax.random.fold_in(jax.random.key(config.seed), 1))
+  return CNN(features=config.features, hidden=config.hidden, dropout=config.dropout, rngs=rngs)
 
 
 def loss_fn(model: CNN, batch) -> jax.Array:
@@ -61,6 +83,14 @@ def per_example(model: CNN, batch) -> dict:
   logits = model(images)
   return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, labels),
           "correct": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
+
+
+def _key_data(state):
+  """``state`` with the dropout stream's typed key as its raw ``uint32`` data, which
+  :func:`examples.metrics.tree_digest` can hash (NumPy has no PRNG key dtype)."""
+  return jax.tree.map(
+      lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+      state)
 
 
 def train_and_evaluate(config: Config) -> dict:
@@ -84,10 +114,10 @@ def train_and_evaluate(config: Config) -> dict:
     idx = batches.indices(position)
     return shard_batch(mesh, (data.x_train[idx], data.y_train[idx]))
 
-  model = CNN(features=config.features, hidden=config.hidden, rngs=nnx.Rngs(config.seed))
+  model = make_model(config)
   params = param_shapes(nnx.state(model, nnx.Param))
   dp = DataParallel.create(model, reduction.make_optimizer(config), mesh=mesh)
-  evaluate = dp.eval_step(per_example)
+  evaluate = dp.eval_step(per_example)  # eval mode: running statistics, no dropout
   (x_test, y_test), weights = pad_to_multiple([data.x_test, data.y_test], n)
   test_batch = shard_batch(mesh, (x_test, y_test))
 
@@ -99,5 +129,5 @@ def train_and_evaluate(config: Config) -> dict:
   state, history, start = train_loop(dp, config, loss_fn, batch_fn=batch_fn, eval_fn=run_eval,
                                         desc=f"digits {config.codec}")
   final = {k: history.evals[-1][k] for k in ("test_accuracy", "test_loss")}
-  return run_metrics("nnx_digits", config, devices=devices, params=params,
-                            history=history, start=start, state=state, final=final)
+  return run_metrics("nnx_digits", config, devices=devices, params=params, history=history,
+                     start=start, state=_key_data(state), final=final)
