@@ -224,9 +224,10 @@ def _zero_like(x):
 
 
 def _div(a, b: int):
-  """``a // b`` for ``a >= 0`` (int32) and a positive constant ``b``: one truncating
-  division (jnp's ``//`` adds the sign corrections of a floor division)."""
-  return jax.lax.div(a, jnp.int32(b))
+  """``a // b`` for ``a >= 0`` (int32) and a positive constant ``b``, as an unsigned
+  division (jnp's ``//`` adds the sign corrections of a floor division, XLA's signed
+  division by a constant those of truncation)."""
+  return jax.lax.div(a.astype(jnp.uint32), jnp.uint32(b)).astype(jnp.int32)
 
 
 def _largest_first(keys, want):
@@ -266,10 +267,10 @@ def _slots_of(keys, want, n: int, blocks: int):
   index = jnp.broadcast_to(jnp.arange(per, dtype=jnp.int32), (blocks, 1, per))
   zero = jnp.zeros((blocks, 1, per), jnp.int32)
   p = jnp.concatenate([index, prefix, zero], axis=1)  # P_{-1} .. P_B: [blocks, B + 2, per]
-  slots_above = jnp.concatenate([want, jnp.zeros((blocks, 1), jnp.int32)], axis=1)  # [blocks, B + 1]
-  mine = jnp.take_along_axis(p, cls[:, None, :], axis=1)[:, 0]
-  nxt = jnp.take_along_axis(p, cls[:, None, :] + 1, axis=1)[:, 0]
-  local = jnp.take_along_axis(slots_above, cls, axis=1) + mine - nxt
+  slots_above = jnp.concatenate([want, jnp.zeros((blocks, 1), jnp.int32)], axis=1)[..., None]
+  # class k: slots_above[k] + P_{k-1} - P_k, picked by a one-hot sum (no gather)
+  onehot = cls[:, None, :] == jnp.arange(bounds + 1, dtype=jnp.int32)[None, :, None]
+  local = jnp.sum(jnp.where(onehot, slots_above + p[:, :-1] - p[:, 1:], 0), axis=1)
   return _place(local, n, blocks)
 
 

@@ -1,0 +1,162 @@
+"""What one more bucket adds to a compiled step: HLO instructions and top-level operations.
+
+    python -m dynamiq_jax.bench.bucket_cost                  # buckets of 2^20, ring of 8
+    python -m dynamiq_jax.bench.bucket_cost --size 8388608   # buckets of 2^23
+    python -m dynamiq_jax.bench.bucket_cost --tiny           # smoke test (CI)
+
+No GPU is needed. The default compressed all-reduce of ``k`` equal leaves
+(one bucket each, after the first bucket's quarter-size piece) is compiled
+in a child process (:func:`~dynamiq_jax.bench.gpu_compile.compile_in_child`)
+by XLA's GPU pipeline for a compile-only 8 x H100 host, for ``k = 3`` and
+``k = 4``; the difference is what one bucket costs:
+
+* **HLO instructions** of the optimized module (every computation's, fusion
+  bodies included): XLA's passes visit each one, and a bucket's are visited
+  again for every bucket (its kernels are compiled once per shape);
+* **top-level operations**: the entry computation's instructions less
+  parameters, constants, tuples, their elements, bitcasts and the ``-done``
+  halves of asynchronous pairs: each is a kernel launch, a collective or a
+  loop at run time;
+
+and, for one bucket in the middle, both by the named scope that made them
+(guard, statistics, metadata, allocation, hops, gather, other). Counts are
+deterministic (no timing); the CPU seconds of each compile are printed beside
+them, a shared machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+from dynamiq_jax.bench import gpu_compile
+
+__all__ = ["step_in_child", "top_level", "by_scope", "measure", "main"]
+
+DEVICES = 8
+TRIVIAL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast"})
+"""Entry-computation opcodes that launch nothing."""
+_SCOPE = re.compile(r'op_name="[^"]*?allreduce/bucket(\d+)/([^"]*)"')
+PHASES = (("guard", "guard"), ("statistics", "dynamiq/stats"), ("metadata", "metadata"),
+          ("allocation", "dynamiq/allocate"), ("hops", "reduce/"), ("gather", "gather"))
+"""A bucket's phases, by the named scope its instructions carry (first match)."""
+
+
+def step_in_child(buckets: int, size: int, schedule: str = "ring") -> dict:
+  """Compiles (in the child) the all-reduce of ``buckets`` leaves of ``size`` coordinates."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import topologies
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import dynamiq_jax as dq
+
+  mesh = topologies.make_mesh(gpu_compile.h100_topology(DEVICES), (DEVICES,), ("data",))
+  tree = [jax.ShapeDtypeStruct((size * DEVICES,), jnp.float32,
+                               sharding=NamedSharding(mesh, P("data"))) for _ in range(buckets)]
+
+  def local(xs):
+    return dq.allreduce(xs, axis_name="data", codec=dq.codecs.DynamiQ(), schedule=schedule,
+                        key=jax.random.key(0), bucket_size=size)[0]
+
+  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"),), out_specs=P("data")))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    c0 = time.process_time()
+    compiled = f.trace(tree).lower().compile()
+    c1 = time.process_time()
+  return {"compiled": compiled, "info": {"cpu_s": round(c1 - c0, 2)}}
+
+
+def _instructions(comps):
+  return [(name, ins) for name, comp in comps.items() for ins in comp.instructions]
+
+
+def top_level(comps) -> list:
+  """The entry computation's operations that run something (see the module docstring)."""
+  return [ins for ins in comps["ENTRY"].instructions
+          if ins.opcode not in TRIVIAL and not ins.opcode.endswith("-done")]
+
+
+def _phase(scope: str) -> str:
+  return next((label for label, key in PHASES if key in scope), "other")
+
+
+def by_scope(comps, bucket: int) -> dict:
+  """``{phase: [instructions, top-level operations]}`` of bucket ``bucket``."""
+  out = collections.defaultdict(lambda: [0, 0])
+  entry = {id(ins) for ins in top_level(comps)}
+  for _, ins in _instructions(comps):
+    m = _SCOPE.search(ins.line)
+    if m and int(m.group(1)) == bucket:
+      row = out[_phase(m.group(2))]
+      row[0] += 1
+      row[1] += id(ins) in entry
+  return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
+def measure(size: int, schedule: str = "ring") -> dict:
+  """One bucket's cost: the compiles of 3 and 4 buckets, their difference, and bucket 2's
+  instructions by phase."""
+  runs = {}
+  for k in (3, 4):
+    with gpu_compile.compile_in_child(
+        "dynamiq_jax.bench.bucket_cost:step_in_child",
+        kwargs={"buckets": k, "size": size, "schedule": schedule},
+        xla_flags=gpu_compile.DEVICELESS_XLA_FLAGS, ptx=False, strict_warnings=False) as build:
+      comps = gpu_compile.parse_hlo(build.hlo[0])
+      runs[k] = {"instructions": len(_instructions(comps)), "top_level": len(top_level(comps)),
+                 "sorts": sum(ins.opcode == "sort" for _, ins in _instructions(comps)),
+                 "cpu_s": build.info["cpu_s"], "phases": by_scope(comps, 2)}
+  return {"size": size, "schedule": schedule, "devices": DEVICES,
+          "per_bucket": {key: runs[4][key] - runs[3][key]
+                         for key in ("instructions", "top_level", "sorts")},
+          "phases": runs[4]["phases"], "runs": {str(k): v for k, v in runs.items()}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.bucket_cost",
+                              description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--size", type=int, default=1 << 20,
+                 help="coordinates per bucket (a multiple of 256)")
+  p.add_argument("--schedule", default="ring", help="the all-reduce's schedule")
+  p.add_argument("--label", default=None,
+                 help="writes bucket_cost_<label>.json instead of bucket_cost.json")
+  p.add_argument("--tiny", action="store_true", help="smoke-test size (CI): buckets of 2^16")
+  p.add_argument("--out", default=None, help="results directory; unset: docs/results")
+  return p
+
+
+def main(argv=None) -> dict:
+  args = build_parser().parse_args(argv)
+  missing = gpu_compile.missing(need_ptxas=False)
+  if missing:
+    sys.exit(f"cannot run: {missing}")
+  size = 1 << 16 if args.tiny else args.size
+  if size < 256 or size % 256:
+    sys.exit(f"--size {size} must be a positive multiple of 256 (DynamiQ's super-group)")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads the machine
+  from dynamiq_jax.bench.common import command_line, machine, write_results
+
+  r = measure(size, args.schedule)
+  print(f"one bucket of {size} coordinates, {args.schedule} of {DEVICES} (8 x H100, compile-only)")
+  print(f"  HLO instructions {r['per_bucket']['instructions']:>6}   top-level operations "
+        f"{r['per_bucket']['top_level']:>4}   sorts {r['per_bucket']['sorts']}   "
+        f"(compile CPU s: 3 buckets "
+        f"{r['runs']['3']['cpu_s']}, 4 buckets {r['runs']['4']['cpu_s']})")
+  print(f"  {'phase':<12} {'instructions':>12} {'top-level':>9}")
+  for phase, (ins, top) in r["phases"].items():
+    print(f"  {phase:<12} {ins:>12} {top:>9}")
+  payload = {"benchmark": "bucket_cost", "command": command_line(), "machine": machine(),
+             "target": f"{DEVICES} x H100 (compile-only)", **r}
+  write_results("bucket_cost", args, payload)
+  return payload
+
+
+if __name__ == "__main__":
+  main()
