@@ -2,17 +2,23 @@
 
 import json
 import math
+import os
+import shutil
 import subprocess
+import sys
 import time
 
 import pytest
 
 from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.bench import net
-from dynamiq_jax.bench.netns import Network, can_shape
+from dynamiq_jax.bench.netns import Network, can_shape, sweep_stale
 
 SHAPING, WHY = can_shape()
 needs_root = pytest.mark.skipif(not SHAPING, reason=f"no traffic shaping here: {WHY}")
+
+
+OURS = f"dqn{os.getpid()}-"  # this run's networks; other runs' (or killed ones') are not ours
 
 
 def _namespaces() -> str:
@@ -96,7 +102,7 @@ def test_tiny_benchmark_runs_and_cleans_up(tmp_path):
   assert any(r.get("lm") for r in payload["rows"])
   assert json.loads((tmp_path / "net.json").read_text())["rows"]
   assert (tmp_path / "net_speedup.png").exists()
-  assert "dqn" not in _namespaces()
+  assert OURS not in _namespaces()
 
 
 @needs_root
@@ -107,5 +113,41 @@ def test_a_link_going_down_stops_the_run_with_an_error(tmp_path):
               "--sizes-mb", "8", "--rates", "50", "--heartbeat-s", "5", "--timeout", "90",
               "--inject-fault", "link-down", "--out", str(tmp_path)])
   assert time.monotonic() - t0 < 150
-  assert "dqn" not in _namespaces()
+  assert OURS not in _namespaces()
   assert not (tmp_path / "net.json").exists()  # no partial result reported
+
+
+def _dead_pid() -> int:
+  proc = subprocess.Popen([sys.executable, "-c", "pass"])
+  proc.wait()
+  return proc.pid  # reaped: no process has this pid until the kernel reuses it
+
+
+@needs_root
+def test_namespaces_of_killed_runs_are_swept_and_live_ones_kept():
+  live = subprocess.Popen(["sleep", "60"])
+  dead = _dead_pid()
+  made = [f"dqn{dead}-br", f"dqn{dead}-w0", f"dqn{live.pid}-w0", "dqtest-sweep-w0"]
+  try:
+    for ns in made:
+      subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+      os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+    os.makedirs(f"/etc/netns/dqn{dead}-w1", exist_ok=True)  # a folder whose namespace is gone
+    swept = sweep_stale()
+    assert {f"dqn{dead}-br", f"dqn{dead}-w0", f"dqn{dead}-w1"} <= set(swept)
+    names = _namespaces().split()
+    assert f"dqn{dead}-w0" not in names and f"dqn{dead}-br" not in names
+    assert not any(os.path.exists(f"/etc/netns/dqn{dead}-{s}") for s in ("br", "w0", "w1"))
+    assert f"dqn{live.pid}-w0" in names and "dqtest-sweep-w0" in names  # live pid; not ours
+    assert os.path.isdir(f"/etc/netns/dqn{live.pid}-w0")
+    live.kill()
+    live.wait()
+    # a network being opened sweeps too
+    with Network(1, prefix="dqtest-sweep2"):
+      assert f"dqn{live.pid}-w0" not in _namespaces().split()
+  finally:
+    live.kill()
+    live.wait()
+    for ns in made + [f"dqn{dead}-w1"]:
+      subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+      shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)

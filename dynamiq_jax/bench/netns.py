@@ -11,7 +11,10 @@ resolves to.
 
 Everything created is removed by :meth:`Network.close` (the context manager
 calls it, also on an exception or Ctrl-C; SIGTERM is turned into an
-exception while the network is up). Needs root and ``ip``/``tc``;
+exception while the network is up). A driver killed with SIGKILL cannot clean
+up, so :meth:`Network.open` first sweeps what such a run left
+(:func:`sweep_stale`: the ``dqn<pid>-*`` namespaces and ``/etc/netns``
+folders of pids that are no longer running). Needs root and ``ip``/``tc``;
 :func:`can_shape` says whether that holds here.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,9 +30,10 @@ import subprocess
 import sys
 
 __all__ = ["Network", "can_shape", "NetworkError", "shaping", "worker_job", "join_job",
-           "driver_commands"]
+           "driver_commands", "sweep_stale"]
 
 SUBNET = "10.77.0"
+_DEFAULT_NS = re.compile(r"dqn(\d+)-(?:br|w\d+)")  # the names of Network(prefix=None)
 
 
 class NetworkError(RuntimeError):
@@ -164,6 +169,7 @@ class Network:
     self.close()
 
   def open(self) -> None:
+    sweep_stale()
     host = socket.gethostname()
     self._add_ns(self.bridge_ns)
     _run("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
@@ -251,6 +257,56 @@ class Network:
   def set_link(self, r: int, up: bool) -> None:
     """Takes worker ``r``'s link down or up (fault injection)."""
     _run("ip", "-n", self.bridge_ns, "link", "set", f"vb{r}", "up" if up else "down")
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # someone else's live process
+    return True
+  return True
+
+
+def _listed_namespaces() -> list[str]:
+  """Names from ``ip netns list`` (lines like ``dqn12-w0 (id: 3)``) and /etc/netns."""
+  names = _netns_names()
+  with contextlib.suppress(OSError):
+    names += os.listdir("/etc/netns")
+  return list(dict.fromkeys(names))
+
+
+def sweep_stale() -> list[str]:
+  """Removes the namespaces and ``/etc/netns/<ns>`` folders left by networks of runs that
+  died without cleaning up (SIGKILL): names ``dqn<pid>-br`` / ``dqn<pid>-w<r>`` (the
+  default prefix) whose ``pid`` is no longer a running process. Namespaces of live pids
+  and every other name are left alone. (The veths and the bridge live inside those
+  namespaces and go with them; nothing is created in the root namespace.) Returns the
+  names removed; errors are printed, not raised: a sweep must not stop a benchmark.
+  """
+  swept = []
+  for ns in _listed_namespaces():
+    m = _DEFAULT_NS.fullmatch(ns)
+    if not m or _pid_alive(int(m.group(1))):
+      continue
+    res = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
+    gone = res.returncode == 0 or ns not in _netns_names()  # or only its folder was left
+    shutil.rmtree(os.path.join("/etc/netns", ns), ignore_errors=True)
+    if gone:
+      swept.append(ns)
+    else:
+      print(f"NOTE: could not remove the stale namespace {ns}: {res.stderr.strip()}",
+            file=sys.stderr, flush=True)
+  if swept:
+    print(f"removed {len(swept)} namespace(s) left by killed runs: {', '.join(swept)}",
+          flush=True)
+  return swept
+
+
+def _netns_names() -> list[str]:
+  res = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+  return [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
 
 
 def _raise_sigterm(signum, frame):
