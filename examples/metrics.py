@@ -54,9 +54,15 @@ def timing_summary(history: History, first_step_of_process: int) -> dict:
 
 
 def tree_digest(tree) -> str:
-  """SHA-256 of every leaf's dtype, shape and bytes: equal digests, bit-identical trees."""
+  """SHA-256 of every leaf's dtype, shape and bytes: equal digests, bit-identical trees.
+
+  A typed PRNG key (an NNX RNG stream's, a dropout key) is hashed as its raw
+  ``uint32`` data (:func:`jax.random.key_data`): NumPy has no key dtype.
+  """
   digest = hashlib.sha256()
   for leaf in jax.tree.leaves(tree):
+    if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
     a = np.asarray(jax.device_get(leaf))
     digest.update(f"{a.dtype.str}{a.shape}".encode())
     digest.update(np.ascontiguousarray(a).tobytes())

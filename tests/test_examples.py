@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -25,6 +26,7 @@ from examples import devices  # noqa: E402
 from examples import flags  # noqa: E402
 from examples import reduction  # noqa: E402
 from examples import datasets  # noqa: E402
+from examples import metrics  # noqa: E402
 from examples.linen_pmap import config as linen_config  # noqa: E402
 from examples.linen_pmap import train as linen_train  # noqa: E402
 from examples.nnx_char_lm import config as lm_config  # noqa: E402
@@ -80,7 +82,26 @@ def test_overridden_defaults_keep_the_shared_help(capsys):
   help_text = " ".join(capsys.readouterr().out.split())
   assert "linear warm-up steps before the cosine decay (default: 40)" in help_text
   assert "global batch size in sequences (split over the devices) (default: 64)" in help_text
-  assert linen_config.get_config() == linen_config.Config(**vars(digits_config.get_config()))
+
+
+def test_linen_pmap_takes_the_digits_settings_but_dropout():
+  linen, digits = linen_config.get_config(), digits_config.get_config()
+  shared = [f.name for f in dataclasses.fields(linen)]
+  # The Linen CNN has no Dropout, so no --dropout flag that would do nothing.
+  assert {f.name for f in dataclasses.fields(digits)} - set(shared) == {"dropout"}
+  assert linen == linen_config.Config(**{name: getattr(digits, name) for name in shared})
+  for name in shared:  # the same help text too
+    assert (flags._flag_metadata(linen_config.Config, name)
+            == flags._flag_metadata(digits_config.Config, name)), name
+  with pytest.raises(SystemExit):
+    flags.parse_flags(linen, ["--dropout", "0.5"])
+
+
+def test_tree_digest_hashes_typed_keys_as_their_data():
+  key = jax.random.key(0)
+  assert (metrics.tree_digest({"rng": key, "w": np.ones(3)})
+          == metrics.tree_digest({"rng": jax.random.key_data(key), "w": np.ones(3)}))
+  assert metrics.tree_digest(key) != metrics.tree_digest(jax.random.key(1))
 
 
 def test_setup_checks_that_the_batch_splits_over_the_devices():

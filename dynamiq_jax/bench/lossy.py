@@ -76,7 +76,7 @@ def run(cfg: dict, mesh, seed: int, p: float, burst, estimator: str, progress=No
   loss = (dq.PacketLoss if estimator == "unbiased" else ZeroFill)(p, burst=burst)
   tx = optax.chain(
       dq.compressed_psum_scatter("data", codec=dq.codecs.DynamiQ(bits=5), schedule="two_step",
-                                 loss=loss),
+                                 packet_loss=loss),
       optax.adamw(optax.warmup_cosine_decay_schedule(
           0.0, cfg["lr"], cfg["warmup"], max(cfg["steps"], cfg["warmup"] + 1),
           end_value=cfg["lr"] / 10), weight_decay=0.01))

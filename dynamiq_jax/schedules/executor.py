@@ -288,7 +288,7 @@ def lossy_sum(received, total, ops: HopOps, lossy: Lossy, r):
         "this codec decodes a chunk to "
         f"{[(str(a.dtype), a.shape[1:]) for a in leaves]}, not one floating array of the "
         "chunk's coordinates, so a lost packet cannot be left out of its sum. Fix: a codec "
-        "whose contributions add as values (DynamiQ, MX, IntGroup, Bf16, F32), or loss=None")
+        "whose contributions add as values (DynamiQ, MX, IntGroup, Bf16, F32), or packet_loss=None")
   n = leaves[0].shape[0]
   flat = leaves[0].reshape(n, -1).astype(jnp.float32)
   rows = jnp.arange(n, dtype=jnp.int32)[:, None]

@@ -46,7 +46,7 @@ def loss_key(words):
 
 @dataclasses.dataclass(frozen=True)
 class PacketLoss:
-  """``loss=PacketLoss(p=0.1)``: every payload packet of a hop is lost with probability ``p``.
+  """``packet_loss=PacketLoss(p=0.1)``: each payload packet of a hop is lost with probability ``p``.
 
   Attributes:
     p: the loss rate, the probability that a packet is lost, in ``[0, 1)``.

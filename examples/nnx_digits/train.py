@@ -85,14 +85,6 @@ def per_example(model: CNN, batch) -> dict:
           "correct": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
 
 
-def _key_data(state):
-  """``state`` with the dropout stream's typed key as its raw ``uint32`` data, which
-  :func:`examples.metrics.tree_digest` can hash (NumPy has no PRNG key dtype)."""
-  return jax.tree.map(
-      lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
-      state)
-
-
 def train_and_evaluate(config: Config) -> dict:
   """Trains the CNN on the training digits, evaluating it on the held-out ones.
 
@@ -130,4 +122,4 @@ def train_and_evaluate(config: Config) -> dict:
                                         desc=f"digits {config.codec}")
   final = {k: history.evals[-1][k] for k in ("test_accuracy", "test_loss")}
   return run_metrics("nnx_digits", config, devices=devices, params=params, history=history,
-                     start=start, state=_key_data(state), final=final)
+                     start=start, state=state, final=final)
