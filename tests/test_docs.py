@@ -39,7 +39,7 @@ def test_the_guide_has_its_sections():
       "Sharded models: tensor, FSDP and HSDP meshes",
       "Sharded models: tensor, FSDP and HSDP meshes",
       "Sparsification: ARC-Top-K and error feedback", "Scanned layers: `stacked=`",
-      "Moshpit averaging: `schedule=\"moshpit\"`", "Lossy links: `loss=dq.PacketLoss(p)`",
+      "Moshpit averaging: `schedule=\"moshpit\"`", "Lossy links: `packet_loss=dq.PacketLoss(p)`",
       "Tensor-parallel all-reduce: `dq.tp_psum`", "Checkpointing with Orbax",
       "Lowering for GPUs from a CPU host", "A CPU run stops with a rendezvous timeout"]
 
