@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--summarize", default=None, metavar="JSON",
                  help="print the table of a run written earlier (complete or cut short); "
                       "times nothing")
+  from dynamiq_jax.bench import common
+  common.add_load_flags(p)
   return p
 
 
@@ -294,7 +296,7 @@ def main(argv=None) -> dict:
         "dtype": args.dtype, "repeats": args.repeats, "rates_gbps": rates,
         "schedule": "ring", "note": NOTE, "complete": complete, "runs": runs,
         "table": _table(runs, rates)}
-    common.write_json(path, payload)
+    common.write_json(path, payload, strict=args.strict)
     return payload
 
   for log2 in logs:
@@ -312,7 +314,8 @@ def main(argv=None) -> dict:
         if g is None:
           run["error"] = failed
         else:
-          run.update(_time_codec(codec, g, args.repeats))
+          with common.load_watch(f"2^{log2} {name}"):  # in the JSON's "load" record
+            run.update(_time_codec(codec, g, args.repeats))
       except Exception as e:  # recorded, so that the other codecs and sizes still run
         run["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
       if "error" in run:

@@ -750,7 +750,7 @@ def main(argv=None):
   report["load_average"] = {"start": load_start, "end": list(os.getloadavg())}
   report["summary"] = summarize(report, args)
   report["wall_s"] = time.monotonic() - started
-  table, png = _write(report, path)
+  table, png = _write(report, path, strict=args.strict)
   print("\n" + table)
   print(f"\nwrote {path} and {png} in {report['wall_s'] / 60:.1f} min\nmachine: "
         f"{report['machine']['platform']}, {report['machine']['cpu_count']} CPUs; "
@@ -758,10 +758,11 @@ def main(argv=None):
   return report
 
 
-def _write(report: dict, path: str) -> tuple[str, str]:
+def _write(report: dict, path: str, *, strict: bool = False) -> tuple[str, str]:
   """Writes the report to ``path``, its plot and its tables (Markdown, with the command,
-  commit and machine) beside it; returns ``(tables, plot path)``."""
-  common.write_json(path, report)
+  commit and machine) beside it; returns ``(tables, plot path)``. ``strict``: not on a
+  busy machine (:func:`common.write_json`)."""
+  common.write_json(path, report, strict=strict)
   stem = os.path.splitext(path)[0]
   table = markdown(report["summary"])
   if report["summary"]:

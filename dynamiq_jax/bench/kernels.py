@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--sweep-widths", default="4", help="the sweep's code widths")
   p.add_argument("--sweep-ops", default="compress,decompress_accumulate_recompress",
                  help="the operations the sweep times")
+  from dynamiq_jax.bench import common
+  common.add_load_flags(p)
   return p
 
 
@@ -294,7 +296,7 @@ def main(argv=None):
         "backend": jax.default_backend(), "interpret": not on_gpu, "local_dtype": args.dtype,
         "width_set": list(R.WIDTH_SET), "plane_bits": R.PLANE_BITS, "strata": 8,
         "copy_gbs": copy_gbs, "reps": args.reps, "repeats": args.repeats,
-        "complete": complete, **more, "results": rows})
+        "complete": complete, **more, "results": rows}, strict=args.strict)
 
   impls = [v for v in args.impls.split(",") if v]
   if set(impls) - set(IMPLS):
@@ -339,39 +341,40 @@ def main(argv=None):
   rows = []
   for width in [int(w) for w in args.widths.split(",") if w]:
     for size in sizes:
-      widths, units, x, payload, minimal = chunk(width, size)
-      # A plain copy of the local values (read + write), as a kernel would see it.
-      sec = timed(lambda i, x: x + jnp.asarray(i, x.dtype), x)
-      rows.append({"width": width, "coords": size, "op": "copy", "impl": "xla", "seconds": sec,
-                   "minimal_bytes": minimal["copy"], "gbs": minimal["copy"] / sec / 1e9,
-                   "coords_per_s": size / sec})
-      for impl in [v for v in impls if v != "mosaic"]:
-        # "mosaic_record": the Mosaic GPU kernel on the record payload, as the
-        # training step calls it today (record <-> planar conversions included).
-        ops = calls(widths, units, x, payload,
-                    implementation="mosaic" if impl == "mosaic_record" else impl,
-                    interpret=interpret if impl == "pallas" else None, **geo)
-        for op in OPS:
-          f, operands = ops[op]
-          rows.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
-                                 impl=impl, minimal_bytes=minimal[op], copy_gbs=copy_at))
-      if "mosaic" in impls:  # Mosaic GPU's kernels, on planar payloads
-        s_count = widths.shape[0]
-        planar = P.to_planar(payload, s_count, units, R.PLANE_BITS)
-        mgeo = dict(eps=DEFAULT_EPS, width_set=R.WIDTH_SET)
-        mosaic = {
-            "compress": (lambda i, x: M.compress_planar(x, widths, units, keys=keys_of(i),
-                                                        strata=8, **mgeo), (x,)),
-            "decompress_accumulate_recompress": (
-                lambda i, p, x: M.decompress_accumulate_recompress_planar(
-                    p, x, widths, units, keys=keys_of(i), strata=8, **mgeo), (planar, x)),
-            "decompress": (lambda i, p: M.decompress_planar(p, widths, units, **mgeo),
-                           (planar,)),
-        }
-        for op in OPS:
-          f, operands = mosaic[op]
-          rows.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
-                                 impl="mosaic", minimal_bytes=minimal[op], copy_gbs=copy_at))
+      with common.load_watch(f"w{width} 2^{size.bit_length() - 1}"):  # in the JSON's "load"
+        widths, units, x, payload, minimal = chunk(width, size)
+        # A plain copy of the local values (read + write), as a kernel would see it.
+        sec = timed(lambda i, x: x + jnp.asarray(i, x.dtype), x)
+        rows.append({"width": width, "coords": size, "op": "copy", "impl": "xla", "seconds": sec,
+                     "minimal_bytes": minimal["copy"], "gbs": minimal["copy"] / sec / 1e9,
+                     "coords_per_s": size / sec})
+        for impl in [v for v in impls if v != "mosaic"]:
+          # "mosaic_record": the Mosaic GPU kernel on the record payload, as the
+          # training step calls it today (record <-> planar conversions included).
+          ops = calls(widths, units, x, payload,
+                      implementation="mosaic" if impl == "mosaic_record" else impl,
+                      interpret=interpret if impl == "pallas" else None, **geo)
+          for op in OPS:
+            f, operands = ops[op]
+            rows.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
+                                   impl=impl, minimal_bytes=minimal[op], copy_gbs=copy_at))
+        if "mosaic" in impls:  # Mosaic GPU's kernels, on planar payloads
+          s_count = widths.shape[0]
+          planar = P.to_planar(payload, s_count, units, R.PLANE_BITS)
+          mgeo = dict(eps=DEFAULT_EPS, width_set=R.WIDTH_SET)
+          mosaic = {
+              "compress": (lambda i, x: M.compress_planar(x, widths, units, keys=keys_of(i),
+                                                          strata=8, **mgeo), (x,)),
+              "decompress_accumulate_recompress": (
+                  lambda i, p, x: M.decompress_accumulate_recompress_planar(
+                      p, x, widths, units, keys=keys_of(i), strata=8, **mgeo), (planar, x)),
+              "decompress": (lambda i, p: M.decompress_planar(p, widths, units, **mgeo),
+                             (planar,)),
+          }
+          for op in OPS:
+            f, operands = mosaic[op]
+            rows.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
+                                   impl="mosaic", minimal_bytes=minimal[op], copy_gbs=copy_at))
       save(rows, complete=False)
   sweep = []
   if launches:
@@ -379,14 +382,15 @@ def main(argv=None):
                                                 for v in args.sweep_log2_sizes.split(",")]
     for width in [int(w) for w in args.sweep_widths.split(",")]:
       for size in sweep_sizes:
-        widths, units, x, payload, minimal = chunk(width, size)
-        for launch in launches:
-          ops = calls(widths, units, x, payload, launch=launch, interpret=not on_gpu, **geo)
-          for op in [v for v in args.sweep_ops.split(",") if v]:
-            f, operands = ops[op]
-            sweep.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
-                                    impl="pallas", launch=list(launch),
-                                    minimal_bytes=minimal[op], copy_gbs=copy_at))
+        with common.load_watch(f"sweep w{width} 2^{size.bit_length() - 1}"):
+          widths, units, x, payload, minimal = chunk(width, size)
+          for launch in launches:
+            ops = calls(widths, units, x, payload, launch=launch, interpret=not on_gpu, **geo)
+            for op in [v for v in args.sweep_ops.split(",") if v]:
+              f, operands = ops[op]
+              sweep.append(_timed_row(timed, f, operands, width=width, coords=size, op=op,
+                                      impl="pallas", launch=list(launch),
+                                      minimal_bytes=minimal[op], copy_gbs=copy_at))
         save(rows, complete=False, sweep=sweep)
   target, backends = backend_check()
   print(f"\nDynamiQ kernels on {kind} ({jax.default_backend()}, "

@@ -477,14 +477,15 @@ def _drive(args, cfg, cfg_path, shaped):
     for i, rate in enumerate(args.rates):
       if net:
         net.set_rate(rate or None, args.delay_ms)
-      job.send("measure")
-      if i == 0 and args.inject_fault == "kill":
-        time.sleep(1.0)
-        job.procs[1].kill()
-      elif i == 0 and args.inject_fault == "link-down":
-        time.sleep(1.0)
-        net.set_link(1, False)
-      per_rank = [json.loads(s) for s in job.wait_lines("RESULT ", timeout=args.timeout)]
+      with common.load_watch(f"measure {rate:g} Mbit/s"):  # in the JSON's "load" record
+        job.send("measure")
+        if i == 0 and args.inject_fault == "kill":
+          time.sleep(1.0)
+          job.procs[1].kill()
+        elif i == 0 and args.inject_fault == "link-down":
+          time.sleep(1.0)
+          net.set_link(1, False)
+        per_rank = [json.loads(s) for s in job.wait_lines("RESULT ", timeout=args.timeout)]
       results.append((rate, per_rank))
       rows = summarize(results, ready, cfg)
       _print_table(rows, rate, shaped)
@@ -517,7 +518,7 @@ def _drive(args, cfg, cfg_path, shaped):
                      "both directions" if shaped else "plain loopback, no shaping"),
       "rows": rows, "compute": compute, "crossover_mbit_vs_bf16_ring": cross,
   }
-  path = common.write_json(os.path.join(out_dir, "net.json"), payload)
+  path = common.write_json(os.path.join(out_dir, "net.json"), payload, strict=args.strict)
   png = os.path.join(out_dir, "net_speedup.png")
   if shaped:
     _plot(rows, png)

@@ -121,7 +121,7 @@ def main(argv=None):
             "table_seconds": table_seconds}
   out_dir = common.results_dir(args.out)
   stem = "robustness_tiny" if args.tiny else "robustness"
-  common.write_json(os.path.join(out_dir, stem + ".json"), report)
+  common.write_json(os.path.join(out_dir, stem + ".json"), report, strict=args.strict)
   _plot(sweep, os.path.join(out_dir, stem + "_size.png"), n, bits)
   worst = max((p["step"] for p in sweep if p["step"]), default=None)
   print(f"\nlargest step between neighbouring compressed sizes: x{worst:.2f}" if worst else "")

@@ -125,7 +125,8 @@ def main(argv=None):
   path = os.path.join(out, f"schedules{'_tiny' if args.tiny else ''}.json")
   common.write_json(path, {"command": common.command_line(), "machine": common.machine(),
                            "n": N, "d": args.d, "rounding_seeds": args.seeds,
-                           "stateful_rounds": args.rounds, "lm": info, "rows": rows})
+                           "stateful_rounds": args.rounds, "lm": info, "rows": rows},
+                    strict=args.strict)
   print(f"wrote {path}")
   return rows
 

@@ -507,7 +507,7 @@ def main(argv=None):
     png = os.path.join(out_dir, f"sparse_synthetic{suffix}.png")
     _plot(report["synthetic"], png)
     print(f"wrote {png}")
-  common.write_json(path, report)
+  common.write_json(path, report, strict=args.strict)
   print(f"wrote {path}\nmachine: {report['machine']['platform']}; reproduce: {report['command']}")
   return report
 

@@ -454,7 +454,8 @@ def main(argv=None):
     payload.update(_serve(args, model))
   name = "tp_tiny.json" if args.tiny else "tp.json" if set(args.phases) == {"widths", "serve"} \
       else f"tp_{'_'.join(args.phases)}.json"
-  path = common.write_json(os.path.join(common.results_dir(args.out), name), payload)
+  path = common.write_json(os.path.join(common.results_dir(args.out), name), payload,
+                           strict=args.strict)
   print(f"\nwrote {path}\ncommand: {payload['command']}")
   return payload
 

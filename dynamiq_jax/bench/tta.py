@@ -440,17 +440,17 @@ def main(argv=None):
   report.update(training=cfg, command=common.command_line(), machine=common.machine())
   if "simulate" in args.phases:
     report["simulate"] = _merge_simulated(report.get("simulate"), _simulate(args, cfg, devices))
-    common.write_json(path, report)
+    common.write_json(path, report, strict=args.strict)
   if "measure" in args.phases or "real" in args.phases:
     report.update(_multiprocess(args, cfg, report.get("simulate")))
-    common.write_json(path, report)
+    common.write_json(path, report, strict=args.strict)
   missing = [ph for ph in PHASES if ph not in report]
   if missing:
     print(f"\nwrote {path} (no table: phase(s) {', '.join(missing)} not run yet with this "
           f"training configuration)")
     return report
   report["summary"] = summarize(report, args)
-  common.write_json(path, report)
+  common.write_json(path, report, strict=args.strict)
   _print(report["summary"])
   print("\n" + markdown(report["summary"]))
   print("\nthe README's rows:\n" + markdown(report["summary"], README_CODECS))
@@ -532,12 +532,13 @@ def _multiprocess(args, cfg, simulated) -> dict:
       link = ("each worker's veth into a bridge namespace rate limited with tc tbf in both "
               "directions" if shaped else "plain loopback, no shaping (rates are labels)")
       if measure:
-        rows = []
+        rows, loads = [], []  # loads: the machine's load while each rate was timed
         for rate in args.rates:
           if net:
             net.set_rate(rate)
-          job.send(f"time {args.time_steps}")
-          per_rank = [json.loads(s) for s in job.wait_lines("RESULT ", timeout=args.timeout)]
+          with common.load_watch(f"measure {rate:g} Mbit/s") as load:  # busy machine?
+            job.send(f"time {args.time_steps}")
+            per_rank = [json.loads(s) for s in job.wait_lines("RESULT ", timeout=args.timeout)]
           for label in args.codecs:
             slowest = [max(s) for s in zip(*[r["step_s"][label] for r in per_rank])]
             # the first timed step after a re-shaped link can carry start-up costs
@@ -545,8 +546,9 @@ def _multiprocess(args, cfg, simulated) -> dict:
             rows.append({"rate_mbit": rate, "codec": label, "seconds_per_step": med,
                          "seconds_all": slowest})
             print(f"{rate:7g} Mbit/s  {label:<12} {med:8.3f} s/step", flush=True)
+          loads.append({"rate_mbit": rate, **load.record})
         out["measure"] = {"rows": rows, "shaped": shaped, "link_model": link,
-                          "time_steps": args.time_steps, **_stamp(args)}
+                          "time_steps": args.time_steps, "load": loads, **_stamp(args)}
       if real:
         runs = {}
         if net:

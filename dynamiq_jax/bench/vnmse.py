@@ -290,7 +290,8 @@ def main(argv=None):
     return common.write_json(path, {
         "command": common.command_line(), "machine": common.machine(), "complete": complete,
         "resumed_from": resumed_from, **settings,
-        "lm": info, "dataset_stats": stats, "results": results, "scaling": scaling})
+        "lm": info, "dataset_stats": stats, "results": results, "scaling": scaling},
+        strict=args.strict)
 
   jobs = [j for j in jobs if (j[0], j[1], j[3][0], j[3][1], j[4]) not in done]
   for table, name, codec, ds, schedule, key in tqdm(jobs, desc="vNMSE"):
