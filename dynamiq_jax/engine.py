@@ -49,6 +49,7 @@ from dynamiq_jax.buckets import AllReduceStats, bucket_codec, group_keys, group_
 from dynamiq_jax.buckets import sum_stats
 from dynamiq_jax.codecs import base as codec_base
 from dynamiq_jax.codecs.base import Bucket, Codec, Keys, bucket_key_states
+from dynamiq_jax.codecs.base import key_rows, tables_from_flat
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context
 from dynamiq_jax.schedules.executor import HopOps, Lossy, decode_all, gather_payloads
@@ -238,10 +239,15 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
 # Bucket programs: static configuration, called as program(x, after, keys, index, state).
 
 
-def program_keys(words, index, ctx: AxisContext) -> Keys:
-  """A bucket program's :class:`Keys` from its key words ``(k0, k1, s0, s1)`` and index."""
-  k0, k1, s0, s1 = words
-  return Keys(k0, k1, index, ctx.rank(), (s0, s1))
+def program_keys(words, index, ctx: AxisContext, codec: Codec | None = None) -> Keys:
+  """A bucket program's :class:`Keys` from its key words ``(k0, k1, s0, s1)``, or ``(k0, k1,
+  row)`` with ``row`` its :func:`~dynamiq_jax.codecs.base.key_rows` (``codec``'s tables)."""
+  if len(words) == 4:
+    k0, k1, s0, s1 = words
+    return Keys(k0, k1, index, ctx.rank(), (s0, s1))
+  k0, k1, row = words
+  keys = Keys(k0, k1, index, ctx.rank(), (row[0], row[1]))
+  return keys._replace(tables=tables_from_flat(codec, keys, ctx.n, row[2:]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +276,7 @@ class AllReduce:
       nonfinite, x, scale = guard(x, ctx, after)
     out, new_state, own, err, sent = codec_pass(
         x, used, Bucket(index, d, ctx.n, self.implementation), state,
-        program_keys(words, index, ctx), plan, ctx, self.return_own, self.loss)
+        program_keys(words, index, ctx, self.codec), plan, ctx, self.return_own, self.loss)
     own = own / scale if self.return_own else None
     return (unguard(out, nonfinite, scale, used.result_dtype),
             state if used is not self.codec else new_state, own, err / (scale * scale), sent)
@@ -284,7 +290,8 @@ class AllReduce:
       nonfinite, x, scale = guard(x, ctx)
     payloads, aux, own = wire_pass(
         x, used, Bucket(index, x.shape[0], ctx.n, self.implementation), None,
-        program_keys(words, index, ctx), get_plan(self.schedule, ctx.n), ctx, self.return_own,
+        program_keys(words, index, ctx, self.codec), get_plan(self.schedule, ctx.n), ctx,
+        self.return_own,
         self.loss)
     return payloads, aux, (nonfinite, scale), own / scale if self.return_own else None
 
@@ -329,7 +336,7 @@ class ReduceScatter:
       return out, (x / scale)[None] if self.return_own else None, out[0]
     used = bucket_codec(self.codec, d, n)
     bucket = Bucket(index, d, n, self.implementation, scatter=True)
-    keys = program_keys(words, index, ctx)
+    keys = program_keys(words, index, ctx, self.codec)
     meta = used.metadata(x, bucket, None, keys)
     if meta is not None:
       with jax.named_scope("metadata"):
@@ -445,6 +452,10 @@ def reduce_buckets(xs, program, *, key, states=None):
   """
   k0, k1, (s0, s1) = bucket_keys(key, len(xs))
   states = states if states is not None else (None,) * len(xs)
+  rows = None  # a flat program's keys, derived for every bucket at once and stored
+  if isinstance(program, (AllReduce, ReduceScatter)):
+    rows = key_rows(program.codec, axis_context(program.axis_name).n, s0, s1)
+    rows = None if rows is None else jax.lax.optimization_barrier(rows)
 
   def reduce_one(b, x, after):
     # the first bucket chains to a finite 0: every bucket runs the same program
@@ -452,8 +463,8 @@ def reduce_buckets(xs, program, *, key, states=None):
     x, chained = jax.lax.optimization_barrier((x, chained))
     # (a barrier's outputs vary over every mesh axis any of its inputs does: the rank-
     # invariant key words, index and codec state pass one of their own)
-    words, index, state = jax.lax.optimization_barrier(
-        ((k0, k1, s0[b], s1[b]), jnp.int32(b), states[b]))
+    words = (k0, k1, s0[b], s1[b]) if rows is None else (k0, k1, rows[b])
+    words, index, state = jax.lax.optimization_barrier((words, jnp.int32(b), states[b]))
     return run_program((x, chained, words, index, state), program=program)
 
   return one_after_another(xs, reduce_one)

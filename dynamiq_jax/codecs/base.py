@@ -39,6 +39,7 @@ from pallas_kernels import rng
 __all__ = [
     "Bucket", "Keys", "HopKeys", "bucket_key_states", "trace_settings", "Metadata", "Plan",
     "Codec", "padded_length", "pad_to", "round_up", "ceil_div", "partial_sum_energy",
+    "key_rows", "tables_from_flat",
 ]
 
 PyTree = Any
@@ -110,6 +111,9 @@ class Keys(NamedTuple):
     rank: int32 scalar, this rank's index on the axis.
     state: the fold state of :func:`pallas_kernels.rng.derive_key` after ``(k0,
       k1, bucket)``, the prefix of every stream of the bucket (computed once).
+    tables: the keys the codec derives from ``state`` for this bucket
+      (:meth:`Codec.key_tables`), computed for every bucket at once outside the
+      bucket programs, or None (the codec derives them itself).
   """
 
   k0: Any
@@ -117,6 +121,7 @@ class Keys(NamedTuple):
   bucket: Any
   rank: Any
   state: Any = None
+  tables: Any = None
 
   @classmethod
   def from_key(cls, key, *, bucket, rank) -> "Keys":
@@ -278,6 +283,19 @@ class Codec(abc.ABC):
     del d, n
     return True
 
+  def key_tables(self, keys: Keys, n: int) -> PyTree:
+    """The random keys this codec derives for one bucket over ``n`` ranks, from
+    ``keys.state`` alone (None: none).
+
+    The bucket engine computes them for every bucket at once, outside the bucket
+    programs, and hands each program its bucket's as :attr:`Keys.tables`: derived
+    inside, their hashes are a few hundred HLO instructions that XLA's passes visit
+    again for every bucket. A codec reading ``keys.tables`` must give the same bits
+    as when it is None (it derives them then).
+    """
+    del keys, n
+    return None
+
   @property
   def stateful(self) -> bool:
     """Whether the codec carries state from one all-reduce to the next."""
@@ -386,3 +404,37 @@ class Codec(abc.ABC):
         f"{type(self).__name__} does not report a rank's own contribution "
         f"(reports_contribution=False), which error feedback needs; use "
         f"error_feedback=False with it")
+
+
+def _table_shapes(codec: "Codec", n: int):
+  probe = Keys(None, None, None, None, (jnp.uint32(0), jnp.uint32(0)))
+  return jax.eval_shape(lambda: codec.key_tables(probe, n))
+
+
+def tables_from_flat(codec: "Codec", keys: Keys, n: int, flat):
+  """``codec``'s key tables (:meth:`Codec.key_tables`) from their flat uint32 words
+  ``flat`` (a row of :func:`key_rows` less its first two words)."""
+  shapes = _table_shapes(codec, n)
+  leaves, treedef = jax.tree.flatten(shapes)
+  out, at = [], 0
+  for leaf in leaves:
+    size = math.prod(leaf.shape)
+    out.append(flat[at:at + size].reshape(leaf.shape).astype(leaf.dtype))
+    at += size
+  return jax.tree.unflatten(treedef, out)
+
+
+def key_rows(codec: "Codec", n: int, s0, s1):
+  """uint32 ``[buckets, 2 + t]``: each bucket's prefix state ``(s0, s1)`` and ``codec``'s
+  key tables (:meth:`~dynamiq_jax.codecs.Codec.key_tables`), flat; computed for every
+  bucket at once, so that the bucket programs hold no hash of their own. None if the
+  codec has no key tables."""
+  leaves = jax.tree.leaves(_table_shapes(codec, n))
+  if not leaves or any(leaf.dtype != jnp.uint32 for leaf in leaves):
+    return None
+
+  def one(a, b):
+    tables = codec.key_tables(Keys(None, None, None, None, (a, b)), n)
+    return jnp.concatenate([jnp.stack([a, b])] + [t.reshape(-1) for t in jax.tree.leaves(tables)])
+
+  return jax.vmap(one)(s0, s1)

@@ -283,14 +283,23 @@ class DynamiQ(Codec):
     # every chunk's shared stratum key, and its rounding key at every hop (hop <= n: the
     # schedules' steps, and the two-step reduction's), derived once for all hops; stored:
     # XLA would otherwise recompute them inside every hop's key fusion
+    tables = keys.tables if keys.tables is not None else self.key_tables(keys, n)
+    chunk_keys = jax.lax.optimization_barrier(tables.chunk)
+    return Plan(chunks, DynamiQAux(dest, gmean, gnorm, widths, lay, bucket.implementation,
+                                   chunk_keys))
+
+  def key_tables(self, keys, n: int) -> "DynamiQKeyTables":
+    """Every chunk's rounding key at every hop and its shared stratum key, and the
+    statistics' keys of every chunk at every hop (hop <= n: the schedules' steps and
+    the two-step reduction's), from the bucket's prefix ``keys.state``."""
     prefix = keys.prefix(0, jnp.arange(n, dtype=jnp.uint32)).state
     strata = rng.finish_key(rng.absorb(prefix, rng.Stream.DYNAMIQ_PERMUTATION))
     hops = jnp.arange(n + 1, dtype=jnp.uint32)[None, :]
     rounding = rng.finish_key(rng.absorb(tuple(v[:, None] for v in prefix), hops,
                                          rng.Stream.DYNAMIQ_ROUND))
-    chunk_keys = jax.lax.optimization_barrier((*rounding, *strata))
-    return Plan(chunks, DynamiQAux(dest, gmean, gnorm, widths, lay, bucket.implementation,
-                                   chunk_keys))
+    stats = keys.derive(jnp.arange(n, dtype=jnp.uint32)[:, None], hops,
+                        rng.Stream.DYNAMIQ_STATS)
+    return DynamiQKeyTables((*rounding, *strata), stats)
 
   def _geometry(self, aux, decode=False):
     args = dict(eps=self.eps, plane_bits=aux.layout.plane_bits, width_set=self.widths,
@@ -374,6 +383,15 @@ class DynamiQAux(NamedTuple):
   chunk_keys: tuple | None = None  # uint32: rounding keys [n, n + 1] x 2, stratum keys [n] x 2
 
 
+class DynamiQKeyTables(NamedTuple):
+  """One bucket's keys (:meth:`DynamiQ.key_tables`): ``chunk``, uint32 rounding keys
+  ``[n, n + 1]`` x 2 and stratum keys ``[n]`` x 2; ``stats``, the statistics' keys
+  ``[n, n + 1]`` x 2 (chunk, hop)."""
+
+  chunk: tuple
+  stats: tuple
+
+
 @dataclasses.dataclass(frozen=True)
 class SupergroupStats(Codec):
   """The statistics all-reduce: lane 0 sums means, lane 1 combines norms.
@@ -399,7 +417,11 @@ class SupergroupStats(Codec):
 
   def encode(self, chunk, aux, keys):
     del aux
-    k0, k1 = keys.derive(keys.chunk, keys.hop, rng.Stream.DYNAMIQ_STATS)
+    tables = keys.keys.tables
+    if isinstance(tables, DynamiQKeyTables):  # derived for every bucket at once
+      k0, k1 = (t[keys.chunk, keys.hop] for t in tables.stats)
+    else:
+      k0, k1 = keys.derive(keys.chunk, keys.hop, rng.Stream.DYNAMIQ_STATS)
     mean = stochastic_bf16(chunk[..., 0], rng.hash_index(k0, k1, _element_index(chunk[..., 0])))
     return jnp.stack([mean, chunk[..., 1].astype(jnp.bfloat16)], axis=-1)
 
