@@ -44,7 +44,7 @@ LONGEST_FIRST = (
     "test_hierarchical.py", "test_moshpit.py",
     "test_net.py",
     "test_gpu_compile_units.py", "test_allocation_rounds.py", "test_bucketing.py",
-    "test_gpu_compile.py", "test_codec_contract.py", "test_notebook.py", "test_docs.py",
+    "test_gpu_compile.py", "test_bucket_cost.py", "test_codec_contract.py", "test_notebook.py", "test_docs.py",
     "test_checkpoint.py", "test_error_estimate.py", "test_demo.py",
     "test_exact.py",
 )
