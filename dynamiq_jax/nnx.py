@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import varying_axes
 from dynamiq_jax.schedules.local import strip_axes
+from dynamiq_jax.step_checks import check_replicated
 from dynamiq_jax.train import SyncedStep
 from dynamiq_jax.train import data_dims
 from dynamiq_jax.train import data_entry
@@ -345,6 +346,7 @@ class DataParallel:
       extra = {"specs": self._param_specs(params, (0,))} if model_axes else {}
       with jax.named_scope("optimizer"):  # the reduction and the update, labelled in profiles
         optimizer.update(model, grads, **extra)
+      self._check_reduced(nnx.state(model, optimizer.wrt), state, grads, extra)
       return nnx.state((model, optimizer)), mean_over(loss, axes)
 
     data_specs = self._data_specs()
@@ -356,6 +358,22 @@ class DataParallel:
     jitted = jax.jit(mapped, out_shardings=(self.shardings, repl),
                      donate_argnums=(0,) if donate else ())
     return SyncedStep(jitted, resolve_sync_every(sync_every, self.mesh))
+
+  def _check_reduced(self, params, state, grads, extra):
+    """The updated replicated parameters must be the same on every rank: a ValueError
+    naming the fix where they vary over the data axes (no reduction in the chain)."""
+    specs = _flat_by_path(self.specs)
+    replicated = {".".join(map(str, _keys(path))): p
+                  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]
+                  if not data_dims(specs[(0,) + _keys(path)], self._axes)}
+    graphdef = self.graphdef
+
+    def update(state, grads):  # the optimizer's step again, traced only to look for collectives
+      model, optimizer = nnx.merge(graphdef, state)
+      optimizer.update(model, grads, **extra)
+      return nnx.state(model, optimizer.wrt)
+
+    check_replicated(replicated, self._axes, update, (state, grads))
 
   def eval_step(self, per_example_fn: Callable[[nnx.Module, Any], Any], *,
                 eval_mode: bool = True):

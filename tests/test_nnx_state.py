@@ -275,3 +275,17 @@ def test_variables_created_in_the_forward_pass_are_refused_with_the_fix(mesh):
   x, y = np.resize(x, (8 * PER_RANK, WIDTH)), np.resize(y, (8 * PER_RANK, 1))
   with pytest.raises(ValueError, match=r"created the model variables \['last'\];.*__init__"):
     dp.train_step(loss_fn)(dp.state, dp.shard_batch((x, y)))
+
+
+def test_a_chain_without_the_reduction_is_refused_with_the_fix(mesh):
+  """optax.adam alone (no compressed_psum first): each rank would step with its own
+  gradient; the error says where the reduction goes (not JAX's out_specs error, which
+  suggests check_vma=False)."""
+  dp = dq.nnx.DataParallel.create(nnx.Linear(WIDTH, 1, rngs=nnx.Rngs(0)), optax.adam(1e-3),
+                                  mesh=mesh)
+  x, y = make_batch(0)
+  x, y = np.resize(x, (8 * PER_RANK, WIDTH)), np.resize(y, (8 * PER_RANK, 1))
+  with pytest.raises(ValueError, match=r"no gradient reduction over 'data'.*Fix: put the "
+                                       r"reduction first.*dq\.compressed_psum\('data'\)"):
+    step = dp.train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))
+    step(dp.state, dp.shard_batch((x, y)))
