@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import dynamiq_block as block
-from pallas_kernels import dynamiq_reference as payload_lib
 
 __all__ = [
     "level_error",
@@ -231,10 +230,10 @@ def _div(a, b: int):
 
 
 def _largest_first(keys, want):
-  """``(v, above, tie, need)`` of the ``want[k, b]`` largest ``keys[k, 0]`` (uint32; ties:
-  lower index first) for each block k and boundary b: ``v`` the ``want``-th largest
-  key (32 bisection steps over its bit patterns), ``above`` / ``tie`` the keys above /
-  at it, ``need`` how many of the ties (the first by index) are among them."""
+  """``(above, tie, need)`` of the ``want[k, b]`` largest ``keys[k, 0]`` (uint32; ties:
+  lower index first) for each block k and boundary b: with ``v`` the ``want``-th
+  largest key (32 bisection steps over its bit patterns), ``above`` / ``tie`` the keys
+  above / at ``v``, ``need`` how many of the ties (the first by index) are among them."""
 
   def bit(i, v):
     cand = v | (jnp.uint32(1) << (jnp.uint32(31) - i.astype(jnp.uint32)))
