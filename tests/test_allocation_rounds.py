@@ -195,7 +195,7 @@ def _bisected_counts(f, t, step, limit, positions, n):
   cands = cands[(cands == 0) | (cands >= np.finfo(np.float32).tiny)]
 
   def beyond(lam):
-    return [(int(np.sum(f >= np.float32(lam) * np.float32(tb))) + n // 2) // n for tb in t]
+    return [(int(np.sum(f >= np.float32(lam) * np.float32(tb))) + n - 1) // n for tb in t]
 
   for lam in cands:  # ascending: the first that fits
     if sum(s * c for s, c in zip(step, beyond(lam))) <= limit:

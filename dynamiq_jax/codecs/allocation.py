@@ -20,8 +20,9 @@ the model ``c_w = 4^-w``; this module uses each width's own ``c_w``
 Positions hold n super-groups of one width, so each width takes a multiple
 of n super-groups: the ``n N_b`` largest by F (ties by index) take a width of
 at least the b-th boundary, ``N_b`` the number of super-groups with ``F >= lam
-t_b`` over n, rounded to the nearest (a position is worth the wider width when
-its middle super-group is). Which
+t_b`` over n, rounded up (a position is worth the wider width when its largest
+super-group is, as a position's sum of F is dominated by its largest on
+heavy-tailed statistics). Which
 super-group of a width sits in which position does not change its error, so
 inside a width they keep their index order: the allocation needs the class
 sizes and one boundary key per class, not a sort (:func:`allocate`).
@@ -131,7 +132,14 @@ def allocate(gnorm, valid, errors: Mapping[int, float], positions: int,
   ``lam``, a super-group of statistic F (:func:`statistic`) is worth the b-th
   hull boundary ``a | b`` iff ``F >= lam * t_ab``, ``t_ab = (cost_b - cost_a) /
   (c_a - c_b)``; a position holds n super-groups of one width, so ``N_b(lam) =
-  floor(#{F >= lam t_b} / n)`` positions take a width beyond boundary b.
+  ceil(#{F >= lam t_b} / n)`` positions take a width beyond boundary b. (Rounded
+  down, a position would need its smallest super-group to be worth it: 6% more
+  error than the whole-position optimum on embedding-like statistics. Rounded to
+  the nearest, a bucket whose few non-zero super-groups do not fill their last
+  position sent it at the narrowest width: 1.5x to 28x the vNMSE of the sorted
+  rule on buckets ending in zeros, as scanned layers pad them. Rounded up: within
+  2% of the optimum and of the sorted rule on both; tests/test_allocation_rounds.py,
+  tests/test_stacked.py.)
   ``lam`` is the least float32 (zero or normal) whose widths fit the budget,
   found by 31 bisection steps over its bit patterns; what the budget has left
   then goes to the positions that switch just below it, boundary by boundary
@@ -184,7 +192,7 @@ def allocate(gnorm, valid, errors: Mapping[int, float], positions: int,
   tb = jnp.asarray(t, jnp.float32)[:, None]
 
   def at_least(lam):  # positions beyond each boundary: [B]
-    return _div(jnp.sum((f[None, :] >= lam * tb).astype(jnp.int32), axis=1) + n // 2, n)
+    return _div(jnp.sum((f[None, :] >= lam * tb).astype(jnp.int32), axis=1) + (n - 1), n)
 
   weights = jnp.asarray(step, jnp.int32)
 
