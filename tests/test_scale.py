@@ -95,3 +95,36 @@ def test_a_bucket_size_the_library_refuses_is_refused_before_compiling(size):
   with pytest.raises(SystemExit, match=f"--bucket-size {size}: bucket_size={size} must be a "
                                        f"positive multiple of 256 for DynamiQ"):
     scale.main(["--sizes", "125m", "--bucket-size", size])
+
+
+@pytest.mark.parametrize("op_name, category", [
+    ("jit(step)/allreduce/bucket3/guard/reduce_max", "bucket/guard"),
+    ("jit(step)/allreduce/bucket0/dynamiq/allocate/while", "bucket/allocation"),
+    ("jit(step)/allreduce/bucket12/convert_element_type", "bucket/other"),
+    ("jit(step)/transpose(jvp(loss_fn))/dot_general", "backward"),
+    ("jit(step)/jvp(loss_fn)/dot_general", "forward"),
+    ("jit(step)/sgd/mul", "other"),
+])
+def test_memory_categories_follow_the_named_scopes(op_name, category):
+  """--memory's breakdown sorts each value by the scope that made it: a bucket's phase,
+  the backward or forward pass, or the rest."""
+  assert scale.categorize(op_name, False) == category
+  assert scale.categorize(op_name, True) == "argument"
+
+
+def test_loss_of_bf16_compute_and_remat_is_the_loss_of_float32():
+  """--compute bfloat16 and --remat change how the step computes, not what it computes:
+  the float32 loss within bf16's rounding, remat's exactly."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  model = {"layers": 2, "d": 128, "f": 256, "vocab": 64}
+  shapes = scale.model_shapes(**model)
+  keys = iter(jax.random.split(jax.random.key(0), 64))
+  params = jax.tree.map(lambda s: 0.05 * jax.random.normal(next(keys), s.shape), shapes)
+  tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, model["vocab"])
+  full = scale.loss_fn(params, tokens)
+  assert float(scale.loss_fn(params, tokens, remat=True)) == float(full)
+  np.testing.assert_allclose(scale.loss_fn(params, tokens, compute="bfloat16"), full, rtol=2e-2)
+  assert scale.loss_fn(params, tokens, compute="bfloat16") != full

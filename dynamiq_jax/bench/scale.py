@@ -48,11 +48,13 @@ __all__ = ["SIZES", "model_shapes", "loss_fn", "step_in_child", "compile_step",
 DEVICES = 8
 
 SIZES = {
+    "23m": {"layers": 6, "d": 512, "f": 2048, "vocab": 4096},
     "125m": {"layers": 12, "d": 768, "f": 3072, "vocab": 32000},
     "350m": {"layers": 24, "d": 1024, "f": 4096, "vocab": 32000},
     "1.3b": {"layers": 24, "d": 2048, "f": 8192, "vocab": 32000},
 }
-"""Transformer shapes (attention heads of 128): 134 M, 367 M and 1.34 B parameters."""
+"""Transformer shapes (attention heads of 128): 23 M (a small model: few buckets, where the
+bucket size decides the overlap), 134 M, 367 M and 1.34 B parameters."""
 
 TINY = {"layers": 4, "d": 512, "f": 2048, "vocab": 4096}
 """The smoke test's model (16.8 M parameters), on sequences of :data:`TINY_SEQ` tokens,
@@ -80,10 +82,19 @@ def model_shapes(layers: int, d: int, f: int, vocab: int, scan: bool = False):
           "out": {"norm": sds(d), "unembed": sds(d, vocab)}}
 
 
-def loss_fn(params, tokens, *, scan: bool = False):
-  """Next-token cross-entropy of the transformer on int32 ``tokens`` [batch, seq + 1]."""
+def loss_fn(params, tokens, *, scan: bool = False, compute: str = "float32",
+            remat: bool = False):
+  """Next-token cross-entropy of the transformer on int32 ``tokens`` [batch, seq + 1].
+
+  ``compute``: the dtype the parameters are cast to for the forward pass (``"bfloat16"``:
+  float32 parameters, bf16 compute, as mixed-precision training writes it); the
+  log-softmax is taken in float32. ``remat``: each layer under ``jax.checkpoint`` (its
+  activations recomputed in the backward pass), so that the step's peak memory is the
+  gradient's, not the activations'."""
   import jax
   import jax.numpy as jnp
+
+  params = jax.tree.map(lambda p: p.astype(compute), params)
 
   def norm(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
@@ -100,13 +111,16 @@ def loss_fn(params, tokens, *, scan: bool = False):
     x = x + a @ p["o"]
     return x + jax.nn.gelu(norm(x, p["mlp_norm"]) @ p["up"]) @ p["down"]
 
+  if remat:
+    block = jax.checkpoint(block)
   x = params["embed"][tokens[:, :-1]]
   if scan:
     x, _ = jax.lax.scan(lambda x, p: (block(x, p), None), x, params["layers"])
   else:
     for p in params["layers"]:
       x = block(x, p)
-  logp = jax.nn.log_softmax(norm(x, params["out"]["norm"]) @ params["out"]["unembed"], -1)
+  logits = norm(x, params["out"]["norm"]) @ params["out"]["unembed"]
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
   return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
 
 
@@ -141,7 +155,9 @@ def step_in_child(spec: dict) -> dict:
   scan = spec.get("scan", False)
 
   def local(params, opt_state, tokens):
-    grads = jax.grad(loss_fn)(dq.as_varying(params, "data"), tokens, scan=scan)
+    grads = jax.grad(loss_fn)(dq.as_varying(params, "data"), tokens, scan=scan,
+                              compute=spec.get("compute", "float32"),
+                              remat=spec.get("remat", False))
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -159,14 +175,37 @@ def step_in_child(spec: dict) -> dict:
     c0, t0 = time.process_time(), time.perf_counter()
     lowered = step.trace(params, opt_state, tokens).lower()
     c1, t1 = time.process_time(), time.perf_counter()
-    compiled = lowered.compile()
+    if spec.get("memory"):  # compiled with XLA's dump on: its CPU time includes the dump
+      from dynamiq_jax.bench import buffers
+      memory, compiled = buffers.breakdown(lowered, categorize)
+    else:
+      memory, compiled = None, lowered.compile()
     c2, t2 = time.process_time(), time.perf_counter()
-  return {"compiled": compiled, "info": {
+  extra = {} if memory is None else {"memory": {
+      k: memory[k] for k in ("at_peak", "own_max", "temp_live_at_peak", "packing",
+                             "peak_time", "program_length")}}
+  return {"compiled": compiled, "info": {**extra,
       "lower_cpu_s": round(c1 - c0, 2), "compile_cpu_s": round(c2 - c1, 2),
       "lower_wall_s": round(t1 - t0, 2), "compile_wall_s": round(t2 - t1, 2),
       "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
       "params": sum(int(s.size) for s in jax.tree.leaves(shapes)),
       "leaves": len(jax.tree.leaves(shapes)), "jax": jax.__version__}}
+
+
+def categorize(op_name: str, is_argument: bool) -> str:
+  """A scratch value's category by the ``op_name`` of the instruction that made it: the
+  bucket phase (:data:`SCOPES`, ``bucket/other`` for the rest of a bucket), ``backward``,
+  ``forward`` or ``other`` (the optimizer, conversions)."""
+  if is_argument:
+    return "argument"
+  m = _SCOPE.search(f'op_name="{op_name}"')
+  if m:
+    return "bucket/" + next((label for label, key in SCOPES if key in m.group(2)), "other")
+  if "transpose(" in op_name:
+    return "backward"
+  if "jvp(" in op_name:
+    return "forward"
+  return "other"
 
 
 def instructions(hlo: str) -> int:
@@ -238,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--bucket-size", type=int, default=None,
                  help="the compressed steps' bucket_size (coordinates; unset: the library's "
                       "default): fewer, larger buckets trade compile time for overlap")
+  p.add_argument("--compute", default="float32", choices=["float32", "bfloat16"],
+                 help="the forward pass's dtype (parameters stay float32)")
+  p.add_argument("--remat", action="store_true",
+                 help="each layer under jax.checkpoint: the peak is then the gradient's")
+  p.add_argument("--memory", action="store_true",
+                 help="also report what the scratch memory holds at its peak, by category "
+                      "(XLA's buffer assignment; the compile then includes XLA's dump)")
   p.add_argument("--label", default=None, help="writes scale_<label>.json instead of scale.json")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
@@ -293,14 +339,18 @@ def main(argv=None) -> dict:
     rows = {}
     for method in [m for m in ("pmean", "default", "stacked")
                    if m == "pmean" or (m in methods and (scan or m != "stacked"))]:
-      spec = {"method": method, "model": model, "scan": scan,
-              "options": options if method != "pmean" else {}}
+      spec = {"method": method, "model": model, "scan": scan, "compute": args.compute,
+              "remat": args.remat, "memory": args.memory, "options": options if method != "pmean" else {}}
       if args.tiny:
         spec["seq"] = TINY_SEQ
       r = compile_step(spec, library=args.library)
       r["total_cpu_s"] = round(r["lower_cpu_s"] + r["compile_cpu_s"], 2)
       rows[method] = r
       print(_row(name, method, r, rows["pmean"] if method != "pmean" else None), flush=True)
+      if "memory" in r:
+        print("    at the peak (GiB): " + ", ".join(
+            f"{k} {v / 2**30:.2f}" for k, v in sorted(r["memory"]["at_peak"].items(),
+                                                      key=lambda kv: -kv[1])), flush=True)
     p = rows["pmean"]
     ratios = {m: {"cpu_s": round(d["total_cpu_s"] / p["total_cpu_s"], 2),
                   "temp_bytes": round(d["temp_bytes"] / p["temp_bytes"], 3),
@@ -315,7 +365,7 @@ def main(argv=None) -> dict:
     runs[name] = {"model": model, "scan": scan, "options": options, **rows}
   payload = {"benchmark": "scale", "command": command_line(), "machine": machine(),
              "target": f"{DEVICES} x H100 (compile-only)", "library": args.library or
-             "this checkout", "batch": [BATCH, TINY_SEQ if args.tiny else SEQ], "runs": runs}
+             "this checkout", "compute": args.compute, "remat": args.remat, "batch": [BATCH, TINY_SEQ if args.tiny else SEQ], "runs": runs}
   write_results("scale", args, payload)
   return payload
 
