@@ -6,6 +6,12 @@
 :func:`decompress_accumulate`                  ``decode(p) + x`` (butterfly node)
 :func:`decompress_accumulate_recompress`       ring hop ``encode(decode(p) + x)`` in
                                                one pass; the sum is never stored
+:func:`decompress_many`                        ``n`` payloads of the same widths ->
+                                               float32 [n, S, 256], one launch
+:func:`decompress_rows`                      the same, each output row from its slot
+                                               plus a mean (a codec's finish), one launch
+:func:`decompress_sum`                         their decodes summed in rank order
+                                               (a two-step reduction), one launch
 =============================================  =======================================
 
 The modules behind them, kernel -> wrapper -> reference as in JAX's own
@@ -50,6 +56,9 @@ __all__ = [
     "decompress",
     "decompress_accumulate",
     "decompress_accumulate_recompress",
+    "decompress_many",
+    "decompress_rows",
+    "decompress_sum",
 ]
 
 
@@ -164,3 +173,88 @@ def decompress_accumulate_recompress(payload, x, widths, units: int, *, eps, key
                     payload, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
                     strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
                     width_set=tuple(width_set))
+
+
+def _many_mosaic(payloads, widths, units: int, *, interpret=False, **geo):
+  """Mosaic GPU's form of :func:`decompress_many`: one Mosaic GPU decode per payload,
+  stacked (it has no batched decode)."""
+  return jnp.stack([M.decompress_mosaic(payloads[c], widths, units, **geo, interpret=interpret)
+                    for c in range(payloads.shape[0])])
+
+
+def _rows_mosaic(payloads, widths, units: int, slots, mean=None, *, interpret=False, **geo):
+  """Mosaic GPU's form of :func:`decompress_rows`: :func:`_many_mosaic`, then the
+  reference's gather and mean."""
+  dec = _many_mosaic(payloads, widths, units, interpret=interpret, **geo)
+  out = R.take_in_range(dec.transpose(1, 0, 2).reshape(-1, dec.shape[-1]), slots)
+  return out if mean is None else out + mean.astype(jnp.float32)[:, None]
+
+
+def _probe_many(gather: bool, **static):
+  """:func:`_probe` of a decode, for two payloads (and with ``gather``, a slot and a mean
+  per row)."""
+  (payload, widths, units), kwargs = _probe(None, True, False, **static)
+  args = (jax.ShapeDtypeStruct((2,) + payload.shape, payload.dtype), widths, units)
+  if gather:
+    rows = 2 * widths.shape[0]
+    args += (jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.float32))
+  return args, kwargs
+
+
+def decompress_many(payloads, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
+                    width_set=R.WIDTH_SET, implementation: D.Implementation = None,
+                    interpret: bool | None = None):
+  """Decodes ``n`` chunk payloads of the same ``widths`` (uint8 [n, bytes], see
+  :func:`compress`) to float32 [n, S, 256]: one Triton launch whose grid covers every
+  payload's super-groups (Mosaic GPU: one launch per payload; the reference: as
+  :func:`decompress` of each). The same bits as :func:`decompress` of each payload."""
+  geo = dict(eps=_eps_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
+  return D.dispatch("decompress_many",
+                    D.Kernels(T.decompress_many_pallas, _many_mosaic,
+                              functools.partial(_probe_many, False, **geo)),
+                    R.decompress_many_reference, implementation, interpret, payloads, widths,
+                    units, **geo)
+
+
+def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
+                      plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
+                      implementation: D.Implementation = None,
+                      interpret: bool | None = None):
+  """Rows of ``n`` decoded chunk payloads, each from its slot, plus a mean: float32 [R, 256].
+
+  Row r is slot ``slots[r]`` (int32 [R]) of the decoded chunks interleaved by position
+  (slot ``j n + c``: position j of chunk c), plus ``mean[r]`` (float32 [R], or None):
+  a codec's finish in one Triton launch, the same bits as :func:`decompress` of each
+  payload, then the gather and the sum
+  (:func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`)."""
+  geo = dict(eps=_eps_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
+  return D.dispatch("decompress_rows",
+                    D.Kernels(T.decompress_rows_pallas, _rows_mosaic,
+                              functools.partial(_probe_many, True, **geo)),
+                    R.decompress_rows_reference, implementation, interpret, payloads, widths,
+                    units, slots, mean, **geo)
+
+
+def _sum_mosaic(payloads, widths, units: int, *, interpret=False, **geo):
+  """Mosaic GPU's form of :func:`decompress_sum`: one Mosaic GPU decode, then one
+  decode-add per payload, in rank order."""
+  acc = M.decompress_mosaic(payloads[0], widths, units, **geo, interpret=interpret)
+  for c in range(1, payloads.shape[0]):
+    acc = M.decompress_accumulate_mosaic(payloads[c], acc, widths, units, **geo,
+                                         interpret=interpret)
+  return acc
+
+
+def decompress_sum(payloads, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
+                   width_set=R.WIDTH_SET, implementation: D.Implementation = None,
+                   interpret: bool | None = None):
+  """The decodes of ``n`` chunk payloads of the same ``widths`` (uint8 [n, bytes]) summed
+  in rank order: float32 [S, 256], one Triton launch that keeps the sum in registers
+  (Mosaic GPU: a decode and ``n - 1`` decode-adds). The bits of :func:`decompress` of
+  payload 0 followed by :func:`decompress_accumulate` of each next one."""
+  geo = dict(eps=_eps_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
+  return D.dispatch("decompress_sum",
+                    D.Kernels(T.decompress_sum_pallas, _sum_mosaic,
+                              functools.partial(_probe_many, False, **geo)),
+                    R.decompress_sum_reference, implementation, interpret, payloads, widths,
+                    units, **geo)

@@ -42,6 +42,8 @@ __all__ = [
     "plane_bytes", "codes_of_planes", "codes_to_planes", "planes_to_codes", "take_in_range",
     "materialize", "compress_reference", "decompress_reference",
     "decompress_accumulate_reference", "decompress_accumulate_recompress_reference",
+    "check_payloads", "decompress_many_reference", "decompress_rows_reference",
+    "decompress_sum_reference",
 ]
 
 SCALE_BYTES = B.GROUP + 2
@@ -93,6 +95,23 @@ def check_chunk(widths, units, *, plane_bits, width_set, scale_rounding="up", x=
   if payload is not None and (payload.shape != (size,) or payload.dtype != jnp.uint8):
     raise ValueError(f"payload {payload.dtype}{list(payload.shape)} must be uint8 [{size}] "
                      f"(payload_bytes({s_count}, {units}, {plane_bits}))")
+
+
+def check_payloads(payloads, widths, units, *, plane_bits, width_set, slots=None, mean=None):
+  """Raises ValueError, naming the value, unless ``payloads`` are ``n`` chunk payloads of
+  the same ``widths`` (uint8 ``[n, payload_bytes(S, units, plane_bits)]``, see
+  :func:`check_chunk`), ``slots`` int [R] and ``mean`` float [R] (the same R)."""
+  if getattr(payloads, "ndim", None) != 2:
+    raise ValueError(f"payloads {getattr(payloads, 'dtype', type(payloads))}"
+                     f"{list(getattr(payloads, 'shape', []))} must be uint8 [n, bytes]: n chunk "
+                     "payloads, stacked")
+  check_chunk(widths, units, plane_bits=plane_bits, width_set=width_set,
+              payload=jax.ShapeDtypeStruct(payloads.shape[1:], payloads.dtype))
+  if slots is not None and (slots.ndim != 1 or not jnp.issubdtype(slots.dtype, jnp.integer)):
+    raise ValueError(f"slots {slots.dtype}{list(slots.shape)} must be int32 [rows]")
+  if mean is not None and (slots is None or mean.shape != slots.shape):
+    raise ValueError(f"mean {mean.dtype}{list(mean.shape)} must be float32 [rows], one per "
+                     f"slot (slots: {None if slots is None else list(slots.shape)})")
 
 
 def position_widths(counts, width_set, supergroups: int):
@@ -409,3 +428,59 @@ def decompress_accumulate_recompress_reference(payload, x, widths, units: int, *
   acc = decompress_accumulate_reference(payload, x, widths, units, eps=eps, **geo)
   return compress_reference(acc, widths, units, eps=eps, keys=keys, rank=rank, strata=strata,
                             scale_rounding=scale_rounding, **geo)
+
+
+def decompress_many_reference(payloads, widths, units: int, *, eps,
+                              plane_bits: int = PLANE_BITS, width_set=WIDTH_SET):
+  """``n`` chunk payloads uint8 [n, bytes], all of the same ``widths``, decoded: float32
+  [n, S, 256], payload by payload as :func:`decompress_reference` (the same bits)."""
+  check_payloads(payloads, widths, units, plane_bits=plane_bits, width_set=width_set)
+  return jax.vmap(lambda p: decompress_reference(p, widths, units, eps=eps,
+                                                 plane_bits=plane_bits,
+                                                 width_set=width_set))(payloads)
+
+
+def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *, eps,
+                                plane_bits: int = PLANE_BITS, width_set=WIDTH_SET):
+  """Rows of the ``n`` decoded payloads, gathered, plus a mean: float32 [R, 256].
+
+  Row r is slot ``slots[r]`` of the decoded chunks interleaved by position (slot ``j n
+  + c``: position j of chunk c; an out-of-range slot reads the nearest one), plus
+  ``mean[r]`` when given: a codec's finish (the chunks' super-groups put back in
+  their order, the means added) in one pass.
+
+  Args:
+    payloads: uint8 [n, bytes]: the chunk payloads, all of the same ``widths``.
+    widths: int32 [S].
+    units: code units of each payload (static).
+    slots: int32 [R], each in ``[0, n S)``.
+    mean: float32 [R] or None.
+    eps, plane_bits, width_set: as :func:`decompress_reference`.
+  """
+  check_payloads(payloads, widths, units, plane_bits=plane_bits, width_set=width_set,
+                 slots=slots, mean=mean)
+  dec = decompress_many_reference(payloads, widths, units, eps=eps, plane_bits=plane_bits,
+                                  width_set=width_set)
+  out = take_in_range(dec.transpose(1, 0, 2).reshape(-1, dec.shape[-1]), slots)
+  return out if mean is None else out + mean.astype(jnp.float32)[:, None]
+
+
+_UNROLL_SUM = 17  # payloads decompress_sum_reference adds unrolled; more in a loop
+
+
+def decompress_sum_reference(payloads, widths, units: int, *, eps,
+                             plane_bits: int = PLANE_BITS, width_set=WIDTH_SET):
+  """The sum of ``n`` decoded chunk payloads (uint8 [n, bytes], the same ``widths``) in
+  rank order, ``dec[n-1] + (... + (dec[1] + dec[0]))``: float32 [S, 256], the bits of
+  :func:`decompress_reference` of payload 0 followed by
+  :func:`decompress_accumulate_reference` of each next one."""
+  check_payloads(payloads, widths, units, plane_bits=plane_bits, width_set=width_set)
+  dec = decompress_many_reference(payloads, widths, units, eps=eps, plane_bits=plane_bits,
+                                  width_set=width_set)
+  n = dec.shape[0]
+  if n <= _UNROLL_SUM:
+    acc = dec[0]
+    for c in range(1, n):
+      acc = dec[c] + acc
+    return acc
+  return jax.lax.fori_loop(1, n, lambda c, acc: dec[c] + acc, dec[0])

@@ -6,7 +6,14 @@ input byte once and writes every output byte once: :func:`compress_pallas`
 (values -> payload), :func:`decompress_pallas` (payload -> float32),
 :func:`decompress_accumulate_pallas` (``decode(p) + x``) and the ring hop
 :func:`decompress_accumulate_recompress_pallas` (``encode(decode(p) + x)``,
-the sum kept in registers).
+the sum kept in registers). Three more decode all ``n`` gathered payloads of
+one bucket (the same per-position widths) in one launch whose grid covers every
+payload's super-groups: :func:`decompress_many_pallas` (``[n, S, 256]``),
+:func:`decompress_rows_pallas` (each output row from its slot ``j n + c``, plus
+a mean: DynamiQ's finish, every super-group written straight to its place) and
+:func:`decompress_sum_pallas` (the decodes summed in rank order, in registers:
+a two-step reduction). Their programs read each row's bytes at its own
+payload's offsets (:class:`_Rows`).
 
 Algorithm: the block arithmetic is the reference's own
 (:func:`~pallas_kernels.dynamiq_block.encode_block`,
@@ -59,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +90,9 @@ __all__ = [
     "decompress_pallas",
     "decompress_accumulate_pallas",
     "decompress_accumulate_recompress_pallas",
+    "decompress_many_pallas",
+    "decompress_rows_pallas",
+    "decompress_sum_pallas",
 ]
 
 BLOCK = 16
@@ -105,6 +116,7 @@ _G = B.GROUP  # scale groups per super-group
 _PTAB = 16  # entries of the plane-offset input (off_p for p < 8, then the units used)
 _TAIL_CHUNK = 64  # most unused units one store zeroes
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_UNROLL_SUM = 8  # payloads the decode-sum kernel adds unrolled; more in a loop
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,10 +171,26 @@ def _iota(shape, dim):
   return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _scale_offsets(cfg: _Config, s_count: int, one=1):
+class _Rows(NamedTuple):
+  """Where the rows of a gathering program come from (:func:`_decode_rows_kernel`), per
+  row [BLOCK]: ``j``, its position in its chunk; ``base``, the first byte of its
+  chunk's payload; ``ok``, the row exists."""
+
+  j: Any
+  base: Any
+  ok: Any
+
+
+def _scale_offsets(cfg: _Config, s_count: int, one=1, rows: _Rows | None = None):
   """Offsets of this program's scale records: k bytes [BLOCK, G], super-group
-  scale [BLOCK], masks."""
+  scale [BLOCK], masks (``rows``: each row's own position and payload)."""
   block = cfg.sg
+  if rows is not None:
+    j2 = jnp.broadcast_to(rows.j[:, None], (block, _G))
+    b2 = jnp.broadcast_to(rows.base[:, None], (block, _G))
+    return (b2 + j2 * R.SCALE_BYTES + _iota((block, _G), 1) * one,
+            jnp.broadcast_to(rows.ok[:, None], (block, _G)),
+            rows.base + rows.j * R.SCALE_BYTES + _G, rows.ok)
   base = pl.program_id(0) * block
   sg2 = base + _iota((block, _G), 0)
   sg1 = base + _iota((block,), 0)
@@ -179,7 +207,8 @@ def _hidden_one(ptab_ref, cfg: _Config):
   return (ptab_ref[0] >= 0).astype(jnp.int32) if cfg.split else 1
 
 
-def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False):
+def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False,
+                   rows: _Rows | None = None):
   """Per plane p: (byte offsets [BLOCK, G, CB] of this program's plane-p bytes, mask);
   ``words``: offsets [BLOCK, G] of each group's 16-bit word of plane bytes
   (``plane_bits=1``: one byte per half) in the payload's uint16 view.
@@ -189,17 +218,22 @@ def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False):
   widest first these are the super-groups that have plane p, and the
   program's tail past ``s_count`` is excluded too, as ``count_p <= s_count``).
   :func:`_plane_table` clamps the offsets to the payload's units, so that no
-  widths, valid or not, reach outside it."""
+  widths, valid or not, reach outside it. ``rows``: each row's position, its
+  payload's first byte (even) and whether it exists."""
   block = cfg.sg
   shape = (block, _G) if words else (block, _G, cfg.cb)
-  sg = pl.program_id(0) * block + _iota(shape, 0)
   byte = _iota(shape, 1) * cfg.cb + (0 if words else _iota(shape, 2))
   div = 2 if words else 1  # (plane_bits=1: the bytes g CB, CB = 2, are even)
+  if rows is None:
+    sg, start, ok = pl.program_id(0) * block + _iota(shape, 0), 0, True
+  else:
+    spread = lambda v: jnp.broadcast_to(v.reshape((block,) + (1,) * (len(shape) - 1)), shape)
+    sg, start, ok = spread(rows.j), spread(rows.base >> (div - 1)), spread(rows.ok)
   out = []
   for p in range(cfg.planes):
     unit = ptab_ref[p] + sg
-    out.append((s_count * (R.SCALE_BYTES // div) + unit * (cfg.unit_bytes // div) + byte // div,
-                unit < ptab_ref[p + 1]))
+    out.append((start + s_count * (R.SCALE_BYTES // div) + unit * (cfg.unit_bytes // div)
+                + byte // div, (unit < ptab_ref[p + 1]) & ok))
   return out
 
 
@@ -245,14 +279,15 @@ def _load_u8(ref16, byte_off, ok):
 
 
 def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: int,
-                interpret: bool, addend=None):
+                interpret: bool, addend=None, rows: _Rows | None = None):
   """Loads this program's scale records and planes (``pay16_ref``: the payload as
   uint16 words, :func:`_u16_payload`); decodes: float32 [BLOCK, G, CB, P],
   or its two halves [BLOCK, G, P] when :attr:`_Config.split`. ``addend`` (as
   :func:`_load_dense` gives): returns ``decode + addend``, each sum one
-  ``fma.rn.f32`` on a GPU."""
+  ``fma.rn.f32`` on a GPU. ``rows``: each row from its own position and payload
+  (:class:`_Rows`) instead of this program's block of one chunk."""
   dec = functools.partial(B.decode_block, fma=B.REFERENCE_OPS.fma if interpret else tt.fma)
-  k_off, k_ok, v_off, v_ok = _scale_offsets(cfg, s_count, _hidden_one(ptab_ref, cfg))
+  k_off, k_ok, v_off, v_ok = _scale_offsets(cfg, s_count, _hidden_one(ptab_ref, cfg), rows)
   k = _load_u8(pay16_ref, k_off, k_ok)
   sg_scale = jax.lax.bitcast_convert_type(_load_u16(pay16_ref, v_off, v_ok) << np.uint32(16),
                                           jnp.float32)
@@ -266,7 +301,7 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
     half_shape = (shape[0], shape[1], shape[3])
     lane = jax.lax.broadcasted_iota(jnp.uint32, half_shape, 2)
     pw = [tt.load(pay16_ref, off, ok) for off, ok in  # uint16
-          _plane_offsets(cfg, ptab_ref, s_count, words=True)]
+          _plane_offsets(cfg, ptab_ref, s_count, words=True, rows=rows)]
     pw += [None] * (-len(pw) % 4)
     halves = [[], []]
     for q in range(0, len(pw), 4):  # planes q..q+3
@@ -282,7 +317,7 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
   shifts = lane * np.uint32(cfg.plane_bits)
   mask = np.uint32((1 << cfg.plane_bits) - 1)
   codes = jnp.zeros(shape, jnp.uint32)
-  for p, (off, ok) in enumerate(_plane_offsets(cfg, ptab_ref, s_count)):
+  for p, (off, ok) in enumerate(_plane_offsets(cfg, ptab_ref, s_count, rows=rows)):
     b = _load_u8(pay16_ref, off, ok)[..., None]
     codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
   return dec(codes, scale, widths, cfg.tabs, lookup=lookup, addend=addend)
@@ -402,6 +437,62 @@ def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, 
                units=units, strata=strata, interpret=interpret, hop=True)
 
 
+def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count, slots, mean,
+                        payload_bytes, interpret):
+  """Decodes ``count`` rows, each one super-group of one of the ``n`` payloads (all with
+  the same per-position widths, ``w_ref`` read per row): row r is position ``r % S``
+  of payload ``r // S``, or (``slots``) slot ``slot_ref[r]``, clamped to ``[0, n S)``:
+  position ``slot // n`` of payload ``slot % n``; plus ``mean_ref[r]`` (``mean``), by
+  the same ``fma`` as :func:`_decompress_accumulate_kernel`."""
+  refs = list(refs)
+  slot_ref = refs.pop(0) if slots else None
+  mean_ref = refs.pop(0) if mean else None
+  pay_ref, out_ref = refs
+  block = cfg.sg
+  row = pl.program_id(0) * block + _iota((block,), 0)
+  ok = row < count
+  if slots:
+    slot = jnp.clip(jnp.where(ok, slot_ref[...], 0), 0, n * s_count - 1)
+    c, j = jax.lax.rem(slot, np.int32(n)), jax.lax.div(slot, np.int32(n))
+  else:
+    r = jnp.where(ok, row, 0)
+    c, j = jax.lax.div(r, np.int32(s_count)), jax.lax.rem(r, np.int32(s_count))
+  rows = _Rows(j, c * np.int32(payload_bytes), ok)
+  addend = None
+  if mean:
+    m, shape = mean_ref[...].astype(jnp.float32), cfg.block(block)
+    if cfg.split:
+      addend = (jnp.broadcast_to(m[:, None, None], (shape[0], shape[1], shape[3])),) * cfg.cb
+    else:
+      addend = jnp.broadcast_to(m[:, None, None, None], shape)
+  val = _read_chunk(pay_ref, tt.load(w_ref, j, ok), ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
+                    interpret=interpret, addend=addend, rows=rows)
+  _store_dense(out_ref, val, cfg)
+
+
+def _decode_sum_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, n,
+                       payload_bytes, interpret):
+  """The sum of the ``n`` payloads' decodes of this program's block of positions, in rank
+  order: payload 0 decoded, then each next one decoded and added (``fma``, as
+  :func:`_decompress_accumulate_kernel`), the sum kept in registers."""
+  j = pl.program_id(0) * cfg.sg + _iota((cfg.sg,), 0)
+  ok = j < s_count
+  widths = w_ref[...]
+
+  def add(c, acc):
+    rows = _Rows(j, j * 0 + c * np.int32(payload_bytes), ok)
+    return _read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
+                       interpret=interpret, addend=acc, rows=rows)
+
+  acc = add(np.int32(0), None)
+  if n <= _UNROLL_SUM:
+    for c in range(1, n):
+      acc = add(np.int32(c), acc)
+  else:
+    acc = jax.lax.fori_loop(np.int32(1), np.int32(n), add, acc)
+  _store_dense(out_ref, acc, cfg)
+
+
 # ----------------------------------------------------------------------------
 # The launch: one pallas_call per operation.
 
@@ -480,6 +571,63 @@ def _launch(payload, x, widths, karr, *, op, cfg, units, strata, interpret, fill
   return out if writes else out.reshape(s_count, B.SUPERGROUP)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
+def _launch_rows(payloads, widths, slots, mean, *, cfg, units, interpret):
+  """One launch decoding rows of all ``n`` payloads [n, bytes] (:func:`_decode_rows_kernel`)
+  over ``cdiv(rows, BLOCK)`` programs: ``n S`` rows in chunk order, or one per slot."""
+  n, size = payloads.shape
+  s_count = widths.shape[0]
+  count = n * s_count if slots is None else slots.shape[0]
+  tab = jnp.asarray(cfg.table())
+  whole = lambda k: pl.BlockSpec((k,), lambda i: (0,))
+  per_row = pl.BlockSpec((cfg.sg,), lambda i: (i,))
+  anywhere = pl.BlockSpec(memory_space=pl.ANY)
+  args = [_plane_table(widths, cfg.plane_bits, units), tab, widths]
+  in_specs = [whole(_PTAB), whole(tab.shape[0]), anywhere]
+  if slots is not None:
+    args.append(slots.astype(jnp.int32))
+    in_specs.append(per_row)
+  if mean is not None:
+    args.append(mean.astype(jnp.float32))
+    in_specs.append(per_row)
+  args.append(_u16_payload(payloads.reshape(-1)))
+  in_specs.append(anywhere)
+  kernel = functools.partial(_decode_rows_kernel, cfg=cfg, s_count=s_count, n=n, count=count,
+                             slots=slots is not None, mean=mean is not None,
+                             payload_bytes=size, interpret=bool(interpret))
+  out_shape = jax.ShapeDtypeStruct(cfg.block(count), jnp.float32)
+  name = "decompress_rows" if slots is not None else "decompress_many"
+  out = pl.pallas_call(
+      kernel, out_shape=dispatch.typed_like(out_shape, args), grid=(pl.cdiv(count, cfg.sg),),
+      in_specs=in_specs, out_specs=pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0)),
+      compiler_params=_compiler_params(cfg, interpret), interpret=interpret,
+      name=f"dynamiq_units_{name}_p{cfg.plane_bits}")(*args)
+  return out.reshape(count, B.SUPERGROUP)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
+def _launch_sum(payloads, widths, *, cfg, units, interpret):
+  """One launch summing the decodes of all ``n`` payloads [n, bytes] in rank order
+  (:func:`_decode_sum_kernel`) over ``cdiv(S, BLOCK)`` programs."""
+  n, size = payloads.shape
+  s_count = widths.shape[0]
+  tab = jnp.asarray(cfg.table())
+  whole = lambda k: pl.BlockSpec((k,), lambda i: (0,))
+  dense_spec = pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))
+  args = [_plane_table(widths, cfg.plane_bits, units), tab, widths,
+          _u16_payload(payloads.reshape(-1))]
+  in_specs = [whole(_PTAB), whole(tab.shape[0]), pl.BlockSpec((cfg.sg,), lambda i: (i,)),
+              pl.BlockSpec(memory_space=pl.ANY)]
+  kernel = functools.partial(_decode_sum_kernel, cfg=cfg, s_count=s_count, n=n,
+                             payload_bytes=size, interpret=bool(interpret))
+  out_shape = jax.ShapeDtypeStruct(cfg.block(s_count), jnp.float32)
+  out = pl.pallas_call(
+      kernel, out_shape=dispatch.typed_like(out_shape, args), grid=(pl.cdiv(s_count, cfg.sg),),
+      in_specs=in_specs, out_specs=dense_spec, compiler_params=_compiler_params(cfg, interpret),
+      interpret=interpret, name=f"dynamiq_units_decompress_sum_p{cfg.plane_bits}")(*args)
+  return out.reshape(s_count, B.SUPERGROUP)
+
+
 def launch_config(op: str, launch=None, *, interpret: bool = False) -> tuple[int, int]:
   """``(block, num_warps)`` of a launch of ``op``: ``launch`` if given (checked), else
   :data:`TUNED`'s entry for the GPU the program is lowered for (the abstract
@@ -529,6 +677,32 @@ def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_roundi
   launch = functools.partial(_launch, op=op, cfg=cfg, units=int(units), strata=strata,
                              interpret=interpret, fill=fill)
   return dispatch.map_over_batch(launch, payload, x, widths, karr)
+
+
+def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, width_set,
+              interpret, launch=None):
+  """:func:`_run` for the decodes of all ``n`` payloads at once (:func:`_launch_rows`,
+  or their sum: :func:`_launch_sum`)."""
+  widths = jnp.asarray(widths).astype(jnp.int32)
+  R.check_payloads(payloads, widths, units, plane_bits=plane_bits, width_set=width_set,
+                   slots=slots, mean=mean)
+  block, warps = launch_config(op, launch, interpret=bool(interpret))
+  cfg = _Config(eps=tuple(sorted((int(w), float(e)) for w, e in dict(eps).items())),
+                width_set=tuple(sorted(int(w) for w in width_set)), plane_bits=plane_bits,
+                scale_rounding="up", sg=block, num_warps=warps)
+  if widths.shape[0] == 0 or payloads.shape[0] == 0 or (slots is not None
+                                                        and slots.shape[0] == 0):
+    raise NotImplementedError("an empty chunk (no super-groups, payloads or slots)")
+  if payloads.size >= 2**31:
+    raise NotImplementedError(f"{payloads.shape[0]} payloads of {payloads.shape[1]} bytes "
+                              "(int32 byte offsets)")
+  if cfg.plane_bits == 2 and any(w % 2 for w in cfg.width_set):
+    raise NotImplementedError(f"odd widths in width_set={cfg.width_set} with plane_bits=2")
+  if op == "decompress_sum":
+    call = functools.partial(_launch_sum, cfg=cfg, units=int(units), interpret=interpret)
+    return dispatch.map_over_batch(call, payloads, widths)
+  call = functools.partial(_launch_rows, cfg=cfg, units=int(units), interpret=interpret)
+  return dispatch.map_over_batch(call, payloads, widths, slots, mean)
 
 
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
@@ -609,3 +783,36 @@ def decompress_accumulate_recompress_pallas(payload, x, widths, units: int, *, e
   return _run("decompress_accumulate_recompress", payload, x, widths, units, keys, rank,
               eps=eps, strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
               width_set=width_set, interpret=interpret, fill=fill, launch=launch)
+
+
+@_triton_entry
+def decompress_many_pallas(payloads, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
+                           width_set=R.WIDTH_SET, interpret=False, launch=None):
+  """Kernel version of :func:`~pallas_kernels.dynamiq_reference.decompress_many_reference`:
+  the ``n`` payloads [n, bytes] decoded by one launch, float32 [n, S, 256]."""
+  out = _run_rows("decompress_many", payloads, widths, units, None, None, eps=eps,
+                  plane_bits=plane_bits, width_set=width_set, interpret=interpret,
+                  launch=launch)
+  return out.reshape(payloads.shape[0], -1, B.SUPERGROUP)
+
+
+@_triton_entry
+def decompress_rows_pallas(payloads, widths, units: int, slots, mean=None, *, eps,
+                             plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
+                             interpret=False, launch=None):
+  """Kernel version of
+  :func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`: each output
+  row decoded from its slot of the ``n`` payloads (plus its mean) by one launch."""
+  return _run_rows("decompress_rows", payloads, widths, units, slots, mean, eps=eps,
+                   plane_bits=plane_bits, width_set=width_set, interpret=interpret,
+                   launch=launch)
+
+
+@_triton_entry
+def decompress_sum_pallas(payloads, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
+                          width_set=R.WIDTH_SET, interpret=False, launch=None):
+  """Kernel version of :func:`~pallas_kernels.dynamiq_reference.decompress_sum_reference`:
+  the ``n`` payloads' decodes summed in rank order by one launch, float32 [S, 256]."""
+  return _run_rows("decompress_sum", payloads, widths, units, None, None, eps=eps,
+                   plane_bits=plane_bits, width_set=width_set, interpret=interpret,
+                   launch=launch)

@@ -382,6 +382,28 @@ class Codec(abc.ABC):
       return acc
     return jax.lax.fori_loop(1, n, lambda s, a: self.decode_add(take(s), a, aux), acc)
 
+  def decode_many(self, payloads, aux):
+    """Every gathered payload decoded: payloads (leading axis n) -> the partial sums they
+    carry (leading axis n), each as :meth:`decode` gives it.
+
+    The default decodes them one by one (``jax.vmap`` of :meth:`decode`). A codec with
+    a batched kernel overrides it (DynamiQ: one launch for all n). The schedule
+    executor calls a codec's own; for one without, it decodes the payloads itself
+    (one decode each where the hops are unrolled: a kernel under ``vmap`` runs as a
+    loop).
+    """
+    return jax.vmap(lambda p: self.decode(p, aux))(payloads)
+
+  def decode_finish(self, payloads, aux, bucket: Bucket, state):
+    """``finish(decode_many(payloads, aux), aux, bucket, state)``: the gathered payloads
+    (leading axis n) decoded and finished at once -> ``(flat float32 [d], new state)``.
+
+    A codec overrides it to fuse the two, with the same results (DynamiQ: one kernel
+    decodes each super-group straight into its place and adds its mean); the bucket
+    engine calls a codec's own, and for one without, decodes and finishes apart.
+    """
+    return self.finish(self.decode_many(payloads, aux), aux, bucket, state)
+
   @abc.abstractmethod
   def finish(self, decoded, aux, bucket: Bucket, state):
     """Decoded chunks (leading axis n) -> ``(flat float32 [d], new state)``."""

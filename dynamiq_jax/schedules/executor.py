@@ -67,6 +67,9 @@ class HopOps(NamedTuple):
     decode_add: ``(payload, chunk) -> value``.
     decode_sum: ``payloads (leading axis n) -> value``: their decoded sum in a
       fixed order (None: ``decode_add`` in rank order).
+    decode_many: ``payloads (leading axis n) -> values (leading axis n)``: every
+      payload decoded at once, as ``decode`` of each (None: :func:`decode_all`
+      decodes them one by one).
   """
 
   encode: Callable[[PyTree, Any, Any], PyTree]
@@ -74,6 +77,7 @@ class HopOps(NamedTuple):
   decode_add_encode: Callable[[PyTree, PyTree, Any, Any], PyTree]
   decode_add: Callable[[PyTree, PyTree], PyTree]
   decode_sum: Callable[[PyTree], PyTree] | None = None
+  decode_many: Callable[[PyTree], PyTree] | None = None
 
 
 def _take(chunks, c):
@@ -213,12 +217,16 @@ def gather_payloads(plan: TreePlan | TwoStepPlan, ctx: AxisContext, final):
 
 
 def decode_all(payloads, ops: HopOps):
-  """Every payload (leading axis n) decoded: ``jax.vmap(ops.decode)``, but for up to
-  :data:`UNROLL_MAX_STEPS` + 1 payloads, where the hops are unrolled too (not on
-  :data:`LOOP_PLATFORMS`), one decode each, stacked: a kernel under ``vmap`` runs as
-  a loop over the batch, whose carried copies of the result held several buckets'
-  worth of memory at once on XLA's GPU schedule. (On XLA:CPU, unrolled decodes of
-  THC under ``simulate`` made one loop fusion whose code generation took minutes.)"""
+  """Every payload (leading axis n) decoded: ``ops.decode_many`` where the codec has a
+  batched decode (one kernel launch for all n: DynamiQ). Else ``jax.vmap(ops.decode)``,
+  but for up to :data:`UNROLL_MAX_STEPS` + 1 payloads, where the hops are unrolled too
+  (not on :data:`LOOP_PLATFORMS`), one decode each, stacked: a kernel under ``vmap``
+  runs as a loop over the batch, whose carried copies of the result held several
+  buckets' worth of memory at once on XLA's GPU schedule. (On XLA:CPU, unrolled
+  decodes of THC under ``simulate`` made one loop fusion whose code generation took
+  minutes.)"""
+  if ops.decode_many is not None:
+    return ops.decode_many(payloads)
   n = jax.tree.leaves(payloads)[0].shape[0]
   if n > UNROLL_MAX_STEPS + 1 or _lowering_platform() in LOOP_PLATFORMS:
     return jax.vmap(ops.decode)(payloads)
