@@ -1,0 +1,442 @@
+"""DynamiQ's guard and statistics in one pass over a bucket, and the statistics' sum.
+
+:func:`guard_stats` reads a bucket ``x`` float32 ``[S, 256]`` once (one
+super-group of 256 coordinates per row) and gives, per row:
+
+* the guard's votes (:func:`dynamiq_jax.engine.guard`): the largest finite
+  magnitude and 1.0 if any value is NaN or infinite;
+* the local mean of the row's finite values (non-finite ones count as 0, as
+  the guard makes them), already rounded to bf16 *stochastically* as the
+  statistics all-reduce's first encode does (the key of the row's chunk c at
+  step ``hop``: :func:`pallas_kernels.rng.hash_index` of the element index
+  ``row % s`` in the chunk of ``s`` rows);
+* the L2 norm of the centred residual, exact to bf16 (:func:`row_norm_block`,
+  the arithmetic of :func:`dynamiq_jax.codecs._exact.row_norm`).
+
+**Scale.** The guard scales a bucket whose largest magnitude reaches
+``2^safe_exponent`` by a power of two, which is known only once every rank
+has voted; this pass runs before that. So each row is first scaled by its
+*own* guard factor ``2^shift`` (``shift = min(safe_exponent - e, 0)``,
+``e`` the exponent of the row's largest magnitude: 0 for every usual row),
+which keeps sums and residuals finite, and :func:`rescale` multiplies mean
+and norm by ``2^(bucket shift - row shift)`` after the vote. A product by a
+power of two is exact, and stochastic rounding to bf16 commutes with it, so
+these are the statistics of the guarded bucket, bit for bit, except where
+the guarded values are subnormal (below 2^-126: only in a bucket with a
+value of 2^64 or more, for values 2^190 times smaller than its largest):
+there the statistics of the guarded bucket would have lost bits that these
+keep (and a GPU may flush them), and the codec's centring mean
+(:func:`row_mean` of the guarded values) can differ from the mean sent in
+those bits. Norms below 2^-126 are flushed to 0 (they only rank super-groups).
+
+:func:`stats_sum` is the owner's step of the statistics' all-reduce
+(:meth:`dynamiq_jax.codecs.dynamiq.SupergroupStats.decode_sum`): the n ranks'
+payloads of one chunk ``[n, s, 2]`` bf16 decoded, the means summed by a fixed
+pairwise tree in rank order, the norms combined as ``sqrt(sum of squares)``
+(:func:`dynamiq_jax.codecs._exact.hypot_all`'s arithmetic), in one launch.
+:func:`row_mean` is the centring mean of the guarded bucket (the same tree).
+
+Memory layout: one program handles :data:`BLOCK` rows, each row whole in
+registers (both reductions of a row stay in the program) and writes one
+column of a ``[4, S]`` output (mean, norm, largest magnitude, non-finite flag);
+the key tables come in whole and are gathered by chunk. Pairwise trees are
+``split``-and-add steps (``v[..., :h] + v[..., h:]``), which the Triton
+backend lowers as register shuffles. The block arithmetic below is shared by
+the kernels and their jnp references (``*_reference``, the product path off
+GPU), so the two agree bit for bit; on a GPU the square root is
+``sqrt.rn.f32`` (correctly rounded, like XLA's).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels import dispatch as D
+from pallas_kernels import rng
+from pallas_kernels import triton_ops as tt
+
+__all__ = ["ROW", "BLOCK", "NUM_WARPS", "tree_sum", "row_stats_block", "row_norm_block",
+           "guard_exponent", "rescale", "row_mean", "row_mean_reference", "row_mean_pallas",
+           "guard_stats", "guard_stats_reference", "guard_stats_pallas",
+           "stats_sum", "stats_sum_reference", "stats_sum_pallas"]
+
+ROW = 256
+"""Coordinates per row (a DynamiQ super-group)."""
+BLOCK = 16
+"""Rows per program of :func:`guard_stats_pallas`: 32 values per thread with
+:data:`NUM_WARPS` warps."""
+NUM_WARPS = 4
+"""Warps per program."""
+_SUM_BLOCK = 256  # super-groups per program of stats_sum_pallas
+_TINY = np.float32(2.0**-126)  # smallest normal float32
+
+
+# ----------------------------------------------------------------------------
+# Block arithmetic (backend-free; ``sqrt`` is passed in).
+
+
+def tree_sum(v, axis: int = -1):
+  """Sum over ``axis`` (a power of two long) by a fixed pairwise tree: the first step adds
+  element i and i + h (h half the length), as :func:`dynamiq_jax.codecs._exact.tree_sum`."""
+  n = v.shape[axis]
+  if n & (n - 1):
+    raise ValueError(f"tree_sum of {n} values: the length must be a power of two")
+  while v.shape[axis] > 1:
+    a, b = jnp.split(v, 2, axis=axis)
+    v = a + b
+  return jnp.squeeze(v, axis)
+
+
+def _pow2(k):
+  """``2.0 ** k`` for int32 ``k`` in [-126, 127], built from its bits (exact)."""
+  return jax.lax.bitcast_convert_type(((k + 127).astype(jnp.uint32) << 23), jnp.float32)
+
+
+def _exponent(m):
+  """``frexp(m)[1]`` for a normal float32 ``m > 0`` (``m < 2^e``); -126 for subnormals, whose
+  scaled values below stay normal (see :func:`row_norm_block`)."""
+  bits = jax.lax.bitcast_convert_type(m, jnp.uint32)
+  return ((bits >> 23) & 0xFF).astype(jnp.int32) - 126
+
+
+def _finite(x):
+  """``isfinite(x)`` of float32 ``x`` from its exponent bits."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return (bits & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
+
+
+def _bf16_round(v):
+  return v.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _stochastic_bf16(v, hash_bits):
+  """:func:`pallas_kernels.bf16.stochastic` of finite float32 ``v``, as float32."""
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+  return jax.lax.bitcast_convert_type((bits + (hash_bits >> 16)) & np.uint32(0xFFFF0000),
+                                      jnp.float32)
+
+
+def row_norm_block(r, sqrt=jnp.sqrt):
+  """The L2 norm of each row of finite ``r`` [..., 256], rounded to bf16 (flushed to 0 below
+  2^-126).
+
+  :func:`dynamiq_jax.codecs._exact.row_norm`'s arithmetic: the row is scaled
+  by the power of two below its largest magnitude (exact), rounded to bf16
+  so that each square is exact, the squares summed by :func:`tree_sum`, one
+  square root, scaled back. ``|r| < 2^66`` (rows the guard scaled).
+  """
+  m = jnp.max(jnp.abs(r), axis=-1)
+  pos = m > 0
+  e = jnp.where(pos, _exponent(m), 1)
+  b = _bf16_round(r * _pow2(-e)[..., None])  # |b| <= 1
+  h = sqrt(tree_sum(b * b)) * _pow2(e)
+  return _bf16_round(jnp.where(pos & (h >= _TINY), h, 0.0))
+
+
+def row_stats_block(x, j, k0, k1, *, safe_exponent: int, sqrt=jnp.sqrt):
+  """One pass over rows ``x`` float [B, 256] -> per row ``(mean, norm, amax, bad)``, float32.
+
+  ``amax``: the largest finite magnitude; ``bad``: 1.0 if a value is not
+  finite. ``mean`` and ``norm``: the statistics of the row's finite values
+  (others as 0) scaled by the row's guard factor ``2^shift`` (module
+  docstring; :func:`rescale` finishes them), the mean rounded to bf16
+  stochastically by ``hash_index(k0, k1, j)``.
+
+  Args:
+    x: float [B, 256].
+    j: int32 [B], each row's index in its chunk.
+    k0, k1: uint32 [B], each row's key (its chunk's).
+    safe_exponent: the guard's :data:`~dynamiq_jax.engine.SAFE_EXPONENT`.
+  """
+  x = x.astype(jnp.float32)
+  finite = _finite(x)
+  xz = jnp.where(finite, x, 0.0)
+  amax = jnp.max(jnp.abs(xz), axis=-1)
+  bad = jnp.max(jnp.where(finite, 0.0, 1.0), axis=-1)
+  shift = _row_shift(amax, safe_exponent)
+  xt = xz * _pow2(shift)[:, None]
+  mean = tree_sum(xt) * np.float32(1.0 / ROW)
+  norm = row_norm_block(xt - mean[:, None], sqrt)
+  mean = _stochastic_bf16(mean, rng.hash_index(k0, k1, j))
+  return mean, norm, amax, bad
+
+
+def _row_shift(amax, safe_exponent: int):
+  """The guard's exponent for a largest magnitude ``amax``: ``min(safe - e, 0)``."""
+  e = jnp.where(amax > 0, _exponent(amax), 0)
+  return jnp.minimum(safe_exponent - e, 0)
+
+
+def guard_exponent(amax, safe_exponent: int):
+  """The guard's scale exponent for the ranks' largest finite magnitude ``amax``:
+  ``min(safe_exponent - frexp(amax)[1], 0)`` (``dynamiq_jax.engine.guarded``)."""
+  return _row_shift(amax, safe_exponent)
+
+
+def rescale(mean, norm, amax, scale_exponent, *, safe_exponent: int):
+  """Row statistics of :func:`guard_stats` (``amax`` its rows' largest magnitudes) -> those
+  of the guarded bucket ``[S, 2]`` bfloat16 (the means already stochastically rounded),
+  ``scale_exponent`` (int32) the bucket's guard exponent (:func:`guard_exponent`): each
+  row times ``2^(scale_exponent - row shift)`` (exact: a power of two in [2^-64, 1])."""
+  if safe_exponent >= 127:  # nothing is scaled
+    return jnp.stack([mean, norm], axis=-1).astype(jnp.bfloat16)
+  f = _pow2(scale_exponent - _row_shift(amax, safe_exponent))
+  return jnp.stack([mean * f, norm * f], axis=-1).astype(jnp.bfloat16)
+
+
+def _sum_block(means, norms, sqrt=jnp.sqrt):
+  """Decoded payloads ``means, norms`` float32 [n, B] (bf16-exact, norms >= 0, below
+  2^100; n a power of two, zero rows padding) -> float32 ``(total, norm)`` [B]: the means'
+  pairwise tree sum in rank order (:func:`dynamiq_jax.codecs._exact.tree_sum`), the norms'
+  ``sqrt(sum of squares)`` rounded to bf16 (:func:`dynamiq_jax.codecs._exact.hypot_all`)."""
+  total = tree_sum(means, axis=0)
+  m = jnp.max(norms, axis=0)
+  finite = _finite(m) & (m > 0)
+  e = jnp.minimum(jnp.where(finite, _exponent(m), 1), 127)
+  b = norms * _pow2(-e)[None, :]
+  h = sqrt(tree_sum(b * b, axis=0)) * _pow2(e)
+  norm = _bf16_round(jnp.where(finite, h, m + jnp.sum(norms, axis=0)))
+  return total, norm
+
+
+# ----------------------------------------------------------------------------
+# The statistics pass.
+
+
+def _check_rows(x):
+  if x.ndim != 2 or x.shape[1] != ROW:
+    raise ValueError(f"x has shape {x.shape}; give rows [S, {ROW}] (one super-group each)")
+
+
+def _chunk_keys(k0, k1, hop, c, stride: int):
+  """Each row's key: entry ``c * stride + hop`` of the flat key tables ``k0, k1``."""
+  i = c * stride + hop
+  return k0[i], k1[i]
+
+
+def guard_stats_reference(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: int = 1):
+  """:func:`guard_stats` in jnp: the same block arithmetic over every row at once."""
+  _check_rows(x)
+  row = jnp.arange(x.shape[0], dtype=jnp.int32)
+  k0, k1 = (jnp.asarray(k, jnp.uint32).reshape(-1) for k in (k0, k1))
+  hop = jnp.asarray(hop, jnp.int32).reshape(())
+  mean, norm, amax, bad = row_stats_block(x, row % s, *_chunk_keys(k0, k1, hop, row // s, stride),
+                                          safe_exponent=safe_exponent)
+  return mean, norm, amax, jnp.max(amax), jnp.max(bad)
+
+
+def _guard_stats_kernel(k0_ref, k1_ref, hop_ref, x_ref, out_ref, *, block: int, s: int,
+                        stride: int, safe_exponent: int, interpret: bool):
+  row = pl.program_id(0) * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+  c = jnp.minimum(row // s, k0_ref.shape[0] // stride - 1)  # rows past the end: any key
+  i = c * stride + hop_ref[0]
+  sqrt = jnp.sqrt if interpret else _sqrt_rn
+  found = row_stats_block(x_ref[...], row % s, k0_ref[i], k1_ref[i],
+                          safe_exponent=safe_exponent, sqrt=sqrt)
+  for r, v in enumerate(found):  # (mean, norm, amax, bad): one output, [4, S]
+    out_ref[r, :] = v
+
+
+def _sqrt_rn(v):
+  """Correctly rounded square root on the GPU (``sqrt.rn.f32``), as XLA's."""
+  return tt.asm("sqrt.rn.f32 $0, $1;", "=f,f", jnp.float32, v)
+
+
+def _compiler_params(interpret, num_warps=NUM_WARPS):
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as pltr  # pylint: disable=import-outside-toplevel
+  return pltr.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+@functools.partial(jax.jit, static_argnames=("s", "stride", "safe_exponent", "interpret",
+                                             "block"))
+def _guard_stats_launch(x, k0, k1, hop, *, s, stride, safe_exponent, interpret, block):
+  rows = x.shape[0]
+  kernel = functools.partial(_guard_stats_kernel, block=block, s=s, stride=stride,
+                             safe_exponent=safe_exponent, interpret=bool(interpret))
+  whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))
+  out = jax.ShapeDtypeStruct((4, rows), jnp.float32)
+  return pl.pallas_call(
+      kernel, out_shape=D.typed_like(out, (x, k0, k1, hop)), grid=(pl.cdiv(rows, block),),
+      in_specs=[whole(k0), whole(k1), whole(hop), pl.BlockSpec((block, ROW), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((4, block), lambda i: (0, i)),
+      compiler_params=_compiler_params(interpret), interpret=interpret,
+      name="dynamiq_guard_stats")(k0, k1, hop, x)
+
+
+def guard_stats_pallas(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: int = 1,
+                       interpret=False, block: int = BLOCK):
+  """Kernel version of :func:`guard_stats_reference` (the same arguments)."""
+  _check_rows(x)
+  if x.dtype != jnp.float32:
+    raise NotImplementedError(f"x dtype {x.dtype} (the kernel takes float32)")
+  if not interpret:
+    _quiet()
+  k0, k1 = (jnp.asarray(k, jnp.uint32).reshape(-1) for k in (k0, k1))
+  hop = jnp.asarray(hop, jnp.int32).reshape(1)
+  launch = functools.partial(_guard_stats_launch, s=s, stride=stride,
+                             safe_exponent=safe_exponent, interpret=interpret, block=block)
+  out = D.map_over_batch(launch, x, k0, k1, hop)  # [..., 4, S]
+  votes = jnp.max(out[..., 2:, :], axis=-1)  # one reduction for both
+  return out[..., 0, :], out[..., 1, :], out[..., 2, :], votes[..., 0], votes[..., 1]
+
+
+def guard_stats(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: int = 1,
+                implementation: D.Implementation = None, interpret: bool | None = None):
+  """The guard's votes and a bucket's statistics in one pass (module docstring).
+
+  Args:
+    x: float32 [S, 256], one super-group per row.
+    k0, k1: uint32, flat tables of the keys of the statistics' first encode:
+      chunk c's is entry ``c * stride + hop`` (DynamiQ's ``[n, n + 1]`` tables of
+      (chunk, step) with ``stride = n + 1`` and ``hop`` this rank; ``[n]`` keys with
+      the defaults).
+    hop: int32 scalar (see ``k0``).
+    s: rows per chunk (``S = n s``).
+    safe_exponent: magnitudes from ``2^safe_exponent`` are scaled down by the guard.
+    stride: see ``k0``.
+    implementation, interpret: as :func:`pallas_kernels.dynamiq.compress`'s.
+
+  Returns:
+    ``(mean, norm, rows_amax, amax, bad)``: float32 [S] the row-scaled statistics
+    (the mean rounded to bf16 stochastically, the norm to bf16) and each row's
+    largest finite magnitude (:func:`rescale` takes these three); float32 scalars
+    the guard's votes: the largest finite magnitude and the non-finite flag.
+  """
+  n = np.size(k0) // stride
+  if s < 1 or x.ndim != 2 or x.shape[0] != s * n:
+    raise ValueError(f"x has shape {np.shape(x)} but s={s} rows per chunk and "
+                     f"{n} chunk keys; give rows [S = n s, {ROW}]")
+  return D.dispatch("guard_stats", D.Kernels(guard_stats_pallas), guard_stats_reference,
+                    _implementation(implementation), interpret, x, k0, k1, hop, s=s, safe_exponent=safe_exponent,
+                    stride=stride)
+
+
+def row_mean_reference(x):
+  """:func:`row_mean` in jnp."""
+  _check_rows(x)
+  return tree_sum(x.astype(jnp.float32)) * np.float32(1.0 / ROW)
+
+
+def _row_mean_kernel(x_ref, out_ref):
+  out_ref[...] = tree_sum(x_ref[...].astype(jnp.float32)) * np.float32(1.0 / ROW)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block"))
+def _row_mean_launch(x, *, interpret, block):
+  out = jax.ShapeDtypeStruct((x.shape[0],), jnp.float32)
+  return pl.pallas_call(
+      _row_mean_kernel, out_shape=D.typed_like(out, (x,)), grid=(pl.cdiv(x.shape[0], block),),
+      in_specs=[pl.BlockSpec((block, ROW), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((block,), lambda i: (i,)),
+      compiler_params=_compiler_params(interpret), interpret=interpret,
+      name="dynamiq_row_mean")(x)
+
+
+def row_mean_pallas(x, *, interpret=False, block: int = BLOCK):
+  """Kernel version of :func:`row_mean_reference`."""
+  _check_rows(x)
+  if x.dtype != jnp.float32:
+    raise NotImplementedError(f"x dtype {x.dtype} (the kernel takes float32)")
+  if not interpret:
+    _quiet()
+  return D.map_over_batch(functools.partial(_row_mean_launch, interpret=interpret, block=block),
+                          x)
+
+
+def row_mean(x, *, implementation: D.Implementation = None, interpret: bool | None = None):
+  """Each row's mean, its pairwise :func:`tree_sum` times 2^-8: the centring mean of a
+  guarded bucket ``x`` float32 [S, 256] (the mean :func:`guard_stats` encodes, barring
+  subnormals: module docstring)."""
+  return D.dispatch("row_mean", D.Kernels(row_mean_pallas), row_mean_reference,
+                    _implementation(implementation), interpret, x)
+
+
+# ----------------------------------------------------------------------------
+# The statistics' sum (the owner's step of the two-step all-reduce).
+
+
+def _check_payloads(payloads):
+  if payloads.ndim != 3 or payloads.shape[-1] != 2:
+    raise ValueError(f"payloads have shape {payloads.shape}; give [n, s, 2] (mean, norm)")
+
+
+def _pad_ranks(payloads):
+  n = payloads.shape[0]
+  q = 1 << max(n - 1, 0).bit_length()
+  return jnp.pad(payloads, ((0, q - n), (0, 0), (0, 0))) if q != n else payloads
+
+
+def stats_sum_reference(payloads):
+  """:func:`stats_sum` in jnp."""
+  _check_payloads(payloads)
+  p = _pad_ranks(payloads).astype(jnp.float32)
+  return jnp.stack(_sum_block(p[..., 0], p[..., 1]), axis=-1)
+
+
+def _stats_sum_kernel(p_ref, out_ref, *, interpret: bool):
+  means = p_ref[:, :, 0].astype(jnp.float32)
+  norms = p_ref[:, :, 1].astype(jnp.float32)
+  total, norm = _sum_block(means, norms, sqrt=jnp.sqrt if interpret else _sqrt_rn)
+  out_ref[...] = jnp.stack([total, norm], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block"))
+def _stats_sum_launch(payloads, *, interpret, block):
+  n, s, _ = payloads.shape
+  out = jax.ShapeDtypeStruct((s, 2), jnp.float32)
+  return pl.pallas_call(
+      functools.partial(_stats_sum_kernel, interpret=bool(interpret)),
+      out_shape=D.typed_like(out, (payloads,)), grid=(pl.cdiv(s, block),),
+      in_specs=[pl.BlockSpec((n, block, 2), lambda i: (0, i, 0))],
+      out_specs=pl.BlockSpec((block, 2), lambda i: (i, 0)),
+      compiler_params=_compiler_params(interpret), interpret=interpret,
+      name="dynamiq_stats_sum")(payloads)
+
+
+def stats_sum_pallas(payloads, *, interpret=False, block: int = _SUM_BLOCK):
+  """Kernel version of :func:`stats_sum_reference`."""
+  _check_payloads(payloads)
+  n = payloads.shape[0]
+  if payloads.dtype != jnp.bfloat16:
+    raise NotImplementedError(f"payload dtype {payloads.dtype} (the kernel takes bfloat16)")
+  if n & (n - 1):
+    raise NotImplementedError(f"n={n} ranks, not a power of two")
+  if not interpret:
+    _quiet()
+  block = min(block, 1 << max(payloads.shape[1] - 1, 0).bit_length())
+  launch = functools.partial(_stats_sum_launch, interpret=interpret, block=block)
+  return D.map_over_batch(launch, payloads)
+
+
+def stats_sum(payloads, *, implementation: D.Implementation = None,
+              interpret: bool | None = None):
+  """The n ranks' statistics payloads of one chunk, decoded and summed in one pass.
+
+  Args:
+    payloads: bfloat16 [n, s, 2], row r rank r's (mean, norm) of the chunk.
+
+  Returns:
+    float32 [s, 2]: the means added in rank order by a pairwise tree, the
+    norms combined as ``sqrt(sum of squares)`` rounded to bf16 (what
+    :meth:`~dynamiq_jax.codecs.dynamiq.SupergroupStats.decode_sum` returns).
+  """
+  return D.dispatch("stats_sum", D.Kernels(stats_sum_pallas), stats_sum_reference,
+                    _implementation(implementation), interpret, payloads)
+
+
+def _implementation(implementation: D.Implementation) -> D.Implementation:
+  """These kernels have no Mosaic GPU form: under ``"mosaic"`` (the hops' backend) they take
+  the default path (Triton where it compiles, else the reference)."""
+  return None if implementation == "mosaic" else implementation
+
+
+def _quiet():
+  from pallas_kernels import dynamiq_triton  # pylint: disable=import-outside-toplevel
+  dynamiq_triton._quiet_triton_deprecation()  # pylint: disable=protected-access

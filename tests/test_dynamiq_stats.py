@@ -1,0 +1,275 @@
+"""DynamiQ's guard + statistics pass and the statistics' sum (pallas_kernels.dynamiq_stats):
+kernel against reference bit for bit in interpret mode, the reference against the arithmetic
+it replaces (the guard, then the statistics of the guarded bucket: codecs/_exact.py), the
+engine's one-pass guard against the two-pass one, and the kernels' compile for an H100."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dynamiq_jax as dq
+from dynamiq_jax import engine
+from dynamiq_jax.codecs._exact import hypot_all, row_norm, stochastic_bf16, tree_sum
+from pallas_kernels import dynamiq_stats as S
+from pallas_kernels import rng
+
+import gpu_compile_tools as GT
+import test_gpu_compile as G
+from _helpers import lower_for, rows_identical
+
+SAFE = engine.SAFE_EXPONENT
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _same(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.shape == b.shape and a.dtype == b.dtype
+  np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def _rows(seed, n, s, kind="mixed"):
+  """[n s, 256] float32 rows over many decades, with zero rows and, by ``kind``, non-finite
+  values ("nonfinite") or rows of 2^64 and more ("huge")."""
+  r = np.random.default_rng(seed)
+  x = r.standard_normal((n * s, 256)) * np.exp(r.uniform(-15, 15, (n * s, 1)))
+  x[1] = 0.0
+  x[0, :40] = 0.0
+  if kind == "nonfinite":
+    x[2, 7], x[3, 0], x[3, 255], x[-1, 100] = np.nan, np.inf, -np.inf, np.nan
+  if kind == "huge":
+    x[2] = r.standard_normal(256) * 2.0**100
+    x[-1] = r.standard_normal(256) * 3e38 / 4  # near float32's largest
+  return jnp.asarray(x.astype(np.float32))
+
+
+def _keys(n, seed=0):
+  k = jnp.arange(n, dtype=jnp.uint32)
+  return rng.mix32(k * 2 + seed), rng.mix32(k * 2 + 1 + seed)
+
+
+def _old_statistics(x, k0, k1, s):
+  """What the codec computed before: the guard's scale, then the stats of the guarded rows
+  (codecs/_exact.py) and their first encode (SupergroupStats.encode)."""
+  x = np.asarray(x)
+  finite = np.isfinite(x)
+  amax = np.max(np.where(finite, np.abs(x), 0))
+  _, e = np.frexp(amax)
+  scale = np.float32(2.0 ** min(SAFE - int(e), 0))
+  xg = jnp.asarray(np.where(finite, x, 0) * scale)
+  mean = tree_sum(xg) / 256
+  norm = row_norm(xg - mean[:, None])
+  row = np.arange(x.shape[0])
+  c, j = row // s, jnp.asarray(row % s, jnp.uint32)
+  enc = stochastic_bf16(mean, rng.hash_index(k0[c], k1[c], j))
+  return jnp.stack([enc, norm.astype(jnp.bfloat16)], axis=-1), amax, float(~finite.all())
+
+
+CASES = [(3, 7, "mixed"), (8, 2, "nonfinite"), (4, 5, "huge"), (1, 17, "mixed")]
+
+
+@pytest.mark.parametrize("n,s,kind", CASES)
+def test_guard_stats_kernel_equals_the_reference(n, s, kind):
+  x = _rows(n * 10 + s, n, s, kind)
+  k0, k1 = _keys(n)
+  want = S.guard_stats_reference(x, k0, k1, s=s, safe_exponent=SAFE)
+  got = S.guard_stats_pallas(x, k0, k1, s=s, safe_exponent=SAFE, interpret=True)
+  assert len(want) == len(got) == 5
+  for a, b in zip(want, got):
+    _same(a, b)
+
+
+def test_keys_from_a_table_of_chunks_and_steps():
+  """Chunk c's key at entry c (n + 1) + hop of flat [n, n + 1] tables (DynamiQ's)."""
+  n, s = 4, 3
+  x = _rows(9, n, s)
+  t0, t1 = (rng.mix32(jnp.arange(n * (n + 1), dtype=jnp.uint32) + v) for v in (1, 99))
+  hop = jnp.int32(2)
+  want = S.guard_stats_reference(x, t0.reshape(n, n + 1)[:, 2], t1.reshape(n, n + 1)[:, 2],
+                                 s=s, safe_exponent=SAFE)
+  for impl in ("xla", "pallas"):
+    got = S.guard_stats(x, t0, t1, hop, s=s, safe_exponent=SAFE, stride=n + 1,
+                        implementation=impl, interpret=True)
+    for a, b in zip(want, got):
+      _same(a, b)
+
+
+@pytest.mark.parametrize("n,s,kind", CASES)
+def test_one_pass_equals_the_guard_then_the_statistics(n, s, kind):
+  """Votes and the rescaled statistics are the guard's and those of the guarded bucket, bit
+  for bit (huge rows: the bucket is scaled by 2^-36 or 2^-64, exactly)."""
+  x = _rows(n * 10 + s, n, s, kind)
+  k0, k1 = _keys(n, seed=5)
+  mean, norm, rows_amax, amax, bad = S.guard_stats(x, k0, k1, s=s, safe_exponent=SAFE)
+  want, want_amax, want_bad = _old_statistics(x, k0, k1, s)
+  assert float(amax) == want_amax and float(bad) == want_bad
+  shift = S.guard_exponent(amax, SAFE)
+  _, e = np.frexp(want_amax)
+  assert int(shift) == min(SAFE - int(e), 0) and (int(shift) < 0) == (kind == "huge")
+  _same(S.rescale(mean, norm, rows_amax, shift, safe_exponent=SAFE), want)
+
+
+def test_zero_rows_give_zero_statistics_and_bad_rows_count_as_zeros():
+  x = np.zeros((4, 256), np.float32)
+  x[1, 3] = np.nan
+  x[2, :] = np.inf
+  x[3, 5] = 2.0
+  mean, norm, rows_amax, amax, bad = S.guard_stats_pallas(jnp.asarray(x), *_keys(2), s=2,
+                                                          safe_exponent=SAFE, interpret=True)
+  assert float(bad) == 1 and float(amax) == 2
+  np.testing.assert_array_equal(np.asarray(rows_amax), [0, 0, 0, 2])
+  np.testing.assert_array_equal(np.asarray(norm)[:3], 0)
+  np.testing.assert_array_equal(np.asarray(mean)[:3], 0)
+  assert float(norm[3]) == float(jnp.asarray(np.sqrt(255 * (2 / 256) ** 2 + (2 - 2 / 256) ** 2),
+                                             jnp.bfloat16))
+
+
+def test_shapes_are_checked():
+  k0, k1 = _keys(2)
+  with pytest.raises(ValueError, match=r"rows \[S, 256\]"):
+    S.guard_stats(jnp.zeros((4, 128)), k0, k1, s=2, safe_exponent=SAFE)
+  with pytest.raises(ValueError, match=r"S = n s"):
+    S.guard_stats(jnp.zeros((5, 256)), k0, k1, s=2, safe_exponent=SAFE)
+  with pytest.raises(ValueError, match=r"\[n, s, 2\]"):
+    S.stats_sum(jnp.zeros((4, 3), jnp.bfloat16))
+
+
+def _payloads(n, s, seed=0):
+  r = np.random.default_rng(seed)
+  means = r.standard_normal((n, s)) * np.exp(r.uniform(-10, 10, (1, s)))
+  norms = np.abs(r.standard_normal((n, s))) * np.exp(r.uniform(-10, 10, (1, s)))
+  norms[:, 0] = 0.0  # a zero super-group
+  p = np.stack([means, norms], axis=-1).astype(np.float32)
+  return jnp.asarray(p).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("n,s", [(8, 300), (2, 5), (1, 3), (4, 1)])
+def test_stats_sum_kernel_equals_the_reference_and_the_old_decode_sum(n, s):
+  p = _payloads(n, s, seed=n + s)
+  want = S.stats_sum_reference(p)
+  _same(S.stats_sum_pallas(p, interpret=True), want)
+  q = jnp.moveaxis(p.astype(jnp.float32), 0, -1)
+  _same(want, jnp.stack([tree_sum(q[..., 0, :]), hypot_all(q[..., 1, :])], axis=-1))
+
+
+def test_stats_sum_of_a_rank_count_not_a_power_of_two_falls_back():
+  p = _payloads(6, 9)
+  with pytest.raises(NotImplementedError, match="n=6"):
+    S.stats_sum_pallas(p, interpret=True)
+  q = jnp.moveaxis(p.astype(jnp.float32), 0, -1)
+  _same(S.stats_sum(p, implementation="pallas", interpret=True),
+        jnp.stack([tree_sum(q[..., 0, :]), hypot_all(q[..., 1, :])], axis=-1))
+
+
+def test_mosaic_takes_the_default_path():
+  """No Mosaic GPU form: implementation="mosaic" (the hops') is the default path, here the
+  reference, not an error."""
+  x = _rows(5, 2, 3)
+  for a, b in zip(S.guard_stats(x, *_keys(2), s=3, safe_exponent=SAFE, implementation="mosaic"),
+                  S.guard_stats_reference(x, *_keys(2), s=3, safe_exponent=SAFE)):
+    _same(a, b)
+  _same(S.row_mean(x, implementation="mosaic"), S.row_mean_reference(x))
+
+
+def test_kernels_under_vmap_equal_the_reference():
+  x = jnp.stack([_rows(1, 2, 3), _rows(2, 2, 3, "huge")])
+  k0, k1 = _keys(2)
+  f = lambda impl: jax.vmap(lambda v: S.guard_stats(v, k0, k1, s=3, safe_exponent=SAFE,
+                                                    implementation=impl, interpret=True))(x)
+  for a, b in zip(f("pallas"), f("xla")):
+    _same(a, b)
+
+
+@pytest.mark.parametrize("schedule", ["ring", "two_step"])
+@pytest.mark.parametrize("kind", ["mixed", "huge", "nonfinite"])
+def test_the_all_reduce_with_the_kernels_equals_the_reference(schedule, kind):
+  """The whole DynamiQ all-reduce, kernels (interpret mode) against references: the same
+  bits on every rank, non-finite and huge buckets included."""
+  x = np.asarray(_rows(7, 8, 4, kind)).reshape(8, -1)
+
+  def run(impl):
+    codec = dq.codecs.DynamiQ()
+    return np.asarray(dq.simulate({"g": x}, codec=codec, schedule=schedule,
+                                  implementation=impl)["g"])
+
+  with_kernels = run("pallas")
+  ref = run("xla")
+  assert rows_identical(ref)
+  np.testing.assert_array_equal(_bits(with_kernels), _bits(ref))
+  if kind == "nonfinite":
+    assert np.isnan(ref).any() and not np.isfinite(ref[:, 0:4 * 256 * 2]).all()
+  else:
+    assert np.isfinite(ref).all()
+
+
+class _NoHook(dq.codecs.DynamiQ):
+  """DynamiQ with the engine's two-pass guard (no one-pass hook)."""
+
+  def guard_statistics(self, x, bucket, keys, *, safe_exponent):
+    del x, bucket, keys, safe_exponent
+    return None
+
+
+@pytest.mark.parametrize("kind", ["mixed", "huge", "nonfinite"])
+def test_one_pass_guard_equals_the_two_pass_guard(kind):
+  x = np.asarray(_rows(3, 8, 4, kind)).reshape(8, -1)
+  one = dq.simulate({"g": x}, codec=dq.codecs.DynamiQ())["g"]
+  two = dq.simulate({"g": x}, codec=_NoHook())["g"]
+  np.testing.assert_array_equal(_bits(one), _bits(two))
+
+
+def test_row_mean_kernel_equals_the_reference_and_the_old_mean():
+  x = _rows(4, 3, 7, "huge")
+  want = S.row_mean_reference(x)
+  _same(S.row_mean_pallas(x, interpret=True), want)
+  _same(want, tree_sum(x) / 256)
+
+
+def test_kernels_lower_for_cuda():
+  x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+  k = jax.ShapeDtypeStruct((4,), jnp.uint32)
+  text = lower_for("cuda", jax.jit(lambda x, a, b: S.guard_stats(x, a, b, s=16,
+                                                                 safe_exponent=SAFE)), x, k, k)
+  assert text.count(TRITON) == 1
+  p = jax.ShapeDtypeStruct((8, 16, 2), jnp.bfloat16)
+  assert lower_for("cuda", jax.jit(S.stats_sum), p).count(TRITON) == 1
+  assert TRITON not in lower_for("cpu", jax.jit(S.stats_sum), p)
+  assert lower_for("cuda", jax.jit(S.row_mean), x).count(TRITON) == 1
+
+
+def compile_kernels():
+  """Both kernels compiled for one H100 (runs in the child), each with the XLA operation
+  that follows it in the codec (a program of one custom call alone emits an empty PTX
+  module)."""
+  [device] = GT.h100_devices(1)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  x = jax.ShapeDtypeStruct((4096, 256), jnp.float32, sharding=sharding)
+  k = jax.ShapeDtypeStruct((8,), jnp.uint32, sharding=sharding)
+  p = jax.ShapeDtypeStruct((8, 512, 2), jnp.bfloat16, sharding=sharding)
+  out = []
+  with GT.gpu_target(device):
+    votes = lambda x, a, b: S.guard_stats_pallas(x, a, b, s=512, safe_exponent=SAFE)[3]
+    out.append(jax.jit(votes).trace(x, k, k).lower().compile())
+    out.append(jax.jit(lambda x: S.row_mean_pallas(x) * 2).trace(x).lower().compile())
+    out.append(jax.jit(lambda p: S.stats_sum_pallas(p).astype(jnp.bfloat16)).trace(p).lower()
+               .compile())
+  return out
+
+
+@G.needs_compiler
+def test_kernels_compile_for_h100_without_spills():
+  with GT.compile_in_child("test_dynamiq_stats:compile_kernels") as build:
+    # (XLA also writes an empty PTX module per program: nothing to assemble)
+    ptx = [f for f in build.ptx if ".version" in pathlib.Path(f).read_text()]
+    report = GT.ptxas_report(ptx, prefix="dynamiq_")
+  names = {"dynamiq_guard_stats", "dynamiq_stats_sum", "dynamiq_row_mean"}
+  assert names <= set(report), json.dumps(report)
+  assert all(report[k]["spill_bytes"] == 0 for k in names), json.dumps(report)
