@@ -11,6 +11,7 @@ import dynamiq_jax as dq
 from _helpers import model_data, per_rank, rows_identical
 from dynamiq_jax.bench.reference import vnmse
 from dynamiq_jax.codecs import F32, DynamiQ
+from dynamiq_jax.moshpit import average_replicas, presence, replica_rounds
 
 D = 1 << 12
 
@@ -35,6 +36,22 @@ def moshpit_averager(weights, grid, placement, alive):
     new[live] = on_grid[cells]
     weights = new
   return weights
+
+
+def weighted_averager(weights, plan, alive):
+  """The weighted rounds (``dq.Moshpit(weighted=True)``) in numpy: each rank carries its
+  value and the count of contributions it holds; a group's present members take
+  ``sum(count * value) / sum(count)`` and hold ``sum(count)``; the absent keep both."""
+  value = np.asarray(weights, np.float64).copy()
+  count = np.ones(len(value))
+  for t in range(plan.rounds):
+    for g in plan.groups(t):
+      live = [r for r in g if alive[t, r]]
+      if live:
+        c = count[live].sum()
+        value[live] = (count[live, None] * value[live]).sum(0) / c
+        count[live] = c
+  return value
 
 
 def _simulate(g, schedule, codec=None, *, key=0, absent=None):
@@ -74,13 +91,47 @@ def test_dropout_mask_matches_the_reference_averager(grid, shuffle):
   absent[1, :] = False
   absent[1, :grid[-1]] = True  # a whole group of round 1 absent (on the default placement)
   g = np.asarray(model_data("heavy", n, D, 1), np.float32)
-  schedule = dq.Moshpit(grid=grid, rounds=rounds, shuffle=shuffle)
+  schedule = dq.Moshpit(grid=grid, rounds=rounds, shuffle=shuffle, weighted=False)
   out = _simulate(g, schedule, absent=jnp.asarray(absent))
   placement = schedule.plan(n).placement()
   want = moshpit_averager(g, grid, placement, ~absent)
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=1e-6 * np.abs(want).max())
   never = absent.all(axis=0)
   np.testing.assert_array_equal(out[never], g[never])  # absent throughout: untouched
+  # weighted (the default): each member counts as the contributions its value holds
+  weighted = dq.Moshpit(grid=grid, rounds=rounds, shuffle=shuffle)
+  out = _simulate(g, weighted, absent=jnp.asarray(absent))
+  want_w = weighted_averager(g, weighted.plan(n), ~absent)
+  np.testing.assert_allclose(out, want_w, rtol=2e-5, atol=1e-6 * np.abs(want_w).max())
+  assert np.abs(want_w - want).max() > 1e-3 * np.abs(want).max()  # the two differ here
+
+
+def test_weighted_rounds_give_the_exact_mean_of_the_contributions_held():
+  """Rank 0 misses round 0 of a 2 x 4 grid, so its round-0 partner (4) averages alone: each
+  round-1 group then holds 7 of the 8 contributions, and its weighted mean is their exact
+  mean (the unweighted one gives ranks 0 and 4 twice the others' weight)."""
+  g = np.asarray(model_data("iid", 8, D, 3), np.float32).astype(np.float64)
+  absent = np.zeros((2, 8), bool)
+  absent[0, 0] = True
+  out = _simulate(g.astype(np.float32), dq.Moshpit(grid=(2, 4)), absent=jnp.asarray(absent))
+  plan = dq.Moshpit(grid=(2, 4)).plan(8)
+  partner = next(r for grp in plan.groups(0) if 0 in grp for r in grp if r != 0)
+  for grp in plan.groups(1):
+    held = [r for r in range(8) if r != (partner if 0 in grp else 0)]
+    for r in grp:
+      np.testing.assert_allclose(out[r], g[held].mean(0), rtol=1e-5, atol=1e-6)
+  plain = _simulate(g.astype(np.float32), dq.Moshpit(grid=(2, 4), weighted=False),
+                    absent=jnp.asarray(absent))
+  want = g[[r for r in range(8) if r != partner]].mean(0)
+  assert np.abs(plain[0] - want).max() > 0.05 * np.abs(want).max()
+
+
+def test_weighted_changes_nothing_with_everyone_present():
+  g = np.asarray(model_data("heavy", 16, D, 4), np.float32)
+  for codec in (F32(), DynamiQ(bits=5)):
+    a = _simulate(g, dq.Moshpit(grid=(4, 4)), codec)
+    b = _simulate(g, dq.Moshpit(grid=(4, 4), weighted=False), codec)
+    np.testing.assert_array_equal(a, b)
 
 
 def test_absent_rank_keeps_its_value_and_the_group_divides_by_the_count():
@@ -198,7 +249,9 @@ def test_nonfinite_poisons_only_its_groups():
   assert np.isfinite(out[[0, 1, 2, 4, 5, 6]]).all()
 
 
-def _regression(mesh, schedule, per_rank, steps=20):
+def _regression(mesh, schedule, per_rank, steps=20, every=0, spreads=None):
+  """``every``: ``average_replicas`` last in the chain, every this many steps (0: not);
+  ``spreads``: a list that gets the replicas' spread (:func:`_replica_spread`) per step."""
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -211,8 +264,9 @@ def _regression(mesh, schedule, per_rank, steps=20):
             "w2": jax.random.normal(k[1], (512, 4)) * 0.1}
   x = jax.random.normal(k[2], (8 * 32, 16))
   batch = jax.device_put((x, jnp.sin(x[:, :4])), NamedSharding(mesh, P("data")))
+  last = [average_replicas(schedule=schedule, every=every)] if every else []
   tx = optax.chain(dq.compressed_psum(codec=DynamiQ(bits=5), schedule=schedule),
-                   optax.adam(1e-2))
+                   optax.adam(1e-2), *last)
   step = dq.data_parallel_step(loss, tx, mesh=mesh, per_rank=per_rank)
   if per_rank:
     params, state = dq.per_rank_copies((params, tx.init(params)), mesh=mesh)
@@ -223,7 +277,17 @@ def _regression(mesh, schedule, per_rank, steps=20):
   for _ in range(steps):
     params, state, value = step(params, state, batch)
     losses.append(float(value))
+    if spreads is not None:
+      spreads.append(_replica_spread(params))
   return params, losses
+
+
+def _replica_spread(stacked) -> float:
+  """The largest distance of a replica from the replicas' mean, over the mean's norm."""
+  flat = np.concatenate([np.asarray(a, np.float64).reshape(a.shape[0], -1)
+                         for a in jax.tree.leaves(stacked)], axis=1)
+  mean = flat.mean(0)
+  return float(np.linalg.norm(flat - mean, axis=1).max() / np.linalg.norm(mean))
 
 
 def test_training_keeps_each_rank_its_own_parameters(mesh):
@@ -279,3 +343,125 @@ def test_group_collectives_stay_within_their_groups():
       np.testing.assert_array_equal(swapped[r], x[list(g), i])  # row s: member s's row i
       np.testing.assert_array_equal(top[r], x[list(g)].max(0))
       np.testing.assert_array_equal(total[r], x[g[0]] + x[g[1]] + x[g[2]] + x[g[3]])
+
+
+# ---------------------------------------------------------------------------
+# absent ranks rejoin: the replicas averaged in the same rounds
+
+
+def _replica_rounds(x, plan, absent):
+  """``x + replica_rounds(x)`` on every rank (vmap), rank r absent where ``absent[t, r]``."""
+  here = 1.0 - jnp.asarray(absent, jnp.float32).T  # [n, rounds]
+  f = lambda a, p: a + replica_rounds(a, plan, "i", p)
+  return np.asarray(jax.vmap(f, axis_name="i")(jnp.asarray(x), here))
+
+
+@pytest.mark.parametrize("grid, shuffle", [((2, 4), None), ((2, 2, 2), 3)])
+def test_replica_rounds_match_the_reference_averager(grid, shuffle):
+  """The replicas' rounds are the reference averager's, absences included; with nobody
+  absent every replica ends at the exact mean."""
+  plan = dq.Moshpit(grid=grid, shuffle=shuffle).plan(8)
+  x = np.asarray(model_data("iid", 8, 256, 1), np.float32)
+  absent = np.random.default_rng(4).random((plan.rounds, 8)) < 0.3
+  absent[0, 0], absent[1:, 0] = True, False  # rank 0 misses round 0 and rejoins after
+  out = _replica_rounds(x, plan, absent)
+  ref = moshpit_averager(x, grid, plan.placement(), ~absent)
+  np.testing.assert_allclose(out, ref, rtol=2e-6, atol=2e-6 * np.abs(x).max())
+  everyone = _replica_rounds(x, plan, np.zeros_like(absent))
+  np.testing.assert_allclose(everyone, np.broadcast_to(x.astype(np.float64).mean(0), x.shape),
+                             rtol=1e-5, atol=1e-6 * np.abs(x).max())
+
+
+def test_an_absent_rank_rejoins_its_group_average():
+  """Rank 0 is absent from round 0 (it keeps its value) and present in round 1: it ends at
+  the mean of its round-1 group's values as they stood after round 0."""
+  plan = dq.Moshpit(grid=(2, 4)).plan(8)
+  x = np.asarray(model_data("iid", 8, 256, 2), np.float32)
+  absent = np.zeros((2, 8), bool)
+  absent[0, 0] = True
+  after0 = _replica_rounds(x, dq.Moshpit(grid=(2, 4), rounds=1).plan(8), absent[:1])
+  np.testing.assert_array_equal(after0[0], x[0])  # absent: kept its own value
+  out = _replica_rounds(x, plan, absent)
+  group = next(g for g in plan.groups(1) if 0 in g)
+  mean = after0[list(group)].astype(np.float64).mean(0)
+  np.testing.assert_allclose(out[0], mean, rtol=1e-5, atol=1e-6 * np.abs(mean).max())
+  for r in group:  # every member of that group holds the same average
+    np.testing.assert_allclose(out[r], out[0], rtol=1e-6, atol=1e-7 * np.abs(mean).max())
+
+
+def test_replicas_stay_bounded_under_a_random_walk():
+  """Every rank adds its own noise each step (a stand-in for differing updates) and 10% of
+  the (rank, round) slots are absent, over 300 steps: averaged each step the replicas stay
+  within a few steps' noise of each other; without it their spread grows like sqrt(t)."""
+  n, d, steps = 8, 64, 300
+  mosh = dq.Moshpit(grid=(2, 4), dropout=0.1)
+  plan = mosh.plan(n)
+
+  def one(carry, s):
+    x, y = carry  # x averaged each step, y not
+    key = jax.random.fold_in(jax.random.key(0), s)
+    noise = jax.random.normal(jax.random.fold_in(key, jax.lax.axis_index("i")), (d,))
+    here = presence(plan, mosh, key, None, jax.lax.axis_index("i"))
+    x = x + noise
+    x = x + replica_rounds(x, plan, "i", here)
+    return (x, y + noise), (jnp.float32(1.0) - here.min())
+
+  def walk(x0):
+    return jax.lax.scan(one, (x0, x0), jnp.arange(steps))
+
+  (x, y), _ = jax.vmap(walk, axis_name="i")(jnp.zeros((n, d)))
+  noise = np.sqrt(d)  # one step's noise norm per rank
+  spread = lambda a: float(np.linalg.norm(a - a.mean(0), axis=1).max())
+  assert spread(np.asarray(x)) < 3 * noise
+  assert spread(np.asarray(y)) > 10 * noise  # the control: nothing pulls them back
+
+  # the whole run, not only its end: the spread after every step
+  def trace(x0):
+    def body(x, s):
+      (x, _), _ = one((x, x), s)
+      return x, x
+    return jax.lax.scan(body, x0, jnp.arange(steps))[1]
+
+  xs = np.asarray(jax.vmap(trace, axis_name="i")(jnp.zeros((n, d))))  # [n, steps, d]
+  per_step = np.linalg.norm(xs - xs.mean(0), axis=2).max(0)
+  assert per_step.max() < 4 * noise
+  assert per_step[steps // 2:].max() < 2 * per_step[: steps // 2].max()  # not growing
+
+
+def test_training_with_absent_peers_keeps_the_replicas_together(mesh):
+  """Training at 20% absent per round: with the replicas averaged every step the spread
+  stays bounded and small; with the gradient alone it grows. Nobody absent: the replicas'
+  averaging changes nothing, bit for bit."""
+  mosh = dq.Moshpit(grid=(2, 4), dropout=0.2)
+  pulled, alone = [], []
+  _regression(mesh, mosh, per_rank=True, steps=40, every=1, spreads=pulled)
+  _regression(mesh, mosh, per_rank=True, steps=40, spreads=alone)
+  assert alone[-1] > 4 * max(pulled)  # gradient averaging alone drifts
+  assert max(pulled[20:]) < 2 * max(pulled[:20])  # bounded, not growing
+  assert alone[-1] > 1.1 * alone[19]  # (the control grows)
+  plain, losses = _regression(mesh, dq.Moshpit(grid=(2, 4)), per_rank=True, steps=5)
+  again, losses2 = _regression(mesh, dq.Moshpit(grid=(2, 4)), per_rank=True, steps=5,
+                               every=1)
+  assert rows_identical(again)
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert losses == losses2
+
+
+def test_average_replicas_every_k_steps(mesh):
+  """every=3: the replicas meet only at steps 2, 5, 8, ...; between those the updates pass
+  unchanged."""
+  mosh = dq.Moshpit(grid=(2, 4), dropout=0.3)
+  spreads = []
+  _regression(mesh, mosh, per_rank=True, steps=6, every=3, spreads=spreads)
+  assert spreads[2] < spreads[1] and spreads[5] < spreads[4]
+
+
+def test_average_replicas_errors():
+  with pytest.raises(ValueError, match=r"schedule='ring'.*Moshpit"):
+    average_replicas(schedule="ring")
+  with pytest.raises(ValueError, match=r"every=0 must be an int >= 1"):
+    average_replicas(schedule="moshpit", every=0)
+  tx = average_replicas(schedule=dq.Moshpit(grid=(2, 4)))
+  with pytest.raises(ValueError, match="needs params"):
+    jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="data")(jnp.ones((8, 3)))

@@ -7,7 +7,10 @@ every grid coordinate but the one along axis ``t mod d`` (Ryabinin et al.,
 exact mean after ``d`` rounds, and no collective spans more than ``max(M)``
 ranks. A rank absent in a round (simulated: XLA's collectives cannot lose a
 peer) contributes nothing and keeps its own value; its group divides by the
-count of members present.
+count of members present, each member weighed (``weighted=True``) by the
+contributions its value already holds, so that a rank that missed round t,
+whose value holds its own contribution only, counts once and not as much as a
+member holding the mean of ``M`` ranks.
 
 This module is the static part: the grid, where each rank sits in each round
 (optionally re-shuffled within the groups of the round before, as hivemind's
@@ -75,6 +78,12 @@ class Moshpit:
       program is traced, as ``ppermute``'s pairs must be).
     inner: the schedule inside a group: ``"ring"``, ``"butterfly"`` (power-of-two
       sides) or ``"two_step"`` (:data:`~dynamiq_jax.schedules.names.FLAT_SCHEDULES`).
+    weighted: the group's mean weighs each present member by the count of ranks'
+      contributions its value holds (True), or each member alike (False: the
+      Moshpit authors' averager). With every rank present the two are the same
+      (bit for bit); where a rank missed a round, the weighted mean of a later
+      group is the exact mean of the contributions it holds, where the plain one
+      gives a lone value the weight of a group's mean.
   """
 
   grid: tuple[int, ...] | None = None
@@ -82,6 +91,7 @@ class Moshpit:
   dropout: float = 0.0
   shuffle: int | None = None
   inner: str = "ring"
+  weighted: bool = True
 
   def __post_init__(self):
     if self.grid is not None:
@@ -101,6 +111,9 @@ class Moshpit:
       raise ValueError(f"shuffle={self.shuffle!r} must be None or an int seed")
     check_schedule(self.inner, FLAT_SCHEDULES, what="dq.Moshpit (the schedule inside a group)",
                    keyword="inner")
+    if not isinstance(self.weighted, (bool, np.bool_)):
+      raise ValueError(f"weighted={self.weighted!r} must be True (each member weighed by the "
+                       f"contributions its value holds) or False (members alike)")
 
   def plan(self, n: int) -> "MoshpitPlan":
     """The static plan over ``n`` ranks (validates the grid against ``n``)."""
@@ -112,7 +125,7 @@ class Moshpit:
           f"product must be the axis size. Fix: e.g. grid={fits}, or grid=None (the default)")
     for m in grid:
       get_plan(self.inner, m)  # a butterfly needs power-of-two sides
-    return _plan(grid, self.rounds or len(grid), self.shuffle, self.inner)
+    return _plan(grid, self.rounds or len(grid), self.shuffle, self.inner, bool(self.weighted))
 
 
 def _factors(n: int) -> bool:
@@ -138,12 +151,20 @@ class MoshpitPlan:
     rounds: the number of rounds.
     coords: ``coords[t][r]``: rank r's grid coordinates in round t.
     inner: the schedule inside a group.
+    weighted: members weighed by the contributions their values hold
+      (:attr:`Moshpit.weighted`).
   """
 
   grid: tuple[int, ...]
   rounds: int
   coords: tuple[tuple[tuple[int, ...], ...], ...]
   inner: str
+  weighted: bool = True
+
+  def held(self, t: int) -> int:
+    """The contributions every rank's value holds before round ``t`` with every rank
+    present: the product of the sides rounds ``0 .. t - 1`` averaged along."""
+    return math.prod(self.grid[self.axis(s)] for s in range(t))
 
   @property
   def n(self) -> int:
@@ -202,7 +223,8 @@ class MoshpitPlan:
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(grid: tuple[int, ...], rounds: int, shuffle: int | None, inner: str) -> MoshpitPlan:
+def _plan(grid: tuple[int, ...], rounds: int, shuffle: int | None, inner: str,
+          weighted: bool = True) -> MoshpitPlan:
   n = math.prod(grid)
   coords = [tuple(int(v) for v in np.unravel_index(r, grid)) for r in range(n)]
   rows = [tuple(coords)]
@@ -220,7 +242,7 @@ def _plan(grid: tuple[int, ...], rounds: int, shuffle: int | None, inner: str) -
           c = coords[r]
           coords[r] = c[:a] + (int(v),) + c[a + 1:]
     rows.append(tuple(coords))
-  return MoshpitPlan(grid, rounds, tuple(rows), inner)
+  return MoshpitPlan(grid, rounds, tuple(rows), inner, weighted)
 
 
 @dataclasses.dataclass(frozen=True)

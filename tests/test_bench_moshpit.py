@@ -1,0 +1,34 @@
+"""bench.moshpit: one tiny run of every row, and its flags."""
+
+import json
+
+import pytest
+
+from dynamiq_jax.bench import moshpit
+
+
+def test_tiny_run(tmp_path):
+  report = moshpit.main(["--tiny", "--out", str(tmp_path)])
+  with open(tmp_path / "moshpit_absent_tiny.json") as f:
+    assert json.load(f)["summary"] == report["summary"]
+  rows = {r["row"]: r for r in report["summary"]}
+  assert list(rows) == list(moshpit.DEFAULT_ROWS)
+  present = rows["everyone present"]
+  assert present["vs_everyone_present"] == 0 and present["spread_end"] == 0
+  assert present["absent_share"] == 0 and present["rounds_per_step"] == 2
+  alone = rows["10% absent: gradients only"]
+  pulled = rows["10% absent + replicas"]
+  assert alone["absent_share"] > 0
+  assert alone["spread_max_2nd_half"] > 3 * pulled["spread_max_2nd_half"]
+  assert pulled["bytes_per_rank_step"]["replicas"] > 0 == alone["bytes_per_rank_step"]["replicas"]
+  every4 = rows["10% absent + replicas every 4"]["bytes_per_rank_step"]["replicas"]
+  assert every4 == pytest.approx(pulled["bytes_per_rank_step"]["replicas"] / 4)
+  runs = report["runs"]
+  assert runs[alone["row"]]["0"]["train_loss"] != runs[present["row"]]["0"]["train_loss"]
+
+
+def test_bad_flags():
+  with pytest.raises(SystemExit, match="--rows"):
+    moshpit.main(["--tiny", "--rows", "nobody"])
+  with pytest.raises(SystemExit, match="--grid"):
+    moshpit.main(["--tiny", "--grid", "2,3"])
