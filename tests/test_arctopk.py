@@ -123,6 +123,12 @@ def test_defaults_cost_under_four_bits_and_register_by_name():
   c = ARCTopK()
   # k = 819 of 4096 rows, rounded up to 824 (a multiple of n)
   assert c.wire_bits(1 << 20, 8) / (1 << 20) == 16 * 824 / 4096 + 32 * 4 / 256
+  # values by name: OCP MX elements with E8M0 scales per 32 (no metadata pass of their own)
+  assert ARCTopK(values="mxfp8").element == MX(element="e4m3", scale="e8m0")
+  mx4 = ARCTopK(ratio=0.8, values="mxfp4")
+  assert mx4.element == MX(element="e2m1", scale="e8m0")
+  # k = 3276 rows, rounded up to 3280, 4.25 bits each, beside the rank-4 float32 sketch
+  assert mx4.wire_bits(1 << 20, 8) == 3280 * 256 * 4.25 + 32 * 4 * 4096
   assert dq.codec_from_name("arc-topk", ratio=0.1) == ARCTopK(ratio=0.1)
   assert "arc-topk" in dq.REDUCERS
 

@@ -446,7 +446,7 @@ def training_part(args, devices) -> list[dict]:
   from dynamiq_jax.bench import tta
   labels = []
   for eta, rule, row in TRAINING[:2] if args.tiny else TRAINING:  # --tiny: two, for CI's time
-    options = {"ratio": 0.2, "row": row, "error_feedback": rule}
+    options = {"ratio": 0.2, "row": row, "values": "bf16", "error_feedback": rule}
     if eta is not None:
       options["ef21m_momentum"] = eta
     labels.append((f"ARC-Top-K 0.2 rows {row} {rule}" + (f" eta {eta:g}" if eta else ""),

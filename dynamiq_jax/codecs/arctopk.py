@@ -55,19 +55,22 @@ import numpy as np
 
 from dynamiq_jax.codecs.base import Bucket, Codec, Metadata, Plan, ceil_div, pad_to, round_up
 from dynamiq_jax.codecs.bf16 import F32, Bf16
+from dynamiq_jax.codecs.mx import MX
 from pallas_kernels import rng
 
 __all__ = ["ARCTopK", "RowSelection"]
 
-_VALUES = {"bf16": Bf16, "f32": F32}
+_VALUES = {"bf16": Bf16, "f32": F32,  # the selected rows' element codecs, by name
+           "mxfp8": lambda: MX(element="e4m3", scale="e8m0"),  # OCP MX: E8M0 block scales,
+           "mxfp4": lambda: MX(element="e2m1", scale="e8m0")}  # no metadata pass
 
 
 def _check_values(values) -> None:
   """Refuses, by name, a ``values`` that :attr:`RowSelection.element` cannot use."""
   if isinstance(values, str):
     if values not in _VALUES:
-      raise ValueError(f"values={values!r} must be 'bf16', 'f32' or a codec without a "
-                       f"metadata pass, e.g. codecs.MX(element='e4m3', scale='e8m0')")
+      raise ValueError(f"values={values!r} must be one of {sorted(_VALUES)} or a codec "
+                       f"without a metadata pass, e.g. codecs.MX(element='e4m3', scale='e8m0')")
     return
   if not isinstance(values, Codec):
     raise TypeError(f"values={values!r} must be 'bf16', 'f32' or a dynamiq_jax codec")
@@ -248,18 +251,21 @@ class ARCTopK(RowSelection):
       the exact variant (``V`` the identity: a full float32 metadata all-reduce).
     row: coordinates per row (the bucket read as rows of this width).
     values: the selected rows' element codec: ``"bf16"`` (bf16 partial sums),
-      ``"f32"``, or a stateless codec without a metadata pass (e.g.
-      ``codecs.MX(element="e4m3", scale="e8m0")``).
+      ``"f32"``, ``"mxfp8"`` (OCP MX E4M3 elements, E8M0 scales per 32: 8.25 bits),
+      ``"mxfp4"`` (E2M1: 4.25 bits), or a stateless codec without a metadata pass
+      (e.g. ``codecs.MX(element="e3m2", scale="e8m0")``).
 
   Bits per coordinate: ``32 rank / row`` for the sketch plus ``k / h`` (``ratio``,
-  rounded up to whole chunks) times the element codec's (16 for bf16): 3.72 at
-  the defaults.
+  rounded up to whole chunks) times the element codec's (16 for bf16, 4.25 for
+  mxfp4): 3.72 at the defaults.
 
   Examples:
     >>> from dynamiq_jax.codecs import ARCTopK
     >>> c = ARCTopK(ratio=0.2, rank=4, row=256)
     >>> round(c.wire_bits(1 << 20, 8) / (1 << 20), 3)
     3.719
+    >>> round(ARCTopK(ratio=0.8, values="mxfp4").wire_bits(1 << 20, 8) / (1 << 20), 3)
+    3.903
   """
 
   rank: int | None = 4
