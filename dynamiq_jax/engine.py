@@ -50,6 +50,8 @@ from dynamiq_jax.buckets import sum_stats
 from dynamiq_jax.codecs import base as codec_base
 from dynamiq_jax.codecs.base import Bucket, Codec, Keys, bucket_key_states
 from dynamiq_jax.codecs.base import key_rows, tables_from_flat
+from dynamiq_jax.guard import SAFE_EXPONENT, guard, guard_metadata, guard_votes, guarded
+from dynamiq_jax.guard import unguard
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context
 from dynamiq_jax.schedules.executor import HopOps, Lossy, decode_all, gather_payloads
@@ -60,69 +62,12 @@ from dynamiq_jax.schedules.local import run_on_local_shards, sharding_groups
 from dynamiq_jax.schedules.plan import TreePlan, get_plan
 
 __all__ = [
-    "SAFE_EXPONENT", "guard", "guard_votes", "guarded", "unguard", "one_after_another",
+    "SAFE_EXPONENT", "guard", "guard_votes", "guarded", "guard_metadata", "unguard",
+    "one_after_another",
     "hop_ops", "combine_metadata", "lossy_receive", "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
     "reduce_buckets", "program_keys", "wire_pass", "decode_pass", "wire_loop", "zeros_after", "decode_loop",
     "run_sharded",
 ]
-
-SAFE_EXPONENT = 64
-"""Buckets whose largest magnitude reaches 2^64 are scaled down by a power of two
-(exactly) before the codec sees them, so that no codec's partial sums, centred
-residuals or rounding products can overflow float32 on finite inputs."""
-
-
-def guard(x, ctx: AxisContext, after=None):
-  """Every rank's agreement on one bucket -> (any rank non-finite, guarded x, scale).
-
-  One small all-reduce (max) of finite numbers per bucket, so it behaves the
-  same on every backend (no reliance on how a backend's max treats NaN): a
-  value that is NaN or infinite on any rank makes the whole bucket NaN on
-  every rank (:func:`unguard`; the codec itself sees zeros there, so its
-  state stays finite), and finite inputs reach the codec scaled below
-  :data:`SAFE_EXPONENT` exactly (the scale is a power of two, 1 for usual
-  gradients). ``after``, a value of the previous bucket's result, rides
-  along as a finite flag: see :func:`one_after_another`.
-  """
-  finite, votes = guard_votes(x, after)
-  agreed = ctx.pmax(jnp.stack(votes))
-  return guarded(x, finite, agreed[0], agreed[1])
-
-
-def guard_votes(x, after=None):
-  """One rank's part of :func:`guard` -> (``isfinite(x)``, its votes: the largest finite
-  magnitude, 1.0 if any value is not finite, and ``after``'s finite flag if given), to be
-  combined by a maximum over the ranks."""
-  finite = jnp.isfinite(x)
-  votes = [jnp.max(jnp.where(finite, jnp.abs(x), 0.0)), jnp.any(~finite).astype(jnp.float32)]
-  if after is not None:
-    votes.append(jnp.isfinite(after).astype(jnp.float32))
-  return finite, votes
-
-
-def guarded(x, finite, amax, bad):
-  """:func:`guard`'s result from the ranks' largest finite magnitude ``amax`` and their
-  non-finite vote ``bad``: (any rank non-finite, guarded x, scale)."""
-  _, e = jnp.frexp(amax)  # amax < 2^e
-  scale = jnp.ldexp(jnp.float32(1), jnp.minimum(SAFE_EXPONENT - e, 0))  # 1 unless huge
-  return bad > 0, jnp.where(finite, x, 0.0) * scale, scale
-
-
-def unguard(out, nonfinite, scale, dtype=None):
-  """The codec's result in input units (float32), NaN where :func:`guard` found a
-  non-finite value.
-
-  With ``dtype`` (a codec's :attr:`~dynamiq_jax.codecs.Codec.result_dtype`), ``out``
-  is first rounded to ``dtype`` and held there by an optimization barrier: the
-  rounded result is what waits for its reader (the optimizer, at the end of the
-  step), and the float32 one dies as soon as it is made, however early XLA
-  schedules the decoding. The division by the guard's power-of-two scale (exact)
-  and the NaNs are elementwise, so XLA fuses them into the reader.
-  """
-  if dtype is not None and jnp.dtype(dtype) != out.dtype:
-    out = jax.lax.optimization_barrier(out.astype(dtype))
-  return jnp.where(nonfinite, jnp.float32(jnp.nan), out / scale)
-
 
 def one_after_another(xs, reduce_one):
   """``[reduce_one(b, x, after) for b, x in enumerate(xs)]``: each bucket's collectives
@@ -164,7 +109,9 @@ def hop_ops(codec: Codec, aux, keys: Keys) -> HopOps:
   def decode_sum(payloads):
     return codec.decode_sum(payloads, aux)
 
-  return HopOps(encode, decode, decode_add_encode, decode_add, decode_sum)
+  decode_many = (lambda payloads: codec.decode_many(payloads, aux)) if type(
+      codec).decode_many is not Codec.decode_many else None  # None: the executor's decodes
+  return HopOps(encode, decode, decode_add_encode, decode_add, decode_sum, decode_many)
 
 
 def combine_metadata(meta, ctx: AxisContext, keys: Keys):
@@ -192,12 +139,13 @@ def lossy_receive(loss, codec: Codec, bucket: Bucket, keys: Keys, ctx: AxisConte
 
 
 def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
-              ctx: AxisContext, return_own: bool, loss=None):
+              ctx: AxisContext, return_own: bool, loss=None, local=None):
   """A guarded bucket's collectives: metadata pass and payload pass -> (gathered payloads,
   the plan's aux, own contribution or None). :func:`decode_pass` finishes it. With
   ``loss`` (a :class:`~dynamiq_jax.schedules.loss.PacketLoss`), the payload's reduce
-  step loses packets; the metadata pass and the gather step do not."""
-  meta = codec.metadata(x, bucket, state, keys)
+  step loses packets; the metadata pass and the gather step do not. ``local``: the local
+  metadata if made (:func:`guard_metadata`; None: ``codec.metadata``)."""
+  meta = local if local is not None else codec.metadata(x, bucket, state, keys)
   if meta is not None:
     with jax.named_scope("metadata"):
       meta = combine_metadata(meta, ctx, keys)
@@ -212,14 +160,15 @@ def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan
 def decode_pass(payloads, aux, codec: Codec, bucket: Bucket, state, plan: TreePlan):
   """The gathered payloads decoded and finished -> (out, new state, estimated squared
   error: NaN where the codec makes no estimate)."""
-  out, new_state = codec.finish(decode_all(payloads, hop_ops(codec, aux, None)), aux, bucket,
-                                state)
+  own = type(codec).decode_finish is not Codec.decode_finish  # decoded and finished at once
+  out, new_state = codec.decode_finish(payloads, aux, bucket, state) if own else codec.finish(
+      decode_all(payloads, hop_ops(codec, aux, None)), aux, bucket, state)
   err = codec.error_estimate(out, aux, bucket, plan.partials())
   return out, new_state, jnp.float32(jnp.nan) if err is None else err
 
 
 def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
-               ctx: AxisContext, return_own: bool, loss=None):
+               ctx: AxisContext, return_own: bool, loss=None, local=None):
   """One guarded bucket through the codec: metadata pass, payload pass, finish -> (out, new
   state, own, estimated squared error: NaN where the codec makes no estimate, sent).
 
@@ -229,7 +178,8 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
   the optimizer that reads them, while the next buckets are on the wire: what
   waits in between is the compressed payloads, not the float32 result.
   """
-  payloads, aux, own = wire_pass(x, codec, bucket, state, keys, plan, ctx, return_own, loss)
+  payloads, aux, own = wire_pass(x, codec, bucket, state, keys, plan, ctx, return_own, loss,
+                                 local)
   sent = jax.tree.leaves(payloads)[0].reshape(-1)[0].astype(jnp.float32)
   out, new_state, err = decode_pass(payloads, aux, codec, bucket, state, plan)
   return out, new_state, own, err, sent
@@ -272,11 +222,11 @@ class AllReduce:
     plan = get_plan(self.schedule, ctx.n)
     d = x.shape[0]
     used = bucket_codec(self.codec, d, ctx.n)
-    with jax.named_scope("guard"):
-      nonfinite, x, scale = guard(x, ctx, after)
+    bucket = Bucket(index, d, ctx.n, self.implementation)
+    keys = program_keys(words, index, ctx, self.codec)
+    nonfinite, x, scale, local = guard_metadata(x, used, bucket, keys, ctx, after)
     out, new_state, own, err, sent = codec_pass(
-        x, used, Bucket(index, d, ctx.n, self.implementation), state,
-        program_keys(words, index, ctx, self.codec), plan, ctx, self.return_own, self.loss)
+        x, used, bucket, state, keys, plan, ctx, self.return_own, self.loss, local)
     own = own / scale if self.return_own else None
     return (unguard(out, nonfinite, scale, used.result_dtype),
             state if used is not self.codec else new_state, own, err / (scale * scale), sent)
@@ -286,13 +236,12 @@ class AllReduce:
     None): the first half of ``__call__`` (:func:`wire_loop`)."""
     ctx = axis_context(self.axis_name)
     used = bucket_codec(self.codec, x.shape[0], ctx.n)
-    with jax.named_scope("guard"):
-      nonfinite, x, scale = guard(x, ctx)
+    bucket = Bucket(index, x.shape[0], ctx.n, self.implementation)
+    keys = program_keys(words, index, ctx, self.codec)
+    nonfinite, x, scale, local = guard_metadata(x, used, bucket, keys, ctx)
     payloads, aux, own = wire_pass(
-        x, used, Bucket(index, x.shape[0], ctx.n, self.implementation), None,
-        program_keys(words, index, ctx, self.codec), get_plan(self.schedule, ctx.n), ctx,
-        self.return_own,
-        self.loss)
+        x, used, bucket, None, keys, get_plan(self.schedule, ctx.n), ctx, self.return_own,
+        self.loss, local)
     return payloads, aux, (nonfinite, scale), own / scale if self.return_own else None
 
   def decode(self, payloads, aux, guarded, d: int, index):
@@ -329,15 +278,16 @@ class ReduceScatter:
     m = rows.shape[1]
     d = n * m
     x = jnp.roll(rows, -plan.root, axis=0).reshape(-1)  # chunk c: rank (c + root) % n's row
-    with jax.named_scope("guard"):
-      nonfinite, x, scale = guard(x, ctx, after)
     if n == 1:
+      with jax.named_scope("guard"):
+        nonfinite, x, scale = guard(x, ctx, after)
       out = unguard(x, nonfinite, scale)
       return out, (x / scale)[None] if self.return_own else None, out[0]
     used = bucket_codec(self.codec, d, n)
     bucket = Bucket(index, d, n, self.implementation, scatter=True)
     keys = program_keys(words, index, ctx, self.codec)
-    meta = used.metadata(x, bucket, None, keys)
+    nonfinite, x, scale, meta = guard_metadata(x, used, bucket, keys, ctx, after)
+    meta = meta if meta is not None else used.metadata(x, bucket, None, keys)
     if meta is not None:
       with jax.named_scope("metadata"):
         meta = combine_metadata(meta, ctx, keys)

@@ -50,12 +50,14 @@ from dynamiq_jax.codecs.base import Codec, Metadata, Plan, ceil_div, pad_to, par
 from pallas_kernels import dynamiq as kernels
 from pallas_kernels import dynamiq_block as block
 from pallas_kernels import dynamiq_reference as payload_lib
+from pallas_kernels import dynamiq_stats as stats_kernels
 from pallas_kernels import rng
 
 __all__ = ["DynamiQ", "DynamiQLayout"]
 
 SUPERGROUP = block.SUPERGROUP
 _STATS_BITS = 32  # two bf16 values per super-group
+_NO_SCALE = 1 << 10  # a guard exponent that scales no float32 (metadata of a guarded bucket)
 
 DEFAULT_EPS = ((2, 0.23), (4, 0.18), (8, 0.10))
 """MEE eps of the authors' kernel; widths between are interpolated linearly."""
@@ -237,21 +239,78 @@ class DynamiQ(Codec):
     lay = self.layout(bucket.d, bucket.n)
     total = lay.padded_supergroups
     xs = pad_to(x.astype(jnp.float32), total * SUPERGROUP).reshape(total, SUPERGROUP)
-    mean = tree_sum(xs) / SUPERGROUP if self.centre else jnp.zeros((total,), jnp.float32)
+    if not self.centre:
+      return jnp.zeros((total,), jnp.float32), xs
+    # a kernel in a GPU lowering: the pairwise tree of the statistics' mean, one launch
+    mean = stats_kernels.row_mean(xs, implementation=bucket.implementation)
     return mean, xs - mean[:, None]
 
   def metadata(self, x, bucket, state, keys=None):
     """Per super-group: the local mean and the norm of the centred residual.
 
     Summed over ranks on the schedule by :class:`SupergroupStats` (means add,
-    norms combine as ``hypot``): 32 bits per super-group.
+    norms combine as ``hypot``): 32 bits per super-group. With ``keys``, one
+    pass of :func:`pallas_kernels.dynamiq_stats.guard_stats` (a kernel in a GPU
+    lowering) gives them already encoded for the first step
+    (:meth:`_first_keys`); ``x`` is guarded, so its rows need no scaling.
     """
     del state
     n = bucket.n
     with jax.named_scope("dynamiq/stats"):
-      mean, resid = self._rows(x, bucket)
-      stats = jnp.stack([mean, row_norm(resid)], axis=-1)
-    return Metadata(stats.reshape(n, -1, 2), combine=SupergroupStats())
+      if keys is None or not self.centre:
+        mean, resid = self._rows(x, bucket)
+        stats = jnp.stack([mean, row_norm(resid)], axis=-1)
+        return Metadata(stats.reshape(n, -1, 2),
+                        combine=SupergroupStats(implementation=bucket.implementation))
+      votes, finish = self.guard_statistics(x, bucket, keys, safe_exponent=_NO_SCALE)
+      return finish(votes[0])  # (_NO_SCALE scales nothing)
+
+  def guard_statistics(self, x, bucket, keys, *, safe_exponent: int):
+    """The guard's votes and the local statistics in one pass over the bucket (the hook of
+    :func:`dynamiq_jax.engine.guard_metadata`).
+
+    Returns ``(votes, finish)``: ``votes`` this rank's ``[largest finite
+    magnitude, 1.0 if a value is not finite]``, to be combined by a maximum
+    over the ranks; ``finish(amax)`` with the ranks' largest magnitude gives
+    :meth:`metadata` of the guarded bucket (its rows scaled as the guard scales
+    them: :mod:`pallas_kernels.dynamiq_stats` says where that is exact). None with
+    ``centre=False`` (whose statistics are those of the raw values): the engine's guard.
+    """
+    if not self.centre:
+      return None
+    n = bucket.n
+    lay = self.layout(bucket.d, n)
+    total = lay.padded_supergroups
+    with jax.named_scope("dynamiq/stats"):
+      xs = pad_to(x.astype(jnp.float32), total * SUPERGROUP).reshape(total, SUPERGROUP)
+      k0, k1, hop, stride = self._first_keys(keys, n)
+      mean, norm, rows_amax, amax, bad = stats_kernels.guard_stats(
+          xs, k0, k1, hop, s=total // n, safe_exponent=safe_exponent, stride=stride,
+          implementation=bucket.implementation)
+    votes = [amax, bad]
+
+    def finish(agreed_amax):
+      with jax.named_scope("dynamiq/stats"):
+        shift = stats_kernels.guard_exponent(agreed_amax, safe_exponent)
+        stats = stats_kernels.rescale(mean, norm, rows_amax, shift, safe_exponent=safe_exponent)
+      return Metadata(stats.reshape(n, -1, 2),
+                      combine=SupergroupStats(implementation=bucket.implementation))
+
+    return votes, finish
+
+  @staticmethod
+  def _first_keys(keys, n: int):
+    """``(k0, k1, hop, stride)``: the flat key tables of the statistics' first encode, chunk
+    c's at entry ``c stride + hop``, as :func:`~dynamiq_jax.schedules.executor.two_step`
+    keys it (chunk c, step = this rank; step 1 when n = 1) and
+    :meth:`SupergroupStats.encode` derives it."""
+    hop = keys.rank if n > 1 else jnp.int32(1)
+    tables = keys.tables
+    if isinstance(tables, DynamiQKeyTables):  # [n, n + 1] each: (chunk, step)
+      k0, k1 = (t.reshape(-1) for t in tables.stats)
+      return k0, k1, hop, n + 1
+    k0, k1 = keys.derive(jnp.arange(n, dtype=jnp.uint32), hop, rng.Stream.DYNAMIQ_STATS)
+    return k0, k1, jnp.int32(0), 1
 
   def plan(self, x, meta, bucket, state, keys):
     """Widths chosen this round from the global statistics (identical on every rank).
@@ -272,14 +331,14 @@ class DynamiQ(Codec):
     gmean, gnorm = stats[:, 0], stats[:, 1]
     _, resid = self._rows(x, bucket)
     with jax.named_scope("dynamiq/allocate"):
-      valid = jnp.arange(total) < lay.supergroups
       unit_bits = payload_lib.unit_bytes(lay.plane_bits) * 8
-      dest, counts = allocation.allocate(
-          gnorm, valid, self.width_errors(), s, {w: n * SUPERGROUP * w for w in self.widths},
-          n * lay.units * unit_bits, n, blocks=n if bucket.scatter else 1)
-      order = _inverse(dest)  # slot j n + c: chunk c's position j
-      chunks = payload_lib.take_in_range(resid, order.reshape(s, n).T)  # [n, s, 256]
-      widths = payload_lib.position_widths(counts, self.widths, s)
+      # one Pallas kernel in a GPU lowering: slots, chunk order (slot j n + c: chunk c's
+      # position j) and position widths
+      dest, order_t, widths, _ = allocation.plan(
+          gnorm, lay.supergroups, self.width_errors(), s,
+          {w: n * SUPERGROUP * w for w in self.widths}, n * lay.units * unit_bits, n,
+          blocks=n if bucket.scatter else 1, implementation=bucket.implementation)
+      chunks = payload_lib.take_in_range(resid, order_t)  # [n, s, 256]
     # every chunk's shared stratum key, and its rounding key at every hop (hop <= n: the
     # schedules' steps, and the two-step reduction's), derived once for all hops; stored:
     # XLA would otherwise recompute them inside every hop's key fusion
@@ -338,6 +397,31 @@ class DynamiQ(Codec):
         payload, chunk, aux.widths, aux.layout.units, keys=self._keys(keys, aux), rank=keys.rank,
         **self._geometry(aux))
 
+  def decode_many(self, payloads, aux):
+    """Every gathered payload decoded by one kernel launch
+    (:func:`pallas_kernels.dynamiq.decompress_many`): the same bits as :meth:`decode`
+    of each."""
+    return kernels.decompress_many(payloads, aux.widths, aux.layout.units,
+                                   **self._geometry(aux, decode=True))
+
+  def decode_sum(self, payloads, aux):
+    """The n payloads' decodes summed in rank order by one kernel launch
+    (:func:`pallas_kernels.dynamiq.decompress_sum`, the sum kept in registers): the bits
+    of the contract's default (:meth:`decode`, then :meth:`decode_add` of each)."""
+    return kernels.decompress_sum(payloads, aux.widths, aux.layout.units,
+                                  **self._geometry(aux, decode=True))
+
+  def decode_finish(self, payloads, aux, bucket, state):
+    """:meth:`finish` of the decoded payloads, in one kernel launch
+    (:func:`pallas_kernels.dynamiq.decompress_rows`): each super-group decoded from
+    its slot ``aux.dest`` straight into its place, its reduced mean added. The same
+    bits as :meth:`finish` of :meth:`decode_many`."""
+    del state
+    out = kernels.decompress_rows(payloads, aux.widths, aux.layout.units, aux.dest,
+                                    aux.gmean, **self._geometry(aux, decode=True))
+    # stored on XLA:CPU, as in finish
+    return payload_lib.materialize(out.reshape(-1)[:bucket.d]), None
+
   def finish(self, decoded, aux, bucket, state):
     del state
     dec = decoded.transpose(1, 0, 2).reshape(-1, SUPERGROUP)  # chunk c: ranks c, c + n, ...
@@ -365,8 +449,9 @@ class DynamiQ(Codec):
                                 partials)
     errors = self.width_errors()
     table = jnp.asarray([errors.get(w, 0.0) for w in range(max(errors) + 1)], jnp.float32)
-    by_rank = jnp.repeat(aux.widths, n, total_repeat_length=total)  # rank i: position i // n
-    return jnp.sum(table[by_rank][aux.dest] * energy)
+    # super-group i's width: that of its slot's position, dest[i] // n (one gather)
+    width = payload_lib.take_in_range(aux.widths, aux.dest // n)
+    return jnp.sum(payload_lib.take_in_range(table, width) * energy)
 
 
 class DynamiQAux(NamedTuple):
@@ -404,7 +489,14 @@ class SupergroupStats(Codec):
   exact squares (:func:`~dynamiq_jax.codecs._exact.hypot`, or
   :func:`~dynamiq_jax.codecs._exact.hypot_all` for n at once), so the result
   is ``sqrt(F)`` with ``F`` the sum of local squared norms.
+
+  A bfloat16 chunk is already encoded (DynamiQ's statistics pass encodes the
+  first step's payloads as it computes them, with the keys this encode would
+  use): :meth:`encode` passes it on. ``implementation`` chooses the kernel of
+  :meth:`decode_sum` (:func:`pallas_kernels.dynamiq_stats.stats_sum`).
   """
+
+  implementation: str | None = None
 
   def wire_bits(self, d: int, n: int) -> int:
     return _STATS_BITS * d
@@ -417,6 +509,8 @@ class SupergroupStats(Codec):
 
   def encode(self, chunk, aux, keys):
     del aux
+    if chunk.dtype == jnp.bfloat16:  # encoded by the statistics pass
+      return chunk
     tables = keys.keys.tables
     if isinstance(tables, DynamiQKeyTables):  # derived for every bucket at once
       k0, k1 = (t[keys.chunk, keys.hop] for t in tables.stats)
@@ -435,10 +529,13 @@ class SupergroupStats(Codec):
 
   def decode_sum(self, payloads, aux):
     """n payloads at once, by a fixed pairwise tree: the means summed, the norms
-    combined as ``sqrt(sum of squares)`` (:func:`~dynamiq_jax.codecs._exact.hypot_all`)."""
+    combined as ``sqrt(sum of squares)`` (:func:`~dynamiq_jax.codecs._exact.hypot_all`'s
+    arithmetic), in one pass (:func:`pallas_kernels.dynamiq_stats.stats_sum`)."""
     del aux
-    p = jnp.moveaxis(payloads.astype(jnp.float32), 0, -1)  # [..., 2, n]
-    return jnp.stack([tree_sum(p[..., 0, :]), hypot_all(p[..., 1, :])], axis=-1)
+    if payloads.dtype != jnp.bfloat16 or payloads.ndim != 3:
+      p = jnp.moveaxis(payloads.astype(jnp.float32), 0, -1)  # [..., 2, n]
+      return jnp.stack([tree_sum(p[..., 0, :]), hypot_all(p[..., 1, :])], axis=-1)
+    return stats_kernels.stats_sum(payloads, implementation=self.implementation)
 
 
 def _element_index(v):
@@ -480,10 +577,3 @@ def _code_bits(lay: DynamiQLayout, narrowest: int) -> float:
   padding = (lay.padded_supergroups - lay.supergroups) * narrowest * SUPERGROUP
   return (total - padding) / lay.d
 
-
-def _inverse(order):
-  """The inverse of the permutation ``order`` (``argsort(order)``), by one scatter
-  instead of a sort."""
-  pos = jnp.arange(order.shape[0], dtype=order.dtype)
-  return jnp.zeros_like(order).at[order.astype(jnp.uint32)].set(
-      pos, mode="promise_in_bounds", unique_indices=True)
