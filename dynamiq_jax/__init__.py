@@ -23,6 +23,7 @@ from dynamiq_jax.dropcompute import DropComputeStats
 from dynamiq_jax.dropcompute import choose_threshold
 from dynamiq_jax.dropcompute import dropcompute_step
 from dynamiq_jax.lossy import lossy_init
+from dynamiq_jax.moshpit import average_replicas
 from dynamiq_jax.registry import REDUCERS
 from dynamiq_jax.registry import TP_CODECS
 from dynamiq_jax.registry import codec_from_name
@@ -87,6 +88,7 @@ __all__ = [
     "tp_codec_from_name",
     "UnboundAxisError",
     "Moshpit",
+    "average_replicas",
     "PacketLoss",
     "lossy_init",
     "simulate",

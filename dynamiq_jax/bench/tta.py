@@ -75,10 +75,13 @@ CODECS = (
     ("MXFP4", "mxfp4", {}),
     ("THC", "thc", {}),
     ("OmniReduce", "omnireduce", {}),
-    ("ARC-Top-K 0.1", "arc-topk", {"ratio": 0.1}),
-    ("ARC-Top-K 0.2", "arc-topk", {"ratio": 0.2}),
+    ("ARC-Top-K 0.1", "arc-topk", {"ratio": 0.1, "values": "bf16"}),
+    ("ARC-Top-K 0.2", "arc-topk", {"ratio": 0.2, "values": "bf16"}),
+    ("ARC-Top-K 0.8 mxfp4", "arc-topk", {"ratio": 0.8, "values": "mxfp4"}),  # 3.9 bits
     ("Moshpit 5b", "moshpit", {"bits": 5.0}),
     ("Moshpit 5b 10% absent", "moshpit", {"bits": 5.0, "dropout": 0.1}),
+    ("Moshpit 5b 10% absent + replicas", "moshpit",
+     {"bits": 5.0, "dropout": 0.1, "average_replicas": 1}),
     ("Rand-K 0.2", "randk", {"ratio": 0.2, "row": 256}),
     ("Top-K 0.1 (all-gather)", "topk-allgather", {"ratio": 0.1}),
 )
@@ -126,13 +129,16 @@ class Trainer:
     self.data = NamedSharding(mesh, P("data"))
     self.repl = NamedSharding(mesh, P())
     _, name, options = _codec(label)
+    options, every = _replicas(options)
     seed_opt = {} if name.startswith("psum-") else {"seed": 0}
     make = sparse.reducer if name in sparse.REDUCERS else dq.reducer  # the baselines
+    # a Moshpit row with average_replicas: the replicas averaged in the same rounds, last
+    last = [_average_replicas(options, every)] if every else []
     self.tx = optax.chain(
         make(name, "data", **seed_opt, **options),
         optax.adamw(optax.warmup_cosine_decay_schedule(
             0.0, cfg["lr"], cfg["warmup"], max(cfg["steps"], cfg["warmup"] + 1),
-            end_value=cfg["lr"] / 10), weight_decay=0.01))
+            end_value=cfg["lr"] / 10), weight_decay=0.01), *last)
     # Moshpit averaging leaves each rank its own result: each rank keeps its own parameters
     self.per_rank = name == "moshpit"
     self.step = dq.data_parallel_step(self.loss, self.tx, mesh=mesh, donate=False,
@@ -230,12 +236,32 @@ def wire(cfg: dict, label: str) -> dict:
     return {"params": d, "bits_per_coord": float(bits),
             "bytes_per_rank": ring_bytes_per_rank(bits / 8 * d, n)}
   schedule = "ring"
+  options, every = _replicas(options)
   if name == "moshpit":
     schedule, name, options = moshpit_options(options)
   st = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32),
                      codec=dq.codec_from_name(name, **options), n=n, schedule=schedule)
+  extra = 0.0  # the replicas' averaging: f32 parameters to the group mates, per round
+  if every:
+    from dynamiq_jax.moshpit import replica_bytes_per_rank
+    extra = replica_bytes_per_rank(jax.ShapeDtypeStruct((d,), jnp.float32),
+                                   schedule.plan(n)) / every
   return {"params": d, "bits_per_coord": float(st.bits_per_coord),
-          "bytes_per_rank": float(st.bytes_per_rank)}
+          "bytes_per_rank": float(st.bytes_per_rank) + extra}
+
+
+def _replicas(options: dict):
+  """A row's options without ``average_replicas`` (Moshpit rows: average the replicas
+  every this many steps, ``dq.average_replicas`` last in the chain), and that count (0)."""
+  options = dict(options)
+  return options, int(options.pop("average_replicas", 0))
+
+
+def _average_replicas(options: dict, every: int):
+  from dynamiq_jax.moshpit import average_replicas
+  from dynamiq_jax.registry import moshpit_options
+  schedule, _, _ = moshpit_options(options)
+  return average_replicas("data", schedule=schedule, seed=0, every=every)
 
 
 def _scalar(x) -> float:
