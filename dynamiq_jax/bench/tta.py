@@ -77,7 +77,6 @@ CODECS = (
     ("OmniReduce", "omnireduce", {}),
     ("ARC-Top-K 0.1", "arc-topk", {"ratio": 0.1, "values": "bf16"}),
     ("ARC-Top-K 0.2", "arc-topk", {"ratio": 0.2, "values": "bf16"}),
-    ("ARC-Top-K 0.8 mxfp4", "arc-topk", {"ratio": 0.8, "values": "mxfp4"}),  # 3.9 bits
     ("Moshpit 5b", "moshpit", {"bits": 5.0}),
     ("Moshpit 5b 10% absent", "moshpit", {"bits": 5.0, "dropout": 0.1}),
     ("Moshpit 5b 10% absent + replicas", "moshpit",
