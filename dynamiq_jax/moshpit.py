@@ -235,8 +235,9 @@ def average_replicas(axis_name="data", *, schedule="moshpit", seed: int = 0,
   (:func:`replica_rounds`), with the same absences as the gradient's rounds of that step
   (the dropout drawn from the same seed and step, or none). A rank absent from a round
   keeps its value there and is averaged back at its next round; the replicas' distance
-  stays bounded instead of growing. With every rank present the replicas are equal, the
-  move is exactly 0 and the step is the gradient reduction's, bit for bit.
+  stays bounded instead of growing. With every rank present the replicas are equal and
+  the move is 0: the step is the gradient reduction's up to float32 rounding (XLA may
+  fuse the update differently).
 
   Each rank sends its parameters in f32 to its ``M - 1`` group mates per round
   (:func:`replica_bytes_per_rank`): more than a compressed gradient, hence ``every``.

@@ -431,7 +431,7 @@ def test_replicas_stay_bounded_under_a_random_walk():
 def test_training_with_absent_peers_keeps_the_replicas_together(mesh):
   """Training at 20% absent per round: with the replicas averaged every step the spread
   stays bounded and small; with the gradient alone it grows. Nobody absent: the replicas'
-  averaging changes nothing, bit for bit."""
+  averaging changes nothing but float32 rounding."""
   mosh = dq.Moshpit(grid=(2, 4), dropout=0.2)
   pulled, alone = [], []
   _regression(mesh, mosh, per_rank=True, steps=40, every=1, spreads=pulled)
@@ -443,18 +443,21 @@ def test_training_with_absent_peers_keeps_the_replicas_together(mesh):
   again, losses2 = _regression(mesh, dq.Moshpit(grid=(2, 4)), per_rank=True, steps=5,
                                every=1)
   assert rows_identical(again)
-  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(again)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert losses == losses2
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(again)):  # (XLA may fuse the
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)  # update anew)
+  np.testing.assert_allclose(losses, losses2, rtol=1e-6)
 
 
 def test_average_replicas_every_k_steps(mesh):
   """every=3: the replicas meet only at steps 2, 5, 8, ...; between those the updates pass
   unchanged."""
   mosh = dq.Moshpit(grid=(2, 4), dropout=0.3)
-  spreads = []
+  spreads, alone = [], []
   _regression(mesh, mosh, per_rank=True, steps=6, every=3, spreads=spreads)
-  assert spreads[2] < spreads[1] and spreads[5] < spreads[4]
+  _regression(mesh, mosh, per_rank=True, steps=6, spreads=alone)
+  np.testing.assert_allclose(spreads[:2], alone[:2], rtol=1e-5)  # before the first meeting:
+  # the updates pass unchanged (to float32 rounding: XLA fuses the update anew)
+  assert spreads[2] < alone[2] and spreads[5] < alone[5]  # the meetings pull them together
 
 
 def test_average_replicas_errors():

@@ -215,7 +215,7 @@ def markdown(rows: list[dict], n_seeds: int) -> str:
 def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.moshpit",
                               description=__doc__.split("\n")[0])
-  p.add_argument("--workers", type=int, default=8)
+  p.add_argument("--workers", type=int, default=8, help="simulated ranks (a 2 x n/2 grid)")
   p.add_argument("--grid", default="2,2" if tiny else "2,4", help="the Moshpit grid's sides")
   p.add_argument("--steps", type=int, default=12 if tiny else 200)
   p.add_argument("--batch", type=int, default=8 if tiny else 32, help="per rank")
