@@ -214,19 +214,21 @@ def markdown(rows: list[dict], n_seeds: int) -> str:
 
 def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m dynamiq_jax.bench.moshpit",
-                              description=__doc__.split("\n")[0])
+                              description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--workers", type=int, default=8, help="simulated ranks (a 2 x n/2 grid)")
   p.add_argument("--grid", default="2,2" if tiny else "2,4", help="the Moshpit grid's sides")
-  p.add_argument("--steps", type=int, default=12 if tiny else 200)
+  p.add_argument("--steps", type=int, default=12 if tiny else 200, help="training steps")
   p.add_argument("--batch", type=int, default=8 if tiny else 32, help="per rank")
   p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
   p.add_argument("--noise", type=float, default=0.3, help="label noise's std")
-  p.add_argument("--eval-every", type=int, default=4 if tiny else 10)
-  p.add_argument("--smooth", type=int, default=3)
+  p.add_argument("--eval-every", type=int, default=4 if tiny else 10,
+                 help="steps between evaluations")
+  p.add_argument("--smooth", type=int, default=3, help="evaluations in the moving average")
   p.add_argument("--target-at", type=float, default=0.9,
                  help="the target: everyone present's smoothed loss at this share of its run")
-  p.add_argument("--seeds", default="0" if tiny else "0,1,2")
-  p.add_argument("--rows", default=",".join(DEFAULT_ROWS))
+  p.add_argument("--seeds", default="0" if tiny else "0,1,2", help="comma-separated seeds")
+  p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma-separated rows to run")
   common.add_data_flags(p, real="(unused)")
   return p
 
