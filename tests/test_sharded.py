@@ -547,24 +547,43 @@ class TestShardedOptimizer:
     assert np.abs(r).max() > 0 and not (r == r[:1]).all()  # each rank's own rounding error
 
 
-def _shapes_by_bucket(jaxpr, stack=""):
-  """{bucket index: the dimensions of every value made in ``allreduce/bucket<b>``}, from
-  the name stacks of ``jaxpr``'s equations (sub-jaxprs included)."""
+def _leaves_by_bucket(jaxpr, sources, stack="", out=None):
+  """{bucket index: the input leaves that values of ``allreduce/bucket<b>`` depend on},
+  by following the data through ``jaxpr`` (sub-jaxprs included; ``sources`` gives each
+  input variable's set of leaf indices)."""
   import re
-  out = {}
+  from jax.extend.core import Literal
+  out = {} if out is None else out
+  env = dict(zip(jaxpr.invars, sources))
+
+  def read(v):
+    return set() if isinstance(v, Literal) else env.get(v, set())
+
   for eqn in jaxpr.eqns:
     here = f"{stack}/{eqn.source_info.name_stack}"
+    ins = [read(v) for v in eqn.invars]
+    union = set().union(*ins)
+    subs = [getattr(sub, "jaxpr", sub) for param in eqn.params.values()
+            for sub in (param if isinstance(param, (tuple, list)) else (param,))
+            if hasattr(getattr(sub, "jaxpr", sub), "eqns")]
+    outs = None
+    for inner in subs:
+      if len(inner.invars) == len(ins):  # a call: follow each input into the body
+        res = _leaves_by_bucket(inner, ins, here, out)
+        outs = outs or [set() for _ in eqn.outvars]
+        if len(res) == len(outs):
+          outs = [a | b for a, b in zip(outs, res)]
+      else:  # a loop or branch: every output may depend on every input
+        _leaves_by_bucket(inner, [union] * len(inner.invars), here, out)
+    if eqn.primitive.name == "optimization_barrier":  # each output is its input
+      outs = ins
+    elif outs is None or len(outs) != len(eqn.outvars):
+      outs = [union] * len(eqn.outvars)
     m = re.findall(r"allreduce/bucket(\d+)", here)
     if m:
-      out.setdefault(int(m[-1]), set()).update(
-          d for v in eqn.outvars for d in getattr(v.aval, "shape", ()))
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          for b, dims in _shapes_by_bucket(inner, here).items():
-            out.setdefault(b, set()).update(dims)
-  return out
+      out.setdefault(int(m[-1]), set()).update(union)
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars] if stack else out
 
 
 @pytest.mark.parametrize("schedule", ["ring", "hierarchical"])
@@ -586,12 +605,11 @@ def test_reduce_scatter_reduces_the_last_leaf_first(schedule):
   if schedule == "hierarchical":  # 2 hosts of 4: scattered over the 4 of a host
     fn = jax.vmap(jax.vmap(f, axis_name="local"), axis_name="host")
     args = [jnp.broadcast_to(x, (2, 4, *x.shape)) for x in tree]
-    widths = (n * 512 // 4, n * 1536 // 4)
   else:
     fn = jax.vmap(f, axis_name="data")
     args = [jnp.broadcast_to(x, (n, *x.shape)) for x in tree]
-    widths = (512, 1536)
-  by_bucket = _shapes_by_bucket(jax.make_jaxpr(fn)(args).jaxpr)
-  first, last = widths
-  assert last in by_bucket[0] and first not in by_bucket[0], by_bucket
-  assert first in by_bucket[max(by_bucket)], by_bucket
+  closed = jax.make_jaxpr(fn)(args)
+  by_bucket = _leaves_by_bucket(closed.jaxpr, [{0}, {1}])
+  # leaf b (index 1) alone in the first bucket, leaf a in the last (which depends on b
+  # too: each bucket waits for the one before it)
+  assert by_bucket[0] == {1} and 0 in by_bucket[max(by_bucket)], by_bucket
