@@ -11,6 +11,7 @@ one.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -46,11 +47,18 @@ def _rule(errors, n, positions, bits, blocks):
   return allocation.rule(errors, positions, cost, positions * n * 256 * bits, n, blocks)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled(real, rule, tile):
+  """Reference and interpreted kernel, jitted once per (real, rule, tile): the statistics
+  (kind) are data, so the cases that differ only in them share one compile each."""
+  ref = jax.jit(lambda g: K.plan_reference(g, real=real, rule=rule))
+  ker = jax.jit(lambda g: K.plan_pallas(g, real=real, rule=rule, tile=tile, interpret=True))
+  return ref, ker
+
+
 def _both(g, real, rule, tile=32):
-  ref = jax.jit(lambda g: K.plan_reference(g, real=real, rule=rule))(g)
-  ker = jax.jit(lambda g: K.plan_pallas(g, real=real, rule=rule, tile=tile,
-                                        interpret=True))(g)
-  return [np.asarray(a) for a in ref], [np.asarray(a) for a in ker]
+  ref, ker = _compiled(real, rule, tile)
+  return [np.asarray(a) for a in ref(g)], [np.asarray(a) for a in ker(g)]
 
 
 @pytest.mark.parametrize("kind", ["random", "tied", "zeros", "all_zero"])
@@ -107,11 +115,11 @@ def test_reference_is_the_codecs_allocation():
   cost = {w: n * 256 * w for w in ERRORS}
   budget = positions * n * 256 * 3.5
   g = _norms("zeros", n * positions, rng)
-  for blocks in (1, n):
-    dest, _, _, counts = allocation.plan(jnp.asarray(g), 500, ERRORS, positions, cost, budget,
-                                         n, blocks, implementation="xla")
-    want = allocation.allocate(jnp.asarray(g), jnp.arange(n * positions) < 500, ERRORS,
-                               positions, cost, budget, n, blocks)
+  for blocks in (1, n):  # each under jit: one compile, not an eager dispatch per operation
+    dest, _, _, counts = jax.jit(lambda g, blocks=blocks: allocation.plan(
+        g, 500, ERRORS, positions, cost, budget, n, blocks, implementation="xla"))(g)
+    want = jax.jit(lambda g, blocks=blocks: allocation.allocate(
+        g, jnp.arange(n * positions) < 500, ERRORS, positions, cost, budget, n, blocks))(g)
     np.testing.assert_array_equal(dest, want[0])
     np.testing.assert_array_equal(counts, want[1])
 
