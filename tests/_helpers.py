@@ -57,3 +57,41 @@ def lower_for(platform: str, jitted, *args) -> str:
 def model_data(dataset, n, d, seed):
   from dynamiq_jax.bench.reference import paper_model_gradients
   return paper_model_gradients(dataset, n, d, seed)
+
+
+def _is_array(a) -> bool:
+  if isinstance(a, tuple):
+    return bool(a) and all(_is_array(x) for x in a)
+  return isinstance(a, (jax.Array, np.ndarray, np.generic))
+
+
+class Jitted:
+  """A module's functions, each call under ``jax.jit``: array arguments (and tuples of
+  them) traced, every other argument bound as it is (one jit per function and values of
+  those, so each shape compiles once). A jnp reference run eagerly compiles each of its
+  operations apart, hundreds of small compiles per call; under jit it is one program, as
+  inside the all-reduce. ``Jitted(R).decompress_reference(p, widths, units, **geo)``."""
+
+  def __init__(self, module):
+    self._module = module
+    self._jits = {}
+
+  def __getattr__(self, name):
+    fn = getattr(self._module, name)
+
+    def call(*args, **kwargs):
+      pos = tuple(i for i, a in enumerate(args) if _is_array(a))
+      kws = tuple(sorted(k for k, v in kwargs.items() if _is_array(v)))
+      fixed = {i: a for i, a in enumerate(args) if i not in pos}
+      fixed_kw = {k: v for k, v in kwargs.items() if k not in kws}
+      key = (name, len(args), pos, kws, repr(sorted(fixed.items())),
+             repr(sorted(fixed_kw.items())))
+      if key not in self._jits:
+        def run(dyn, dyn_kw, fixed=fixed, fixed_kw=fixed_kw, n=len(args)):
+          it = iter(dyn)
+          full = [fixed[i] if i in fixed else next(it) for i in range(n)]
+          return fn(*full, **fixed_kw, **dyn_kw)
+        self._jits[key] = jax.jit(run)
+      return self._jits[key]([args[i] for i in pos], {k: kwargs[k] for k in kws})
+
+    return call

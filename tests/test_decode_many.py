@@ -30,8 +30,10 @@ from pallas_kernels import dynamiq_triton as T
 
 import gpu_compile_tools as GT
 import test_gpu_compile as G
-from _helpers import lower_for
+from _helpers import Jitted, lower_for
 from test_kernels import EPS, TRITON, WS3, WS6, _keys, _same, _units, _widths, _x
+
+RJ = Jitted(R)  # the references, each call one compiled program (not op by op)
 
 # (plane_bits, width_set, S, n, widths, room): S below, at and past the kernels' BLOCK
 SLOW = pytest.mark.slow  # .ci/run-slow: the default tier keeps one case per plane width
@@ -57,7 +59,7 @@ def _payloads(case):
   widths = _widths(s, s, ws, kind)
   units = _units(widths, pb, room)
   geo = dict(eps=EPS, plane_bits=pb, width_set=ws)
-  pays = jnp.stack([R.compress_reference(_x(100 * s + c, s), widths, units, keys=_keys(c),
+  pays = jnp.stack([RJ.compress_reference(_x(100 * s + c, s), widths, units, keys=_keys(c),
                                          rank=c, strata=n, **geo) for c in range(n)])
   return pays, widths, units, geo
 
@@ -73,14 +75,14 @@ def _slots_and_mean(n, s, seed=0, count=None):
 def test_batched_kernels_equal_the_reference(case):
   pays, widths, units, geo = _payloads(case)
   n, s = pays.shape[0], widths.shape[0]
-  many = R.decompress_many_reference(pays, widths, units, **geo)
+  many = RJ.decompress_many_reference(pays, widths, units, **geo)
   assert many.shape == (n, s, 256) and many.dtype == jnp.float32
   for c in range(n):  # the reference is the per-payload decode
-    _same(many[c], R.decompress_reference(pays[c], widths, units, **geo))
+    _same(many[c], RJ.decompress_reference(pays[c], widths, units, **geo))
   _same(T.decompress_many_pallas(pays, widths, units, **geo, interpret=True), many)
   slots, mean = _slots_and_mean(n, s, seed=s)
   # the reference is today's finish: chunks interleaved by position, gathered, mean added
-  gather = R.decompress_rows_reference(pays, widths, units, slots, mean, **geo)
+  gather = RJ.decompress_rows_reference(pays, widths, units, slots, mean, **geo)
   _same(gather, R.take_in_range(many.transpose(1, 0, 2).reshape(-1, 256), slots)
         + mean[:, None])
   _same(T.decompress_rows_pallas(pays, widths, units, slots, mean, **geo, interpret=True),
@@ -88,7 +90,7 @@ def test_batched_kernels_equal_the_reference(case):
   # fewer rows than slots exist (a partial last program), repeated slots, no mean
   few = jnp.concatenate([slots[:5], slots[:2]])
   _same(T.decompress_rows_pallas(pays, widths, units, few, **geo, interpret=True),
-        R.decompress_rows_reference(pays, widths, units, few, **geo))
+        RJ.decompress_rows_reference(pays, widths, units, few, **geo))
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2],
@@ -99,10 +101,10 @@ def test_decode_sum_kernel_adds_in_rank_order(case):
   followed by the decode-add of each next one (the two-step reduction's order); n = 10
   runs the kernel's loop past its unrolled payloads."""
   pays, widths, units, geo = _payloads(case)
-  chain = R.decompress_reference(pays[0], widths, units, **geo)
+  chain = RJ.decompress_reference(pays[0], widths, units, **geo)
   for c in range(1, pays.shape[0]):
-    chain = R.decompress_accumulate_reference(pays[c], chain, widths, units, **geo)
-  _same(R.decompress_sum_reference(pays, widths, units, **geo), chain)
+    chain = RJ.decompress_accumulate_reference(pays[c], chain, widths, units, **geo)
+  _same(RJ.decompress_sum_reference(pays, widths, units, **geo), chain)
   _same(T.decompress_sum_pallas(pays, widths, units, **geo, interpret=True), chain)
 
 
@@ -113,9 +115,9 @@ def test_nonfinite_and_zero_values_decode_as_the_reference():
   units = _units(widths, pb, 0)
   geo = dict(eps=EPS, plane_bits=pb, width_set=ws)
   xs = [_x(1, s), jnp.zeros((s, 256)), _x(2, s).at[1, 3].set(jnp.inf).at[4, 0].set(jnp.nan)]
-  pays = jnp.stack([R.compress_reference(x, widths, units, keys=_keys(9), **geo) for x in xs])
+  pays = jnp.stack([RJ.compress_reference(x, widths, units, keys=_keys(9), **geo) for x in xs])
   _same(T.decompress_many_pallas(pays, widths, units, **geo, interpret=True),
-        R.decompress_many_reference(pays, widths, units, **geo))
+        RJ.decompress_many_reference(pays, widths, units, **geo))
 
 
 def test_under_vmap_each_element_is_its_own_batch():
@@ -124,7 +126,7 @@ def test_under_vmap_each_element_is_its_own_batch():
   a, b = _payloads(CASES[0]), _payloads((1, WS6, 11, 3, "1", 2))
   units = max(a[2], b[2])
   geo = a[3]
-  pays = jnp.stack([jnp.stack([R.compress_reference(_x(7 * v + c, 11), w, units,
+  pays = jnp.stack([jnp.stack([RJ.compress_reference(_x(7 * v + c, 11), w, units,
                                                     keys=_keys(c), **geo) for c in range(3)])
                     for v, w in enumerate((a[1], b[1]))])
   ws = jnp.stack([a[1], b[1]])
@@ -132,11 +134,14 @@ def test_under_vmap_each_element_is_its_own_batch():
   means = jnp.stack([_slots_and_mean(3, 11, seed=v)[1] for v in range(2)])
   ker = lambda p, w, sl, m: T.decompress_rows_pallas(p, w, units, sl, m, **geo, interpret=True)
   ref = lambda p, w, sl, m: R.decompress_rows_reference(p, w, units, sl, m, **geo)
-  got = jax.vmap(ker)(pays, ws, slots, means)
-  _same(got, jax.vmap(ref)(pays, ws, slots, means))
-  _same(got[1], ref(pays[1], ws[1], slots[1], means[1]))
-  _same(jax.vmap(lambda p, w: T.decompress_many_pallas(p, w, units, **geo, interpret=True))(
-      pays, ws), jax.vmap(lambda p, w: R.decompress_many_reference(p, w, units, **geo))(pays, ws))
+  # each under one jit (one compile, not an eager dispatch per operation): the same vmap
+  got = jax.jit(jax.vmap(ker))(pays, ws, slots, means)
+  _same(got, jax.jit(jax.vmap(ref))(pays, ws, slots, means))
+  _same(got[1], jax.jit(ref)(pays[1], ws[1], slots[1], means[1]))
+  _same(jax.jit(jax.vmap(lambda p, w: T.decompress_many_pallas(p, w, units, **geo,
+                                                               interpret=True)))(pays, ws),
+        jax.jit(jax.vmap(lambda p, w: R.decompress_many_reference(p, w, units, **geo)))(
+            pays, ws))
 
 
 class TestDispatch:
@@ -144,15 +149,15 @@ class TestDispatch:
   def test_public_names_equal_the_reference_on_cpu(self):
     pays, widths, units, geo = _payloads(CASES[2])
     slots, mean = _slots_and_mean(4, 9)
-    many = R.decompress_many_reference(pays, widths, units, **geo)
-    gather = R.decompress_rows_reference(pays, widths, units, slots, mean, **geo)
+    many = RJ.decompress_many_reference(pays, widths, units, **geo)
+    gather = RJ.decompress_rows_reference(pays, widths, units, slots, mean, **geo)
     for impl in (None, "xla", "pallas"):
       _same(K.decompress_many(pays, widths, units, **geo, implementation=impl), many)
       _same(K.decompress_rows(pays, widths, units, slots, mean, **geo, implementation=impl),
             gather)
     for impl in (None, "xla"):  # (the kernel's dispatch: test_one_triton_launch_...)
       _same(K.decompress_sum(pays, widths, units, **geo, implementation=impl),
-            R.decompress_sum_reference(pays, widths, units, **geo))
+            RJ.decompress_sum_reference(pays, widths, units, **geo))
 
   def test_odd_widths_with_two_bit_planes_fall_back_to_the_reference(self):
     pays, widths, units, _ = _payloads(CASES[0])
@@ -161,7 +166,7 @@ class TestDispatch:
     with pytest.raises(NotImplementedError, match="odd widths"):
       T.decompress_many_pallas(pays, widths, units, **geo, interpret=True)
     _same(K.decompress_many(pays, widths, units, **geo, implementation="pallas"),
-          R.decompress_many_reference(pays, widths, units, **geo))
+          RJ.decompress_many_reference(pays, widths, units, **geo))
 
   @pytest.mark.parametrize("fn", [K.decompress_many, R.decompress_many_reference,
                                   T.decompress_many_pallas])
@@ -254,37 +259,47 @@ def _dynamiq_bucket(n=4, d=256 * 4 * 6, seed=0, implementation="pallas"):
 
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
 def test_dynamiq_hooks_give_the_bits_of_decode_and_finish(implementation):
-  codec, bucket, aux, payloads = _dynamiq_bucket(implementation=implementation)
-  one_by_one = jnp.stack([codec.decode(payloads[c], aux) for c in range(bucket.n)])
-  many = codec.decode_many(payloads, aux)
+  def run():  # under one jit, as in the all-reduce (eagerly: a compile per operation)
+    codec, bucket, aux, payloads = _dynamiq_bucket(implementation=implementation)
+    one_by_one = jnp.stack([codec.decode(payloads[c], aux) for c in range(bucket.n)])
+    want, _ = codec.finish(one_by_one, aux, bucket, None)
+    got, state = codec.decode_finish(payloads, aux, bucket, None)
+    return (one_by_one, codec.decode_many(payloads, aux), codec.decode_sum(payloads, aux),
+            Codec.decode_sum(codec, payloads, aux), want, got, state)
+
+  one_by_one, many, total, default_total, want, got, state = jax.jit(run)()
   _same(many, one_by_one)
-  _same(codec.decode_sum(payloads, aux), Codec.decode_sum(codec, payloads, aux))
-  want, _ = codec.finish(one_by_one, aux, bucket, None)
-  got, state = codec.decode_finish(payloads, aux, bucket, None)
+  _same(total, default_total)
   assert state is None
   _same(got, want)
-  assert got.shape == (bucket.d,)
+  assert got.shape == (256 * 4 * 6,)  # the bucket's d
 
 
 def test_executor_and_engine_use_a_codec_s_own_hooks():
   """DynamiQ's hop ops carry its batched decode and the engine its fused finish; a codec
   without them (IntGroup) keeps the executor's per-payload decodes and ``finish``."""
-  codec, bucket, aux, payloads = _dynamiq_bucket()
-  ops = engine.hop_ops(codec, aux, None)
-  assert ops.decode_many is not None
-  _same(executor.decode_all(payloads, ops), codec.decode_many(payloads, aux))
-  calls = []
+  calls, has_decode_many = [], []
 
   class Counted(DynamiQ):
     def decode_finish(self, *a):
       calls.append("decode_finish")
       return super().decode_finish(*a)
 
-  counted = Counted(bits=5)
-  out, _, _ = engine.decode_pass(payloads, aux, counted, bucket, None,
-                                 dq.schedules.ring_plan(bucket.n))
+  def run():  # under one jit, as in the all-reduce (eagerly: a compile per operation)
+    codec, bucket, aux, payloads = _dynamiq_bucket()
+    ops = engine.hop_ops(codec, aux, None)
+    has_decode_many.append(ops.decode_many is not None)
+    many = codec.decode_many(payloads, aux)
+    out, _, _ = engine.decode_pass(payloads, aux, Counted(bits=5), bucket, None,
+                                   dq.schedules.ring_plan(bucket.n))
+    return executor.decode_all(payloads, ops), many, out, codec.finish(many, aux, bucket,
+                                                                       None)[0]
+
+  decoded, many, out, want = jax.jit(run)()
+  assert has_decode_many == [True]
+  _same(decoded, many)
   assert calls == ["decode_finish"]
-  _same(out, codec.finish(codec.decode_many(payloads, aux), aux, bucket, None)[0])
+  _same(out, want)
   assert engine.hop_ops(IntGroup(), None, None).decode_many is None
 
 
