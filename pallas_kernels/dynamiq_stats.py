@@ -230,13 +230,16 @@ def guard_stats_reference(x, k0, k1, hop=0, *, s: int, safe_exponent: int, strid
   return mean, norm, amax, jnp.max(amax), jnp.max(bad)
 
 
-def _guard_stats_kernel(k0_ref, k1_ref, hop_ref, x_ref, out_ref, *, block: int, s: int,
+def _guard_stats_kernel(keys_ref, hop_ref, x_ref, out_ref, *, block: int, s: int,
                         stride: int, safe_exponent: int, interpret: bool):
+  # keys_ref: k0's table, then k1's (one operand: a bucket's two tables are adjacent in
+  # its key row, so XLA passes one slice of it)
+  half = keys_ref.shape[0] // 2
   row = pl.program_id(0) * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
-  c = jnp.minimum(row // s, k0_ref.shape[0] // stride - 1)  # rows past the end: any key
+  c = jnp.minimum(row // s, half // stride - 1)  # rows past the end: any key
   i = c * stride + hop_ref[0]
   sqrt = jnp.sqrt if interpret else _sqrt_rn
-  found = row_stats_block(x_ref[...], row % s, k0_ref[i], k1_ref[i],
+  found = row_stats_block(x_ref[...], row % s, keys_ref[i], keys_ref[half + i],
                           safe_exponent=safe_exponent, sqrt=sqrt)
   for r, v in enumerate(found):  # (mean, norm, amax, bad): one output, [4, S]
     out_ref[r, :] = v
@@ -256,18 +259,18 @@ def _compiler_params(interpret, num_warps=NUM_WARPS):
 
 @functools.partial(jax.jit, static_argnames=("s", "stride", "safe_exponent", "interpret",
                                              "block"))
-def _guard_stats_launch(x, k0, k1, hop, *, s, stride, safe_exponent, interpret, block):
+def _guard_stats_launch(x, keys, hop, *, s, stride, safe_exponent, interpret, block):
   rows = x.shape[0]
   kernel = functools.partial(_guard_stats_kernel, block=block, s=s, stride=stride,
                              safe_exponent=safe_exponent, interpret=bool(interpret))
   whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))
   out = jax.ShapeDtypeStruct((4, rows), jnp.float32)
   return pl.pallas_call(
-      kernel, out_shape=D.typed_like(out, (x, k0, k1, hop)), grid=(pl.cdiv(rows, block),),
-      in_specs=[whole(k0), whole(k1), whole(hop), pl.BlockSpec((block, ROW), lambda i: (i, 0))],
+      kernel, out_shape=D.typed_like(out, (x, keys, hop)), grid=(pl.cdiv(rows, block),),
+      in_specs=[whole(keys), whole(hop), pl.BlockSpec((block, ROW), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((4, block), lambda i: (0, i)),
       compiler_params=_compiler_params(interpret), interpret=interpret,
-      name="dynamiq_guard_stats")(k0, k1, hop, x)
+      name="dynamiq_guard_stats")(keys, hop, x)
 
 
 def guard_stats_pallas(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: int = 1,
@@ -279,10 +282,13 @@ def guard_stats_pallas(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: 
   if not interpret:
     _quiet()
   k0, k1 = (jnp.asarray(k, jnp.uint32).reshape(-1) for k in (k0, k1))
+  if k0.shape != k1.shape:
+    raise ValueError(f"k0 has {k0.size} keys and k1 {k1.size}; give tables of one size")
   hop = jnp.asarray(hop, jnp.int32).reshape(1)
   launch = functools.partial(_guard_stats_launch, s=s, stride=stride,
                              safe_exponent=safe_exponent, interpret=interpret, block=block)
-  out = D.map_over_batch(launch, x, k0, k1, hop)  # [..., 4, S]
+  # one operand: where k0 and k1 are adjacent slices of one array, XLA passes one slice
+  out = D.map_over_batch(launch, x, jnp.concatenate([k0, k1]), hop)  # [..., 4, S]
   votes = jnp.max(out[..., 2:, :], axis=-1)  # one reduction for both
   return out[..., 0, :], out[..., 1, :], out[..., 2, :], votes[..., 0], votes[..., 1]
 

@@ -342,10 +342,16 @@ class DynamiQ(Codec):
     # every chunk's shared stratum key, and its rounding key at every hop (hop <= n: the
     # schedules' steps, and the two-step reduction's), derived once for all hops; stored:
     # XLA would otherwise recompute them inside every hop's key fusion
+    # (one array through the barrier: the four tables are adjacent words of the bucket's
+    # key row, so it takes one slice of it where four would each be a launch)
     tables = keys.tables if keys.tables is not None else self.key_tables(keys, n)
-    chunk_keys = jax.lax.optimization_barrier(tables.chunk)
+    flat = jax.lax.optimization_barrier(jnp.concatenate([t.reshape(-1) for t in tables.chunk]))
+    chunk_keys, at = [], 0
+    for t in tables.chunk:
+      chunk_keys.append(flat[at:at + t.size].reshape(t.shape))
+      at += t.size
     return Plan(chunks, DynamiQAux(dest, gmean, gnorm, widths, lay, bucket.implementation,
-                                   chunk_keys))
+                                   tuple(chunk_keys)))
 
   def key_tables(self, keys, n: int) -> "DynamiQKeyTables":
     """Every chunk's rounding key at every hop and its shared stratum key, and the
