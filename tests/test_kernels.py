@@ -19,12 +19,13 @@ from pallas_kernels import dynamiq_triton as T
 from pallas_kernels import rng
 
 import gpu_compile_tools as GT
-from _helpers import lower_for, model_data, per_rank, rows_identical
+from _helpers import Jitted, lower_for, model_data, per_rank, rows_identical
 
 EPS = {2: 0.23, 4: 0.18, 8: 0.10}
 WS6 = (2, 3, 4, 5, 6, 8)
 WS3 = (2, 4, 8)
 TRITON = "__gpu$xla.gpu.triton"
+RJ = Jitted(R)  # the references, each call one compiled program (not op by op)
 
 
 def _keys(seed):
@@ -111,17 +112,17 @@ def test_all_four_kernels_equal_the_reference(case):
   units = _units(widths, pb, room)
   geo = dict(eps=EPS, plane_bits=pb, width_set=ws)
   enc = dict(keys=_keys(1), rank=5, strata=strata, scale_rounding=sr)
-  p_ref = R.compress_reference(x, widths, units, **enc, **geo)
+  p_ref = RJ.compress_reference(x, widths, units, **enc, **geo)
   assert p_ref.shape == (R.payload_bytes(s, units, pb),)
   _same(T.compress_pallas(x, widths, units, **enc, **geo, interpret=True), p_ref)
   _same(T.decompress_pallas(p_ref, widths, units, **geo, interpret=True),
-        R.decompress_reference(p_ref, widths, units, **geo))
+        RJ.decompress_reference(p_ref, widths, units, **geo))
   _same(T.decompress_accumulate_pallas(p_ref, x, widths, units, **geo, interpret=True),
-        R.decompress_accumulate_reference(p_ref, x, widths, units, **geo))
+        RJ.decompress_accumulate_reference(p_ref, x, widths, units, **geo))
   enc2 = dict(enc, keys=_keys(2), rank=3)
   _same(T.decompress_accumulate_recompress_pallas(p_ref, x, widths, units, **enc2, **geo,
                                                   interpret=True),
-        R.decompress_accumulate_recompress_reference(p_ref, x, widths, units, **enc2, **geo))
+        RJ.decompress_accumulate_recompress_reference(p_ref, x, widths, units, **enc2, **geo))
 
 
 def test_unused_units_are_zero_and_values_round_trip():
@@ -153,11 +154,11 @@ def test_edge_values_as_in_the_reference(case):
   widths = _widths(5, s, WS6, "mixed")
   units = _units(widths, 1, 0)
   geo = dict(eps=EPS, width_set=WS6)
-  p_ref = R.compress_reference(x, widths, units, keys=_keys(6), **geo)
+  p_ref = RJ.compress_reference(x, widths, units, keys=_keys(6), **geo)
   p_ker = T.compress_pallas(x, widths, units, keys=_keys(6), **geo, interpret=True)
   _same(p_ker, p_ref)
   y = T.decompress_pallas(p_ker, widths, units, **geo, interpret=True)
-  _same(y, R.decompress_reference(p_ref, widths, units, **geo))
+  _same(y, RJ.decompress_reference(p_ref, widths, units, **geo))
   if case == "zeros":
     np.testing.assert_array_equal(np.asarray(y), 0.0)
   if case in ("1e30", "1e-30"):
@@ -168,10 +169,10 @@ def test_float16_and_one_supergroup():
   x = _x(3, 1, jnp.float16)
   widths = jnp.asarray([5], jnp.int32)
   geo = dict(eps=EPS, keys=_keys(3), rank=1, strata=4)
-  p = R.compress_reference(x, widths, 5, **geo)
+  p = RJ.compress_reference(x, widths, 5, **geo)
   _same(T.compress_pallas(x, widths, 5, **geo, interpret=True), p)
   _same(T.decompress_accumulate_recompress_pallas(p, x, widths, 5, **geo, interpret=True),
-        R.decompress_accumulate_recompress_reference(p, x, widths, 5, **geo))
+        RJ.decompress_accumulate_recompress_reference(p, x, widths, 5, **geo))
 
 
 def test_unbiased_through_the_kernels():
@@ -201,13 +202,13 @@ def test_every_payload_byte_is_written(plane_bits, width_set, room):
   x = _x(8, s)
   widths = _widths(8, s, width_set, "mixed")
   units = _units(widths, plane_bits, room)
-  ref = R.compress_reference(x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
+  ref = RJ.compress_reference(x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
                              plane_bits=plane_bits, width_set=width_set)
   geo = dict(eps=EPS, keys=_keys(8), rank=2, strata=8, plane_bits=plane_bits,
              width_set=width_set, interpret=True, fill=0xA5)
   _same(T.compress_pallas(x, widths, units, **geo), ref)
   _same(T.decompress_accumulate_recompress_pallas(ref, x, widths, units, **geo),
-        R.decompress_accumulate_recompress_reference(
+        RJ.decompress_accumulate_recompress_reference(
             ref, x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
             plane_bits=plane_bits, width_set=width_set))
 
@@ -225,15 +226,15 @@ def test_other_launches_give_the_same_bits(launch):
   geo = dict(eps=EPS, plane_bits=1, width_set=WS6)
   enc = dict(keys=_keys(9), rank=1, strata=8, scale_rounding="stochastic")
   run = dict(interpret=True, launch=launch)
-  p_ref = R.compress_reference(x, widths, units, **enc, **geo)
+  p_ref = RJ.compress_reference(x, widths, units, **enc, **geo)
   _same(T.compress_pallas(x, widths, units, **enc, **geo, **run, fill=0xA5), p_ref)
   _same(T.decompress_pallas(p_ref, widths, units, **geo, **run),
-        R.decompress_reference(p_ref, widths, units, **geo))
+        RJ.decompress_reference(p_ref, widths, units, **geo))
   _same(T.decompress_accumulate_pallas(p_ref, x, widths, units, **geo, **run),
-        R.decompress_accumulate_reference(p_ref, x, widths, units, **geo))
+        RJ.decompress_accumulate_reference(p_ref, x, widths, units, **geo))
   _same(T.decompress_accumulate_recompress_pallas(p_ref, x, widths, units, **enc, **geo, **run,
                                                   fill=0xA5),
-        R.decompress_accumulate_recompress_reference(p_ref, x, widths, units, **enc, **geo))
+        RJ.decompress_accumulate_recompress_reference(p_ref, x, widths, units, **enc, **geo))
 
 
 def test_launch_config():
@@ -280,13 +281,13 @@ def test_vmap_maps_the_kernels_over_a_batch():
   p_ref = jax.vmap(lambda x, w, sd: enc(x, w, sd, R.compress_reference))(xs, ws, seeds)
   _same(p, p_ref)
   for i in range(b):  # and each element is the unbatched result
-    _same(p[i], R.compress_reference(xs[i], ws[i], units, keys=tuple(
+    _same(p[i], RJ.compress_reference(xs[i], ws[i], units, keys=tuple(
         k + seeds[i] for k in _keys(4)), rank=1, strata=8, **geo))
   dec = jax.vmap(lambda p, w: T.decompress_pallas(p, w, units, **geo, interpret=True))
-  _same(dec(p, ws), jax.vmap(lambda p, w: R.decompress_reference(p, w, units, **geo))(p, ws))
+  _same(dec(p, ws), jax.vmap(lambda p, w: RJ.decompress_reference(p, w, units, **geo))(p, ws))
   acc = jax.vmap(lambda p, x: T.decompress_accumulate_pallas(p, x, ws[0], units, **geo,
                                                                     interpret=True))
-  _same(acc(p, xs), jax.vmap(lambda p, x: R.decompress_accumulate_reference(
+  _same(acc(p, xs), jax.vmap(lambda p, x: RJ.decompress_accumulate_reference(
       p, x, ws[0], units, **geo))(p, xs))
   hop = lambda impl: jax.vmap(lambda p, x, w: impl(p, x, w, units, keys=_keys(5), strata=8, **geo))
   _same(hop(lambda *a, **k: T.decompress_accumulate_recompress_pallas(
@@ -356,16 +357,17 @@ class TestDispatch:
     w = _widths(6, s, WS6, "mixed")
     units = _units(w, pb, 1)
     eps_tuple = tuple(EPS.items())
-    ref = R.compress_reference(x, w, units, eps=EPS, keys=_keys(6), strata=8)
+    ref = RJ.compress_reference(x, w, units, eps=EPS, keys=_keys(6), strata=8)
     for impl in (None, "xla", "pallas"):
       p = jax.jit(lambda x, w: K.compress(x, w, units, eps=eps_tuple, keys=_keys(6),
                                                  strata=8, implementation=impl))(x, w)
       _same(p, ref)
-    y_ref = R.decompress_reference(ref, w, units, eps=EPS)
-    _same(K.decompress(ref, w, units, eps=EPS), y_ref)
-    _same(K.decompress(ref, w, units, eps=EPS, implementation="pallas"), y_ref)
-    _same(K.decompress_accumulate(ref, x, w, units, eps=EPS, implementation="pallas"),
-          R.decompress_accumulate_reference(ref, x, w, units, eps=EPS))
+    y_ref = RJ.decompress_reference(ref, w, units, eps=EPS)
+    KJ = Jitted(K)  # each call one compiled program (eagerly: a compile per operation)
+    _same(KJ.decompress(ref, w, units, eps=EPS), y_ref)
+    _same(KJ.decompress(ref, w, units, eps=EPS, implementation="pallas"), y_ref)
+    _same(KJ.decompress_accumulate(ref, x, w, units, eps=EPS, implementation="pallas"),
+          RJ.decompress_accumulate_reference(ref, x, w, units, eps=EPS))
 
   def test_odd_widths_with_two_bit_planes_fall_back_to_the_reference(self):
     s = 4
@@ -374,8 +376,8 @@ class TestDispatch:
     geo = dict(eps=EPS, plane_bits=2, width_set=WS6)
     with pytest.raises(NotImplementedError, match="odd widths"):
       T.compress_pallas(x, w, 12, keys=_keys(7), **geo, interpret=True)
-    _same(K.compress(x, w, 12, keys=_keys(7), **geo, implementation="pallas"),
-          R.compress_reference(x, w, 12, keys=_keys(7), **geo))
+    _same(Jitted(K).compress(x, w, 12, keys=_keys(7), **geo, implementation="pallas"),
+          RJ.compress_reference(x, w, 12, keys=_keys(7), **geo))
 
   def test_bad_implementation(self):
     with pytest.raises(ValueError, match="implementation='cuda'"):
@@ -387,9 +389,10 @@ class TestDispatch:
     w = _widths(8, 3, WS6, "mixed")
     D._warned.clear()
     with caplog.at_level(logging.WARNING, logger="dynamiq_jax"):
-      a = K.compress(x, w, 12, eps=EPS, keys=_keys(0), implementation="pallas")
-      b = K.compress(x, w, 12, eps=EPS, keys=_keys(0), implementation="pallas")
-    _same(a, R.compress_reference(x, w, 12, eps=EPS, keys=_keys(0)))
+      # two jits, each tracing (and dispatching) anew: one compile each, not one per operation
+      a = Jitted(K).compress(x, w, 12, eps=EPS, keys=_keys(0), implementation="pallas")
+      b = Jitted(K).compress(x, w, 12, eps=EPS, keys=_keys(0), implementation="pallas")
+    _same(a, RJ.compress_reference(x, w, 12, eps=EPS, keys=_keys(0)))
     _same(a, b)
     msgs = [r.getMessage() for r in caplog.records if "float8" in r.getMessage()]
     assert len(msgs) == 1 and "using the XLA reference" in msgs[0]
