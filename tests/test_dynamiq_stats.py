@@ -19,10 +19,11 @@ from pallas_kernels import rng
 
 import gpu_compile_tools as GT
 import test_gpu_compile as G
-from _helpers import lower_for, rows_identical
+from _helpers import Jitted, lower_for, rows_identical
 
 SAFE = engine.SAFE_EXPONENT
 TRITON = "__gpu$xla.gpu.triton"
+SJ = Jitted(S)  # references and dispatch, each call one compiled program (not op by op)
 
 
 def _bits(a):
@@ -65,12 +66,17 @@ def _old_statistics(x, k0, k1, s):
   _, e = np.frexp(amax)
   scale = np.float32(2.0 ** min(SAFE - int(e), 0))
   xg = jnp.asarray(np.where(finite, x, 0) * scale)
-  mean = tree_sum(xg) / 256
-  norm = row_norm(xg - mean[:, None])
   row = np.arange(x.shape[0])
   c, j = row // s, jnp.asarray(row % s, jnp.uint32)
+  return _old_encode(xg, k0, k1, c, j), amax, float(~finite.all())
+
+
+@jax.jit  # one compile (eagerly: one per operation)
+def _old_encode(xg, k0, k1, c, j):
+  mean = tree_sum(xg) / 256
+  norm = row_norm(xg - mean[:, None])
   enc = stochastic_bf16(mean, rng.hash_index(k0[c], k1[c], j))
-  return jnp.stack([enc, norm.astype(jnp.bfloat16)], axis=-1), amax, float(~finite.all())
+  return jnp.stack([enc, norm.astype(jnp.bfloat16)], axis=-1)
 
 
 CASES = [(3, 7, "mixed"), (8, 2, "nonfinite"), (4, 5, "huge"), (1, 17, "mixed")]
@@ -80,7 +86,7 @@ CASES = [(3, 7, "mixed"), (8, 2, "nonfinite"), (4, 5, "huge"), (1, 17, "mixed")]
 def test_guard_stats_kernel_equals_the_reference(n, s, kind):
   x = _rows(n * 10 + s, n, s, kind)
   k0, k1 = _keys(n)
-  want = S.guard_stats_reference(x, k0, k1, s=s, safe_exponent=SAFE)
+  want = SJ.guard_stats_reference(x, k0, k1, s=s, safe_exponent=SAFE)
   got = S.guard_stats_pallas(x, k0, k1, s=s, safe_exponent=SAFE, interpret=True)
   assert len(want) == len(got) == 5
   for a, b in zip(want, got):
@@ -93,10 +99,10 @@ def test_keys_from_a_table_of_chunks_and_steps():
   x = _rows(9, n, s)
   t0, t1 = (rng.mix32(jnp.arange(n * (n + 1), dtype=jnp.uint32) + v) for v in (1, 99))
   hop = jnp.int32(2)
-  want = S.guard_stats_reference(x, t0.reshape(n, n + 1)[:, 2], t1.reshape(n, n + 1)[:, 2],
+  want = SJ.guard_stats_reference(x, t0.reshape(n, n + 1)[:, 2], t1.reshape(n, n + 1)[:, 2],
                                  s=s, safe_exponent=SAFE)
   for impl in ("xla", "pallas"):
-    got = S.guard_stats(x, t0, t1, hop, s=s, safe_exponent=SAFE, stride=n + 1,
+    got = SJ.guard_stats(x, t0, t1, hop, s=s, safe_exponent=SAFE, stride=n + 1,
                         implementation=impl, interpret=True)
     for a, b in zip(want, got):
       _same(a, b)
@@ -108,13 +114,13 @@ def test_one_pass_equals_the_guard_then_the_statistics(n, s, kind):
   for bit (huge rows: the bucket is scaled by 2^-36 or 2^-64, exactly)."""
   x = _rows(n * 10 + s, n, s, kind)
   k0, k1 = _keys(n, seed=5)
-  mean, norm, rows_amax, amax, bad = S.guard_stats(x, k0, k1, s=s, safe_exponent=SAFE)
+  mean, norm, rows_amax, amax, bad = SJ.guard_stats(x, k0, k1, s=s, safe_exponent=SAFE)
   want, want_amax, want_bad = _old_statistics(x, k0, k1, s)
   assert float(amax) == want_amax and float(bad) == want_bad
   shift = S.guard_exponent(amax, SAFE)
   _, e = np.frexp(want_amax)
   assert int(shift) == min(SAFE - int(e), 0) and (int(shift) < 0) == (kind == "huge")
-  _same(S.rescale(mean, norm, rows_amax, shift, safe_exponent=SAFE), want)
+  _same(SJ.rescale(mean, norm, rows_amax, shift, safe_exponent=SAFE), want)
 
 
 def test_zero_rows_give_zero_statistics_and_bad_rows_count_as_zeros():
@@ -154,7 +160,7 @@ def _payloads(n, s, seed=0):
 @pytest.mark.parametrize("n,s", [(8, 300), (2, 5), (1, 3), (4, 1)])
 def test_stats_sum_kernel_equals_the_reference_and_the_old_decode_sum(n, s):
   p = _payloads(n, s, seed=n + s)
-  want = S.stats_sum_reference(p)
+  want = SJ.stats_sum_reference(p)
   _same(S.stats_sum_pallas(p, interpret=True), want)
   q = jnp.moveaxis(p.astype(jnp.float32), 0, -1)
   _same(want, jnp.stack([tree_sum(q[..., 0, :]), hypot_all(q[..., 1, :])], axis=-1))
@@ -165,7 +171,7 @@ def test_stats_sum_of_a_rank_count_not_a_power_of_two_falls_back():
   with pytest.raises(NotImplementedError, match="n=6"):
     S.stats_sum_pallas(p, interpret=True)
   q = jnp.moveaxis(p.astype(jnp.float32), 0, -1)
-  _same(S.stats_sum(p, implementation="pallas", interpret=True),
+  _same(SJ.stats_sum(p, implementation="pallas", interpret=True),
         jnp.stack([tree_sum(q[..., 0, :]), hypot_all(q[..., 1, :])], axis=-1))
 
 
@@ -173,17 +179,17 @@ def test_mosaic_takes_the_default_path():
   """No Mosaic GPU form: implementation="mosaic" (the hops') is the default path, here the
   reference, not an error."""
   x = _rows(5, 2, 3)
-  for a, b in zip(S.guard_stats(x, *_keys(2), s=3, safe_exponent=SAFE, implementation="mosaic"),
-                  S.guard_stats_reference(x, *_keys(2), s=3, safe_exponent=SAFE)):
+  for a, b in zip(SJ.guard_stats(x, *_keys(2), s=3, safe_exponent=SAFE, implementation="mosaic"),
+                  SJ.guard_stats_reference(x, *_keys(2), s=3, safe_exponent=SAFE)):
     _same(a, b)
-  _same(S.row_mean(x, implementation="mosaic"), S.row_mean_reference(x))
+  _same(SJ.row_mean(x, implementation="mosaic"), SJ.row_mean_reference(x))
 
 
 def test_kernels_under_vmap_equal_the_reference():
   x = jnp.stack([_rows(1, 2, 3), _rows(2, 2, 3, "huge")])
   k0, k1 = _keys(2)
-  f = lambda impl: jax.vmap(lambda v: S.guard_stats(v, k0, k1, s=3, safe_exponent=SAFE,
-                                                    implementation=impl, interpret=True))(x)
+  f = lambda impl: jax.jit(jax.vmap(lambda v: S.guard_stats(  # one compile, not op by op
+      v, k0, k1, s=3, safe_exponent=SAFE, implementation=impl, interpret=True)))(x)
   for a, b in zip(f("pallas"), f("xla")):
     _same(a, b)
 
@@ -228,7 +234,7 @@ def test_one_pass_guard_equals_the_two_pass_guard(kind):
 
 def test_row_mean_kernel_equals_the_reference_and_the_old_mean():
   x = _rows(4, 3, 7, "huge")
-  want = S.row_mean_reference(x)
+  want = SJ.row_mean_reference(x)
   _same(S.row_mean_pallas(x, interpret=True), want)
   _same(want, tree_sum(x) / 256)
 
