@@ -12,9 +12,12 @@ from pallas_kernels import dynamiq_block as B
 from pallas_kernels import dynamiq_reference as R
 from pallas_kernels import rng
 
+from _helpers import Jitted
+
 EPS = {2: 0.23, 4: 0.18, 8: 0.10}
 KEYS = tuple(np.uint32(v) for v in (11, 22, 33, 44))
 WS6 = (2, 3, 4, 5, 6, 8)
+RJ = Jitted(R)  # the references, each call one compiled program (not op by op)
 
 
 def _keys(seed):
@@ -41,8 +44,8 @@ def _widths(s, width_set=WS6):
 def _round_trip(x, widths, keys, width_set=WS6, **kw):
   units = int(np.sum(np.asarray(widths)))
   geo = dict(eps=EPS, width_set=width_set)
-  p = R.compress_reference(x, widths, units, keys=keys, **geo, **kw)
-  return R.decompress_reference(p, widths, units, **geo)
+  p = RJ.compress_reference(x, widths, units, keys=keys, **geo, **kw)
+  return RJ.decompress_reference(p, widths, units, **geo)
 
 
 class TestLayout:
@@ -54,7 +57,7 @@ class TestLayout:
     s = 3
     x = _hetero((s, 256), seed=3)
     widths = jnp.asarray([4, 3, 2], jnp.int32)
-    p = np.asarray(R.compress_reference(x, widths, 9, eps=EPS, keys=_keys(1)))
+    p = np.asarray(RJ.compress_reference(x, widths, 9, eps=EPS, keys=_keys(1)))
     assert p.shape == (R.payload_bytes(s, 9),) == (s * 18 + 9 * 32,)
     rec = p[:s * 18].reshape(s, 18)
     for i in range(s):
@@ -72,7 +75,7 @@ class TestLayout:
     assert (codes < 2 ** np.asarray(widths)[:, None]).all()
     # and those codes are the values decompress gives: the signed level times k V
     tabs = B.level_tables(EPS, R.WIDTH_SET)
-    y = np.asarray(R.decompress_reference(jnp.asarray(p), widths, 9, eps=EPS))
+    y = np.asarray(RJ.decompress_reference(jnp.asarray(p), widths, 9, eps=EPS))
     for i, w in enumerate(np.asarray(widths)):
       dbase = tabs.dbase[tabs.widths.index(w)]
       v = np.frombuffer(rec[i, 16:].tobytes(), dtype="<u2").view(bfloat16).astype(np.float32)
@@ -163,8 +166,8 @@ class TestRoundTrip:
     x = _hetero((7, 256), seed=5)
     widths = _widths(7)
     units = int(np.sum(np.asarray(widths)))
-    p = R.compress_reference(x, widths, units, eps=EPS, keys=_keys(2))
-    y = np.asarray(R.decompress_reference(p, widths, units, eps=EPS), np.float64)
+    p = RJ.compress_reference(x, widths, units, eps=EPS, keys=_keys(2))
+    y = np.asarray(RJ.decompress_reference(p, widths, units, eps=EPS), np.float64)
     rec = np.asarray(p[:7 * 18]).reshape(7, 18)
     v = np.frombuffer(rec[:, 16:].tobytes(), dtype="<u2").view(bfloat16).astype(np.float64)
     scale = np.repeat(rec[:, :16].astype(np.float64) * v[:, None], 16, axis=1)
@@ -206,10 +209,10 @@ class TestRoundTrip:
     x = _hetero((6, 256), seed=8)
     widths = _widths(6)
     geo = dict(eps=EPS, width_set=WS6)
-    p = R.compress_reference(x, widths, 27, keys=_keys(5), **geo)
-    a = R.decompress_accumulate_recompress_reference(p, x, widths, 27, keys=_keys(6), rank=2,
+    p = RJ.compress_reference(x, widths, 27, keys=_keys(5), **geo)
+    a = RJ.decompress_accumulate_recompress_reference(p, x, widths, 27, keys=_keys(6), rank=2,
                                                      strata=4, **geo)
-    b = R.compress_reference(R.decompress_reference(p, widths, 27, **geo) + x, widths, 27,
+    b = RJ.compress_reference(RJ.decompress_reference(p, widths, 27, **geo) + x, widths, 27,
                              keys=_keys(6), rank=2, strata=4, **geo)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -230,22 +233,27 @@ def test_planes_roundtrip_any_widths(plane_bits, width_set):
   used = int(sum(w // plane_bits))
   units = used + 3
   geo = dict(plane_bits=plane_bits, width_set=tuple(ws))
-  p = R.compress_reference(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS, rank=1,
+  p = RJ.compress_reference(jnp.asarray(x), widths, units, eps=EPS, keys=KEYS, rank=1,
                                  strata=4, **geo)
   assert p.shape == (R.payload_bytes(s, units, plane_bits),)
   assert R.payload_bytes(s, used, plane_bits) == sum(32 * b + 18 for b in w)
   assert not np.asarray(p[R.payload_bytes(s, used, plane_bits):]).any()
-  got = np.asarray(R.decompress_reference(p, widths, units, eps=EPS, **geo))
+  got = np.asarray(RJ.decompress_reference(p, widths, units, eps=EPS, **geo))
   # the same values as the block arithmetic without any byte movement
   tabs = B.level_tables(EPS, tuple(ws))
-  xb = jnp.asarray(x).reshape(s, 16, 16)
-  idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
-  codes, k, sg_scale = B.encode_block(xb, widths, tabs, keys=tuple(jnp.uint32(v) for v in KEYS),
-                                      rank=jnp.int32(1), strata=4, idx=idx,
-                                      draw_group=idx >> np.uint32(4), lane=idx & np.uint32(15),
-                                      pairs=lambda i: jnp.asarray(tabs.pairs)[i])
-  ref = B.decode_block(codes, B.decoded_scale(k, sg_scale), widths, tabs,
-                       lookup=lambda i: jnp.asarray(tabs.dec)[i])
+
+  @jax.jit  # one compile, as the reference's (eagerly: one per operation)
+  def block(xb, widths):
+    idx = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
+    codes, k, sg_scale = B.encode_block(xb, widths, tabs,
+                                        keys=tuple(jnp.uint32(v) for v in KEYS),
+                                        rank=jnp.int32(1), strata=4, idx=idx,
+                                        draw_group=idx >> np.uint32(4), lane=idx & np.uint32(15),
+                                        pairs=lambda i: jnp.asarray(tabs.pairs)[i])
+    return B.decode_block(codes, B.decoded_scale(k, sg_scale), widths, tabs,
+                          lookup=lambda i: jnp.asarray(tabs.dec)[i])
+
+  ref = block(jnp.asarray(x).reshape(s, 16, 16), widths)
   np.testing.assert_array_equal(got, np.asarray(ref).reshape(s, 256))
 
 
