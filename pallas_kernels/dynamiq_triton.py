@@ -432,7 +432,7 @@ def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, 
                 units, strata, interpret):
   widths = w_ref[...]
   acc = _read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
-                    addend=None, interpret=interpret)
+                    addend=_load_dense(x_ref, cfg), interpret=interpret)
   _write_chunk(out_ref, acc, widths, keys_ref, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
                units=units, strata=strata, interpret=interpret, hop=True)
 
