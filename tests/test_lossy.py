@@ -32,7 +32,7 @@ def _reduce(g, key, loss, codec=None, schedule="two_step", scatter=False):
   else:
     f = lambda x: dq.allreduce(x, axis_name="i", codec=codec, key=key, schedule=schedule,
                                packet_loss=loss)[0]
-  return jax.vmap(f, axis_name="i")(g)
+  return jax.jit(jax.vmap(f, axis_name="i"))(g)  # one program (eagerly: op by op)
 
 
 @pytest.mark.parametrize("codec", [dq.codecs.F32(), dq.codecs.DynamiQ(), dq.codecs.MX(scale="e8m0"),
