@@ -46,7 +46,7 @@ DEFAULT_MAX_BUCKETS = 32
 """The most buckets one all-reduce makes; larger gradients get larger buckets."""
 
 FIRST_BUCKET_FRACTION = 4
-"""The first bucket holds at most ``bucket_size // FIRST_BUCKET_FRACTION`` coordinates."""
+"""The first ``bucket_size`` is cut in buckets of ``bucket_size // FIRST_BUCKET_FRACTION``."""
 
 
 class AllReduceStats(NamedTuple):
@@ -123,16 +123,18 @@ def bucket_layout(tree, *, codec=None, bucket_size: int = DEFAULT_BUCKET_SIZE,
 
   Leaves are taken in ``leaf_order`` (default: reverse leaf order, the order
   the backward pass produces them) and laid end to end, and that sequence is
-  cut first at a quarter of ``bucket_size`` (:data:`FIRST_BUCKET_FRACTION`;
-  as PyTorch DDP's first bucket is small, so that the wire starts early in
-  the backward pass), then every ``bucket_size`` after that cut: buckets of
-  exactly ``bucket_size``, the last with what is left. A leaf may so end in
-  one bucket and go on in the next, and a large leaf spans several. Every
-  bucket between the first and the last has the same shape, so XLA compiles
-  one program and one set of kernels for all of them: a bucket of a shape
-  already compiled costs a fraction of one of a new shape (each new shape
-  compiles every kernel again), and there are at most three. Empty leaves
-  take no place. Where the cut
+  cut at every multiple of ``bucket_size``, and its first ``bucket_size`` in
+  quarters (:data:`FIRST_BUCKET_FRACTION`; as PyTorch DDP's first bucket is
+  small, so that the wire starts early in the backward pass): buckets of a
+  quarter, then of exactly ``bucket_size``, the last with what is left. A
+  leaf may so end in one bucket and go on in the next, and a large leaf
+  spans several; leaves whose sizes are multiples of ``bucket_size`` keep
+  buckets of their own. The quarters share one shape and the full buckets
+  another, so XLA compiles one program and one set of kernels for each: a
+  bucket of a shape already compiled costs a fraction of one of a new shape
+  (each new shape compiles every kernel again), and there are at most three
+  (four where ``bucket_size`` is not four quarters of the codec's block).
+  Empty leaves take no place. Where the cut
   makes more than ``max_buckets`` buckets, the bucket size grows (in
   multiples of the codec's block) until it does not.
 
@@ -154,7 +156,7 @@ def bucket_layout(tree, *, codec=None, bucket_size: int = DEFAULT_BUCKET_SIZE,
     >>> tree = {"a": jax.ShapeDtypeStruct((300,), "float32"),
     ...         "b": jax.ShapeDtypeStruct((600,), "float32")}
     >>> [[tuple(s) for s in b] for b in dq.bucket_layout(tree, bucket_size=512)]
-    [[(1, 0, 128)], [(1, 128, 600), (0, 0, 40)], [(0, 40, 300)]]
+    [[(1, 0, 128)], [(1, 128, 256)], [(1, 256, 384)], [(1, 384, 512)], [(1, 512, 600), (0, 0, 300)]]
   """
   unit = 1 if codec is None else codec.granularity
   if codec is not None:
@@ -188,9 +190,10 @@ def pack_layout(sizes, order, bucket_size: int, unit: int) -> Layout:
       take = min(size - start, end - fill)
       current.append(Segment(leaf, start, start + take))
       fill, start = fill + take, start + take
-      if fill == end:  # full: the next bucket holds bucket_size more
+      if fill == end:  # full: the next quarter, or up to the next multiple of bucket_size
         buckets.append(tuple(current))
-        current, end = [], fill + bucket_size
+        quarter = fill < (FIRST_BUCKET_FRACTION - 1) * first
+        current, end = [], fill + first if quarter else (fill // bucket_size + 1) * bucket_size
   if current:
     buckets.append(tuple(current))
   return tuple(buckets)

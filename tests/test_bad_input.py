@@ -15,7 +15,7 @@ CODECS = {
     "thc": codecs.THC(), "globalqsgd": codecs.GlobalQSGD(), "omnireduce": codecs.OmniReduce(),
     "arctopk": codecs.ARCTopK(row=64),
 }
-N, D = 4, 2048  # every leaf below is one bucket of D coordinates (after "zz_head")
+N, D = 4, 2048  # every leaf below is one bucket of D coordinates
 
 
 def _leaves(seed=0):
@@ -28,9 +28,6 @@ def _leaves(seed=0):
   tree["rank_nan"][1] = np.nan
   big = g()
   tree["big"] = big / np.abs(big).max() * np.float32(3e38)  # mean finite, near float32's max
-  # the last leaf is reduced first: it fills the first bucket (a quarter of D), so that
-  # the buckets after it, D each, hold one leaf each
-  tree["zz_head"] = rng.standard_normal((N, D // 4)).astype(np.float32)
   return tree
 
 

@@ -24,11 +24,11 @@ pytestmark = pytest.mark.skipif(gpu_compile.missing(need_ptxas=False) is not Non
 
 INSTRUCTIONS_PER_BUCKET = 780
 """The most HLO instructions one bucket of 2^16 may add (714 on jax 0.10.2 and 749 on 0.12
-at 5c1f047; 2,228 before the bucket's kernels, 2,878 when the allocation also sorted;
-docs/results.md, *A leaner bucket*)."""
+with the first bucket_size cut in quarters; 2,228 before the bucket's kernels, 2,878 when
+the allocation also sorted; docs/results.md, *A leaner bucket*)."""
 TOP_LEVEL_PER_BUCKET = 44
-"""The most top-level operations one bucket of 2^16 may add (42 on jax 0.10.2 and 41 on 0.12
-at 5c1f047; 78 before the kernels, 80 with the sort)."""
+"""The most top-level operations one bucket of 2^16 may add (42 on jax 0.10.2 and 41 on 0.12;
+78 before the kernels, 80 with the sort)."""
 
 
 @pytest.fixture(scope="module")

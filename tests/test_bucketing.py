@@ -108,21 +108,23 @@ def _shapes(*sizes):
 
 
 def test_layout_lays_leaves_end_to_end_in_reverse_order():
-  # leaves 0..3 of 300, 500, 200, 100 coordinates; buckets of 1200, the first 300
+  # leaves 0..3 of 300, 500, 200, 100 coordinates; buckets of 1200, the first 1200 in
+  # quarters of 300
   assert _layout(_shapes(300, 500, 200, 100), bucket_size=1200) == [
       [(3, 0, 100), (2, 0, 200)],  # the first bucket, full
-      [(1, 0, 500), (0, 0, 300)]]  # the last: what is left
+      [(1, 0, 300)], [(1, 300, 500), (0, 0, 100)],  # the next quarters
+      [(0, 100, 300)]]  # the last: what is left
 
 
 def test_layout_cuts_buckets_of_one_size_across_leaves():
   assert _layout(_shapes(100, 1300, 50), bucket_size=512) == [
       [(2, 0, 50), (1, 0, 78)],  # the first bucket: 512 // 4, leaf 1 goes on in the next
-      [(1, 78, 590)],  # full buckets of 512 (no bucket of another size to realign: each
-      [(1, 590, 1102)],  # shape compiles its kernels again)
-      [(1, 1102, 1300), (0, 0, 100)]]  # the last: what is left
+      [(1, 78, 206)], [(1, 206, 334)], [(1, 334, 462)],  # up to 512 in quarters (one shape)
+      [(1, 462, 974)],  # full buckets of 512
+      [(1, 974, 1300), (0, 0, 100)]]  # the last: what is left
   sizes = [sum(s.stop - s.start for s in b) for b in dq.bucket_layout(
       _shapes(*range(100, 2000, 37)), bucket_size=1024, max_buckets=None)]
-  assert sizes[0] == 256 and set(sizes[1:-1]) == {1024} and 0 < sizes[-1] <= 1024
+  assert sizes[:4] == [256] * 4 and set(sizes[4:-1]) == {1024} and 0 < sizes[-1] <= 1024
 
 
 def test_layout_orders_and_their_errors():
@@ -130,7 +132,8 @@ def test_layout_orders_and_their_errors():
   assert _layout(tree, bucket_size=1000, leaf_order="forward") == [
       [(0, 0, 10), (1, 0, 20), (2, 0, 30)]]
   assert _layout(tree, bucket_size=24, leaf_order=[1, 2, 0]) == [
-      [(1, 0, 6)], [(1, 6, 20), (2, 0, 10)], [(2, 10, 30), (0, 0, 4)], [(0, 4, 10)]]
+      [(1, 0, 6)], [(1, 6, 12)], [(1, 12, 18)], [(1, 18, 20), (2, 0, 4)], [(2, 4, 28)],
+      [(2, 28, 30), (0, 0, 10)]]
   for bad in ([0, 1], [0, 1, 1], [0, 1, 3], "backward", 3):
     with pytest.raises(ValueError, match=r"leaf_order=.*Fix: pass a permutation of range\(3\)"):
       dq.bucket_layout(tree, leaf_order=bad)
@@ -139,7 +142,7 @@ def test_layout_orders_and_their_errors():
 def test_layout_skips_empty_leaves_and_round_trips_them():
   tree = {"a": jnp.zeros((N, 0, 3)), "b": jnp.ones((N, 5)), "c": jnp.zeros((N, 0))}
   assert _layout(jax.tree.map(lambda x: x[0], tree), bucket_size=4) == [
-      [(1, 0, 1)], [(1, 1, 5)]]
+      [(1, 0, 1)], [(1, 1, 2)], [(1, 2, 3)], [(1, 3, 4)], [(1, 4, 5)]]
   out = dq.simulate(tree, codec=F32(), bucket_size=4, average=False)
   assert out["a"].shape == (N, 0, 3) and out["c"].shape == (N, 0)
   np.testing.assert_array_equal(np.asarray(out["b"])[0], np.full(5, N, np.float32))
@@ -148,11 +151,11 @@ def test_layout_skips_empty_leaves_and_round_trips_them():
 def test_each_bucket_depends_only_on_its_own_leaves():
   """Changing a leaf of one bucket leaves every other bucket's result bit for bit."""
   rng = np.random.default_rng(3)
-  tree = {f"w{i}": jnp.asarray(rng.standard_normal((N, (1024, 2048, 2048, 512)[i])), jnp.float32)
-          for i in range(4)}  # reverse order: w3 (the first bucket), w2, w1, w0 (the last)
+  tree = {f"w{i}": jnp.asarray(rng.standard_normal((N, (2048, 2048, 1536, 512)[i])), jnp.float32)
+          for i in range(4)}  # reverse order: w3 (the first bucket), w2 (quarters), w1, w0
   kw = dict(codec=DynamiQ(bits=5), bucket_size=2048)
   layout = dq.bucket_layout(jax.tree.map(lambda x: x[0], tree), **kw)
-  assert [[s.leaf for s in b] for b in layout] == [[3], [2], [1], [0]]
+  assert [[s.leaf for s in b] for b in layout] == [[3], [2], [2], [2], [1], [0]]
   base = dq.simulate(tree, **kw)
   changed = dict(tree, w1=tree["w1"] * 3.0 + 1.0)
   out = dq.simulate(changed, **kw)
@@ -176,17 +179,17 @@ def test_wire_stats_and_codec_state_follow_the_layout():
   codec = dq.codecs.mxfp8()
   layout = dq.bucket_layout(tree, codec=codec, bucket_size=4096)
   state = dq.init_codec_state(tree, codec=codec, n=N, bucket_size=4096)
-  assert len(state) == len(layout) == 3
+  assert len(state) == len(layout) == 5
   stats = dq.wire_stats(tree, codec=codec, n=N, bucket_size=4096)
   sizes = [sum(s.stop - s.start for s in b) for b in layout]
-  assert sizes == [1024, 4096, 2880]  # b's start, b's rest and a's start (4096), a's rest
+  assert sizes == [1024] * 4 + [3904]  # b in quarters, a's start (to 4096), a's rest
   bits = sum(codec.wire_bits(d, N) for d in sizes)
   assert stats.bits_per_coord == pytest.approx(bits / 8000)
 
 
 def test_max_buckets_grows_the_buckets():
   tree = _shapes(*([1000] * 40))
-  assert len(dq.bucket_layout(tree, bucket_size=1024, max_buckets=None)) == 40
+  assert len(dq.bucket_layout(tree, bucket_size=1024, max_buckets=None)) == 43
   layout = dq.bucket_layout(tree, bucket_size=1024, max_buckets=8)
   assert len(layout) <= 8
   covered = collections.Counter()

@@ -41,20 +41,20 @@ def test_library_modules_stay_small():
 
 @pytest.mark.parametrize("full", [3, 7])
 def test_buckets_of_one_shape_share_one_lowered_program(full):
-  """Buckets of three shapes (the first, the full ones, the last: whose chained value
+  """Buckets of three shapes (the quarters, the full ones, the last: whose chained value
   nobody reads) lower the bucket program to three functions, however many buckets: the
   cost of tracing and lowering follows the shapes, not the buckets."""
-  n, size = 4, 256 + full * 1024 + 768  # cut at 256, then every 1024
+  n, size = 4, 1024 + full * 1024 + 768  # the first 1024 in quarters, then every 1024
   tree = {"w": jax.ShapeDtypeStruct((n, size), jnp.float32)}
   layout = dq.bucket_layout(jax.ShapeDtypeStruct((size,), jnp.float32), codec=DynamiQ(),
                             bucket_size=1024)
-  assert [sum(s.stop - s.start for s in b) for b in layout] == [256] + [1024] * full + [768]
+  assert [sum(s.stop - s.start for s in b) for b in layout] == [256] * 4 + [1024] * full + [768]
   f = jax.jit(jax.vmap(lambda t, k: dq.allreduce(t, axis_name="i", codec=DynamiQ(), key=k,
                                                  bucket_size=1024)[0],
                        axis_name="i", in_axes=(0, None)))
   text = f.lower(tree, jax.random.key_data(jax.random.key(0))).as_text()
   assert len(re.findall(r"func\.func private @_run_program", text)) == 3
-  assert len(re.findall(r"call @_run_program", text)) == 2 + full
+  assert len(re.findall(r"call @_run_program", text)) == 5 + full
 
 
 def _sum_ops():
