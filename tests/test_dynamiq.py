@@ -144,14 +144,14 @@ class TestAccuracy:
 
 class TestEdgeValues:
 
-  # Two buckets: leaf "b" (the last leaf, so the first bucket, which holds a
-  # quarter of bucket_size) and leaf "a".
-  BUCKET = 4 * 256 * 256
+  # Leaf "b" (the last leaf, so the first bucket_size, cut in quarters: four
+  # buckets) and leaf "a" (one bucket).
+  BUCKET = 512 * 256
 
   def _tree(self, rng):
     # Leaf sizes are multiples of 256 so that leaves share no super-group.
     return {"a": rng.standard_normal((N, 512, 256)).astype(np.float32),
-            "b": rng.standard_normal((N, 256, 256)).astype(np.float32)}
+            "b": rng.standard_normal((N, 512, 256)).astype(np.float32)}
 
   def _simulate(self, tree):
     # One shape and bucketing for every test here: one compile, reused.
