@@ -58,7 +58,7 @@ bucket size decides the overlap), 134 M, 367 M and 1.34 B parameters."""
 
 TINY = {"layers": 4, "d": 512, "f": 2048, "vocab": 4096}
 """The smoke test's model (16.8 M parameters), on sequences of :data:`TINY_SEQ` tokens,
-with buckets of :data:`TINY_BUCKET` coordinates (18 buckets): many buckets and few
+with buckets of :data:`TINY_BUCKET` coordinates (20 buckets): many buckets and few
 activations, where what the buckets hold and how they are ordered shows."""
 
 TINY_SEQ, TINY_BUCKET = 32, 1 << 20
