@@ -502,7 +502,7 @@ def _plane_table(widths, plane_bits: int, units: int):
   (``off_(p+1)`` ends plane p), each at most ``units``."""
   # plane p starts after every position's units of the planes before it,
   # sum_j min(w_j / plane_bits, p) (entries past the last plane: the units used):
-  # one reduction, which XLA fuses with its clamp into one launch
+  # one reduction, then the clamp
   planes = 8 // plane_bits
   p = jnp.minimum(jnp.arange(_PTAB, dtype=jnp.int32), planes)[:, None]
   table = jnp.sum(jnp.minimum(widths.astype(jnp.int32)[None, :] // plane_bits, p), axis=1)

@@ -30,6 +30,7 @@ import json
 
 import pytest
 
+import dynamiq_jax as dq
 from dynamiq_jax.bench import gpu_compile, scale
 
 pytestmark = pytest.mark.skipif(gpu_compile.missing(need_ptxas=False) is not None,
@@ -59,7 +60,6 @@ def test_tiny_benchmark_compares_the_same_step(tiny):
   assert set(pmean["collectives"]) == {"all-reduce"}
   assert default["collectives"]["collective-permute"] > 0
   # one bucket program per bucket of the layout (the first bucket_size in quarters)
-  import dynamiq_jax as dq  # pylint: disable=import-outside-toplevel
   layout = dq.bucket_layout(scale.model_shapes(**scale.TINY), codec=dq.codecs.DynamiQ(),
                             bucket_size=scale.TINY_BUCKET)
   assert default["scopes"]["buckets"] == len(layout) > 4

@@ -39,6 +39,7 @@ from typing import Literal, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from dynamiq_jax.codecs import allocation
 from dynamiq_jax.codecs._exact import hypot
@@ -345,13 +346,10 @@ class DynamiQ(Codec):
     # (one array through the barrier: the four tables are adjacent words of the bucket's
     # key row, so it takes one slice of it where four would each be a launch)
     tables = keys.tables if keys.tables is not None else self.key_tables(keys, n)
-    flat = jax.lax.optimization_barrier(jnp.concatenate([t.reshape(-1) for t in tables.chunk]))
-    chunk_keys, at = [], 0
-    for t in tables.chunk:
-      chunk_keys.append(flat[at:at + t.size].reshape(t.shape))
-      at += t.size
+    flat, unravel = ravel_pytree(tables.chunk)
+    chunk_keys = unravel(jax.lax.optimization_barrier(flat))
     return Plan(chunks, DynamiQAux(dest, gmean, gnorm, widths, lay, bucket.implementation,
-                                   tuple(chunk_keys)))
+                                   chunk_keys))
 
   def key_tables(self, keys, n: int) -> "DynamiQKeyTables":
     """Every chunk's rounding key at every hop and its shared stratum key, and the
