@@ -39,7 +39,6 @@ from typing import Literal, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.flatten_util import ravel_pytree
 
 from dynamiq_jax.codecs import allocation
 from dynamiq_jax.codecs._exact import hypot
@@ -343,11 +342,10 @@ class DynamiQ(Codec):
     # every chunk's shared stratum key, and its rounding key at every hop (hop <= n: the
     # schedules' steps, and the two-step reduction's), derived once for all hops; stored:
     # XLA would otherwise recompute them inside every hop's key fusion
-    # (one array through the barrier: the four tables are adjacent words of the bucket's
-    # key row, so it takes one slice of it where four would each be a launch)
+    # (the tables pass the barrier as they are: one array of them, sliced after it, made
+    # XLA:CPU's compile of the simulator's hierarchical and Moshpit programs 10-100x slower)
     tables = keys.tables if keys.tables is not None else self.key_tables(keys, n)
-    flat, unravel = ravel_pytree(tables.chunk)
-    chunk_keys = unravel(jax.lax.optimization_barrier(flat))
+    chunk_keys = jax.lax.optimization_barrier(tables.chunk)
     return Plan(chunks, DynamiQAux(dest, gmean, gnorm, widths, lay, bucket.implementation,
                                    chunk_keys))
 
