@@ -64,14 +64,15 @@ def compile_kernels(block: int | None = None):
 
 
 def check(block: int | None = None) -> dict:
-  """Compiles the unit kernels in a child process; raises AssertionError on spills.
+  """Compiles the unit kernels in a child process -> ``{kernel: {"registers",
+  "spill_bytes", "instructions"}}`` (static SASS, sm_90a); raises AssertionError on spills.
 
   Args:
     block: super-groups per kernel program (None: the kernels' own).
   """
   with T.compile_in_child("test_gpu_compile_units:compile_kernels",
                           kwargs={"block": block}) as build:
-    report = T.ptxas_report(build.ptx, prefix="dynamiq_units_")
+    report = T.sass_report(build.ptx, prefix="dynamiq_units_")
   problems = [f"kernel {k} not found in the PTX XLA wrote" for k in KERNELS if k not in report]
   problems += [f"kernel {k} spills {v['spill_bytes']} bytes (ptxas -v, sm_90a)"
                for k, v in report.items() if v["spill_bytes"]]
@@ -80,11 +81,39 @@ def check(block: int | None = None) -> dict:
   return report
 
 
+@pytest.fixture(scope="module")
+def units_report():
+  return check()
+
+
 @G.needs_compiler
-def test_unit_kernels_compile_for_h100_without_spills(record_property):
-  report = check()
-  record_property("gpu_compile_units", json.dumps(report))  # printed by tests/conftest.py
-  assert set(KERNELS) <= set(report)
+def test_unit_kernels_compile_for_h100_without_spills(units_report, record_property):
+  record_property("gpu_compile_units", json.dumps(units_report))  # printed by tests/conftest.py
+  assert set(KERNELS) <= set(units_report)
+
+
+SASS_PER_COORDINATE = {
+    "dynamiq_units_compress_p1": 59.0,
+    "dynamiq_units_decompress_accumulate_recompress_p1": 72.0,
+    "dynamiq_units_decompress_p1": 17.0,
+    "dynamiq_units_decompress_accumulate_p1": 18.0,
+}
+"""The most static SASS instructions per coordinate each kernel of the default width set
+(plane_bits 1, widths 2-8) may take at the kernels' default launch on an H100: today's
+counts rounded up (``python tools/sass_count.py``: 58.1, 71.1, 16.6 and 17.7), so that
+they cannot grow back unnoticed. The kernels are straight-line code, so each thread
+issues every static instruction once for its ``BLOCK * 256 / (32 * NUM_WARPS)``
+coordinates."""
+
+
+@G.needs_compiler
+def test_unit_kernels_stay_within_their_instruction_budget(units_report):
+  from pallas_kernels import dynamiq_triton as K
+
+  per_thread = K.BLOCK * 256 // (32 * K.NUM_WARPS)  # coordinates (no TUNED entry: H100)
+  per = {k: units_report[k]["instructions"] / per_thread for k in SASS_PER_COORDINATE}
+  over = {k: round(v, 2) for k, v in per.items() if not 0 < v <= SASS_PER_COORDINATE[k]}
+  assert not over, f"static SASS per coordinate over the budget {SASS_PER_COORDINATE}: {over}"
 
 
 @G.needs_compiler

@@ -60,8 +60,6 @@ CONFIGS = {  # name: (plane_bits, width set)
     "w5": (1, (5,)),
     "p2": (2, (2, 4, 8)),  # the 2-bit-plane layout (the paper's width set)
 }
-SM90_INSTR_BYTES = 16
-OP_NOP, OP_BRA = 0x918, 0x947
 # Throughput model (the issue's): thread-instructions per second of an H100 SXM.
 SMS, SCHEDULERS, LANES, CLOCK_HZ = 132, 4, 32, 1.98e9
 INSTR_PER_S = SMS * SCHEDULERS * LANES * CLOCK_HZ
@@ -101,27 +99,6 @@ def compile_units(config: str, launch=None) -> list:
   return out
 
 
-def _text_instructions(cubin: pathlib.Path) -> dict[str, dict[str, int]]:
-  """{kernel: {"instructions", "padding"}} from the cubin's ``.text.<kernel>`` sections."""
-  from elftools.elf.elffile import ELFFile
-
-  out = {}
-  with open(cubin, "rb") as fh:
-    for sec in ELFFile(fh).iter_sections():
-      if not sec.name.startswith(".text."):
-        continue
-      data = sec.data()
-      words = [int.from_bytes(data[i:i + SM90_INSTR_BYTES], "little")
-               for i in range(0, len(data), SM90_INSTR_BYTES)]
-      n = len(words)
-      while n and words[n - 1] & 0xFFF == OP_NOP:
-        n -= 1
-      if n and words[n - 1] & 0xFFF == OP_BRA:  # the BRA-to-self after the last EXIT
-        n -= 1
-      out[sec.name[len(".text."):]] = {"instructions": n, "padding": len(words) - n}
-  return out
-
-
 def _has_backward_branch(ptx: str, kernel: str) -> bool:
   """Whether ``kernel``'s PTX branches to a label defined before the branch (a loop)."""
   body = ptx[ptx.index(f".entry {kernel}("):]
@@ -139,28 +116,16 @@ def _has_backward_branch(ptx: str, kernel: str) -> bool:
 
 
 def measure(config: str, launch=None) -> dict[str, dict]:
-  """Compiles ``config``'s kernels (at ``launch``) in a child and returns ``{kernel: report}``."""
-  ptxas = G.ptxas()
+  """Compiles ``config``'s kernels (at ``launch``) in a child and returns ``{kernel: report}``
+  (:func:`dynamiq_jax.bench.gpu_compile.sass_report`, and whether the PTX loops)."""
   with G.compile_in_child(f"{__file__}:compile_units", kwargs={"config": config, "launch": launch},
                           path=(ROOT,), cwd=ROOT, ptx=True, strict_warnings=False) as build:
     out = {}
     for path in build.ptx:
       ptx = path.read_text()
-      names = re.findall(r"\.entry (dynamiq_\w+)\(", ptx)
-      if not names:
-        continue
-      cubin = path.with_suffix(".cubin")
-      rep = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(path), "-o", str(cubin)],
-                           capture_output=True, text=True, check=True)
-      props = {name: (int(st) + int(ld), int(regs)) for name, st, ld, regs in re.findall(
-          r"Function properties for (\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill "
-          r"stores, (\d+) bytes spill loads\s*\n[^\n]*Used (\d+) registers", rep.stderr)}
-      text = _text_instructions(cubin)
-      for name in names:
-        spills, regs = props[name]
-        out[name] = {"instructions": text[name]["instructions"],
-                     "padding": text[name]["padding"], "registers": regs,
-                     "spill_bytes": spills, "loops": _has_backward_branch(ptx, name)}
+      report = G.sass_report([path], prefix="dynamiq_")
+      for name in re.findall(r"\.entry (dynamiq_\w+)\(", ptx):
+        out[name] = dict(report[name], loops=_has_backward_branch(ptx, name))
   return out
 
 

@@ -70,6 +70,7 @@ __all__ = [
     "missing", "ptxas",
     "h100", "gpu_target", "abstract_h100_mesh", "h100_topology", "h100_devices", "h100_mesh",
     "Build", "compile_in_child", "build_parser", "ptxas_report", "mosaic_ptxas_report",
+    "sass_instructions", "sass_report",
     "Instruction", "Computation", "parse_hlo", "executions", "per_step",
     "kernel_name", "is_payload_hop", "is_gemm", "Window", "async_windows",
 ]
@@ -332,6 +333,56 @@ def ptxas_report(ptx_files, prefix: str = "") -> dict[str, dict[str, int]]:
     res = subprocess.run([ptxas(), "-v", "--gpu-name=sm_90a", str(path), "-o", os.devnull],
                          capture_output=True, text=True, check=True)
     _read_ptxas(res.stderr, out, prefix)
+  return out
+
+
+SM90_INSTRUCTION_BYTES = 16
+_OP_NOP, _OP_BRA = 0x918, 0x947  # opcode field (bits 0-11) of the Volta-and-later encoding
+
+
+def sass_instructions(cubin) -> dict[str, int]:
+  """``{kernel: static SASS instructions}`` of an sm_90 cubin, read from its
+  ``.text.<kernel>`` sections with pyelftools (the ``gpu-compile`` extra): every
+  instruction is 16 bytes; the trailing padding (the ``BRA`` to itself after the last
+  ``EXIT`` and the ``NOP`` s that align the section) is not counted. It is recognised by
+  the opcode field, so no disassembler is needed."""
+  from elftools.elf.elffile import ELFFile
+
+  out = {}
+  with open(cubin, "rb") as fh:
+    for sec in ELFFile(fh).iter_sections():
+      if not sec.name.startswith(".text."):
+        continue
+      data = sec.data()
+      words = [int.from_bytes(data[i:i + SM90_INSTRUCTION_BYTES], "little")
+               for i in range(0, len(data), SM90_INSTRUCTION_BYTES)]
+      n = len(words)
+      while n and words[n - 1] & 0xFFF == _OP_NOP:
+        n -= 1
+      if n and words[n - 1] & 0xFFF == _OP_BRA:
+        n -= 1
+      out[sec.name[len(".text."):]] = n
+  return out
+
+
+def sass_report(ptx_files, prefix: str = "") -> dict[str, dict[str, int]]:
+  """:func:`ptxas_report` with each kernel's static SASS instructions
+  (:func:`sass_instructions`) added as ``"instructions"``: every file is assembled for
+  sm_90a into a temporary cubin. A kernel seen in several files keeps its largest
+  figures."""
+  out = {}
+  with tempfile.TemporaryDirectory(prefix="dynamiq_sass_") as tmp:
+    for i, path in enumerate(ptx_files):
+      cubin = pathlib.Path(tmp) / f"{i}.cubin"
+      res = subprocess.run([ptxas(), "-v", "--gpu-name=sm_90a", str(path), "-o", str(cubin)],
+                           capture_output=True, text=True, check=True)
+      found = {}
+      _read_ptxas(res.stderr, found, prefix)
+      counts = sass_instructions(cubin)
+      for name, rep in found.items():
+        prev = out.get(name, {"registers": 0, "spill_bytes": 0, "instructions": 0})
+        out[name] = {k: max(prev[k], v) for k, v in
+                     dict(rep, instructions=counts.get(name, 0)).items()}
   return out
 
 
