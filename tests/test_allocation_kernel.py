@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,8 @@ def _both(g, real, rule, tile=32):
 @pytest.mark.parametrize("blocks", ["one", "n"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_kernel_equals_reference(kind, blocks, padded):
-  rng = np.random.default_rng(hash((kind, blocks, padded)) % 2**32)
+  # a seed per case that every run draws alike (hash() of a str differs between processes)
+  rng = np.random.default_rng(zlib.crc32(repr((kind, blocks, padded)).encode()))
   n, positions = 4, 45  # 180 super-groups: 6 tiles of 32, the last partial
   rule = _rule(ERRORS, n, positions, 3.3, 1 if blocks == "one" else n)
   g = _norms(kind, rule.total, rng)
