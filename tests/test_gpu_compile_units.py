@@ -94,16 +94,17 @@ def test_unit_kernels_compile_for_h100_without_spills(units_report, record_prope
 
 SASS_PER_COORDINATE = {
     "dynamiq_units_compress_p1": 59.0,
-    "dynamiq_units_decompress_accumulate_recompress_p1": 72.0,
+    "dynamiq_units_decompress_accumulate_recompress_p1": 73.0,
     "dynamiq_units_decompress_p1": 17.0,
-    "dynamiq_units_decompress_accumulate_p1": 18.0,
+    "dynamiq_units_decompress_accumulate_p1": 19.0,
 }
 """The most static SASS instructions per coordinate each kernel of the default width set
 (plane_bits 1, widths 2-8) may take at the kernels' default launch on an H100: today's
-counts rounded up (``python tools/sass_count.py``: 58.1, 71.1, 16.6 and 17.7), so that
-they cannot grow back unnoticed. The kernels are straight-line code, so each thread
-issues every static instruction once for its ``BLOCK * 256 / (32 * NUM_WARPS)``
-coordinates."""
+counts, the larger of the two jax versions CI runs, rounded up (``python
+tools/sass_count.py``; jax 0.10.2: 58.1, 71.1, 16.6, 17.7; jax 0.12: 59.0, 72.1, 16.9,
+18.5), so that they cannot grow back unnoticed. The kernels are straight-line code, so
+each thread issues every static instruction once for its ``BLOCK * 256 / (32 *
+NUM_WARPS)`` coordinates."""
 
 
 @G.needs_compiler
