@@ -140,8 +140,9 @@ def lossy_receive(loss, codec: Codec, bucket: Bucket, keys: Keys, ctx: AxisConte
 
 def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
               ctx: AxisContext, return_own: bool, loss=None, local=None):
-  """A guarded bucket's collectives: metadata pass and payload pass -> (gathered payloads,
-  the plan's aux, own contribution or None). :func:`decode_pass` finishes it. With
+  """A guarded bucket's collectives: metadata pass and payload pass -> (gathered payloads in
+  rank order, chunk c the payload of rank ``(c + plan.root) % n``; the plan's aux; own
+  contribution or None). :func:`decode_pass` finishes it. With
   ``loss`` (a :class:`~dynamiq_jax.schedules.loss.PacketLoss`), the payload's reduce
   step loses packets; the metadata pass and the gather step do not. ``local``: the local
   metadata if made (:func:`guard_metadata`; None: ``codec.metadata``)."""
@@ -152,17 +153,22 @@ def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan
   p = codec.plan(x, meta, bucket, state, keys)
   payloads = gather_payloads(plan, ctx, reduce_scatter(
       plan, ctx, p.chunks, hop_ops(codec, p.aux, keys),
-      lossy=lossy_receive(loss, codec, bucket, keys, ctx, p.chunks)))
+      lossy=lossy_receive(loss, codec, bucket, keys, ctx, p.chunks)), chunk_order=False)
   own = codec.contribution(x, p.aux, bucket) if return_own else None
   return payloads, p.aux, own
 
 
 def decode_pass(payloads, aux, codec: Codec, bucket: Bucket, state, plan: TreePlan):
-  """The gathered payloads decoded and finished -> (out, new state, estimated squared
-  error: NaN where the codec makes no estimate)."""
-  own = type(codec).decode_finish is not Codec.decode_finish  # decoded and finished at once
-  out, new_state = codec.decode_finish(payloads, aux, bucket, state) if own else codec.finish(
-      decode_all(payloads, hop_ops(codec, aux, None)), aux, bucket, state)
+  """The gathered payloads (:func:`wire_pass`'s, in rank order: chunk c is payload ``(c +
+  plan.root) % n``) decoded and finished -> (out, new state, estimated squared error: NaN
+  where the codec makes no estimate)."""
+  if type(codec).decode_finish is not Codec.decode_finish:  # decoded and finished at once
+    out, new_state = codec.decode_finish(payloads, aux, bucket, state, rotate=plan.root)
+  else:
+    chunks = jax.tree.map(lambda p: jnp.roll(p, -plan.root, axis=0), payloads) \
+        if plan.root else payloads
+    out, new_state = codec.finish(decode_all(chunks, hop_ops(codec, aux, None)), aux, bucket,
+                                  state)
   err = codec.error_estimate(out, aux, bucket, plan.partials())
   return out, new_state, jnp.float32(jnp.nan) if err is None else err
 

@@ -182,10 +182,14 @@ def _many_mosaic(payloads, widths, units: int, *, interpret=False, **geo):
                     for c in range(payloads.shape[0])])
 
 
-def _rows_mosaic(payloads, widths, units: int, slots, mean=None, *, interpret=False, **geo):
+def _rows_mosaic(payloads, widths, units: int, slots, mean=None, *, rotate=0, interpret=False,
+                 **geo):
   """Mosaic GPU's form of :func:`decompress_rows`: :func:`_many_mosaic`, then the
   reference's gather and mean."""
+  R.check_payloads(payloads, widths, units, plane_bits=geo["plane_bits"],
+                   width_set=geo["width_set"], slots=slots, mean=mean, rotate=rotate)
   dec = _many_mosaic(payloads, widths, units, interpret=interpret, **geo)
+  dec = jnp.roll(dec, -rotate, axis=0) if rotate else dec  # chunk order
   out = R.take_in_range(dec.transpose(1, 0, 2).reshape(-1, dec.shape[-1]), slots)
   return out if mean is None else out + mean.astype(jnp.float32)[:, None]
 
@@ -217,13 +221,15 @@ def decompress_many(payloads, widths, units: int, *, eps, plane_bits: int = R.PL
 
 
 def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
-                      plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
+                      plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET, rotate: int = 0,
                       implementation: D.Implementation = None,
                       interpret: bool | None = None):
   """Rows of ``n`` decoded chunk payloads, each from its slot, plus a mean: float32 [R, 256].
 
   Row r is slot ``slots[r]`` (int32 [R]) of the decoded chunks interleaved by position
-  (slot ``j n + c``: position j of chunk c), plus ``mean[r]`` (float32 [R], or None):
+  (slot ``j n + c``: position j of chunk c, which is payload ``(c + rotate) % n``: the
+  payloads as gathered in rank order, read in chunk order without a copy), plus
+  ``mean[r]`` (float32 [R], or None):
   a codec's finish in one Triton launch, the same bits as :func:`decompress` of each
   payload, then the gather and the sum
   (:func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`)."""
@@ -232,7 +238,7 @@ def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
                     D.Kernels(T.decompress_rows_pallas, _rows_mosaic,
                               functools.partial(_probe_many, True, **geo)),
                     R.decompress_rows_reference, implementation, interpret, payloads, widths,
-                    units, slots, mean, **geo)
+                    units, slots, mean, rotate=rotate, **geo)
 
 
 def _sum_mosaic(payloads, widths, units: int, *, interpret=False, **geo):

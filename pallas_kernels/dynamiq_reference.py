@@ -97,10 +97,12 @@ def check_chunk(widths, units, *, plane_bits, width_set, scale_rounding="up", x=
                      f"(payload_bytes({s_count}, {units}, {plane_bits}))")
 
 
-def check_payloads(payloads, widths, units, *, plane_bits, width_set, slots=None, mean=None):
+def check_payloads(payloads, widths, units, *, plane_bits, width_set, slots=None, mean=None,
+                   rotate=0):
   """Raises ValueError, naming the value, unless ``payloads`` are ``n`` chunk payloads of
   the same ``widths`` (uint8 ``[n, payload_bytes(S, units, plane_bits)]``, see
-  :func:`check_chunk`), ``slots`` int [R] and ``mean`` float [R] (the same R)."""
+  :func:`check_chunk`), ``slots`` int [R] and ``mean`` float [R] (the same R), and
+  ``rotate`` a Python int in ``[0, n)``."""
   if getattr(payloads, "ndim", None) != 2:
     raise ValueError(f"payloads {getattr(payloads, 'dtype', type(payloads))}"
                      f"{list(getattr(payloads, 'shape', []))} must be uint8 [n, bytes]: n chunk "
@@ -112,6 +114,9 @@ def check_payloads(payloads, widths, units, *, plane_bits, width_set, slots=None
   if mean is not None and (slots is None or mean.shape != slots.shape):
     raise ValueError(f"mean {mean.dtype}{list(mean.shape)} must be float32 [rows], one per "
                      f"slot (slots: {None if slots is None else list(slots.shape)})")
+  if not isinstance(rotate, (int, np.integer)) or not 0 <= rotate < payloads.shape[0]:
+    raise ValueError(f"rotate={rotate!r} must be a Python int in [0, {payloads.shape[0]}) "
+                     "(chunk c is payload (c + rotate) % n)")
 
 
 def position_widths(counts, width_set, supergroups: int):
@@ -441,7 +446,8 @@ def decompress_many_reference(payloads, widths, units: int, *, eps,
 
 
 def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *, eps,
-                                plane_bits: int = PLANE_BITS, width_set=WIDTH_SET):
+                                plane_bits: int = PLANE_BITS, width_set=WIDTH_SET,
+                                rotate: int = 0):
   """Rows of the ``n`` decoded payloads, gathered, plus a mean: float32 [R, 256].
 
   Row r is slot ``slots[r]`` of the decoded chunks interleaved by position (slot ``j n
@@ -456,11 +462,15 @@ def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *,
     slots: int32 [R], each in ``[0, n S)``.
     mean: float32 [R] or None.
     eps, plane_bits, width_set: as :func:`decompress_reference`.
+    rotate: chunk c is payload ``(c + rotate) % n`` (static): payloads gathered in rank
+      order where rank ``(c + rotate) % n`` holds chunk c, read without a copy in chunk
+      order.
   """
   check_payloads(payloads, widths, units, plane_bits=plane_bits, width_set=width_set,
-                 slots=slots, mean=mean)
+                 slots=slots, mean=mean, rotate=rotate)
   dec = decompress_many_reference(payloads, widths, units, eps=eps, plane_bits=plane_bits,
                                   width_set=width_set)
+  dec = jnp.roll(dec, -rotate, axis=0) if rotate else dec  # chunk order
   out = take_in_range(dec.transpose(1, 0, 2).reshape(-1, dec.shape[-1]), slots)
   return out if mean is None else out + mean.astype(jnp.float32)[:, None]
 

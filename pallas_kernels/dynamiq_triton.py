@@ -438,12 +438,13 @@ def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, 
 
 
 def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count, slots, mean,
-                        payload_bytes, interpret):
+                        payload_bytes, interpret, rotate=0):
   """Decodes ``count`` rows, each one super-group of one of the ``n`` payloads (all with
   the same per-position widths, ``w_ref`` read per row): row r is position ``r % S``
   of payload ``r // S``, or (``slots``) slot ``slot_ref[r]``, clamped to ``[0, n S)``:
-  position ``slot // n`` of payload ``slot % n``; plus ``mean_ref[r]`` (``mean``), by
-  the same ``fma`` as :func:`_decompress_accumulate_kernel`."""
+  position ``slot // n`` of chunk ``slot % n``, which is payload ``(slot % n + rotate)
+  % n``; plus ``mean_ref[r]`` (``mean``), by the same ``fma`` as
+  :func:`_decompress_accumulate_kernel`."""
   refs = list(refs)
   slot_ref = refs.pop(0) if slots else None
   mean_ref = refs.pop(0) if mean else None
@@ -454,6 +455,8 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
   if slots:
     slot = jnp.clip(jnp.where(ok, slot_ref[...], 0), 0, n * s_count - 1)
     c, j = jax.lax.rem(slot, np.int32(n)), jax.lax.div(slot, np.int32(n))
+    if rotate:
+      c = jax.lax.rem(c + np.int32(rotate), np.int32(n))
   else:
     r = jnp.where(ok, row, 0)
     c, j = jax.lax.div(r, np.int32(s_count)), jax.lax.rem(r, np.int32(s_count))
@@ -571,10 +574,11 @@ def _launch(payload, x, widths, karr, *, op, cfg, units, strata, interpret, fill
   return out if writes else out.reshape(s_count, B.SUPERGROUP)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
-def _launch_rows(payloads, widths, slots, mean, *, cfg, units, interpret):
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret", "rotate"))
+def _launch_rows(payloads, widths, slots, mean, *, cfg, units, interpret, rotate=0):
   """One launch decoding rows of all ``n`` payloads [n, bytes] (:func:`_decode_rows_kernel`)
-  over ``cdiv(rows, BLOCK)`` programs: ``n S`` rows in chunk order, or one per slot."""
+  over ``cdiv(rows, BLOCK)`` programs: ``n S`` rows in chunk order, or one per slot
+  (chunk c: payload ``(c + rotate) % n``)."""
   n, size = payloads.shape
   s_count = widths.shape[0]
   count = n * s_count if slots is None else slots.shape[0]
@@ -594,7 +598,7 @@ def _launch_rows(payloads, widths, slots, mean, *, cfg, units, interpret):
   in_specs.append(anywhere)
   kernel = functools.partial(_decode_rows_kernel, cfg=cfg, s_count=s_count, n=n, count=count,
                              slots=slots is not None, mean=mean is not None,
-                             payload_bytes=size, interpret=bool(interpret))
+                             payload_bytes=size, interpret=bool(interpret), rotate=rotate)
   out_shape = jax.ShapeDtypeStruct(cfg.block(count), jnp.float32)
   name = "decompress_rows" if slots is not None else "decompress_many"
   out = pl.pallas_call(
@@ -680,12 +684,12 @@ def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_roundi
 
 
 def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, width_set,
-              interpret, launch=None):
+              interpret, launch=None, rotate=0):
   """:func:`_run` for the decodes of all ``n`` payloads at once (:func:`_launch_rows`,
   or their sum: :func:`_launch_sum`)."""
   widths = jnp.asarray(widths).astype(jnp.int32)
   R.check_payloads(payloads, widths, units, plane_bits=plane_bits, width_set=width_set,
-                   slots=slots, mean=mean)
+                   slots=slots, mean=mean, rotate=rotate)
   block, warps = launch_config(op, launch, interpret=bool(interpret))
   cfg = _Config(eps=tuple(sorted((int(w), float(e)) for w, e in dict(eps).items())),
                 width_set=tuple(sorted(int(w) for w in width_set)), plane_bits=plane_bits,
@@ -701,7 +705,8 @@ def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, widt
   if op == "decompress_sum":
     call = functools.partial(_launch_sum, cfg=cfg, units=int(units), interpret=interpret)
     return dispatch.map_over_batch(call, payloads, widths)
-  call = functools.partial(_launch_rows, cfg=cfg, units=int(units), interpret=interpret)
+  call = functools.partial(_launch_rows, cfg=cfg, units=int(units), interpret=interpret,
+                           rotate=int(rotate))
   return dispatch.map_over_batch(call, payloads, widths, slots, mean)
 
 
@@ -799,13 +804,13 @@ def decompress_many_pallas(payloads, widths, units: int, *, eps, plane_bits: int
 @_triton_entry
 def decompress_rows_pallas(payloads, widths, units: int, slots, mean=None, *, eps,
                              plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
-                             interpret=False, launch=None):
+                             rotate: int = 0, interpret=False, launch=None):
   """Kernel version of
   :func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`: each output
   row decoded from its slot of the ``n`` payloads (plus its mean) by one launch."""
   return _run_rows("decompress_rows", payloads, widths, units, slots, mean, eps=eps,
                    plane_bits=plane_bits, width_set=width_set, interpret=interpret,
-                   launch=launch)
+                   launch=launch, rotate=rotate)
 
 
 @_triton_entry

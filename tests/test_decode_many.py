@@ -87,6 +87,13 @@ def test_batched_kernels_equal_the_reference(case):
         + mean[:, None])
   _same(T.decompress_rows_pallas(pays, widths, units, slots, mean, **geo, interpret=True),
         gather)
+  # the payloads as gathered in rank order, rank (c + k) % n holding chunk c: read in place
+  k = n - 1
+  rolled = jnp.roll(pays, k, axis=0)
+  _same(RJ.decompress_rows_reference(rolled, widths, units, slots, mean, rotate=k, **geo),
+        gather)
+  _same(T.decompress_rows_pallas(rolled, widths, units, slots, mean, rotate=k, **geo,
+                                 interpret=True), gather)
   # fewer rows than slots exist (a partial last program), repeated slots, no mean
   few = jnp.concatenate([slots[:5], slots[:2]])
   _same(T.decompress_rows_pallas(pays, widths, units, few, **geo, interpret=True),
@@ -184,6 +191,9 @@ class TestDispatch:
       K.decompress_rows(pays, w, 8, jnp.zeros((8,), jnp.float32), eps=EPS)
     with pytest.raises(ValueError, match=r"mean float32\[3\] must be float32 \[rows\]"):
       K.decompress_rows(pays, w, 8, jnp.arange(8), jnp.zeros((3,)), eps=EPS)
+    for rotate in (2, -1, 0.5):
+      with pytest.raises(ValueError, match=rf"rotate={rotate} must be a Python int in \[0, 2\)"):
+        K.decompress_rows(pays, w, 8, jnp.arange(8), rotate=rotate, eps=EPS)
 
   @pytest.mark.parametrize("plane_bits,width_set", [(1, WS6), (2, WS3)])
   def test_one_triton_launch_in_a_cuda_lowering(self, plane_bits, width_set):
@@ -281,17 +291,19 @@ def test_executor_and_engine_use_a_codec_s_own_hooks():
   calls, has_decode_many = [], []
 
   class Counted(DynamiQ):
-    def decode_finish(self, *a):
+    def decode_finish(self, *a, **k):
       calls.append("decode_finish")
-      return super().decode_finish(*a)
+      return super().decode_finish(*a, **k)
 
   def run():  # under one jit, as in the all-reduce (eagerly: a compile per operation)
     codec, bucket, aux, payloads = _dynamiq_bucket()
     ops = engine.hop_ops(codec, aux, None)
     has_decode_many.append(ops.decode_many is not None)
     many = codec.decode_many(payloads, aux)
-    out, _, _ = engine.decode_pass(payloads, aux, Counted(bits=5), bucket, None,
-                                   dq.schedules.ring_plan(bucket.n))
+    plan = dq.schedules.ring_plan(bucket.n)
+    assert plan.root  # the engine's payloads come in rank order: rank (c + root) % n's chunk c
+    out, _, _ = engine.decode_pass(jnp.roll(payloads, plan.root, axis=0), aux, Counted(bits=5),
+                                   bucket, None, plan)
     return executor.decode_all(payloads, ops), many, out, codec.finish(many, aux, bucket,
                                                                        None)[0]
 
@@ -320,4 +332,7 @@ def test_contract_defaults_decode_each_payload_then_finish():
                     for c in range(n)])
   _same(codec.decode_many(payloads, p.aux), each)
   _same(codec.decode_finish(payloads, p.aux, bucket, None)[0],
+        codec.finish(each, p.aux, bucket, None)[0])
+  rolled = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), payloads)  # chunk c at rank c + 1
+  _same(codec.decode_finish(rolled, p.aux, bucket, None, rotate=1)[0],
         codec.finish(each, p.aux, bucket, None)[0])

@@ -394,15 +394,19 @@ class Codec(abc.ABC):
     """
     return jax.vmap(lambda p: self.decode(p, aux))(payloads)
 
-  def decode_finish(self, payloads, aux, bucket: Bucket, state):
-    """``finish(decode_many(payloads, aux), aux, bucket, state)``: the gathered payloads
-    (leading axis n) decoded and finished at once -> ``(flat float32 [d], new state)``.
+  def decode_finish(self, payloads, aux, bucket: Bucket, state, rotate: int = 0):
+    """``finish(decode_many(chunks), aux, bucket, state)``: the gathered payloads
+    (leading axis n, in rank order: chunk c is payload ``(c + rotate) % n``) decoded and
+    finished at once -> ``(flat float32 [d], new state)``.
 
     A codec overrides it to fuse the two, with the same results (DynamiQ: one kernel
-    decodes each super-group straight into its place and adds its mean); the bucket
-    engine calls a codec's own, and for one without, decodes and finishes apart.
+    decodes each super-group straight into its place and adds its mean, reading the
+    payloads in chunk order where they lie); the bucket engine calls a codec's own, and
+    for one without, puts the payloads in chunk order, decodes and finishes apart.
     """
-    return self.finish(self.decode_many(payloads, aux), aux, bucket, state)
+    chunks = jax.tree.map(lambda p: jnp.roll(p, -rotate, axis=0), payloads) if rotate \
+        else payloads
+    return self.finish(self.decode_many(chunks, aux), aux, bucket, state)
 
   @abc.abstractmethod
   def finish(self, decoded, aux, bucket: Bucket, state):

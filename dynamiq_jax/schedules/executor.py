@@ -206,12 +206,16 @@ def all_gather(plan: TreePlan | TwoStepPlan, ctx: AxisContext, final, ops: HopOp
   return decode_all(gather_payloads(plan, ctx, final), ops)
 
 
-def gather_payloads(plan: TreePlan | TwoStepPlan, ctx: AxisContext, final):
+def gather_payloads(plan: TreePlan | TwoStepPlan, ctx: AxisContext, final,
+                    chunk_order: bool = True):
   """The gather phase's collective: every root's final payload, leading axis n in chunk
-  order (to decode with :func:`decode_all`, as late as the program likes)."""
+  order (to decode with :func:`decode_all`, as late as the program likes), or with
+  ``chunk_order=False`` in rank order as gathered, where chunk c is payload ``(c +
+  plan.root) % n`` (for a decode that reads them so, without the copy that reorders).
+  """
   with jax.named_scope("gather"):
     gathered = ctx.all_gather(final)  # [rank, ...]; rank s holds chunk s - root
-    if not plan.root:  # (the two-step plan: rank s holds chunk s)
+    if not plan.root or not chunk_order:  # (the two-step plan: rank s holds chunk s)
       return gathered
     return jax.tree.map(lambda g: jnp.roll(g, -plan.root, axis=0), gathered)
 
