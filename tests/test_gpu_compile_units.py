@@ -72,7 +72,7 @@ def check(block: int | None = None) -> dict:
   """
   with T.compile_in_child("test_gpu_compile_units:compile_kernels",
                           kwargs={"block": block}) as build:
-    report = T.sass_report(build.ptx, prefix="dynamiq_units_")
+    report = T.ptxas_report(build.ptx, prefix="dynamiq_units_", instructions=True)
   problems = [f"kernel {k} not found in the PTX XLA wrote" for k in KERNELS if k not in report]
   problems += [f"kernel {k} spills {v['spill_bytes']} bytes (ptxas -v, sm_90a)"
                for k, v in report.items() if v["spill_bytes"]]

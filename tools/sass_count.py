@@ -117,13 +117,14 @@ def _has_backward_branch(ptx: str, kernel: str) -> bool:
 
 def measure(config: str, launch=None) -> dict[str, dict]:
   """Compiles ``config``'s kernels (at ``launch``) in a child and returns ``{kernel: report}``
-  (:func:`dynamiq_jax.bench.gpu_compile.sass_report`, and whether the PTX loops)."""
+  (:func:`dynamiq_jax.bench.gpu_compile.ptxas_report` with instructions, and whether
+  the PTX loops)."""
   with G.compile_in_child(f"{__file__}:compile_units", kwargs={"config": config, "launch": launch},
                           path=(ROOT,), cwd=ROOT, ptx=True, strict_warnings=False) as build:
     out = {}
     for path in build.ptx:
       ptx = path.read_text()
-      report = G.sass_report([path], prefix="dynamiq_")
+      report = G.ptxas_report([path], prefix="dynamiq_", instructions=True)
       for name in re.findall(r"\.entry (dynamiq_\w+)\(", ptx):
         out[name] = dict(report[name], loops=_has_backward_branch(ptx, name))
   return out

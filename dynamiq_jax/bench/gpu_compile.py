@@ -70,7 +70,7 @@ __all__ = [
     "missing", "ptxas",
     "h100", "gpu_target", "abstract_h100_mesh", "h100_topology", "h100_devices", "h100_mesh",
     "Build", "compile_in_child", "build_parser", "ptxas_report", "mosaic_ptxas_report",
-    "sass_instructions", "sass_report",
+    "sass_instructions",
     "Instruction", "Computation", "parse_hlo", "executions", "per_step",
     "kernel_name", "is_payload_hop", "is_gemm", "Window", "async_windows",
 ]
@@ -318,24 +318,6 @@ def _child(out: str, target: str, kwargs: str) -> None:
 # ptxas.
 
 
-def ptxas_report(ptx_files, prefix: str = "") -> dict[str, dict[str, int]]:
-  """``{kernel: {"registers": n, "spill_bytes": stores + loads}}`` from ``ptxas -v``.
-
-  Every ``.entry`` of every file is compiled for sm_90a; a kernel name seen
-  in several files (other shapes) keeps its largest figures.
-
-  Args:
-    ptx_files: paths of PTX files.
-    prefix: keep only kernels whose name starts with it.
-  """
-  out = {}
-  for path in ptx_files:
-    res = subprocess.run([ptxas(), "-v", "--gpu-name=sm_90a", str(path), "-o", os.devnull],
-                         capture_output=True, text=True, check=True)
-    _read_ptxas(res.stderr, out, prefix)
-  return out
-
-
 SM90_INSTRUCTION_BYTES = 16
 _OP_NOP, _OP_BRA = 0x918, 0x947  # opcode field (bits 0-11) of the Volta-and-later encoding
 
@@ -365,24 +347,35 @@ def sass_instructions(cubin) -> dict[str, int]:
   return out
 
 
-def sass_report(ptx_files, prefix: str = "") -> dict[str, dict[str, int]]:
-  """:func:`ptxas_report` with each kernel's static SASS instructions
-  (:func:`sass_instructions`) added as ``"instructions"``: every file is assembled for
-  sm_90a into a temporary cubin. A kernel seen in several files keeps its largest
-  figures."""
+def ptxas_report(ptx_files, prefix: str = "", instructions: bool = False
+                 ) -> dict[str, dict[str, int]]:
+  """``{kernel: {"registers": n, "spill_bytes": stores + loads}}`` from ``ptxas -v``,
+  and with ``instructions`` each kernel's static SASS instructions
+  (:func:`sass_instructions` of the cubin ptxas makes) as ``"instructions"``.
+
+  Every ``.entry`` of every file is compiled for sm_90a; a kernel name seen
+  in several files (other shapes) keeps its largest figures.
+
+  Args:
+    ptx_files: paths of PTX files.
+    prefix: keep only kernels whose name starts with it.
+    instructions: also count each kernel's instructions (pyelftools, the
+      ``gpu-compile`` extra).
+  """
   out = {}
-  with tempfile.TemporaryDirectory(prefix="dynamiq_sass_") as tmp:
+  with tempfile.TemporaryDirectory(prefix="dynamiq_ptxas_") as tmp:
     for i, path in enumerate(ptx_files):
-      cubin = pathlib.Path(tmp) / f"{i}.cubin"
+      cubin = pathlib.Path(tmp) / f"{i}.cubin" if instructions else os.devnull
       res = subprocess.run([ptxas(), "-v", "--gpu-name=sm_90a", str(path), "-o", str(cubin)],
                            capture_output=True, text=True, check=True)
       found = {}
       _read_ptxas(res.stderr, found, prefix)
-      counts = sass_instructions(cubin)
+      counts = sass_instructions(cubin) if instructions else {}
       for name, rep in found.items():
-        prev = out.get(name, {"registers": 0, "spill_bytes": 0, "instructions": 0})
-        out[name] = {k: max(prev[k], v) for k, v in
-                     dict(rep, instructions=counts.get(name, 0)).items()}
+        if instructions:
+          rep["instructions"] = counts.get(name, 0)
+        prev = out.get(name, dict.fromkeys(rep, 0))
+        out[name] = {k: max(prev[k], v) for k, v in rep.items()}
   return out
 
 
