@@ -55,6 +55,7 @@ from dynamiq_jax.guard import unguard
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context
 from dynamiq_jax.schedules.executor import HopOps, Lossy, decode_all, gather_payloads
+from dynamiq_jax.schedules.executor import in_chunk_order
 from dynamiq_jax.schedules.executor import reduce_scatter
 from dynamiq_jax.schedules.loss import REDUCE_HOP, loss_key
 from dynamiq_jax.schedules.executor import trace_settings, two_step
@@ -165,8 +166,7 @@ def decode_pass(payloads, aux, codec: Codec, bucket: Bucket, state, plan: TreePl
   if type(codec).decode_finish is not Codec.decode_finish:  # decoded and finished at once
     out, new_state = codec.decode_finish(payloads, aux, bucket, state, rotate=plan.root)
   else:
-    chunks = jax.tree.map(lambda p: jnp.roll(p, -plan.root, axis=0), payloads) \
-        if plan.root else payloads
+    chunks = in_chunk_order(payloads, plan.root)
     out, new_state = codec.finish(decode_all(chunks, hop_ops(codec, aux, None)), aux, bucket,
                                   state)
   err = codec.error_estimate(out, aux, bucket, plan.partials())

@@ -40,6 +40,7 @@ from dynamiq_jax.schedules.plan import TreePlan, TwoStepPlan, two_step_plan
 
 __all__ = [
     "HopOps", "Lossy", "execute", "reduce_scatter", "all_gather", "gather_payloads",
+    "in_chunk_order",
     "two_step", "two_step_sum", "lossy_sum",
     "decode_all", "trace_settings", "UNROLL_MAX_STEPS", "LOOP_PLATFORMS",
 ]
@@ -215,9 +216,13 @@ def gather_payloads(plan: TreePlan | TwoStepPlan, ctx: AxisContext, final,
   """
   with jax.named_scope("gather"):
     gathered = ctx.all_gather(final)  # [rank, ...]; rank s holds chunk s - root
-    if not plan.root or not chunk_order:  # (the two-step plan: rank s holds chunk s)
-      return gathered
-    return jax.tree.map(lambda g: jnp.roll(g, -plan.root, axis=0), gathered)
+    return in_chunk_order(gathered, plan.root) if chunk_order else gathered
+
+
+def in_chunk_order(gathered, root: int):
+  """Payloads gathered in rank order (leading axis n, rank ``(c + root) % n`` holding chunk
+  c) put in chunk order (the two-step plan's ``root`` 0: as they are)."""
+  return jax.tree.map(lambda g: jnp.roll(g, -root, axis=0), gathered) if root else gathered
 
 
 def decode_all(payloads, ops: HopOps):
