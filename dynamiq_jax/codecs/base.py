@@ -144,8 +144,9 @@ class Keys(NamedTuple):
     return self._replace(state=rng.absorb(state, *words))
 
   def at(self, chunk, hop) -> "HopKeys":
-    """The keys of the encode of ``chunk`` sent at step ``hop``."""
-    return HopKeys(self, jnp.asarray(chunk, jnp.int32), jnp.asarray(hop, jnp.int32))
+    """The keys of the encode of ``chunk`` sent at step ``hop`` (both kept as uint32
+    scalars: words of the keys' hash, and table indices without sign handling)."""
+    return HopKeys(self, _word(chunk), _word(hop))
 
 
 def trace_settings() -> tuple:
@@ -171,8 +172,18 @@ def bucket_key_states(key, count: int):
   return k0, k1, rng.absorb(rng.KEY_INIT, k0, k1, jnp.arange(count, dtype=jnp.uint32))
 
 
+def _word(v):
+  """A non-negative index as a uint32 scalar (a Python int exactly; an array converted)."""
+  if isinstance(v, (int, np.integer)):
+    if v < 0:
+      raise ValueError(f"a chunk or hop index must be >= 0, got {v}")
+    return np.uint32(v)
+  return jnp.asarray(v).astype(jnp.uint32)
+
+
 class HopKeys(NamedTuple):
-  """The keys of one encode: the bucket's :class:`Keys` plus chunk and hop."""
+  """The keys of one encode: the bucket's :class:`Keys` plus chunk and hop (uint32
+  scalars)."""
 
   keys: Keys
   chunk: Any

@@ -380,7 +380,8 @@ class DynamiQ(Codec):
       s0, s1 = keys.derive(0, keys.chunk, rng.Stream.DYNAMIQ_PERMUTATION)
       return (k0, k1, s0, s1)
     r0, r1, s0, s1 = aux.chunk_keys  # the plan's: [n, n + 1] rounding keys, [n] strata keys
-    return (r0[keys.chunk, keys.hop], r1[keys.chunk, keys.hop], s0[keys.chunk], s1[keys.chunk])
+    c, h = keys.chunk, keys.hop
+    return (_entry(r0, c, h), _entry(r1, c, h), _entry(s0, c), _entry(s1, c))
 
   def encode(self, chunk, aux, keys):
     return kernels.compress(chunk, aux.widths, aux.layout.units, keys=self._keys(keys, aux),
@@ -515,7 +516,7 @@ class SupergroupStats(Codec):
       return chunk
     tables = keys.keys.tables
     if isinstance(tables, DynamiQKeyTables):  # derived for every bucket at once
-      k0, k1 = (t[keys.chunk, keys.hop] for t in tables.stats)
+      k0, k1 = (_entry(t, keys.chunk, keys.hop) for t in tables.stats)
     else:
       k0, k1 = keys.derive(keys.chunk, keys.hop, rng.Stream.DYNAMIQ_STATS)
     mean = stochastic_bf16(chunk[..., 0], rng.hash_index(k0, k1, _element_index(chunk[..., 0])))
@@ -538,6 +539,14 @@ class SupergroupStats(Codec):
       p = jnp.moveaxis(payloads.astype(jnp.float32), 0, -1)  # [..., 2, n]
       return jnp.stack([tree_sum(p[..., 0, :]), hypot_all(p[..., 1, :])], axis=-1)
     return stats_kernels.stats_sum(payloads, implementation=self.implementation)
+
+
+def _entry(table, *index):
+  """``table[index]`` for uint32 scalar indices (:class:`HopKeys`' chunk and hop), sliced
+  directly: unsigned, so the slice carries no sign handling, where ``jnp`` indexing
+  converts them to signed and wraps negatives in every fusion that reads a key."""
+  index = [jnp.asarray(i, jnp.uint32) for i in index]
+  return jax.lax.dynamic_slice(table, index, (1,) * len(index)).reshape(())
 
 
 def _element_index(v):
