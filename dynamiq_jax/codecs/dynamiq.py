@@ -340,12 +340,16 @@ class DynamiQ(Codec):
           blocks=n if bucket.scatter else 1, implementation=bucket.implementation)
       chunks = payload_lib.take_in_range(resid, order_t)  # [n, s, 256]
     # every chunk's shared stratum key, and its rounding key at every hop (hop <= n: the
-    # schedules' steps, and the two-step reduction's), derived once for all hops; stored:
-    # XLA would otherwise recompute them inside every hop's key fusion
-    # (the tables pass the barrier as they are: one array of them, sliced after it, made
-    # XLA:CPU's compile of the simulator's hierarchical and Moshpit programs 10-100x slower)
-    tables = keys.tables if keys.tables is not None else self.key_tables(keys, n)
-    chunk_keys = jax.lax.optimization_barrier(tables.chunk)
+    # schedules' steps, and the two-step reduction's), derived once for all hops. The
+    # engine's (keys.tables) are already stored, derived outside every bucket, so the hops
+    # read them in place; derived here, they are stored (a barrier): XLA would otherwise
+    # recompute them inside every hop's key fusion. (They pass the barrier as they are:
+    # one array of them, sliced after it, made XLA:CPU's compile of the simulator's
+    # hierarchical and Moshpit programs 10-100x slower.)
+    if keys.tables is not None:
+      chunk_keys = keys.tables.chunk
+    else:
+      chunk_keys = jax.lax.optimization_barrier(self.key_tables(keys, n).chunk)
     return Plan(chunks, DynamiQAux(dest, gmean, gnorm, widths, lay, bucket.implementation,
                                    chunk_keys))
 
