@@ -279,3 +279,19 @@ def test_kernels_compile_for_h100_without_spills():
   names = {"dynamiq_guard_stats", "dynamiq_stats_sum", "dynamiq_row_mean"}
   assert names <= set(report), json.dumps(report)
   assert all(report[k]["spill_bytes"] == 0 for k in names), json.dumps(report)
+
+
+def test_the_guard_scale_is_frexps_power_of_two_over_the_whole_float32_range():
+  """``guard.guarded`` builds its scale from the exponent bits of the ranks' largest
+  finite magnitude: it must be ``2^min(SAFE - frexp(amax)[1], 0)`` for zero, subnormals,
+  normals around the threshold and the largest float32."""
+  from dynamiq_jax.guard import guarded
+  tiny = np.finfo(np.float32).tiny
+  amax = np.array([0.0, tiny / 2**20, tiny / 2, tiny, 1e-30, 0.5, 1.0, 3.0, 2.0**63,
+                   np.nextafter(np.float32(2.0**64), np.float32(0)), 2.0**64, 2.0**64 * 1.5,
+                   2.0**100, 2.0**127, np.finfo(np.float32).max], np.float32)
+  amax = np.concatenate([amax, np.exp2(np.arange(-149, 128, 0.37)).astype(np.float32)])
+  scales = jax.jit(jax.vmap(lambda a: guarded(jnp.zeros(()), True, a, 0.0)[2]))(amax)
+  expect = np.array([2.0 ** min(SAFE - int(np.frexp(a)[1]), 0) for a in amax], np.float32)
+  np.testing.assert_array_equal(np.asarray(scales), expect)
+  assert expect.min() < 1.0 and expect.max() == 1.0  # both sides of the threshold
