@@ -197,11 +197,14 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
 
 def program_keys(words, index, ctx: AxisContext, codec: Codec | None = None) -> Keys:
   """A bucket program's :class:`Keys` from its key words ``(k0, k1, s0, s1)``, or ``(k0, k1,
-  row)`` with ``row`` its :func:`~dynamiq_jax.codecs.base.key_rows` (``codec``'s tables)."""
+  rows)`` with ``rows`` every bucket's :func:`~dynamiq_jax.codecs.base.key_rows`
+  (``codec``'s tables), of which the program reads row ``index``."""
   if len(words) == 4:
     k0, k1, s0, s1 = words
     return Keys(k0, k1, index, ctx.rank(), (s0, s1))
-  k0, k1, row = words
+  k0, k1, rows = words  # every bucket's rows: this one's is sliced where it is read
+  row = jax.lax.dynamic_index_in_dim(rows, jnp.asarray(index).astype(jnp.uint32), 0,
+                                     keepdims=False)
   keys = Keys(k0, k1, index, ctx.rank(), (row[0], row[1]))
   return keys._replace(tables=tables_from_flat(codec, keys, ctx.n, row[2:]))
 
@@ -419,7 +422,9 @@ def reduce_buckets(xs, program, *, key, states=None):
     x, chained = jax.lax.optimization_barrier((x, chained))
     # (a barrier's outputs vary over every mesh axis any of its inputs does: the rank-
     # invariant key words, index and codec state pass one of their own)
-    words = (k0, k1, s0[b], s1[b]) if rows is None else (k0, k1, rows[b])
+    # (the whole key rows: a program reads its own in place, where a row sliced for the
+    # barrier would be one more launch per bucket)
+    words = (k0, k1, s0[b], s1[b]) if rows is None else (k0, k1, rows)
     words, index, state = jax.lax.optimization_barrier((words, jnp.int32(b), states[b]))
     return run_program((x, chained, words, index, state), program=program)
 
