@@ -132,3 +132,13 @@ def test_loss_of_bf16_compute_and_remat_is_the_loss_of_float32():
   assert float(scale.loss_fn(params, tokens, remat=True)) == float(full)
   np.testing.assert_allclose(scale.loss_fn(params, tokens, compute="bfloat16"), full, rtol=2e-2)
   assert scale.loss_fn(params, tokens, compute="bfloat16") != full
+
+
+def test_repeated_compiles_report_themedian_run():
+  """--repeat k: the ratios come from the run of median CPU seconds (every run's kept)."""
+  runs = [{"total_cpu_s": t, "tag": t} for t in (9.0, 7.5, 12.0, 8.0)]
+  median = scale.median_run(runs)
+  assert median["tag"] == 8.0 and median["total_cpu_s_runs"] == [9.0, 7.5, 12.0, 8.0]
+  assert scale.median_run(runs[:3])["tag"] == 9.0
+  with pytest.raises(SystemExit, match="--repeat 0"):
+    scale.main(["--tiny", "--repeat", "0"])

@@ -27,8 +27,9 @@ trace and lower the step and to compile it, the device temporaries
 instructions and collectives, the backward GEMMs that run inside a
 collective's asynchronous window (:func:`dynamiq_jax.bench.overlap.schedule_counts`),
 and for ``default`` the instructions of one bucket by the named scope that
-made them (:func:`bucket_scopes`). CPU seconds are a shared machine's and
-vary by tens of percent; the ratios are of one run.
+made them (:func:`bucket_scopes`). One compile's CPU seconds vary by 10-20% even
+on an idle machine: ``--repeat k`` compiles each step k times in turns and
+takes the ratios of the medians (every run's seconds are in the JSON).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 
 from dynamiq_jax.bench import gpu_compile
 
-__all__ = ["SIZES", "model_shapes", "loss_fn", "step_in_child", "compile_step",
+__all__ = ["SIZES", "model_shapes", "loss_fn", "step_in_child", "compile_step", "median_run",
            "instructions", "bucket_scopes", "main"]
 
 DEVICES = 8
@@ -284,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--memory", action="store_true",
                  help="also report what the scratch memory holds at its peak, by category "
                       "(XLA's buffer assignment; the compile then includes XLA's dump)")
+  p.add_argument("--repeat", type=int, default=1,
+                 help="compiles of each step, taken in turns (pmean, default, ..., pmean, "
+                      "...): the ratios are of the medians, since one compile's CPU seconds "
+                      "vary by 10-20%% on a shared machine")
   p.add_argument("--label", default=None, help="writes scale_<label>.json instead of scale.json")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
@@ -299,6 +304,14 @@ def _row(name, method, r, base=None):
   return (f"{name:<10} {method:<8} {r['params'] / 1e6:>7.0f} {r['lower_cpu_s']:>8.1f} "
           f"{r['compile_cpu_s']:>9.1f} {r['temp_bytes'] / 2**30:>8.2f} {r['instructions']:>9} "
           f"{r['backward_gemms_in_windows']:>5}/{r['backward_gemms']:<5}{ratio} {buckets:>7}")
+
+
+def median_run(runs: list) -> dict:
+  """The run of median total CPU seconds (the lower middle of an even count), with every
+  run's seconds beside it."""
+  r = dict(sorted(runs, key=lambda r: r["total_cpu_s"])[(len(runs) - 1) // 2])
+  r["total_cpu_s_runs"] = [x["total_cpu_s"] for x in runs]
+  return r
 
 
 def main(argv=None) -> dict:
@@ -334,23 +347,34 @@ def main(argv=None) -> dict:
   print(f"{'model':<10} {'method':<8} {'M par':>7} {'lower s':>8} {'compile s':>9} "
         f"{'temp GiB':>8} {'HLO instr':>9} {'bwd GEMMs':>11} {'CPU s':>7} {'temp':>7} "
         f"{'buckets':>7}")
+  if args.repeat < 1:
+    sys.exit(f"--repeat {args.repeat}: give at least 1 compile of each step")
   runs = {}
   for name, (model, scan, options) in cases.items():
-    rows = {}
-    for method in [m for m in ("pmean", "default", "stacked")
-                   if m == "pmean" or (m in methods and (scan or m != "stacked"))]:
-      spec = {"method": method, "model": model, "scan": scan, "compute": args.compute,
-              "remat": args.remat, "memory": args.memory, "options": options if method != "pmean" else {}}
-      if args.tiny:
-        spec["seq"] = TINY_SEQ
-      r = compile_step(spec, library=args.library)
-      r["total_cpu_s"] = round(r["lower_cpu_s"] + r["compile_cpu_s"], 2)
-      rows[method] = r
-      print(_row(name, method, r, rows["pmean"] if method != "pmean" else None), flush=True)
-      if "memory" in r:
-        print("    at the peak (GiB): " + ", ".join(
-            f"{k} {v / 2**30:.2f}" for k, v in sorted(r["memory"]["at_peak"].items(),
-                                                      key=lambda kv: -kv[1])), flush=True)
+    chosen = [m for m in ("pmean", "default", "stacked")
+              if m == "pmean" or (m in methods and (scan or m != "stacked"))]
+    found = collections.defaultdict(list)
+    for _ in range(args.repeat):
+      for method in chosen:
+        spec = {"method": method, "model": model, "scan": scan, "compute": args.compute,
+                "remat": args.remat, "memory": args.memory,
+                "options": options if method != "pmean" else {}}
+        if args.tiny:
+          spec["seq"] = TINY_SEQ
+        r = compile_step(spec, library=args.library)
+        r["total_cpu_s"] = round(r["lower_cpu_s"] + r["compile_cpu_s"], 2)
+        found[method].append(r)
+        print(_row(name, method, r, found["pmean"][-1] if method != "pmean" else None),
+              flush=True)
+        if "memory" in r:
+          print("    at the peak (GiB): " + ", ".join(
+              f"{k} {v / 2**30:.2f}" for k, v in sorted(r["memory"]["at_peak"].items(),
+                                                        key=lambda kv: -kv[1])), flush=True)
+    rows = {m: median_run(rs) for m, rs in found.items()}
+    if args.repeat > 1:
+      for method in chosen:
+        print(_row(name, "median", rows[method],
+                   rows["pmean"] if method != "pmean" else None) + f"  ({method})", flush=True)
     p = rows["pmean"]
     ratios = {m: {"cpu_s": round(d["total_cpu_s"] / p["total_cpu_s"], 2),
                   "temp_bytes": round(d["temp_bytes"] / p["temp_bytes"], 3),
