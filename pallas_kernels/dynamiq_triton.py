@@ -504,12 +504,19 @@ def _plane_table(widths, plane_bits: int, units: int):
   """int32 [16]: ``off_p`` (first unit of plane p) for p < 8, the units used after
   (``off_(p+1)`` ends plane p), each at most ``units``."""
   # plane p starts after every position's units of the planes before it,
-  # sum_j min(w_j / plane_bits, p) (entries past the last plane: the units used):
-  # one reduction, then the clamp
+  # sum_j min(w_j / plane_bits, p) (entries past the last plane: the units used). The
+  # sum is halving additions of slices, not a reduction: integers, so the same sum, and
+  # XLA fuses it with the clamp into one launch (a reduction and the clamp after it were
+  # two per call)
   planes = 8 // plane_bits
   p = jnp.minimum(jnp.arange(_PTAB, dtype=jnp.int32), planes)[:, None]
-  table = jnp.sum(jnp.minimum(widths.astype(jnp.int32)[None, :] // plane_bits, p), axis=1)
-  return jnp.minimum(table, units).astype(jnp.int32)
+  terms = jnp.minimum(widths.astype(jnp.int32)[None, :] // plane_bits, p)
+  while terms.shape[1] > 1:
+    if terms.shape[1] % 2:
+      terms = jnp.pad(terms, ((0, 0), (0, 1)))
+    half = terms.shape[1] // 2
+    terms = terms[:, :half] + terms[:, half:]
+  return jnp.minimum(terms[:, 0], units).astype(jnp.int32)
 
 
 def _compiler_params(cfg: _Config, interpret):
