@@ -74,6 +74,7 @@ __all__ = [
     "Implementation",
     "KernelFallbackWarning",
     "Kernels",
+    "mesh_platform",
     "MIN_MOSAIC_CAPABILITY",
     "MOSAIC_FIRST",
     "dispatch",
@@ -512,7 +513,8 @@ def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs)
   everywhere, interpreted off GPU. ``"mosaic"``: the Mosaic GPU kernel on GPU
   (the reference off GPU unless ``interpret=True``). ``"xla"``: the
   reference. ``interpret``, when given, overrides the interpret mode of the
-  kernel wherever the kernel runs. Every branch is traced;
+  kernel wherever the kernel runs. Inside a mesh (:func:`mesh_platform`) only
+  its platform's branches are traced; elsewhere every branch is, and
   ``jax.lax.platform_dependent`` keeps only the one for the lowering
   platform (a deviceless compile for GPUs from a CPU host included), and
   an eager call runs only the branch of the default device.
@@ -553,4 +555,20 @@ def dispatch(op, kernels, reference, implementation, interpret, *args, **kwargs)
   def other():  # traced once per configuration and operand types (:func:`traced_once`)
     return traced_once(reference, *args, **kwargs)
 
+  # Inside a mesh whose devices name the platform (a shard_map, a compile-only topology's
+  # mesh), only that platform's branches are traced: tracing the others (the kernels on a
+  # CPU mesh, the reference on a GPU one) was half of a bucket program's trace time.
+  platform = mesh_platform()
+  if platform in ("gpu", *GPU_PLATFORMS):
+    return jax.lax.platform_dependent(cuda=cuda, rocm=rocm)
+  if platform is not None:
+    return other()
   return jax.lax.platform_dependent(cuda=cuda, rocm=rocm, default=other)
+
+
+def mesh_platform() -> str | None:
+  """The device platform of the abstract mesh in context (``"gpu"``, ``"cpu"``, ...: a
+  ``shard_map``'s, or a compile-only topology's mesh), or None outside any mesh (``vmap``,
+  ``pmap``, a plain ``jit``), where :func:`dispatch` traces every platform's branch."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return None if device is None else device.platform
