@@ -62,3 +62,23 @@ def test_invalid_plans_are_rejected():
     plan_lib.TreePlan("x", 3, ((0, 1), (2, 0)), 2)
   with pytest.raises(ValueError, match="schedule='tree'"):
     plan_lib.get_plan("tree", 4)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_chunk_index_is_the_nonnegative_modulo(n):
+  """executor.chunk_index: ``(r - s) mod n`` as uint32 for every rank and offsets of either
+  sign, given as an int (unrolled hops) or a traced int32 (hops in a loop)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from dynamiq_jax.schedules.executor import chunk_index
+
+  offsets = list(range(-2 * n - 1, 2 * n + 2))
+  traced = jax.jit(jax.vmap(jax.vmap(lambda r, s: chunk_index(r, s, n), (None, 0)), (0, None)))
+  got = np.asarray(traced(jnp.arange(n, dtype=jnp.int32), jnp.asarray(offsets, jnp.int32)))
+  want = np.array([[(r - s) % n for s in offsets] for r in range(n)])
+  assert got.dtype == np.uint32
+  np.testing.assert_array_equal(got, want)
+  for r in range(n):
+    for s in offsets:
+      assert int(chunk_index(jnp.int32(r), s, n)) == (r - s) % n

@@ -41,7 +41,7 @@ from dynamiq_jax.schedules.plan import TreePlan, TwoStepPlan, two_step_plan
 
 __all__ = [
     "HopOps", "Lossy", "execute", "reduce_scatter", "all_gather", "gather_payloads",
-    "in_chunk_order",
+    "in_chunk_order", "chunk_index",
     "two_step", "two_step_sum", "lossy_sum",
     "decode_all", "trace_settings", "UNROLL_MAX_STEPS", "LOOP_PLATFORMS",
 ]
@@ -93,7 +93,7 @@ def _put(chunks, c, value):
       chunks, value)
 
 
-def _chunk_index(r, s, n: int):
+def chunk_index(r, s, n: int):
   """``(r - s) mod n`` as a uint32 scalar, for rank ``r`` (in [0, n)) and an offset ``s``
   (an int, or an int32 scalar inside a rolled loop). Unsigned, so that neither this
   modulo nor the slices it indexes carry the sign handling of a signed one: a few
@@ -144,7 +144,7 @@ def reduce_scatter(plan: TreePlan | TwoStepPlan, ctx: AxisContext, chunks, ops: 
     raise ValueError(f"lossy links run on schedule='two_step' only, not {plan.name!r}")
 
   def chunk(s):
-    return _chunk_index(r, s, n)
+    return chunk_index(r, s, n)
 
   if n == 1:
     own = _take(chunks, 0)
