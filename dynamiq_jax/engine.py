@@ -55,8 +55,7 @@ from dynamiq_jax.guard import unguard
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context
 from dynamiq_jax.schedules.executor import HopOps, Lossy, decode_all, gather_payloads
-from dynamiq_jax.schedules.executor import in_chunk_order
-from dynamiq_jax.schedules.executor import reduce_scatter
+from dynamiq_jax.schedules.executor import in_chunk_order, reduce_scatter
 from dynamiq_jax.schedules.loss import REDUCE_HOP, loss_key
 from dynamiq_jax.schedules.executor import trace_settings, two_step
 from dynamiq_jax.schedules.local import run_on_local_shards, sharding_groups

@@ -32,7 +32,8 @@ bucket*)."""
 TOP_LEVEL_PER_BUCKET = 37
 """The most top-level operations one bucket of 2^16 may add (37 on jax 0.10.2 and 0.12: no
 slices of the key tables or of the bucket's key row, the guard's scale computed where it is
-read, the plane table's sum and clamp one fusion; 44 / 43 before, 78 before the kernels, 80 with the sort)."""
+read, the plane table's sum and clamp one fusion; 44 / 43 before, 78 before the kernels, 80
+with the sort)."""
 
 
 @pytest.fixture(scope="module")

@@ -151,8 +151,8 @@ class Keys(NamedTuple):
 
 def trace_settings() -> tuple:
   """What the codecs' kernels read while tracing besides their arguments (the kernel
-  dispatch's switch and the platform of the mesh in context), so that a cached trace of a bucket program is reused only
-  where they are the same."""
+  dispatch's switch and the platform of the mesh in context), so that a cached trace of
+  a bucket program is reused only where they are the same."""
   from pallas_kernels import dispatch  # pylint: disable=import-outside-toplevel
   return (dispatch.MOSAIC_FIRST, dispatch.mesh_platform())
 

@@ -60,7 +60,8 @@ class HopOps(NamedTuple):
 
   ``c`` is the chunk index and ``hop`` the step at which the payload is sent
   (non-negative integer scalars, possibly traced: the tree schedules pass the chunk
-  as uint32); an encode may key its random draws by them. ``allreduce`` builds these from a codec's pure hop functions.
+  as uint32); an encode may key its random draws by them. ``allreduce`` builds these
+  from a codec's pure hop functions.
 
   Attributes:
     encode: ``(chunk, c, hop) -> payload``.
@@ -206,7 +207,9 @@ def trace_settings() -> tuple:
 def _lowering_platform() -> str:
   """The platform the enclosing program is traced for: the device platform of
   the abstract mesh in context (a ``shard_map``, or a compile-only topology's
-  mesh), else the default backend (``vmap`` simulation, ``pmap``)."""
+  mesh), else the default backend (``vmap`` simulation, ``pmap``). (The kernel
+  dispatch reads the mesh the same way, :func:`pallas_kernels.dispatch.mesh_platform`;
+  schedules may not import the kernels.)"""
   device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   return device.platform if device is not None else jax.default_backend()
 
