@@ -188,10 +188,8 @@ def _rows_mosaic(payloads, widths, units: int, slots, mean=None, *, rotate=0, in
   reference's gather and mean."""
   R.check_payloads(payloads, widths, units, plane_bits=geo["plane_bits"],
                    width_set=geo["width_set"], slots=slots, mean=mean, rotate=rotate)
-  dec = _many_mosaic(payloads, widths, units, interpret=interpret, **geo)
-  dec = jnp.roll(dec, -rotate, axis=0) if rotate else dec  # chunk order
-  out = R.take_in_range(dec.transpose(1, 0, 2).reshape(-1, dec.shape[-1]), slots)
-  return out if mean is None else out + mean.astype(jnp.float32)[:, None]
+  return R.rows_of_decoded(_many_mosaic(payloads, widths, units, interpret=interpret, **geo),
+                          slots, mean, rotate)
 
 
 def _probe_many(gather: bool, **static):

@@ -42,7 +42,8 @@ __all__ = [
     "plane_bytes", "codes_of_planes", "codes_to_planes", "planes_to_codes", "take_in_range",
     "materialize", "compress_reference", "decompress_reference",
     "decompress_accumulate_reference", "decompress_accumulate_recompress_reference",
-    "check_payloads", "decompress_many_reference", "decompress_rows_reference",
+    "check_payloads", "decompress_many_reference", "rows_of_decoded",
+    "decompress_rows_reference",
     "decompress_sum_reference",
 ]
 
@@ -470,6 +471,13 @@ def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *,
                  slots=slots, mean=mean, rotate=rotate)
   dec = decompress_many_reference(payloads, widths, units, eps=eps, plane_bits=plane_bits,
                                   width_set=width_set)
+  return rows_of_decoded(dec, slots, mean, rotate)
+
+
+def rows_of_decoded(dec, slots, mean=None, rotate: int = 0):
+  """:func:`decompress_rows_reference`'s rows from the decoded payloads ``dec`` float32
+  [n, S, 256] (payload ``(c + rotate) % n`` is chunk c): slot ``slots[r]`` of the chunks
+  interleaved by position, plus ``mean[r]``."""
   dec = jnp.roll(dec, -rotate, axis=0) if rotate else dec  # chunk order
   out = take_in_range(dec.transpose(1, 0, 2).reshape(-1, dec.shape[-1]), slots)
   return out if mean is None else out + mean.astype(jnp.float32)[:, None]

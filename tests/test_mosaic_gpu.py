@@ -181,6 +181,23 @@ def test_decode_under_vmap_equals_the_reference():
                                                   width_set=ws))(pays))
 
 
+@needs_interpret
+def test_decompress_rows_reads_rank_ordered_payloads_as_the_reference():
+  """decompress_rows(implementation="mosaic"): the payloads as gathered in rank order (rank
+  ``(c + rotate) % n`` holding chunk c) give the reference's rows, bit for bit."""
+  s, n, ws = 3, 3, (2, 3)
+  _, widths = _chunk(5, s, ws)
+  units = int(np.sum(np.asarray(widths)))
+  pays = jnp.stack([_random_payload(10 + i, s, units) for i in range(n)])
+  r = np.random.default_rng(0)
+  slots = jnp.asarray(r.permutation(n * s), jnp.int32)
+  mean = jnp.asarray(r.standard_normal(n * s), jnp.float32)
+  want = R.decompress_rows_reference(pays, widths, units, slots, mean, eps=EPS, width_set=ws)
+  rolled = jnp.roll(pays, 2, axis=0)
+  _same(K.decompress_rows(rolled, widths, units, slots, mean, eps=EPS, width_set=ws,
+                          rotate=2, implementation="mosaic", interpret=True), want)
+
+
 # (width_set, S, dtype): compress runs with the default codec's rounding (stochastic
 # scales, 8 strata: a power-of-two q), the ring hop with the other paths ("up", 3 strata)
 ENCODE_CASES = [
