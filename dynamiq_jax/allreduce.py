@@ -40,6 +40,7 @@ from dynamiq_jax.buckets import bucket_sizes
 from dynamiq_jax.buckets import check_leaves
 from dynamiq_jax.buckets import check_varying
 from dynamiq_jax.buckets import flat_specs
+from dynamiq_jax.buckets import layout_coords
 from dynamiq_jax.buckets import pack
 from dynamiq_jax.buckets import relative
 from dynamiq_jax.buckets import resolve_leaf_order
@@ -88,8 +89,9 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
   layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
                          leaf_order=leaf_order)
   if is_moshpit(schedule) and n > 1:
-    return moshpit.moshpit_report(bucket_sizes(layout), codec, as_moshpit(schedule).plan(n))
-  return report(bucket_sizes(layout), codec, n)
+    return moshpit.moshpit_report(bucket_sizes(layout), codec, as_moshpit(schedule).plan(n),
+                                  coords=layout_coords(layout))
+  return report(bucket_sizes(layout), codec, n, coords=layout_coords(layout))
 
 
 def init_codec_state(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -302,7 +304,7 @@ def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_si
         f"bucket_size={bucket_size}, max_buckets={max_buckets}, leaf_order={leaf_order!r}): "
         f"pass the state that the previous call with the same tree and bucketing returned")
   xs = [pack(arrays, segs, ctx.n if average else None) for segs in layout]
-  rep = report(sizes, codec, ctx.n)
+  rep = report(sizes, codec, ctx.n, coords=layout_coords(layout))
   stats = AllReduceStats(
       jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank), jnp.int32(rep.coords),
       uncompressed=jnp.int32(rep.uncompressed))
@@ -393,7 +395,7 @@ def _hierarchical(arrays, treedef, layout, *, codec, schedule, axis_name, key, a
   rep = report(shares, codec, slow_ctx.n)
   stats = AllReduceStats(
       jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank),
-      jnp.int32(sum(x.shape[0] for x in xs)), uncompressed=jnp.int32(rep.uncompressed))
+      jnp.int32(layout_coords(layout)), uncompressed=jnp.int32(rep.uncompressed))
   out = unpack(outs, layout, arrays, treedef)
   return (out, stats, jnp.float32(0), None) if slow_ctx.n == 1 else (out, stats, err, ref)
 
@@ -406,7 +408,7 @@ def _moshpit(arrays, treedef, layout, *, codec, schedule, axis_name, key, averag
   xs = [pack(arrays, segs, None) for segs in layout]  # the rounds take means themselves
   nan = jnp.float32(jnp.nan)  # no error estimate: the rounds' errors compound
   if ctx.n == 1 and as_moshpit(schedule).grid is None:  # the mean of one rank: its input
-    stats = AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(sum(map(len, xs))))
+    stats = AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(layout_coords(layout)))
     return unpack(xs, layout, arrays, treedef), stats, jnp.float32(0), None
   plan = as_moshpit(schedule).plan(ctx.n)
   here = moshpit.presence(plan, schedule, key, absent, ctx.rank())
@@ -414,7 +416,7 @@ def _moshpit(arrays, treedef, layout, *, codec, schedule, axis_name, key, averag
   outs, _ = zip(*engine.reduce_buckets(xs, program, key=key, states=(here,) * len(xs)))
   if not average:
     outs = [o * np.float32(ctx.n) for o in outs]
-  rep = moshpit.moshpit_report(bucket_sizes(layout), codec, plan)
+  rep = moshpit.moshpit_report(bucket_sizes(layout), codec, plan, coords=layout_coords(layout))
   stats = AllReduceStats(jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank),
                          jnp.int32(rep.coords), uncompressed=jnp.int32(rep.uncompressed))
   return unpack(outs, layout, arrays, treedef), stats, nan, None

@@ -5,9 +5,9 @@ Written once for every reduction of the library (:func:`dynamiq_jax.allreduce`,
 the wire accounting); :mod:`dynamiq_jax.engine` reduces the buckets.
 
 * **Layout** (:func:`bucket_layout`): the leaves in the order the backward pass
-  produces them, end to end, cut into buckets of equal size (the first a
-  quarter, the last what is left), so that XLA compiles one program for all
-  the buckets of one size.
+  produces them, end to end, cut into buckets of at most two sizes (the first
+  few a quarter of the rest, the last padded with zeros), so that XLA compiles
+  one program and one set of kernels for all the buckets of one size.
 * **Packing** (:func:`pack`, :func:`unpack`): a bucket's pieces of leaves as
   one flat float32 vector, and back into leaves of their shapes and dtypes.
 * **Checks** of what a user passes, each naming the value and the fix.
@@ -31,8 +31,9 @@ from dynamiq_jax.schedules.plan import ring_bytes_per_rank
 
 __all__ = [
     "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "FIRST_BUCKET_FRACTION", "AllReduceStats",
-    "Segment", "Layout", "resolve_leaf_order", "bucket_layout", "pack_layout", "bucket_sizes",
-    "pack", "unpack", "check_codec", "check_leaves", "check_varying", "flat_specs", "bucket_codec",
+    "Segment", "PADDING", "Layout", "resolve_leaf_order", "bucket_layout", "pack_layout",
+    "bucket_sizes", "layout_coords", "runtime_offsets", "pack", "unpack", "check_codec",
+    "check_leaves", "check_varying", "flat_specs", "bucket_codec",
     "report", "scatter_report", "sum_stats", "relative", "group_keys", "group_order",
     "key_data",
 ]
@@ -84,11 +85,17 @@ class AllReduceStats(NamedTuple):
 
 
 class Segment(NamedTuple):
-  """Coordinates ``[start, stop)`` of leaf ``leaf`` (its row-major flattening)."""
+  """Coordinates ``[start, stop)`` of leaf ``leaf`` (its row-major flattening); with
+  ``leaf == PADDING``, ``stop - start`` zeros that end the last bucket."""
 
   leaf: int
   start: int
   stop: int
+
+
+PADDING = -1
+"""The ``leaf`` of a :class:`Segment` of zeros: the padding that gives the last bucket the
+size of the buckets before it (one shape, one compiled program)."""
 
 
 Layout = tuple  # tuple[tuple[Segment, ...], ...]: the segments of each bucket, in bucket order
@@ -123,20 +130,20 @@ def bucket_layout(tree, *, codec=None, bucket_size: int = DEFAULT_BUCKET_SIZE,
 
   Leaves are taken in ``leaf_order`` (default: reverse leaf order, the order
   the backward pass produces them) and laid end to end, and that sequence is
-  cut at every multiple of ``bucket_size``, and its first ``bucket_size`` in
-  quarters (:data:`FIRST_BUCKET_FRACTION`; as PyTorch DDP's first bucket is
-  small, so that the wire starts early in the backward pass): buckets of a
-  quarter, then of exactly ``bucket_size``, the last with what is left. A
-  leaf may so end in one bucket and go on in the next, and a large leaf
-  spans several; leaves whose sizes are multiples of ``bucket_size`` keep
-  buckets of their own. The quarters share one shape and the full buckets
-  another, so XLA compiles one program and one set of kernels for each: a
-  bucket of a shape already compiled costs a fraction of one of a new shape
-  (each new shape compiles every kernel again), and there are at most three
-  (four where ``bucket_size`` is not four quarters of the codec's block).
-  Empty leaves take no place. Where the cut
-  makes more than ``max_buckets`` buckets, the bucket size grows (in
-  multiples of the codec's block) until it does not.
+  cut into buckets of two sizes: first four quarters of ``bucket_size``
+  (:data:`FIRST_BUCKET_FRACTION`; as PyTorch DDP's first bucket is small, so
+  that the wire starts early in the backward pass), then the fewest buckets
+  of at most ``bucket_size`` that hold the rest, all of one size (a multiple
+  of the codec's block). A gradient of at most ``bucket_size`` coordinates is
+  cut into the fewest equal buckets of at most a quarter. The last bucket is
+  padded with zeros (a :class:`Segment` of leaf :data:`PADDING`, less than one
+  block per bucket of its size) to the size of the others, so that every
+  bucket of a size is the same program: XLA compiles one set of kernels for
+  each of the two sizes (each size compiles every kernel again). A leaf may
+  so end in one bucket and go on in the next, and a large leaf spans several.
+  Empty leaves take no place. Where the cut makes more than ``max_buckets``
+  buckets, the bucket size grows (in multiples of the codec's block) until it
+  does not.
 
   Args:
     tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``).
@@ -182,43 +189,91 @@ def bucket_layout(tree, *, codec=None, bucket_size: int = DEFAULT_BUCKET_SIZE,
 
 def pack_layout(sizes, order, bucket_size: int, unit: int) -> Layout:
   """The leaves in ``order``, end to end, cut into buckets (see :func:`bucket_layout`)."""
+  total = sum(sizes[leaf] for leaf in order)
+  if total == 0:
+    return ()
   first = max(unit, min(bucket_size // FIRST_BUCKET_FRACTION // unit * unit, bucket_size))
-  buckets, current, fill, end = [], [], 0, first  # end: where the open bucket stops
+  if total <= FIRST_BUCKET_FRACTION * first:
+    shapes = _equal_cut(total, first, unit)
+  else:
+    shapes = [first] * FIRST_BUCKET_FRACTION + _equal_cut(
+        total - FIRST_BUCKET_FRACTION * first, bucket_size, unit)
+  buckets, current, fill = [], [], 0
+  bounds = iter(np.cumsum(shapes).tolist())
+  end = next(bounds)
   for leaf in order:
     start, size = 0, sizes[leaf]
     while start < size:
       take = min(size - start, end - fill)
       current.append(Segment(leaf, start, start + take))
       fill, start = fill + take, start + take
-      if fill == end:  # full: the next quarter, or up to the next multiple of bucket_size
+      if fill == end:
         buckets.append(tuple(current))
-        quarter = fill < (FIRST_BUCKET_FRACTION - 1) * first
-        current, end = [], fill + first if quarter else (fill // bucket_size + 1) * bucket_size
-  if current:
-    buckets.append(tuple(current))
+        current, end = [], next(bounds, None)
+  if current:  # the last bucket, short of its size: zeros to its end
+    buckets.append((*current, Segment(PADDING, 0, end - fill)))
   return tuple(buckets)
 
 
+def _equal_cut(total: int, most: int, unit: int) -> list[int]:
+  """The fewest bucket sizes of at most ``most`` coordinates that hold ``total``, all
+  equal (a multiple of ``unit``); their sum passes ``total`` by less than one
+  ``unit`` per bucket (the last bucket's padding). One bucket is ``total`` itself."""
+  if total <= most:
+    return [total]
+  size = round_up(ceil_div(total, ceil_div(total, most)), unit)
+  return [size] * ceil_div(total, size)
+
+
 def bucket_sizes(layout: Layout) -> list[int]:
+  """Each bucket's size, its padding included: what its codec reduces."""
   return [sum(s.stop - s.start for s in segs) for segs in layout]
 
 
+def layout_coords(layout: Layout) -> int:
+  """The gradient's coordinates in ``layout``: its buckets' sizes without the padding."""
+  return sum(s.stop - s.start for segs in layout for s in segs if s.leaf != PADDING)
+
+
+def runtime_offsets(values):
+  """``values`` (ints) as int32 scalars XLA cannot fold: each one passes an
+  ``optimization_barrier``, so a slice at that offset is a ``dynamic-slice`` whose start
+  is its fusion's parameter. Two slices of the same shapes at different offsets are
+  then the same fusion, one kernel XLA compiles once; at constant offsets every
+  slice is a kernel of its own (a 1.3 B model's leaves cut from 32 buckets: ~130)."""
+  values = tuple(jnp.int32(v) for v in values)
+  return jax.lax.optimization_barrier(values) if values else ()
+
+
+def _cut(flat, start, size: int, whole: int):
+  """``flat[start:start + size]`` (``start`` from :func:`runtime_offsets`); ``flat`` itself
+  where the piece is all of it (``whole``: its length)."""
+  return flat if size == whole else jax.lax.dynamic_slice_in_dim(flat, start, size)
+
+
 def pack(arrays, segs, n_divide: int | None):
-  """One bucket's coordinates as one float32 vector (divided by ``n_divide`` if given)."""
-  parts = [arrays[s.leaf].reshape(-1)[s.start:s.stop].astype(jnp.float32) for s in segs]
+  """One bucket's coordinates as one float32 vector (divided by ``n_divide`` if given),
+  zeros where the bucket is padding. Each leaf's piece is cut at a runtime offset (:func:`runtime_offsets`)."""
+  starts = runtime_offsets([s.start for s in segs])
+  parts = [jnp.zeros((s.stop - s.start,), jnp.float32) if s.leaf == PADDING else
+           _cut(arrays[s.leaf].reshape(-1), start, s.stop - s.start, arrays[s.leaf].size)
+           .astype(jnp.float32) for s, start in zip(segs, starts)]
   x = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
   return x / np.float32(n_divide) if n_divide else x
 
 
 def unpack(outs, layout: Layout, arrays, treedef, cast: bool = True):
   """Cuts each bucket's flat result back into leaves shaped like ``arrays``
-  (their dtypes if ``cast``, float32 otherwise)."""
+  (their dtypes if ``cast``, float32 otherwise; the padding dropped), at runtime offsets
+  (:func:`runtime_offsets`): a leaf of a given shape cut from a bucket of a given
+  size is one kernel wherever it lies."""
   pieces = [[] for _ in arrays]
   for segs, out in zip(layout, outs):
-    offset = 0
-    for s in segs:
-      pieces[s.leaf].append(out[offset:offset + s.stop - s.start])
-      offset += s.stop - s.start
+    sizes = [s.stop - s.start for s in segs]
+    offsets = runtime_offsets(np.cumsum([0] + sizes[:-1]).tolist())
+    for s, size, offset in zip(segs, sizes, offsets):
+      if s.leaf != PADDING:
+        pieces[s.leaf].append(_cut(out, offset, size, out.shape[0]))
   leaves = []
   for a, ps in zip(arrays, pieces):
     if not ps:
@@ -284,9 +339,10 @@ def bucket_codec(codec, d: int, n: int):
   return codec if codec.compresses(d, n) else Bf16()
 
 
-def report(sizes, codec, n: int) -> AllReduceStats:
-  """Wire accounting of buckets of ``sizes`` coordinates over ``n`` ranks."""
-  total = sum(sizes)
+def report(sizes, codec, n: int, coords: int | None = None) -> AllReduceStats:
+  """Wire accounting of buckets of ``sizes`` coordinates over ``n`` ranks, per coordinate
+  of the gradient (``coords``, default ``sum(sizes)``; fewer where buckets are padded)."""
+  total = sum(sizes) if coords is None else coords
   if total == 0:
     return AllReduceStats(0.0, 0.0, 0)
   if n == 1:  # nothing crosses a wire: the all-reduce is the identity
@@ -299,9 +355,10 @@ def report(sizes, codec, n: int) -> AllReduceStats:
   return AllReduceStats(bits / total, ring_bytes_per_rank(bits / 8, n), total, uncompressed=plain)
 
 
-def scatter_report(sizes, codec, n: int) -> AllReduceStats:
-  """Wire accounting of reduce-scattered buckets of ``sizes`` coordinates (all ranks)."""
-  total = sum(sizes)
+def scatter_report(sizes, codec, n: int, coords: int | None = None) -> AllReduceStats:
+  """Wire accounting of reduce-scattered buckets of ``sizes`` coordinates (all ranks), per
+  coordinate of the gradient (``coords``, default ``sum(sizes)``)."""
+  total = sum(sizes) if coords is None else coords
   if total == 0:
     return AllReduceStats(0.0, 0.0, 0)
   if n == 1:

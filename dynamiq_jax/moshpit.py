@@ -96,20 +96,22 @@ def presence(plan: MoshpitPlan, schedule, key, absent, rank):
   return 1.0 - gone[:, rank].astype(jnp.float32)
 
 
-def round_reports(sizes, codec, plan: MoshpitPlan) -> list[AllReduceStats]:
+def round_reports(sizes, codec, plan: MoshpitPlan, coords: int | None = None
+                  ) -> list[AllReduceStats]:
   """What each round of ``plan`` sends for buckets of ``sizes``: round t is an all-reduce
   of every bucket within groups of the side of its axis (every rank present: an absent
-  rank's hops still run)."""
-  return [report(sizes, codec, plan.grid[plan.axis(t)]) for t in range(plan.rounds)]
+  rank's hops still run); per coordinate of the gradient (``coords``, as :func:`report`)."""
+  return [report(sizes, codec, plan.grid[plan.axis(t)], coords) for t in range(plan.rounds)]
 
 
-def moshpit_report(sizes, codec, plan: MoshpitPlan) -> AllReduceStats:
+def moshpit_report(sizes, codec, plan: MoshpitPlan, coords: int | None = None
+                   ) -> AllReduceStats:
   """Wire accounting of buckets of ``sizes`` averaged on ``plan``
   (:func:`round_reports`): ``bits_per_coord`` is the codec's per round (the mean over
   rounds), ``bytes_per_rank`` the sum over rounds."""
-  reps = round_reports(sizes, codec, plan)
+  reps = round_reports(sizes, codec, plan, coords)
   return AllReduceStats(sum(r.bits_per_coord for r in reps) / len(reps),
-                        sum(r.bytes_per_rank for r in reps), sum(sizes),
+                        sum(r.bytes_per_rank for r in reps), reps[0].coords,
                         uncompressed=max(r.uncompressed for r in reps))
 
 

@@ -59,6 +59,7 @@ from dynamiq_jax.buckets import check_leaves
 from dynamiq_jax.buckets import check_varying
 from dynamiq_jax.buckets import flat_specs
 from dynamiq_jax.buckets import relative
+from dynamiq_jax.buckets import PADDING
 from dynamiq_jax.buckets import report
 from dynamiq_jax.buckets import resolve_leaf_order
 from dynamiq_jax.buckets import scatter_report
@@ -317,7 +318,8 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
     layout = _scattered_layout(pieces, codec, n, bucket_size, max_buckets)
     buckets, widths = [], []
     for segs in layout:
-      cols = [rows_of[scat[s.leaf]][:, s.start:s.stop] for s in segs]
+      cols = [jnp.zeros((n, s.stop - s.start), jnp.float32) if s.leaf == PADDING
+              else rows_of[scat[s.leaf]][:, s.start:s.stop] for s in segs]
       rows = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)
       width = rows.shape[1]
       rows = jnp.pad(rows, ((0, 0), (0, round_up(width, unit) - width)))
@@ -337,6 +339,8 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
     for segs, width, (piece, own, _) in zip(layout, widths, results):
       off = 0
       for s in segs:
+        if s.leaf == PADDING:
+          continue
         i = scat[s.leaf]
         mine[i].append(piece[off:off + s.stop - s.start])
         if return_own:

@@ -108,23 +108,34 @@ def _shapes(*sizes):
 
 
 def test_layout_lays_leaves_end_to_end_in_reverse_order():
-  # leaves 0..3 of 300, 500, 200, 100 coordinates; buckets of 1200, the first 1200 in
-  # quarters of 300
+  # leaves 0..3 of 300, 500, 200, 100 coordinates; buckets of 1200: 1100 coordinates fit
+  # in the quarters (300), so the fewest equal quarters, 4 of 275, the last no padding
   assert _layout(_shapes(300, 500, 200, 100), bucket_size=1200) == [
-      [(3, 0, 100), (2, 0, 200)],  # the first bucket, full
-      [(1, 0, 300)], [(1, 300, 500), (0, 0, 100)],  # the next quarters
-      [(0, 100, 300)]]  # the last: what is left
+      [(3, 0, 100), (2, 0, 175)], [(2, 175, 200), (1, 0, 250)],
+      [(1, 250, 500), (0, 0, 25)], [(0, 25, 300)]]
 
 
-def test_layout_cuts_buckets_of_one_size_across_leaves():
+def test_layout_cuts_buckets_of_two_sizes_and_pads_the_last():
   assert _layout(_shapes(100, 1300, 50), bucket_size=512) == [
       [(2, 0, 50), (1, 0, 78)],  # the first bucket: 512 // 4, leaf 1 goes on in the next
       [(1, 78, 206)], [(1, 206, 334)], [(1, 334, 462)],  # up to 512 in quarters (one shape)
-      [(1, 462, 974)],  # full buckets of 512
-      [(1, 974, 1300), (0, 0, 100)]]  # the last: what is left
-  sizes = [sum(s.stop - s.start for s in b) for b in dq.bucket_layout(
-      _shapes(*range(100, 2000, 37)), bucket_size=1024, max_buckets=None)]
-  assert sizes[:4] == [256] * 4 and set(sizes[4:-1]) == {1024} and 0 < sizes[-1] <= 1024
+      [(1, 462, 931)], [(1, 931, 1300), (0, 0, 100)]]  # the rest, 938: two of 469
+  assert _layout(_shapes(100, 1300, 51), bucket_size=512) == [
+      [(2, 0, 51), (1, 0, 77)], [(1, 77, 205)], [(1, 205, 333)], [(1, 333, 461)],
+      [(1, 461, 931)], [(1, 931, 1300), (0, 0, 100), (dq.buckets.PADDING, 0, 1)]]  # 939: 470, 469 + 1
+  codec = DynamiQ()
+  for total in (1000, 3 * (1 << 16) + 17, 5 * (1 << 20) + 4099, 40 * (1 << 20) + 1):
+    for bucket_size in (1 << 18, 1 << 20):
+      layout = dq.bucket_layout(_shapes(total), codec=codec, bucket_size=bucket_size,
+                                max_buckets=None)
+      sizes = dq.buckets.bucket_sizes(layout)
+      assert len(set(sizes)) <= 2 and max(sizes) <= bucket_size, (total, bucket_size, sizes)
+      assert dq.buckets.layout_coords(layout) == total
+      if len(layout) > 1:  # the last one as large as the one before it, by its padding
+        assert sizes[-1] == sizes[-2]
+        assert sum(s.stop - s.start for s in layout[-1] if s.leaf == dq.buckets.PADDING) < (
+            codec.granularity * len(layout))
+      assert all(d % codec.granularity == 0 for d in sizes[:-1] if len(layout) > 1)
 
 
 def test_layout_orders_and_their_errors():
@@ -132,8 +143,8 @@ def test_layout_orders_and_their_errors():
   assert _layout(tree, bucket_size=1000, leaf_order="forward") == [
       [(0, 0, 10), (1, 0, 20), (2, 0, 30)]]
   assert _layout(tree, bucket_size=24, leaf_order=[1, 2, 0]) == [
-      [(1, 0, 6)], [(1, 6, 12)], [(1, 12, 18)], [(1, 18, 20), (2, 0, 4)], [(2, 4, 28)],
-      [(2, 28, 30), (0, 0, 10)]]
+      [(1, 0, 6)], [(1, 6, 12)], [(1, 12, 18)], [(1, 18, 20), (2, 0, 4)], [(2, 4, 22)],
+      [(2, 22, 30), (0, 0, 10)]]
   for bad in ([0, 1], [0, 1, 1], [0, 1, 3], "backward", 3):
     with pytest.raises(ValueError, match=r"leaf_order=.*Fix: pass a permutation of range\(3\)"):
       dq.bucket_layout(tree, leaf_order=bad)
@@ -199,7 +210,7 @@ def test_max_buckets_grows_the_buckets():
   assert covered == {leaf: 1000 for leaf in range(40)}  # every coordinate, once
   codec = DynamiQ()
   big = dq.bucket_layout(_shapes(10_000_000), codec=codec, bucket_size=1 << 20, max_buckets=4)
-  assert len(big) <= 4 and big[-1][-1].stop == 10_000_000
+  assert len(big) <= 4 and big[-1][-2].stop == 10_000_000 and big[-1][-1].leaf == dq.buckets.PADDING
   assert all(s.stop % codec.granularity == 0 for b in big[:-1] for s in b)  # whole super-groups
   with pytest.raises(ValueError, match="max_buckets=0 must be a positive integer"):
     dq.bucket_layout(tree, max_buckets=0)
