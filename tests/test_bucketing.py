@@ -138,6 +138,35 @@ def test_layout_cuts_buckets_of_two_sizes_and_pads_the_last():
       assert all(d % codec.granularity == 0 for d in sizes[:-1] if len(layout) > 1)
 
 
+def test_pieces_are_cut_at_runtime_offsets_and_round_trip():
+  """Pack and unpack slice every piece at an offset XLA cannot fold (a dynamic-slice fed by
+  an optimization barrier): a leaf of one shape cut from buckets at different offsets is
+  then one kernel, where constant offsets made one kernel per piece. The padding is zeros
+  in, dropped out."""
+  from dynamiq_jax.buckets import pack, unpack
+  tree = [jnp.arange(700, dtype=jnp.float32) + 1000 * i for i in range(5)]
+  layout = dq.bucket_layout(_shapes(*[700] * 5), bucket_size=1024, leaf_order="forward")
+  assert layout[-1][-1].leaf == dq.buckets.PADDING
+  treedef = jax.tree.structure(tree)
+
+  def round_trip(leaves):
+    xs = [pack(leaves, segs, None) for segs in layout]
+    return xs, unpack(xs, layout, leaves, treedef)
+
+  text = jax.jit(round_trip).lower(tree).as_text()
+  pieces = [(s.stop - s.start, sum(t.stop - t.start for t in b)) for b in layout for s in b
+            if s.leaf != dq.buckets.PADDING]
+  from_leaves = sum(size < 700 for size, _ in pieces)  # pack: a piece short of its leaf
+  from_buckets = sum(size < whole for size, whole in pieces)  # unpack: short of its bucket
+  assert from_leaves >= 4 and "stablehlo.slice" not in text
+  assert text.count("stablehlo.dynamic_slice") == from_leaves + from_buckets
+  xs, out = jax.jit(round_trip)(tree)
+  assert [x.shape[0] for x in xs] == dq.buckets.bucket_sizes(layout)
+  assert float(jnp.abs(xs[-1][-layout[-1][-1].stop:]).max()) == 0.0
+  for a, b in zip(out, tree):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_layout_orders_and_their_errors():
   tree = _shapes(10, 20, 30)
   assert _layout(tree, bucket_size=1000, leaf_order="forward") == [
