@@ -17,6 +17,8 @@ by XLA's GPU pipeline for a compile-only 8 x H100 host, for ``k = 3`` and
   parameters, constants, tuples, their elements, bitcasts and the ``-done``
   halves of asynchronous pairs: each is a kernel launch, a collective or a
   loop at run time;
+* **kernels**: the distinct fusions and custom calls among them (XLA compiles
+  identical ones once): a bucket of a shape already compiled should bring none;
 
 and, for one bucket in the middle, both by the named scope that made them
 (guard, statistics, metadata, allocation, hops, gather, other). Counts are
@@ -34,7 +36,7 @@ import sys
 
 from dynamiq_jax.bench import gpu_compile
 
-__all__ = ["step_in_child", "top_level", "by_scope", "measure", "main"]
+__all__ = ["step_in_child", "top_level", "kernels", "by_scope", "measure", "main"]
 
 DEVICES = 8
 TRIVIAL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast"})
@@ -82,6 +84,36 @@ def top_level(comps) -> list:
           if ins.opcode not in TRIVIAL and not ins.opcode.endswith("-done")]
 
 
+_NAME = re.compile(r"%([\w.\-]+)")
+_METADATA = re.compile(r"metadata=\{[^{}]*\}|, scheduling_name=\"[^\"]*\"")
+
+
+def _fingerprint(comps, ins, memo) -> str:
+  """What identifies the kernel of a fusion or custom call ``ins``: its shape, and the
+  fused computation's instructions with names replaced by positions (recursively), or
+  the custom call's configuration; metadata dropped."""
+  text = f"{ins.shape} {ins.opcode} " + _METADATA.sub("", ins.attributes)
+  called = re.findall(r"calls=%?([\w.\-]+)", ins.attributes)
+  for name in called:
+    if name not in memo:
+      comp = comps[name]
+      index = {i.name: str(k) for k, i in enumerate(comp.instructions)}
+      memo[name] = "\n".join(
+          _fingerprint(comps, i, memo) if "calls=" in i.attributes else
+          f"{i.shape} {i.opcode}(" + _NAME.sub(lambda m: index.get(m.group(1), "?"), i.operands)
+          + ") " + _METADATA.sub("", i.attributes) for i in comp.instructions)
+    text = text.replace(name, memo[name])
+  return text
+
+
+def kernels(comps) -> int:
+  """The distinct kernels the top-level operations launch: fusions and custom calls that
+  differ in more than their names (XLA compiles an identical one once)."""
+  memo = {}
+  return len({_fingerprint(comps, ins, memo) for ins in top_level(comps)
+              if ins.opcode in ("fusion", "custom-call")})
+
+
 def _phase(scope: str) -> str:
   return next((label for label, key in PHASES if key in scope), "other")
 
@@ -110,11 +142,12 @@ def measure(size: int, schedule: str = "ring") -> dict:
         xla_flags=gpu_compile.DEVICELESS_XLA_FLAGS, ptx=False, strict_warnings=False) as build:
       comps = gpu_compile.parse_hlo(build.hlo[0])
       runs[k] = {"instructions": len(_instructions(comps)), "top_level": len(top_level(comps)),
+                 "kernels": kernels(comps),
                  "sorts": sum(ins.opcode == "sort" for _, ins in _instructions(comps)),
                  "cpu_s": build.info["cpu_s"], "phases": by_scope(comps, 2)}
   return {"size": size, "schedule": schedule, "devices": DEVICES,
           "per_bucket": {key: runs[4][key] - runs[3][key]
-                         for key in ("instructions", "top_level", "sorts")},
+                         for key in ("instructions", "top_level", "kernels", "sorts")},
           "phases": runs[4]["phases"], "runs": {str(k): v for k, v in runs.items()}}
 
 
@@ -146,7 +179,8 @@ def main(argv=None) -> dict:
   r = measure(size, args.schedule)
   print(f"one bucket of {size} coordinates, {args.schedule} of {DEVICES} (8 x H100, compile-only)")
   print(f"  HLO instructions {r['per_bucket']['instructions']:>6}   top-level operations "
-        f"{r['per_bucket']['top_level']:>4}   sorts {r['per_bucket']['sorts']}   "
+        f"{r['per_bucket']['top_level']:>4}   kernels {r['per_bucket']['kernels']}   "
+        f"sorts {r['per_bucket']['sorts']}   "
         f"(compile CPU s: 3 buckets "
         f"{r['runs']['3']['cpu_s']}, 4 buckets {r['runs']['4']['cpu_s']})")
   print(f"  {'phase':<12} {'instructions':>12} {'top-level':>9}")
