@@ -166,9 +166,9 @@ MOSAIC_FIRST = False
 ``cuda`` lowering. Off: Triton first, Mosaic GPU where Triton's kernel is not there
 or does not compile (:func:`_gpu_path`), the reference last. Off because Triton's
 kernels are the faster ones, measured: on an H100 (jax 0.11.2,
-``python -m dynamiq_jax.bench.kernels --gpu``; docs/results.md, "Kernels on an H100") the
+``python -m dynamiq_jax.bench.kernels --gpu``; docs/results.md, "Kernels on a GPU") the
 Mosaic GPU kernels took 7 to 39 times as long as Triton's (1.5 times for the smallest
-decompress), and on an H200 (jax 0.11.2, "Kernels on an H200") 12 to 22 times at 2^24
+decompress), and on an H200 (jax 0.11.2, the same section) 12 to 22 times at 2^24
 coordinates; and in the deviceless 8 x H100 step they place fewer backward GEMMs inside
 collective windows than ``pmean`` (``tools/mosaic_overlap.py``). Tests turn it on to
 check the mechanism."""

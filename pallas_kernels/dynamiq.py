@@ -32,7 +32,7 @@ Pallas ops:
   planar payload of :mod:`pallas_kernels.dynamiq_planar`; ``*_mosaic`` take
   record payloads and convert around the launch). ``"mosaic"`` forces them.
   With Mosaic-first dispatch on (:data:`pallas_kernels.dispatch.MOSAIC_FIRST`,
-  off today: docs/design.md says why) ``implementation=None`` picks them for
+  off: docs/mosaic_gpu.md says why) ``implementation=None`` picks them for
   ``cuda`` where they lower for the target GPU (Hopper or newer; each probed
   on a small instance of the call's configuration, :func:`_probe`), Triton
   where they do not (older GPUs, jax 0.10.2), the reference last.

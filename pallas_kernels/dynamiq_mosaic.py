@@ -33,7 +33,7 @@ barrier (:func:`_copy_all`): plane table, ``k`` words, scales, widths, local
 values and keys, then, once the plane table is in shared memory, every
 plane's words; it waits twice rather than once per copy. (On an H200 this
 did not change the kernels' time: they are bound by their arithmetic,
-docs/results.md, "Kernels on an H200".)
+docs/results.md, "Kernels on a GPU".)
 
 Level lookups have no gather: the magnitude index ``l`` of a code and its
 sign come from its top bit, and ``lam[l]`` is a chain of selects over

@@ -726,7 +726,7 @@ def _quiet_triton_deprecation():
 
   jax >= 0.11 warns at every lowering of a Triton ``pallas_call`` that the
   backend "will be removed". The kernels are Triton on purpose (Mosaic GPU
-  cannot lower them yet, ``docs/design.md``). The warning is raised
+  cannot lower them yet, ``docs/mosaic_gpu.md``). The warning is raised
   when the caller's program is lowered, outside any frame of this package,
   so the filter goes in at the last frame of ours before that: by the
   warning's exact start and category, never other warnings. Installed again

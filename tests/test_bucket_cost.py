@@ -27,8 +27,8 @@ INSTRUCTIONS_PER_BUCKET = 500
 0.10.2 and 498 on 0.12 with unsigned chunk and key indices, the engine's key tables read in
 place, the guard's scale from exponent bits and the plane table in one fusion; 722 / 752
 before them, 2,228 before the
-bucket's kernels, 2,878 when the allocation also sorted; docs/results.md, *A leaner
-bucket*)."""
+bucket's kernels, 2,878 when the allocation also sorted; docs/results.md, *What one
+more bucket costs*)."""
 TOP_LEVEL_PER_BUCKET = 37
 """The most top-level operations one bucket of 2^16 may add (37 on jax 0.10.2 and 0.12: no
 slices of the key tables or of the bucket's key row, the guard's scale computed where it is

@@ -1,7 +1,7 @@
 """``tools/mosaic_overlap.py`` reads the payload ring hops of a hand-written schedule.
 
 No compile: the tool's reader (:func:`hops`) on a small scheduled entry, the way
-XLA 0.12 prints one (docs/design.md, "Mosaic GPU", says what the tool found).
+XLA 0.12 prints one (docs/mosaic_gpu.md, "Dispatch", says what the tool found).
 """
 
 from __future__ import annotations

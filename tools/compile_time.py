@@ -1,6 +1,6 @@
 """Trace, lower and compile time of one all-reduce under ``vmap``, against n.
 
-A one-off check for docs/results.md (*Compile time*): the default DynamiQ
+A one-off measurement of how compile time grows with n: the default DynamiQ
 (widths chosen every round) against MXFP8, at n = 8 and 64 simulated ranks
 and d = 2^20 coordinates per rank, one bucket::
 
