@@ -140,7 +140,7 @@ def test_one_program_whatever_the_layers():
 
   def compiled_size(layers, stacked):
     tree = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                        _tree(np.random.default_rng(0), layers=layers, width=512))
+                        _tree(np.random.default_rng(0), layers=layers, width=128))
     fn = jax.jit(jax.vmap(lambda t: _reduce(DynamiQ(), stacked=stacked,
                                             bucket_size=1 << 15)(t)[0], axis_name="data"))
     return len(fn.lower(tree).compile().as_text().splitlines())
