@@ -1,5 +1,7 @@
 """Shared fixtures: 8 simulated CPU devices (set in the root conftest)."""
 
+import os
+
 import jax
 import pytest
 
@@ -26,11 +28,49 @@ def pytest_configure(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-  """Prints what the 8 x H100 compile check measured (tests/test_gpu_compile.py), if it ran."""
-  for report in terminalreporter.stats.get("passed", []):
+  """Prints what the 8 x H100 compile check measured (tests/test_gpu_compile.py), if it ran,
+  and with ``DYNAMIQ_COMPILES=1`` the XLA compiles of each test, most compile time first."""
+  counted = []
+  for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get(
+      "failed", []):
     for name, value in getattr(report, "user_properties", ()):
       if name.startswith("gpu_compile"):
         terminalreporter.write_line(f"{name}: {value}")
+      if name == "xla_compiles" and report.when == "call":
+        counted.append((value[1], value[0], value[2], report.nodeid))
+  if counted:
+    terminalreporter.write_sep("=", "XLA compiles per test (count, compile s, trace s)")
+    for seconds, count, trace, nodeid in sorted(counted, reverse=True):
+      terminalreporter.write_line(f"{count:4d} {seconds:7.1f} {trace:7.1f} {nodeid}")
+
+
+_COMPILES = {"count": 0, "compile": 0.0, "trace": 0.0}
+
+
+def _count_compiles(event, duration, **_):
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES["count"] += 1
+    _COMPILES["compile"] += duration
+  elif event == "/jax/core/compile/jaxpr_trace_duration":
+    _COMPILES["trace"] += duration
+
+
+if os.environ.get("DYNAMIQ_COMPILES"):
+  from jax._src import monitoring  # pylint: disable=import-outside-toplevel
+
+  monitoring.register_event_duration_secs_listener(_count_compiles)
+
+  @pytest.hookimpl(wrapper=True)
+  def pytest_runtest_call(item):
+    """Records the XLA compiles of a test's call (``DYNAMIQ_COMPILES=1``)."""
+    before = dict(_COMPILES)
+    try:
+      return (yield)
+    finally:
+      item.user_properties.append(("xla_compiles", (
+          _COMPILES["count"] - before["count"],
+          round(_COMPILES["compile"] - before["compile"], 1),
+          round(_COMPILES["trace"] - before["trace"], 1))))
 
 
 # Test files by their time on 2 cores, longest first (from --durations). With
