@@ -1,4 +1,4 @@
-"""bench.moshpit: one tiny run of every row, and its flags."""
+"""bench.moshpit: one tiny run of the default rows, and its flags."""
 
 import json
 
@@ -8,11 +8,14 @@ from dynamiq_jax.bench import moshpit
 
 
 def test_tiny_run(tmp_path):
-  report = moshpit.main(["--tiny", "--out", str(tmp_path)])
+  # the default rows but the unweighted replicas (a flag of the same code path), for CI's time
+  chosen = [r for r in moshpit.DEFAULT_ROWS if r != "10% absent + replicas (unweighted)"]
+  assert len(chosen) == len(moshpit.DEFAULT_ROWS) - 1
+  report = moshpit.main(["--tiny", "--rows", ",".join(chosen), "--out", str(tmp_path)])
   with open(tmp_path / "moshpit_absent_tiny.json") as f:
     assert json.load(f)["summary"] == report["summary"]
   rows = {r["row"]: r for r in report["summary"]}
-  assert list(rows) == list(moshpit.DEFAULT_ROWS)
+  assert list(rows) == chosen
   present = rows["everyone present"]
   assert present["vs_everyone_present"] == 0 and present["spread_end"] == 0
   assert present["absent_share"] == 0 and present["rounds_per_step"] == 2

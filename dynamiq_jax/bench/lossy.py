@@ -383,12 +383,15 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
                  help="train nothing: remake the table of a written lossy.json's runs")
   p.add_argument("--merge", metavar="JSON", nargs="+", default=None,
                  help="with --summarize: add these reports' runs (other rank counts) to it")
-  p.add_argument("--tiny", action="store_true", help="smoke test: 2 workers, a tiny LM")
+  p.add_argument("--tiny", action="store_true",
+                 help="smoke test: 2 workers, a tiny LM, no loss and 10%% with the unbiased "
+                 "estimate (the zero fill in --stats-every's statistics only)")
   p.add_argument("--name", default=None,
                  help="the JSON's file name, without .json; unset: lossy (lossy_tiny)")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   if tiny:
-    p.set_defaults(settings="no loss,10%", seeds="0", workers="2", steps=4, smooth=1)
+    p.set_defaults(settings="no loss,10%", estimators="unbiased", seeds="0", workers="2",
+                   steps=4, smooth=1)
   return p
 
 

@@ -35,11 +35,14 @@ from dynamiq_jax.bench import common
 
 from dynamiq_jax.bench.vnmse import N, lm_gradients, measure
 
-__all__ = ["main", "SCHEDULES"]
+__all__ = ["main", "SCHEDULES", "TINY_SCHEDULES"]
 
 SCHEDULES = (("ring", None), ("butterfly", None), ("hierarchical", (2, 4)),
              ("hierarchical", (4, 2)), ("moshpit", (2, 4)), ("moshpit", (2, 2, 2)))
 """``(schedule, shape)``: the (slow, fast) mesh of the hierarchy, the grid of Moshpit."""
+TINY_SCHEDULES = (("ring", None), ("butterfly", None), ("hierarchical", (2, 4)),
+                  ("moshpit", (2, 4)))
+"""--tiny's: both flat ones (their ratio is printed), one mesh of two axes, one grid."""
 
 
 def _label(schedule, shape):
@@ -96,7 +99,8 @@ def main(argv=None):
         data[f"{tag}@{s}"] = g
 
   rows = []
-  jobs = [(c, ds, sch) for c in codecs for ds in data for sch in SCHEDULES]
+  jobs = [(c, ds, sch) for c in codecs for ds in data
+          for sch in (TINY_SCHEDULES if args.tiny else SCHEDULES)]
   for (name, codec, ref_name), ds, (schedule, shape) in tqdm(jobs, desc="vNMSE by schedule"):
     g = data[ds]
     row = {"codec": name, "dataset": ds, "schedule": _label(schedule, shape),
