@@ -26,11 +26,15 @@ def test_exact_codec_gives_the_mean_on_every_rank():
   assert rows_identical(out)
 
 
+@pytest.mark.slow  # .ci/run-slow: four DynamiQ programs to compile, over a minute on 2 cores;
+# tests/test_tp.py::test_int8_two_step_error_is_flat_in_n_where_the_rings_grows checks the
+# same claim on the same two schedules (the flat engine's) with INT8 in the default run
 def test_error_stays_flat_in_n_where_the_ring_grows():
   """Every value is encoded twice whatever n, where the ring re-encodes the partial sums
-  at each of its n - 1 hops."""
+  at each of its n - 1 hops. (n = 2 against n = 8, the two the claim compares: each n is a
+  program of its own per schedule; the seeds are traced and share it.)"""
   errs = {}
-  for n in (2, 4, 8):
+  for n in (2, 8):
     g = np.asarray(model_data("iid", n, D, 1), np.float32)
     for schedule in ("two_step", "ring"):
       errs[schedule, n] = np.mean([vnmse(_simulate(g, DynamiQ(bits=5), schedule, s)[0], g)
@@ -56,19 +60,22 @@ def test_shard_map_matches_simulate_and_ranks_agree(mesh, codec):
 
 def test_wire_bytes_equal_the_rings():
   g = jax.ShapeDtypeStruct((1 << 20,), jnp.float32)
-  out = jax.vmap(lambda x: dq.allreduce(x, axis_name="i", codec=DynamiQ(), schedule="two_step",
-                                        key=jax.random.key(0))[1],
-                 axis_name="i")(jnp.zeros((8, 1 << 20)))
+  # the stats the all-reduce itself returns (under jit, only they are used: XLA drops the
+  # reduction, which run eagerly compiles op by op)
+  bits, sent = jax.jit(jax.vmap(
+      lambda x: dq.allreduce(x, axis_name="i", codec=DynamiQ(), schedule="two_step",
+                             key=jax.random.key(0))[1][:2],  # bits_per_coord, bytes_per_rank
+      axis_name="i"))(jnp.zeros((8, 1 << 20)))
   ring = dq.wire_stats(g, codec=DynamiQ(), n=8)
-  assert float(out.bytes_per_rank[0]) == pytest.approx(ring.bytes_per_rank)
-  assert float(out.bits_per_coord[0]) == pytest.approx(ring.bits_per_coord)
+  assert float(sent[0]) == pytest.approx(ring.bytes_per_rank)
+  assert float(bits[0]) == pytest.approx(ring.bits_per_coord)
 
 
 def test_reduce_scatter_keeps_each_rank_its_chunk():
   g = np.asarray(model_data("iid", 8, 8 * 1024, 4), np.float32).reshape(8, 8, 1024)
   fn = lambda x: dq.reduce_scatter(x, axis_name="i", codec=F32(), schedule="two_step",
                                    key=jax.random.key(0))[0]
-  out = np.asarray(jax.vmap(fn, axis_name="i")(jnp.asarray(g)))
+  out = np.asarray(jax.jit(jax.vmap(fn, axis_name="i"))(jnp.asarray(g)))
   mean = g.astype(np.float64).mean(0)
   np.testing.assert_allclose(out, mean.reshape(8, 1, 1024), rtol=1e-6, atol=1e-9)
 
