@@ -2,6 +2,8 @@
 (allocation.allocate), against the exact whole-position optimum, and the slot of
 every super-group against a sort of the statistics."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +58,7 @@ def split_menu(widths, positions: int, cost, budget: float) -> np.ndarray:
   return np.stack(cols, axis=1).astype(np.int64)
 
 
+@functools.cache
 def _fine_errors(widths):
   out = {}
   x = np.random.default_rng(12345).standard_normal((1024, 256))
@@ -69,9 +72,21 @@ def _fine_errors(widths):
   return out
 
 
+@functools.cache
+def _allocate(errors, positions, cost, budget, n, blocks):
+  """allocation.allocate jitted for one set of its static arguments (as tuples of
+  ``(width, value)``): every call with the same ones runs the same compiled program."""
+  return jax.jit(lambda g, v: allocation.allocate(g, v, dict(errors), positions, dict(cost),
+                                                  budget, n, blocks=blocks))
+
+
 def _run(norms, valid, errors, positions, cost, budget, n, blocks=1):
-  return [np.asarray(a) for a in jax.jit(lambda g, v: allocation.allocate(
-      g, v, errors, positions, cost, budget, n, blocks=blocks))(jnp.asarray(norms), valid)]
+  f = _allocate(tuple(sorted(errors.items())), positions, tuple(sorted(cost.items())),
+                float(budget), n, blocks)
+  return [np.asarray(a) for a in f(jnp.asarray(norms), valid)]
+
+
+_statistic = jax.jit(allocation.statistic)
 
 
 @pytest.mark.parametrize("kind", ["flat", "paper", "zeros", "wide"])
@@ -83,9 +98,8 @@ def test_threshold_rule_near_optimal(kind, widths):
   errors = _fine_errors(widths)
   cost = {w: n * (256 * w + 144) for w in widths}
   budget = 5.0 * m * 256 - 32 * m
-  norms = np.asarray(jnp.asarray(_norms(kind, m, rng), jnp.float32).astype(jnp.bfloat16)
-                     .astype(jnp.float32))
-  _, got = _run(norms, jnp.ones(m, bool), errors, units, cost, budget, n)
+  norms = _norms(kind, m, rng).astype(np.float32).astype(jnp.bfloat16).astype(np.float32)
+  _, got = _run(norms, np.ones(m, bool), errors, units, cost, budget, n)
   assert got.sum() == units
   spent = sum(int(k) * cost[w] for w, k in zip(widths, got))
   assert spent <= budget
@@ -124,13 +138,13 @@ def test_slots_follow_the_statistic(kind, blocks):
     norms = _norms(kind, m, rng)
   norms = np.asarray(norms, np.float32)
   scatter = blocks == "scatter"
-  valid = jnp.arange(m) < (m if scatter else m - 37)  # the last super-groups: padding
+  valid = np.arange(m) < (m if scatter else m - 37)  # the last super-groups: padding
   dest, counts = _run(norms, valid, _fine_errors(widths), units, cost, budget, n,
                       blocks=n if scatter else 1)
   np.testing.assert_array_equal(np.sort(dest), np.arange(m))
   assert counts.sum() == units
   width = _slot_widths(list(counts), widths, n)[dest]  # each super-group's width
-  f = np.asarray(allocation.statistic(jnp.asarray(norms), valid))
+  f = np.asarray(_statistic(jnp.asarray(norms), valid))
   groups = [np.arange(c * units, (c + 1) * units) for c in range(n)] if scatter else [
       np.arange(m)]
   for c, idx in enumerate(groups):
@@ -149,14 +163,15 @@ def test_same_under_vmap_and_jit():
   errors = _fine_errors(widths)
   cost = {w: n * (256 * w + 144) for w in widths}
   m = n * units
-  g = jnp.asarray(_norms("paper", m, rng), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+  g = _norms("paper", m, rng).astype(np.float32).astype(jnp.bfloat16).astype(np.float32)
   f = lambda x: allocation.allocate(x, jnp.ones(m, bool), errors, units, cost,
                                     5.0 * m * 256 - 32 * m, n)
-  a = [np.asarray(v) for v in f(g)]
+  # both jitted, as simulate and shard_map run it (run eagerly, each of its operations
+  # would compile on its own: ~190 programs)
   b = [np.asarray(v) for v in jax.jit(f)(g)]
-  c = [np.asarray(v) for v in jax.vmap(f)(jnp.stack([g] * 3))]
-  for x, y, z in zip(a, b, c):
-    assert (x == y).all() and (z == x).all()
+  c = [np.asarray(v) for v in jax.jit(jax.vmap(f))(np.stack([g] * 3))]
+  for y, z in zip(b, c):
+    assert (z == y).all()
 
 
 def test_padding_and_zero_and_inf():
@@ -165,7 +180,7 @@ def test_padding_and_zero_and_inf():
   cost = {w: n * (256 * w + 144) for w in widths}
   budget = 5.0 * n * units * 256 - 32 * n * units
   for g in [np.zeros(n * units), np.full(n * units, np.inf), np.r_[np.ones(5), np.zeros(27)]]:
-    dest, got = _run(np.asarray(g, np.float32), jnp.arange(n * units) < 30, errors, units, cost,
+    dest, got = _run(np.asarray(g, np.float32), np.arange(n * units) < 30, errors, units, cost,
                      budget, n)
     assert got.sum() == units
     np.testing.assert_array_equal(np.sort(dest), np.arange(n * units))
@@ -177,7 +192,7 @@ def test_one_width_keeps_index_order():
   n, units, widths = 4, 8, (2, 4)
   cost = {w: n * 256 * w for w in widths}
   for blocks in (1, n):
-    dest, got = _run(np.arange(n * units, dtype=np.float32), jnp.ones(n * units, bool),
+    dest, got = _run(np.arange(n * units, dtype=np.float32), np.ones(n * units, bool),
                      _fine_errors(widths), units, cost, 10.0 * n * units * 256, n, blocks)
     assert list(got) == [0, units]
     want = np.arange(n * units) if blocks == 1 else (
@@ -219,12 +234,14 @@ def test_multiplier_is_the_least_that_fits(kind, monkeypatch):
   else:
     norms = _norms(kind, n * s, rng)
   g = jnp.asarray(norms.astype(np.float32))
-  valid = jnp.ones(n * s, bool)
-  f = np.asarray(allocation.statistic(g, valid))
+  valid = np.ones(n * s, bool)
+  f = np.asarray(_statistic(g, valid))
   hull = allocation.hull_widths(errors, cost)
   t = [(cost[b] - cost[a]) / (errors[a] - errors[b]) for a, b in zip(hull[:-1], hull[1:])]
   step = [cost[b] - cost[a] for a, b in zip(hull[:-1], hull[1:])]
-  for budget in s * cost[2] + rng.integers(0, s * (cost[8] - cost[2]), 4):
+  # the same 4 budgets for every kind (a budget is static: one program each)
+  budgets = s * cost[2] + np.random.default_rng(12).integers(0, s * (cost[8] - cost[2]), 4)
+  for budget in budgets:
     limit = int(budget) - s * cost[hull[0]]
     want = _bisected_counts(f, t, step, limit, s, n)
     _, got = _run(np.asarray(g), valid, errors, s, cost, float(budget), n)

@@ -41,12 +41,14 @@ def test_any_tree_round_trips_with_shapes_and_dtypes(shapes, dtypes, seed):
 
 
 def test_many_small_leaves_and_none():
+  # 100 leaves: the program's size (and compile time, ~0.07 s a leaf on CPU) grows with
+  # the leaves, what this checks does not
   rng = np.random.default_rng(0)
-  tree = [{"w": _dyadic(rng, (N, 3), jnp.float32), "skip": None} for _ in range(500)]
+  tree = [{"w": _dyadic(rng, (N, 3), jnp.float32), "skip": None} for _ in range(100)]
   out = dq.simulate(tree, codec=F32(), average=False)
-  assert len(out) == 500 and all(o["skip"] is None for o in out)
-  np.testing.assert_array_equal(np.asarray(out[17]["w"])[0],
-                                np.asarray(tree[17]["w"]).sum(0))
+  assert len(out) == 100 and all(o["skip"] is None for o in out)
+  for o, t in zip(out, tree):
+    np.testing.assert_array_equal(np.asarray(o["w"])[0], np.asarray(t["w"]).sum(0))
 
 
 def test_empty_tree():
@@ -84,14 +86,16 @@ def test_buckets_must_hold_whole_supergroups():
 
 
 def test_stats_report_bits_and_bytes():
-  tree = {"w": jnp.zeros((N, 100_000))}
+  tree = {"w": np.zeros((N, 100_000), np.float32)}
 
-  def f(x):
-    return dq.allreduce(x, axis_name="i", codec=DynamiQ(), key=jax.random.key(0))[1]
+  def f(x):  # (the bits alone: XLA drops the reduction, which they do not depend on)
+    stats = dq.allreduce(x, axis_name="i", codec=DynamiQ(), key=jax.random.key(0))[1]
+    return stats.bits_per_coord
 
-  stats = jax.jit(jax.vmap(f, axis_name="i"))(tree)
-  exact = dq.wire_stats({"w": jnp.zeros(100_000)}, codec=DynamiQ(), n=N)
-  assert float(stats.bits_per_coord[0]) == pytest.approx(exact.bits_per_coord)
+  bits = jax.jit(jax.vmap(f, axis_name="i"))(tree)
+  exact = dq.wire_stats({"w": jax.ShapeDtypeStruct((100_000,), jnp.float32)}, codec=DynamiQ(),
+                        n=N)
+  assert float(bits[0]) == pytest.approx(exact.bits_per_coord)
   assert exact.bits_per_coord <= 5.0
   assert exact.bytes_per_rank == pytest.approx(exact.bits_per_coord * 100_000 / 8 * 2 * 7 / 8)
 

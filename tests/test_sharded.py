@@ -278,7 +278,7 @@ class TestReduceScatter:
         lambda t, d=dims: estimate(jax.tree.map(lambda a: a[0], t), d, specs), mesh=mesh,
         in_specs=(P("data"),), out_specs=P(), axis_names={"data"}, check_vma=False))(x))
                    for dims in (None, scattered))
-    want = jax.vmap(lambda t: estimate(t, None), axis_name="data")(g)
+    want = jax.jit(jax.vmap(lambda t: estimate(t, None), axis_name="data"))(g)  # (not eager)
     assert 0 < whole < 1e-3, whole  # bf16's relative error, not NaN
     np.testing.assert_allclose(whole, np.asarray(want)[0], rtol=1e-5)
     assert np.isnan(part)
@@ -322,39 +322,47 @@ class TestHierarchicalScatter:
     assert any(c.op == "all-gather" and c.axes == ("host",) for c in found)  # the codec's
 
 
+@functools.cache
+def _lm_run(layout, model_axis, codec, axis_types, tp_codec):
+  """TestDataParallelOnSharded._train's runs, by their arguments."""
+  import pathlib
+  import sys
+  root = str(pathlib.Path(__file__).resolve().parents[1])
+  if root not in sys.path:  # the examples live beside the package
+    sys.path.insert(0, root)
+  from examples.nnx_sharded_lm import train
+  config = train.Config(layout=layout, model_axis=model_axis, codec=codec, steps=2, dim=32,
+                        heads=2, layers=1, context=16, batch_size=16, axis_types=axis_types,
+                        tp_codec=tp_codec)
+  text = np.frombuffer(bytes(range(256)) * 64, np.uint8)
+  dp = train.build(config, jax.devices())
+  want = jax.tree.map(lambda x: x.sharding.spec, dp.state)  # (before the step donates it)
+  step = dp.train_step(train.loss_fn)
+  state, losses = dp.state, []
+  for i in range(config.steps):
+    state, loss = step(state, train.place_batch(dp, train.batch(config, text, i)))
+    losses.append(float(np.asarray(loss)))
+  return dp, step, state, want, config, text, train, losses
+
+
 class TestDataParallelOnSharded:
   """dq.nnx.DataParallel on the example's layouts: the byte LM, 2 steps, tiny."""
 
   @staticmethod
   def _train(layout, model_axis, codec="f32-ring", axis_types="auto", tp_codec="none"):
-    import pathlib
-    import sys
-    root = str(pathlib.Path(__file__).resolve().parents[1])
-    if root not in sys.path:  # the examples live beside the package
-      sys.path.insert(0, root)
-    from examples.nnx_sharded_lm import train
-    config = train.Config(layout=layout, model_axis=model_axis, codec=codec, steps=2, dim=32,
-                          heads=2, layers=1, context=16, batch_size=16, axis_types=axis_types,
-                          tp_codec=tp_codec)
-    text = np.frombuffer(bytes(range(256)) * 64, np.uint8)
-    before = train.build(config, jax.devices())
-    want = jax.tree.map(lambda x: x.sharding.spec, before.state)
-    dp = train.build(config, jax.devices())
-    step = dp.train_step(train.loss_fn)
-    state, losses = dp.state, []
-    for i in range(config.steps):
-      state, loss = step(state, train.place_batch(dp, train.batch(config, text, i)))
-      losses.append(float(np.asarray(loss)))
-    TestDataParallelOnSharded.losses = losses
-    return dp, step, state, want, config, text, train
+    """``(dp, step, state, want, config, text, train, losses)`` of 2 steps; each run once
+    (the tests below share them: one compiled step each). ``want``: the shardings the
+    state arrived with."""
+    return _lm_run(layout, model_axis, codec, axis_types, tp_codec)
 
-  @pytest.mark.parametrize("layout,model_axis,sharded_over,axis_types", [
-      ("tensor", 2, "model", "auto"), ("tensor", 2, "model", "explicit"),
-      ("hsdp", 4, "local", "auto")])
+  @pytest.mark.parametrize("layout,model_axis,sharded_over,axis_types,codec", [
+      ("tensor", 2, "model", "auto", "f32-ring"), ("tensor", 2, "model", "explicit", "f32-ring"),
+      # the default codec on HSDP: the run test_dynamiq_on_sharded_layouts_... checks too
+      ("hsdp", 4, "local", "auto", "dynamiq")])
   def test_keeps_shardings_replicas_identical_compiles_once(self, layout, model_axis,
-                                                           sharded_over, axis_types):
-    dp, step, state, want, config, text, train = self._train(layout, model_axis,
-                                                             axis_types=axis_types)
+                                                           sharded_over, axis_types, codec):
+    dp, step, state, want, config, text, train, _ = self._train(layout, model_axis, codec,
+                                                                axis_types)
     got = jax.tree.map(lambda x: x.sharding.spec, state)
     assert got == want  # every leaf keeps the sharding it arrived with
     specs = jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, P))
@@ -380,10 +388,9 @@ class TestDataParallelOnSharded:
     """``--tp-codec int8``: the row-parallel projections' sums over "model" run as
     ``dq.tp_psum`` (an all-to-all and an all-gather of INT8 payloads), not as XLA's
     all-reduce; the training step stays within INT8's error of the exact one."""
-    self._train("tensor", 2, axis_types=axis_types)
-    exact = self.losses
-    dp, step, state, _, config, text, train = self._train("tensor", 2, axis_types=axis_types,
-                                                          tp_codec="int8")
+    exact = self._train("tensor", 2, "f32-ring", axis_types)[-1]  # (the run above)
+    dp, step, state, _, config, text, train, losses = self._train(
+        "tensor", 2, "f32-ring", axis_types, tp_codec="int8")
     _assert_replicas_identical(state)
     lowered = step.jitted.lower(state, train.place_batch(dp, train.batch(config, text, 0)))
     model = [c for c in hlo.collectives(lowered.compile().as_text(), dp.mesh)
@@ -393,17 +400,21 @@ class TestDataParallelOnSharded:
     # gradients at the column-parallel inputs: tp_psum's docstring says why)
     forward = [c for c in model if c.op == "all-reduce" and "transpose(" not in c.line]
     assert not forward, [c.line[-300:] for c in forward]
-    np.testing.assert_allclose(self.losses, exact, rtol=2e-3)
-    assert self.losses != exact  # (the codec did run)
+    np.testing.assert_allclose(losses, exact, rtol=2e-3)
+    assert losses != exact  # (the codec did run)
     with pytest.raises(ValueError, match="Fix: --layout tensor"):
       self._train("data", 1, tp_codec="int8")
 
-  @pytest.mark.parametrize("layout,model_axis", [("hsdp", 4), ("zero", 1)])
+  @pytest.mark.parametrize("layout,model_axis", [
+      ("hsdp", 4),
+      # .ci/run-slow: a compile of its own; the default run checks DynamiQ in a sharded
+      # optimizer's step on HSDP (above) and the ZeRO layout with F32 and GlobalQSGD
+      # (TestShardedOptimizer)
+      pytest.param("zero", 1, marks=pytest.mark.slow)])
   def test_dynamiq_on_sharded_layouts_trains_with_identical_replicas(self, layout, model_axis):
     """The default codec under the step's ``check_vma``: on HSDP its allocation runs on
     values that vary over the host's devices (each holds other shards)."""
-    dp, step, state, want, config, text, train = self._train(layout, model_axis,
-                                                             codec="dynamiq")
+    _, _, state, want, _, _, _, _ = self._train(layout, model_axis, "dynamiq")
     assert jax.tree.map(lambda x: x.sharding.spec, state) == want
     assert all(np.all(np.isfinite(np.asarray(p))) for p in jax.tree.leaves(state[0]))
     _assert_replicas_identical(state)
@@ -440,54 +451,77 @@ def test_data_parallel_rejects_unplaced_logical_names():
     dq.nnx.DataParallel.create(layer, optax.sgd(0.1), mesh=mesh)
 
 
-@pytest.mark.parametrize("how", ["under_the_mesh", "declared"])
-def test_data_parallel_places_logical_names_by_flax_rules(how):
-  # Flax's logical axis rules give the shardings: either the model is built under the
-  # mesh and the rules (its arrays carry them), or DataParallel reads the declared names
-  # under the rules. The step keeps them and trains as the replicated model does.
-  import optax
+def _flax_linear(partitioned=True):
+  """nnx.Linear(8, 16) whose parameters declare logical axis names (or none)."""
   from flax import nnx
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
-  rules = (("embed", None), ("hidden", "model"))
+  wrap = nnx.with_partitioning if partitioned else (lambda init, _: init)
+  return nnx.Linear(8, 16, rngs=nnx.Rngs(0),
+                    kernel_init=wrap(nnx.initializers.lecun_normal(), ("embed", "hidden")),
+                    bias_init=wrap(nnx.initializers.normal(), ("hidden",)))
 
-  def layer(partitioned=True):
-    wrap = nnx.with_partitioning if partitioned else (lambda init, _: init)
-    return nnx.Linear(8, 16, rngs=nnx.Rngs(0),
-                      kernel_init=wrap(nnx.initializers.lecun_normal(), ("embed", "hidden")),
-                      bias_init=wrap(nnx.initializers.normal(), ("hidden",)))
 
-  tx = optax.chain(dq.compressed_psum("data", codec=F32()), optax.sgd(0.1))
-  if how == "under_the_mesh":
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-      dp = dq.nnx.DataParallel.create(layer(), tx, mesh=mesh)
-  else:
-    with nnx.use_eager_sharding(False):
-      model = layer()
-    with nnx.logical_axis_rules(rules):
-      dp = dq.nnx.DataParallel.create(model, tx, mesh=mesh)
-  ref = dq.nnx.DataParallel.create(layer(partitioned=False), tx, mesh=mesh)
+def _flax_step(dp, mesh):
+  """One step of ``dp`` on a fixed batch: the state after it."""
   rng = np.random.default_rng(0)
   batch = jax.device_put((rng.standard_normal((16, 8), np.float32),
                           rng.standard_normal((16, 16), np.float32)),
                          NamedSharding(mesh, P("data")))
   loss_fn = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()
-  state, _ = dp.train_step(loss_fn)(dp.state, batch)
-  want, _ = ref.train_step(loss_fn)(ref.state, batch)
-  for s in (dp.state, state):
+  return dp.train_step(loss_fn)(dp.state, batch)[0]
+
+
+def _flax_tx():
+  import optax
+  return optax.chain(dq.compressed_psum("data", codec=F32()), optax.sgd(0.1))
+
+
+@functools.cache
+def _flax_replicated_step():
+  """The replicated model's step (both cases below compare with it: run once), numpy."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  ref = dq.nnx.DataParallel.create(_flax_linear(partitioned=False), _flax_tx(), mesh=mesh)
+  return jax.tree.map(np.asarray, _flax_step(ref, mesh)[0])
+
+
+@pytest.mark.parametrize("how", ["under_the_mesh", "declared"])
+def test_data_parallel_places_logical_names_by_flax_rules(how):
+  # Flax's logical axis rules give the shardings: either the model is built under the
+  # mesh and the rules (its arrays carry them), or DataParallel reads the declared names
+  # under the rules. The step keeps them and trains as the replicated model does.
+  from flax import nnx
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  rules = (("embed", None), ("hidden", "model"))
+  tx = _flax_tx()
+  if how == "under_the_mesh":
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+      dp = dq.nnx.DataParallel.create(_flax_linear(), tx, mesh=mesh)
+  else:
+    with nnx.use_eager_sharding(False):
+      model = _flax_linear()
+    with nnx.logical_axis_rules(rules):
+      dp = dq.nnx.DataParallel.create(model, tx, mesh=mesh)
+  before = dp.state
+  state = _flax_step(dp, mesh)
+  want = _flax_replicated_step()
+  for s in (before, state):
     assert s[0]["kernel"].sharding.spec == P(None, "model"), s[0]["kernel"].sharding
     assert s[0]["bias"].sharding.spec == P("model"), s[0]["bias"].sharding
   for k in ("kernel", "bias"):
-    np.testing.assert_allclose(np.asarray(state[0][k]), np.asarray(want[0][k]), rtol=1e-6,
-                               atol=1e-7)
+    np.testing.assert_allclose(np.asarray(state[0][k]), want[k], rtol=1e-6, atol=1e-7)
 
 
 class TestShardedOptimizer:
   """dq.compressed_psum_scatter in dq.data_parallel_step, parameters from zero_shardings."""
 
   @staticmethod
-  def _run(tx, params, mesh, axis, steps=3):
-    x = jax.random.normal(jax.random.key(2), (64, 16))
-    batch = jax.device_put((x, x.sum(1, keepdims=True)), NamedSharding(mesh, P(axis)))
+  @functools.cache
+  def _batch():
+    x = np.asarray(jax.random.normal(jax.random.key(2), (64, 16)))
+    return x, x.sum(1, keepdims=True)  # host
+
+  @classmethod
+  def _run(cls, tx, params, mesh, axis, steps=3):
+    batch = jax.device_put(cls._batch(), NamedSharding(mesh, P(axis)))
     opt_state = dq.data_parallel_init(tx, params, mesh=mesh, axis_name=axis)
     step = dq.data_parallel_step(
         lambda p, b: jnp.mean((jnp.tanh(b[0] @ p["w1"]) @ p["w2"] - b[1]) ** 2), tx,
@@ -497,6 +531,7 @@ class TestShardedOptimizer:
     return params, opt_state
 
   @staticmethod
+  @functools.cache
   def _params():
     return {"w1": np.asarray(jax.random.normal(jax.random.key(0), (16, 64))) / 4,
             "w2": np.asarray(jax.random.normal(jax.random.key(1), (64, 8))) / 8}  # host
@@ -535,8 +570,7 @@ class TestShardedOptimizer:
   def test_error_feedback_keeps_a_per_rank_residual(self):
     import optax
     mesh = jax.make_mesh((8,), ("data",))
-    params = {"w1": jax.random.normal(jax.random.key(0), (16, 64)) / 4,
-              "w2": jax.random.normal(jax.random.key(1), (64, 8)) / 8}
+    params = self._params()
     placed = jax.device_put(params, dq.zero_shardings(params, mesh=mesh, min_size=0))
     tx = optax.chain(dq.compressed_psum_scatter("data", codec=GlobalQSGD(),
                                                 error_feedback=True), optax.adam(1e-2))
