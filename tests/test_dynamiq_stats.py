@@ -3,6 +3,7 @@ kernel against reference bit for bit in interpret mode, the reference against th
 it replaces (the guard, then the statistics of the guarded bucket: codecs/_exact.py), the
 engine's one-pass guard against the two-pass one, and the kernels' compile for an H100."""
 
+import functools
 import json
 import pathlib
 
@@ -52,6 +53,7 @@ def _rows(seed, n, s, kind="mixed"):
   return jnp.asarray(x.astype(np.float32))
 
 
+@functools.partial(jax.jit, static_argnames=("n", "seed"))  # one compile, not op by op
 def _keys(n, seed=0):
   k = jnp.arange(n, dtype=jnp.uint32)
   return rng.mix32(k * 2 + seed), rng.mix32(k * 2 + 1 + seed)
@@ -79,6 +81,13 @@ def _old_encode(xg, k0, k1, c, j):
   return jnp.stack([enc, norm.astype(jnp.bfloat16)], axis=-1)
 
 
+@jax.jit  # one compile (eagerly: one per operation)
+def _old_decode_sum(p):
+  """The statistics' sum as the codec's decode computed it before (codecs/_exact.py)."""
+  q = jnp.moveaxis(p.astype(jnp.float32), 0, -1)
+  return jnp.stack([tree_sum(q[..., 0, :]), hypot_all(q[..., 1, :])], axis=-1)
+
+
 CASES = [(3, 7, "mixed"), (8, 2, "nonfinite"), (4, 5, "huge"), (1, 17, "mixed")]
 
 
@@ -87,7 +96,7 @@ def test_guard_stats_kernel_equals_the_reference(n, s, kind):
   x = _rows(n * 10 + s, n, s, kind)
   k0, k1 = _keys(n)
   want = SJ.guard_stats_reference(x, k0, k1, s=s, safe_exponent=SAFE)
-  got = S.guard_stats_pallas(x, k0, k1, s=s, safe_exponent=SAFE, interpret=True)
+  got = SJ.guard_stats_pallas(x, k0, k1, s=s, safe_exponent=SAFE, interpret=True)
   assert len(want) == len(got) == 5
   for a, b in zip(want, got):
     _same(a, b)
@@ -128,8 +137,8 @@ def test_zero_rows_give_zero_statistics_and_bad_rows_count_as_zeros():
   x[1, 3] = np.nan
   x[2, :] = np.inf
   x[3, 5] = 2.0
-  mean, norm, rows_amax, amax, bad = S.guard_stats_pallas(jnp.asarray(x), *_keys(2), s=2,
-                                                          safe_exponent=SAFE, interpret=True)
+  mean, norm, rows_amax, amax, bad = SJ.guard_stats_pallas(jnp.asarray(x), *_keys(2), s=2,
+                                                           safe_exponent=SAFE, interpret=True)
   assert float(bad) == 1 and float(amax) == 2
   np.testing.assert_array_equal(np.asarray(rows_amax), [0, 0, 0, 2])
   np.testing.assert_array_equal(np.asarray(norm)[:3], 0)
@@ -161,18 +170,15 @@ def _payloads(n, s, seed=0):
 def test_stats_sum_kernel_equals_the_reference_and_the_old_decode_sum(n, s):
   p = _payloads(n, s, seed=n + s)
   want = SJ.stats_sum_reference(p)
-  _same(S.stats_sum_pallas(p, interpret=True), want)
-  q = jnp.moveaxis(p.astype(jnp.float32), 0, -1)
-  _same(want, jnp.stack([tree_sum(q[..., 0, :]), hypot_all(q[..., 1, :])], axis=-1))
+  _same(SJ.stats_sum_pallas(p, interpret=True), want)
+  _same(want, _old_decode_sum(p))
 
 
 def test_stats_sum_of_a_rank_count_not_a_power_of_two_falls_back():
   p = _payloads(6, 9)
   with pytest.raises(NotImplementedError, match="n=6"):
     S.stats_sum_pallas(p, interpret=True)
-  q = jnp.moveaxis(p.astype(jnp.float32), 0, -1)
-  _same(SJ.stats_sum(p, implementation="pallas", interpret=True),
-        jnp.stack([tree_sum(q[..., 0, :]), hypot_all(q[..., 1, :])], axis=-1))
+  _same(SJ.stats_sum(p, implementation="pallas", interpret=True), _old_decode_sum(p))
 
 
 def test_mosaic_takes_the_default_path():
@@ -235,8 +241,8 @@ def test_one_pass_guard_equals_the_two_pass_guard(kind):
 def test_row_mean_kernel_equals_the_reference_and_the_old_mean():
   x = _rows(4, 3, 7, "huge")
   want = SJ.row_mean_reference(x)
-  _same(S.row_mean_pallas(x, interpret=True), want)
-  _same(want, tree_sum(x) / 256)
+  _same(SJ.row_mean_pallas(x, interpret=True), want)
+  _same(want, jax.jit(lambda x: tree_sum(x) / 256)(x))  # one compile, not op by op
 
 
 def test_kernels_lower_for_cuda():

@@ -1,6 +1,8 @@
 """DynamiQ's format: the block arithmetic (pallas_kernels.dynamiq_block), the payload
 and its jnp reference (pallas_kernels.dynamiq_reference), and the counter-based RNG."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,7 +73,7 @@ class TestLayout:
     planes = np.zeros((s, 8, 32), np.uint8)
     for sg, units in enumerate([[0, 3, 6, 8], [1, 4, 7], [2, 5]]):
       planes[sg, :len(units)] = body[units]
-    codes = np.asarray(R.codes_of_planes(jnp.asarray(planes), plane_bits=1))
+    codes = np.asarray(RJ.codes_of_planes(jnp.asarray(planes), plane_bits=1))
     assert (codes < 2 ** np.asarray(widths)[:, None]).all()
     # and those codes are the values decompress gives: the signed level times k V
     tabs = B.level_tables(EPS, R.WIDTH_SET)
@@ -163,12 +165,14 @@ class TestRoundTrip:
 
   def test_decoded_values_are_exact_products(self):
     """decoded = ±lam[level] * k * V exactly: no rounding for FMA to change."""
-    x = _hetero((7, 256), seed=5)
-    widths = _widths(7)
+    # _round_trip's shape and arguments: its two compiled references serve both
+    x = _hetero((6, 256), seed=5)
+    widths = _widths(6)
     units = int(np.sum(np.asarray(widths)))
-    p = RJ.compress_reference(x, widths, units, eps=EPS, keys=_keys(2))
-    y = np.asarray(RJ.decompress_reference(p, widths, units, eps=EPS), np.float64)
-    rec = np.asarray(p[:7 * 18]).reshape(7, 18)
+    geo = dict(eps=EPS, width_set=WS6)
+    p = RJ.compress_reference(x, widths, units, keys=_keys(2), **geo)
+    y = np.asarray(RJ.decompress_reference(p, widths, units, **geo), np.float64)
+    rec = np.asarray(p)[:6 * 18].reshape(6, 18)
     v = np.frombuffer(rec[:, 16:].tobytes(), dtype="<u2").view(bfloat16).astype(np.float64)
     scale = np.repeat(rec[:, :16].astype(np.float64) * v[:, None], 16, axis=1)
     for i, w in enumerate(np.asarray(widths)):
@@ -209,11 +213,11 @@ class TestRoundTrip:
     x = _hetero((6, 256), seed=8)
     widths = _widths(6)
     geo = dict(eps=EPS, width_set=WS6)
-    p = RJ.compress_reference(x, widths, 27, keys=_keys(5), **geo)
-    a = RJ.decompress_accumulate_recompress_reference(p, x, widths, 27, keys=_keys(6), rank=2,
-                                                     strata=4, **geo)
+    enc = dict(rank=2, strata=4, **geo)  # the hop's encode also makes its input (one compile)
+    p = RJ.compress_reference(x, widths, 27, keys=_keys(5), **enc)
+    a = RJ.decompress_accumulate_recompress_reference(p, x, widths, 27, keys=_keys(6), **enc)
     b = RJ.compress_reference(RJ.decompress_reference(p, widths, 27, **geo) + x, widths, 27,
-                             keys=_keys(6), rank=2, strata=4, **geo)
+                             keys=_keys(6), **enc)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -227,7 +231,7 @@ def test_planes_roundtrip_any_widths(plane_bits, width_set):
   counts = np.zeros(len(ws), np.int64)
   counts[:] = s // len(ws)
   counts[0] += s - counts.sum()
-  widths = R.position_widths(jnp.asarray(counts, jnp.int32), ws, s)
+  widths = RJ.position_widths(jnp.asarray(counts, jnp.int32), tuple(ws), s)
   w = np.asarray(widths)
   assert (np.diff(w) <= 0).all()
   used = int(sum(w // plane_bits))
@@ -237,7 +241,7 @@ def test_planes_roundtrip_any_widths(plane_bits, width_set):
                                  strata=4, **geo)
   assert p.shape == (R.payload_bytes(s, units, plane_bits),)
   assert R.payload_bytes(s, used, plane_bits) == sum(32 * b + 18 for b in w)
-  assert not np.asarray(p[R.payload_bytes(s, used, plane_bits):]).any()
+  assert not np.asarray(p)[R.payload_bytes(s, used, plane_bits):].any()
   got = np.asarray(RJ.decompress_reference(p, widths, units, eps=EPS, **geo))
   # the same values as the block arithmetic without any byte movement
   tabs = B.level_tables(EPS, tuple(ws))
@@ -257,6 +261,16 @@ def test_planes_roundtrip_any_widths(plane_bits, width_set):
   np.testing.assert_array_equal(got, np.asarray(ref).reshape(s, 256))
 
 
+@functools.partial(jax.jit, static_argnames=("bracket",))
+def _round_levels(a, s, base, r, c1k, k, c2, table, off, *, bracket):
+  """``B.round_levels`` with u = 0 under one jit: every point of a case at once, each
+  with its own scale and width's constants (the block arithmetic broadcasts them)."""
+  table_fn = lambda i: jnp.take(table, i)
+  kw = dict(pairs=table_fn) if bracket == "pairs" else dict(levels=table_fn)
+  return B.round_levels(a, s, B.WidthConsts(base, r, c1k, k, c2), jnp.zeros_like(a), None, 1,
+                        ops=B.BlockOps(log2=lambda v: jnp.log2(v) + off), **kw)
+
+
 @pytest.mark.parametrize("eps", [EPS, {2: 0.23, 4: 0.05, 8: 0.02}, {2: 0.3, 4: 0.3, 8: 0.3}])
 @pytest.mark.parametrize("log2", ["exact", "above", "below"])
 @pytest.mark.parametrize("bracket", ["pairs", "levels"])
@@ -270,9 +284,8 @@ def test_rounding_finds_the_exact_bracket(eps, log2, bracket):
   values are left out: XLA:CPU flushes them to zero."""
   width_set = tuple(range(2, 9))
   tabs = B.level_tables(eps, width_set)
-  lookup = lambda i: jnp.take(jnp.asarray(tabs.pairs), i)
   off = {"exact": 0.0, "above": 2.0**-20, "below": -2.0**-20}[log2]
-  fn = lambda v: jnp.log2(v) + np.float32(off)
+  points, wants, labels = [], [], []
   for i, w in enumerate(width_set):
     lam = tabs.table[tabs.base[i]:tabs.base[i] + tabs.r[i] + 1].astype(np.float64)
     for s in (1.0, 3.0e-5, 255 * 1.5e3, 2.0**-101, 2.0**-80, 2.0**-63, 2.0**-65, 3e38 / 255):
@@ -282,18 +295,24 @@ def test_rounding_finds_the_exact_bracket(eps, log2, bracket):
       pts = (lam[:, None] * np.float64(s)).astype(np.float32)
       a = (pts.view(np.int32) + np.arange(-8, 9)[None, :]).view(np.float32).ravel()
       a = a[((a >= np.finfo(np.float32).tiny) | (a == 0)) & (a <= s)]
-      table = (dict(pairs=lookup, base=tabs.pbase[i]) if bracket == "pairs" else
-               dict(levels=lambda j: jnp.take(jnp.asarray(tabs.lev), j), base=tabs.lbase[i]))
-      c = B.WidthConsts(jnp.int32(table.pop("base")), jnp.int32(tabs.r[i]),
-                        jnp.float32(tabs.c1k[i]), jnp.float32(tabs.k[i]),
-                        jnp.float32(tabs.c2[i]))
-      lvl = B.round_levels(jnp.asarray(a), jnp.float32(s), c, jnp.zeros(a.shape, jnp.float32),
-                           None, 1, ops=B.BlockOps(log2=fn), **table)
       prods = (lam * np.float64(s)).astype(np.float32).astype(np.float64)
       j = np.clip(np.searchsorted(prods, a.astype(np.float64), side="right") - 1, 0, tabs.r[i] - 1)
       # rounds up iff a - lam_j s > 0, a difference XLA:CPU flushes to 0 when subnormal
-      want = j + (a - prods[j].astype(np.float32) >= np.finfo(np.float32).tiny)
-      np.testing.assert_array_equal(np.asarray(lvl), want, err_msg=f"{w=} {s=}")
+      wants.append(j + (a - prods[j].astype(np.float32) >= np.finfo(np.float32).tiny))
+      base = tabs.pbase[i] if bracket == "pairs" else tabs.lbase[i]
+      consts = (s, base, tabs.r[i], tabs.c1k[i], tabs.k[i], tabs.c2[i])
+      points.append([np.full(a.shape, v) for v in consts])
+      points[-1].insert(0, a)
+      labels += [f"{w=} {s=}"] * a.size
+  a, s, base, r, c1k, k, c2 = (np.concatenate(col) for col in zip(*points))
+  table = tabs.pairs if bracket == "pairs" else tabs.lev
+  lvl = np.asarray(_round_levels(
+      jnp.asarray(a, jnp.float32), jnp.asarray(s, jnp.float32), jnp.asarray(base, jnp.int32),
+      jnp.asarray(r, jnp.int32), jnp.asarray(c1k, jnp.float32), jnp.asarray(k, jnp.float32),
+      jnp.asarray(c2, jnp.float32), jnp.asarray(table), jnp.float32(off), bracket=bracket))
+  want = np.concatenate(wants)
+  bad = np.flatnonzero(lvl != want)
+  assert not bad.size, [(labels[i], a[i], lvl[i], want[i]) for i in bad[:10]]
 
 
 @pytest.mark.parametrize("err", [2.0**-21, -2.0**-21, 2.0**-6])
@@ -313,7 +332,9 @@ def test_scale_quotients_with_an_approximate_division(err):
   v = (np.clip(q, 0, None) * d.astype(np.float64)).astype(np.float32)
   v, d = jnp.asarray(v), jnp.asarray(d)
   approx = lambda a, b: a / b * np.float32(1.0 + err)
-  same = [np.array_equal(np.asarray(fn(v, d, 255, div=approx)), np.asarray(fn(v, d, 255)))
+  # each function under one jit (eagerly: a compile per operation)
+  both = jax.jit(lambda v, d, fn: (fn(v, d, 255, div=approx), fn(v, d, 255)), static_argnums=2)
+  same = [np.array_equal(*map(np.asarray, both(v, d, fn)))
           for fn in (B.ceil_quotient, B.floor_quotient)]
   assert same == [err < 2.0**-10] * 2
 
@@ -343,9 +364,9 @@ class TestRng:
   @pytest.mark.parametrize("k", range(1, 11))
   def test_gf_polynomials_are_irreducible(self, k):
     q = 1 << k
-    a = jnp.broadcast_to(jnp.arange(1, q, dtype=jnp.uint32)[:, None], (q - 1, q))
-    b = jnp.broadcast_to(jnp.arange(q, dtype=jnp.uint32)[None, :], (q - 1, q))
-    prod = np.asarray(rng._gf_mul(a, b, k))
+    a = np.broadcast_to(np.arange(1, q, dtype=np.uint32)[:, None], (q - 1, q))
+    b = np.broadcast_to(np.arange(q, dtype=np.uint32)[None, :], (q - 1, q))
+    prod = np.asarray(jax.jit(rng._gf_mul, static_argnums=2)(a, b, k))  # one compile
     assert all(len(set(row)) == q for row in prod)  # x -> alpha x is a bijection
 
   def test_lane_bits_pairs_are_well_spread(self):

@@ -72,13 +72,17 @@ CASES = [
     pytest.param((1, WS6, "up", 8, 3, jnp.float32, "1", 2), marks=SLOW),  # all 3-bit
     pytest.param((1, WS3, "up", 8, 13, jnp.bfloat16, "mixed", 40), marks=SLOW),  # unused units
     pytest.param((1, WS3, "stochastic", 1, 9, jnp.float32, "max", 0), marks=SLOW),  # all 8-bit
-    (2, WS3, "up", 8, 11, jnp.bfloat16, "mixed", 3),
+    (2, WS3, "up", 8, 11, jnp.bfloat16, "mixed", 3),  # UNUSED below
     pytest.param((2, WS3, "stochastic", 1, 20, jnp.float32, "0", 1), marks=SLOW),  # all 2-bit
     (2, WS3, "up", 1, 5, jnp.float32, "mixed", -3),  # too few units: truncated
     # the kernels' own transpositions for codes of at most 4 and of 5 bits
     (1, (2, 3, 4), "stochastic", 8, 12, jnp.bfloat16, "mixed", 1),
-    (1, (3, 5), "up", 8, 9, jnp.float32, "mixed", 0),
+    (1, (3, 5), "up", 8, 9, jnp.float32, "mixed", -2),  # and a truncated 1-bit-plane payload
 ]
+
+
+UNUSED = CASES[5]
+assert UNUSED[0] == 2 and UNUSED[-1] > 0  # 2-bit planes, unused units
 
 
 @pytest.mark.parametrize("planes", range(1, 9))
@@ -106,6 +110,9 @@ def _case_id(c):
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_all_four_kernels_equal_the_reference(case):
+  """Bit for bit, and every payload byte is written: interpret mode starts an output
+  buffer at zero, which would hide an unwritten byte (the unused units, or a truncated
+  payload's last ones), so the payload kernels' buffer starts at 0xA5 here."""
   pb, ws, sr, strata, s, dtype, kind, room = case
   x = _x(s, s, dtype)
   widths = _widths(s, s, ws, kind)
@@ -114,27 +121,33 @@ def test_all_four_kernels_equal_the_reference(case):
   enc = dict(keys=_keys(1), rank=5, strata=strata, scale_rounding=sr)
   p_ref = RJ.compress_reference(x, widths, units, **enc, **geo)
   assert p_ref.shape == (R.payload_bytes(s, units, pb),)
-  _same(T.compress_pallas(x, widths, units, **enc, **geo, interpret=True), p_ref)
+  _same(T.compress_pallas(x, widths, units, **enc, **geo, interpret=True, fill=0xA5), p_ref)
   _same(T.decompress_pallas(p_ref, widths, units, **geo, interpret=True),
         RJ.decompress_reference(p_ref, widths, units, **geo))
   _same(T.decompress_accumulate_pallas(p_ref, x, widths, units, **geo, interpret=True),
         RJ.decompress_accumulate_reference(p_ref, x, widths, units, **geo))
   enc2 = dict(enc, keys=_keys(2), rank=3)
   _same(T.decompress_accumulate_recompress_pallas(p_ref, x, widths, units, **enc2, **geo,
-                                                  interpret=True),
+                                                  interpret=True, fill=0xA5),
         RJ.decompress_accumulate_recompress_reference(p_ref, x, widths, units, **enc2, **geo))
 
 
 def test_unused_units_are_zero_and_values_round_trip():
-  s, pb = 10, 1
-  x = _x(3, s)
-  widths = _widths(3, s, WS6, "mixed")
+  """The unused units of a payload are zeros, written by the kernel (its buffer starts at
+  0xA5). test_all_four_kernels_equal_the_reference's case with 3 unused 2-bit-plane units,
+  called alike: its compiled kernels."""
+  pb, ws, sr, strata, s, dtype, kind, room = UNUSED
+  x = _x(s, s, dtype)
+  widths = _widths(s, s, ws, kind)
   used = _units(widths, pb, 0)
-  p = T.compress_pallas(x, widths, used + 7, eps=EPS, keys=_keys(3), interpret=True)
-  assert not np.asarray(p[R.payload_bytes(s, used, pb):]).any()
+  geo = dict(eps=EPS, plane_bits=pb, width_set=ws)
+  enc = dict(keys=_keys(1), rank=5, strata=strata, scale_rounding=sr)
+  p = T.compress_pallas(x, widths, used + room, **enc, **geo, interpret=True, fill=0xA5)
+  assert room > 0 and not np.asarray(p)[R.payload_bytes(s, used, pb):].any()
   assert R.payload_bytes(s, used, pb) == sum(32 * int(w) + 18 for w in np.asarray(widths))
-  y = np.asarray(T.decompress_pallas(p, widths, used + 7, eps=EPS, interpret=True))
-  rel = np.linalg.norm(y - np.asarray(x)) / np.linalg.norm(np.asarray(x))
+  y = np.asarray(T.decompress_pallas(p, widths, used + room, **geo, interpret=True))
+  xs = np.asarray(x, np.float32)
+  rel = np.linalg.norm(y - xs) / np.linalg.norm(xs)
   assert rel < 1.0, rel  # a lossy but sane reconstruction (2..8 bits)
 
 
@@ -194,46 +207,28 @@ def test_unbiased_through_the_kernels():
     assert np.max(np.abs(z)) < 5.0, z
 
 
-@pytest.mark.parametrize("plane_bits,width_set,room", [(1, WS6, 9), (2, WS3, 2), (1, WS3, -2)])
-def test_every_payload_byte_is_written(plane_bits, width_set, room):
-  """Interpret mode starts an output buffer at zero, which would hide an unwritten
-  byte (the unused units); here the buffer starts at 0xA5 instead."""
-  s = 13
-  x = _x(8, s)
-  widths = _widths(8, s, width_set, "mixed")
-  units = _units(widths, plane_bits, room)
-  ref = RJ.compress_reference(x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
-                             plane_bits=plane_bits, width_set=width_set)
-  geo = dict(eps=EPS, keys=_keys(8), rank=2, strata=8, plane_bits=plane_bits,
-             width_set=width_set, interpret=True, fill=0xA5)
-  _same(T.compress_pallas(x, widths, units, **geo), ref)
-  _same(T.decompress_accumulate_recompress_pallas(ref, x, widths, units, **geo),
-        RJ.decompress_accumulate_recompress_reference(
-            ref, x, widths, units, eps=EPS, keys=_keys(8), rank=2, strata=8,
-            plane_bits=plane_bits, width_set=width_set))
-
-
-@pytest.mark.parametrize("launch", [(4, 2), (32, 8)])
-def test_other_launches_give_the_same_bits(launch):
-  """Another (block, num_warps) launch (bench.kernels --sweep; dynamiq_triton.TUNED)
-  cuts the chunk into other programs only: every kernel still equals the reference
-  bit for bit (a partial last program at both blocks: 37 super-groups), and every
-  payload byte is written (output buffer started at 0xA5)."""
+def test_other_launches_give_the_same_bits():
+  """Other (block, num_warps) launches (bench.kernels --sweep; dynamiq_triton.TUNED) cut
+  the chunk into other programs only: every kernel still equals the reference bit for
+  bit (37 super-groups: a partial last program at both blocks), and every payload byte
+  is written (output buffer started at 0xA5). The payload-writing kernels at (4, 2), their
+  launch on an H200 (TUNED), the decodes at (32, 8): each kernel compiled at one launch
+  (the programs' indexing is the launch's, shared by all four)."""
   s = 37
   x = _x(9, s, jnp.bfloat16)
   widths = _widths(9, s, WS6, "mixed")
   units = _units(widths, 1, 6)
   geo = dict(eps=EPS, plane_bits=1, width_set=WS6)
   enc = dict(keys=_keys(9), rank=1, strata=8, scale_rounding="stochastic")
-  run = dict(interpret=True, launch=launch)
+  small, large = dict(interpret=True, launch=(4, 2)), dict(interpret=True, launch=(32, 8))
   p_ref = RJ.compress_reference(x, widths, units, **enc, **geo)
-  _same(T.compress_pallas(x, widths, units, **enc, **geo, **run, fill=0xA5), p_ref)
-  _same(T.decompress_pallas(p_ref, widths, units, **geo, **run),
+  _same(T.compress_pallas(x, widths, units, **enc, **geo, **small, fill=0xA5), p_ref)
+  _same(T.decompress_pallas(p_ref, widths, units, **geo, **large),
         RJ.decompress_reference(p_ref, widths, units, **geo))
-  _same(T.decompress_accumulate_pallas(p_ref, x, widths, units, **geo, **run),
+  _same(T.decompress_accumulate_pallas(p_ref, x, widths, units, **geo, **large),
         RJ.decompress_accumulate_reference(p_ref, x, widths, units, **geo))
-  _same(T.decompress_accumulate_recompress_pallas(p_ref, x, widths, units, **enc, **geo, **run,
-                                                  fill=0xA5),
+  _same(T.decompress_accumulate_recompress_pallas(p_ref, x, widths, units, **enc, **geo,
+                                                  **small, fill=0xA5),
         RJ.decompress_accumulate_recompress_reference(p_ref, x, widths, units, **enc, **geo))
 
 
@@ -352,22 +347,27 @@ class TestDispatch:
     assert TRITON not in self._lowered("pallas", "cpu")  # interpreted
 
   def test_public_names_equal_the_reference_on_cpu(self):
-    s, pb = 9, 1
-    x = _x(6, s, jnp.bfloat16)
-    w = _widths(6, s, WS6, "mixed")
-    units = _units(w, pb, 1)
+    """The dispatching names give the reference's bits for every implementation. The
+    default codec's case of test_all_four_kernels_equal_the_reference: its compiled
+    references and decode kernels serve here too (the decodes called eagerly: each kernel
+    is one jitted launch)."""
+    _, ws, sr, strata, s, dtype, kind, room = CASES[1]
+    x = _x(s, s, dtype)
+    w = _widths(s, s, ws, kind)
+    units = _units(w, 1, room)
+    geo = dict(eps=EPS, plane_bits=1, width_set=ws)
+    enc = dict(keys=_keys(1), rank=5, strata=strata, scale_rounding=sr)
+    ref = RJ.compress_reference(x, w, units, **enc, **geo)
     eps_tuple = tuple(EPS.items())
-    ref = RJ.compress_reference(x, w, units, eps=EPS, keys=_keys(6), strata=8)
     for impl in (None, "xla", "pallas"):
-      p = jax.jit(lambda x, w: K.compress(x, w, units, eps=eps_tuple, keys=_keys(6),
-                                                 strata=8, implementation=impl))(x, w)
+      p = jax.jit(lambda x, w: K.compress(x, w, units, **dict(geo, eps=eps_tuple), **enc,
+                                          implementation=impl))(x, w)
       _same(p, ref)
-    y_ref = RJ.decompress_reference(ref, w, units, eps=EPS)
-    KJ = Jitted(K)  # each call one compiled program (eagerly: a compile per operation)
-    _same(KJ.decompress(ref, w, units, eps=EPS), y_ref)
-    _same(KJ.decompress(ref, w, units, eps=EPS, implementation="pallas"), y_ref)
-    _same(KJ.decompress_accumulate(ref, x, w, units, eps=EPS, implementation="pallas"),
-          RJ.decompress_accumulate_reference(ref, x, w, units, eps=EPS))
+    y_ref = RJ.decompress_reference(ref, w, units, **geo)
+    _same(Jitted(K).decompress(ref, w, units, **geo), y_ref)  # one program, not op by op
+    _same(K.decompress(ref, w, units, **geo, implementation="pallas"), y_ref)
+    _same(K.decompress_accumulate(ref, x, w, units, **geo, implementation="pallas"),
+          RJ.decompress_accumulate_reference(ref, x, w, units, **geo))
 
   def test_odd_widths_with_two_bit_planes_fall_back_to_the_reference(self):
     s = 4
@@ -389,11 +389,14 @@ class TestDispatch:
     w = _widths(8, 3, WS6, "mixed")
     D._warned.clear()
     with caplog.at_level(logging.WARNING, logger="dynamiq_jax"):
-      # two jits, each tracing (and dispatching) anew: one compile each, not one per operation
-      a = Jitted(K).compress(x, w, 12, eps=EPS, keys=_keys(0), implementation="pallas")
-      b = Jitted(K).compress(x, w, 12, eps=EPS, keys=_keys(0), implementation="pallas")
+      # two functions, each traced (and dispatched) anew: the first compiled (one program,
+      # not one per operation), the second only traced
+      call = lambda: lambda x, w: K.compress(x, w, 12, eps=EPS, keys=_keys(0),
+                                             implementation="pallas")
+      a = jax.jit(call())(x, w)
+      b = jax.eval_shape(call(), x, w)
     _same(a, RJ.compress_reference(x, w, 12, eps=EPS, keys=_keys(0)))
-    _same(a, b)
+    assert (b.shape, b.dtype) == (a.shape, a.dtype)
     msgs = [r.getMessage() for r in caplog.records if "float8" in r.getMessage()]
     assert len(msgs) == 1 and "using the XLA reference" in msgs[0]
 
