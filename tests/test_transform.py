@@ -1,5 +1,7 @@
 """compressed_psum as an optax transform: hygiene, training, shard_map/pmap."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,15 +11,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dynamiq_jax as dq
-from dynamiq_jax.codecs import DynamiQ, F32
+from dynamiq_jax.codecs import DynamiQ, F32, IntGroup
 
 N = 8
 
 
-def _params(key=0):
-  k1, k2 = jax.random.split(jax.random.key(key))
-  return {"w": jax.random.normal(k1, (64, 512)) * 0.05, "b": jnp.zeros((512,)),
-          "v": jax.random.normal(k2, (512, 10)) * 0.05}
+@functools.cache
+def _params():
+  """Host (numpy) parameters: made by numpy, no JAX program compiled for them."""
+  rng = np.random.default_rng(0)
+  return {"w": (rng.standard_normal((64, 512)) * 0.05).astype(np.float32),
+          "b": np.zeros((512,), np.float32),
+          "v": (rng.standard_normal((512, 10)) * 0.05).astype(np.float32)}
 
 
 def _loss(p, batch):
@@ -26,15 +31,28 @@ def _loss(p, batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def _batch(mesh, seed=0, size=256):
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  x = jax.random.normal(k1, (size, 64))
-  y = (jnp.sum(x[:, :8], 1) > 0).astype(jnp.int32) + 2 * (x[:, 9] > 0)
+def _batch(mesh, seed=0, size=256, nan_rank=None):
+  """A global batch split over "data" (made by numpy); ``nan_rank``: that rank's first
+  row starts with a NaN (only that rank sees it)."""
+  x = np.random.default_rng(seed + 1).standard_normal((size, 64)).astype(np.float32)
+  y = (x[:, :8].sum(1) > 0).astype(np.int32) + 2 * (x[:, 9] > 0)
+  if nan_rank is not None:
+    x[nan_rank * (size // N), 0] = np.nan
   return jax.device_put((x, y), NamedSharding(mesh, P("data")))
 
 
 def _replicate(tree, mesh):
   return jax.device_put(jax.tree.map(jnp.array, tree), NamedSharding(mesh, P()))
+
+
+@functools.cache
+def _dynamiq_training(mesh):
+  """The DynamiQ data-parallel step the hygiene and training tests share, ``(tx, step)``:
+  one compiled program for all of them (every call below has the same types). Adam behind
+  ``apply_if_finite``, which changes nothing on a finite step."""
+  tx = optax.chain(dq.compressed_psum("data"),
+                   optax.apply_if_finite(optax.adam(3e-3), max_consecutive_errors=3))
+  return tx, dq.data_parallel_step(_loss, tx, mesh=mesh)
 
 
 class TestHygiene:
@@ -48,26 +66,26 @@ class TestHygiene:
     assert jax.tree.structure(jax.eval_shape(tx.init, shapes)) == jax.tree.structure(state)
 
   def test_state_types_stable_across_init_update_and_jit(self, mesh):
-    tx = optax.chain(dq.compressed_psum("data"), optax.adamw(1e-3))
+    tx, step = _dynamiq_training(mesh)
     params = _replicate(_params(), mesh)
     with jax.set_mesh(mesh):
       state0 = _replicate(tx.init(params), mesh)
       types0 = jax.tree.map(jax.typeof, state0)
       assert jax.tree.map(jax.typeof, jax.jit(tx.init)(params)) == types0
-    step = dq.data_parallel_step(_loss, tx, mesh=mesh, donate=False)
-    _, state1, _ = step(params, state0, _batch(mesh))
+    params, state1, _ = step(params, state0, _batch(mesh))
     assert jax.tree.map(jax.typeof, state1) == types0
     _, state2, _ = step(params, state1, _batch(mesh))
     assert jax.tree.map(jax.typeof, state2) == types0
 
   def test_no_recompilation_on_later_steps(self, mesh):
-    tx = optax.chain(dq.compressed_psum("data"), optax.adam(1e-3))
-    step = dq.data_parallel_step(_loss, tx, mesh=mesh)
+    tx, step = _dynamiq_training(mesh)  # (donates: the default)
     params = _replicate(_params(), mesh)
     state = _replicate(tx.init(params), mesh)
+    programs = []
     for i in range(3):
       params, state, _ = step(params, state, _batch(mesh, seed=i))
-    assert step.jitted._cache_size() == 1
+      programs.append(step.jitted._cache_size())
+    assert programs == [1, 1, 1], programs  # (the module's other tests call it alike)
     assert int(state[0].step) == 3
 
 
@@ -75,9 +93,11 @@ class TestTraining:
 
   @pytest.mark.parametrize("reduce", ["dynamiq", "baseline"])
   def test_loss_falls_and_replicas_stay_identical(self, mesh, reduce):
-    first = dq.compressed_psum("data") if reduce == "dynamiq" else dq.baseline_psum("data")
-    tx = optax.chain(first, optax.adam(3e-3))
-    step = dq.data_parallel_step(_loss, tx, mesh=mesh)
+    if reduce == "dynamiq":
+      tx, step = _dynamiq_training(mesh)  # Adam(3e-3), as the baseline's
+    else:
+      tx = optax.chain(dq.baseline_psum("data"), optax.adam(3e-3))
+      step = dq.data_parallel_step(_loss, tx, mesh=mesh)
     params = _replicate(_params(), mesh)
     state = _replicate(tx.init(params), mesh)
     losses = []
@@ -92,54 +112,61 @@ class TestTraining:
         np.testing.assert_array_equal(s, shards[0])
 
   def test_compressed_step_equals_simulate(self, mesh):
-    """Step t of the transform == simulate with fold_in(key(seed), t)."""
+    """Step t of the transform == simulate with fold_in(key(seed), t). One update compiled
+    once, run twice: the state of the first (t = 0) feeds the second (t = 1)."""
     seed = 5
     grads = np.random.default_rng(0).standard_normal((N, 40_000)).astype(np.float32)
     tx = dq.compressed_psum("data", seed=seed)
 
     def body(g, state):
       out, state = tx.update(g[0], state)
-      out, state = tx.update(out, state)  # second step: t = 1
-      return out[None]
+      return out[None], state
 
+    data, repl = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    # (out_shardings: the state comes back as it went in, so the second call hits the cache)
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()),
-                              out_specs=P("data"), check_vma=False))
-    state = tx.init(jnp.zeros(40_000))
-    out = np.asarray(f(jax.device_put(grads, NamedSharding(mesh, P("data"))), state))
+                              out_specs=(P("data"), P()), check_vma=False),
+                out_shardings=(data, repl))
+    state = jax.device_put(tx.init(jnp.zeros(40_000)), repl)
+    out0, state = f(jax.device_put(grads, data), state)
+    assert int(state.step) == 1
+    out, _ = f(out0, state)  # second step: t = 1
+    assert f._cache_size() == 1
     base = jax.random.key(seed)
     s0 = dq.simulate(grads, codec=DynamiQ(), key=jax.random.fold_in(base, 0))
     s1 = dq.simulate(s0, codec=DynamiQ(), key=jax.random.fold_in(base, 1))
-    np.testing.assert_array_equal(out, np.asarray(s1))
+    np.testing.assert_array_equal(np.asarray(out0), np.asarray(s0))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(s1))
 
   def test_pmap(self):
-    # The shape of test_compressed_step_equals_simulate: simulate's compiled code is reused.
+    # A codec whose rounding takes the key (stochastic INT8), cheaper to compile than
+    # DynamiQ's: the transform's step and key under pmap. DynamiQ under pmap is
+    # test_collectives.py::TestDynamiQParity::test_pmap_equals_simulate; the transform with
+    # DynamiQ is test_compressed_step_equals_simulate.
+    codec = IntGroup(bits=8, rounding="stochastic")
     grads = np.random.default_rng(1).standard_normal((N, 40_000)).astype(np.float32)
-    tx = dq.compressed_psum("i", seed=2)
+    tx = dq.compressed_psum("i", codec=codec, seed=2)
     state = tx.init(jnp.zeros(40_000))
 
     def f(g, state):
       return tx.update(g, state)[0]
 
     out = jax.pmap(f, axis_name="i", in_axes=(0, None))(grads, state)
-    sim = dq.simulate(grads, codec=DynamiQ(), key=jax.random.fold_in(jax.random.key(2), 0))
+    sim = dq.simulate(grads, codec=codec, key=jax.random.fold_in(jax.random.key(2), 0))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(sim))
+    other = dq.simulate(grads, codec=codec, key=jax.random.fold_in(jax.random.key(2), 1))
+    assert not np.array_equal(np.asarray(other), np.asarray(sim))  # (the key matters)
 
   def test_nan_on_one_rank_skips_the_step_everywhere(self, mesh):
-    tx = optax.chain(dq.compressed_psum("data"),
-                     optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=3))
+    tx, step = _dynamiq_training(mesh)  # compressed_psum, then apply_if_finite
     params = _replicate(_params(), mesh)
     state = _replicate(tx.init(params), mesh)
-
-    def loss(p, batch):
-      x, y = batch
-      # rank 3 sees a NaN input; the others are clean
-      x = jnp.where(jax.lax.axis_index("data") == 3, x.at[0, 0].set(jnp.nan), x)
-      return _loss(p, (x, y))
-
-    step = dq.data_parallel_step(loss, tx, mesh=mesh, donate=False)
-    new_params, new_state, _ = step(params, state, _batch(mesh))
-    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    before = jax.tree.map(np.asarray, params)  # (the step donates its inputs)
+    # rank 3 sees a NaN input; the others are clean
+    new_params, new_state, _ = step(params, state, _batch(mesh, nan_rank=3))
+    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(before)):
+      for shard in a.addressable_shards:  # on every rank
+        np.testing.assert_array_equal(np.asarray(shard.data), b)
     assert int(new_state[1].notfinite_count) == 1
 
   def test_baseline_psum_is_psum(self, mesh):
