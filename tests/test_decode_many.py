@@ -59,9 +59,15 @@ def _payloads(case):
   widths = _widths(s, s, ws, kind)
   units = _units(widths, pb, room)
   geo = dict(eps=EPS, plane_bits=pb, width_set=ws)
-  pays = jnp.stack([RJ.compress_reference(_x(100 * s + c, s), widths, units, keys=_keys(c),
-                                         rank=c, strata=n, **geo) for c in range(n)])
+  pays = jnp.stack([_encode(_x(100 * s + c, s), widths, units, c, n, geo) for c in range(n)])
   return pays, widths, units, geo
+
+
+def _encode(x, widths, units, c, n, geo):
+  """Rank c's payload of x (its own keys): the rank traced, so that the n ranks' payloads
+  are one compiled reference."""
+  return RJ.compress_reference(x, widths, units, keys=_keys(c), rank=jnp.int32(c), strata=n,
+                               **geo)
 
 
 def _slots_and_mean(n, s, seed=0, count=None):
@@ -130,21 +136,25 @@ def test_nonfinite_and_zero_values_decode_as_the_reference():
 def test_under_vmap_each_element_is_its_own_batch():
   """Under ``vmap`` (``dq.simulate``) the kernel is mapped over the batch: each element
   with its own payloads, widths, slots and means."""
-  a, b = _payloads(CASES[0]), _payloads((1, WS6, 11, 3, "1", 2))
-  units = max(a[2], b[2])
-  geo = a[3]
-  pays = jnp.stack([jnp.stack([RJ.compress_reference(_x(7 * v + c, 11), w, units,
-                                                    keys=_keys(c), **geo) for c in range(3)])
-                    for v, w in enumerate((a[1], b[1]))])
-  ws = jnp.stack([a[1], b[1]])
-  slots = jnp.stack([_slots_and_mean(3, 11, seed=v)[0] for v in range(2)])
-  means = jnp.stack([_slots_and_mean(3, 11, seed=v)[1] for v in range(2)])
+  # CASES[0]'s layout and one of all 3-bit widths, in CASES[0]'s payload size: its
+  # compiled encode and decode_rows reference serve here too
+  pb, ws6, s, n, _, room = CASES[0]
+  a = _widths(s, s, ws6, "mixed")
+  b = _widths(s, s, ws6, "1")
+  units = _units(a, pb, room)
+  assert units >= _units(b, pb, 0)
+  geo = dict(eps=EPS, plane_bits=pb, width_set=ws6)
+  pays = jnp.stack([jnp.stack([_encode(_x(7 * v + c, s), w, units, c, n, geo)
+                               for c in range(n)]) for v, w in enumerate((a, b))])
+  ws = jnp.stack([a, b])
+  slots = jnp.stack([_slots_and_mean(n, s, seed=v)[0] for v in range(2)])
+  means = jnp.stack([_slots_and_mean(n, s, seed=v)[1] for v in range(2)])
   ker = lambda p, w, sl, m: T.decompress_rows_pallas(p, w, units, sl, m, **geo, interpret=True)
   ref = lambda p, w, sl, m: R.decompress_rows_reference(p, w, units, sl, m, **geo)
   # each under one jit (one compile, not an eager dispatch per operation): the same vmap
   got = jax.jit(jax.vmap(ker))(pays, ws, slots, means)
   _same(got, jax.jit(jax.vmap(ref))(pays, ws, slots, means))
-  _same(got[1], jax.jit(ref)(pays[1], ws[1], slots[1], means[1]))
+  _same(got[1], RJ.decompress_rows_reference(pays[1], ws[1], units, slots[1], means[1], **geo))
   _same(jax.jit(jax.vmap(lambda p, w: T.decompress_many_pallas(p, w, units, **geo,
                                                                interpret=True)))(pays, ws),
         jax.jit(jax.vmap(lambda p, w: R.decompress_many_reference(p, w, units, **geo)))(
@@ -172,7 +182,8 @@ class TestDispatch:
     pays = jnp.zeros((3, R.payload_bytes(11, units, 2)), jnp.uint8)
     with pytest.raises(NotImplementedError, match="odd widths"):
       T.decompress_many_pallas(pays, widths, units, **geo, interpret=True)
-    _same(K.decompress_many(pays, widths, units, **geo, implementation="pallas"),
+    # under one jit (eagerly, the fallback reference compiles each operation apart)
+    _same(Jitted(K).decompress_many(pays, widths, units, **geo, implementation="pallas"),
           RJ.decompress_many_reference(pays, widths, units, **geo))
 
   @pytest.mark.parametrize("fn", [K.decompress_many, R.decompress_many_reference,
@@ -322,17 +333,22 @@ def test_contract_defaults_decode_each_payload_then_finish():
   assert type(codec).decode_many is Codec.decode_many
   n, d = 4, 1024
   bucket = Bucket(0, d, n)
-  x = jax.random.normal(jax.random.key(3), (d,))
-  keys = Keys.from_key(jax.random.key(3), bucket=0, rank=0)
-  meta = codec.metadata(x, bucket, None, keys)
-  p = codec.plan(x, None if meta is None else meta.local, bucket, None, keys)
-  payloads = jax.vmap(lambda ch, c: codec.encode(ch, p.aux, keys.at(c, 0)))(
-      p.chunks, jnp.arange(n))
-  each = jnp.stack([codec.decode(jax.tree.map(lambda a: a[c], payloads), p.aux)
-                    for c in range(n)])
-  _same(codec.decode_many(payloads, p.aux), each)
-  _same(codec.decode_finish(payloads, p.aux, bucket, None)[0],
-        codec.finish(each, p.aux, bucket, None)[0])
-  rolled = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), payloads)  # chunk c at rank c + 1
-  _same(codec.decode_finish(rolled, p.aux, bucket, None, rotate=1)[0],
-        codec.finish(each, p.aux, bucket, None)[0])
+
+  def run():  # under one jit (eagerly: a compile per operation)
+    x = jax.random.normal(jax.random.key(3), (d,))
+    keys = Keys.from_key(jax.random.key(3), bucket=0, rank=0)
+    meta = codec.metadata(x, bucket, None, keys)
+    p = codec.plan(x, None if meta is None else meta.local, bucket, None, keys)
+    payloads = jax.vmap(lambda ch, c: codec.encode(ch, p.aux, keys.at(c, 0)))(
+        p.chunks, jnp.arange(n))
+    each = jnp.stack([codec.decode(jax.tree.map(lambda a: a[c], payloads), p.aux)
+                      for c in range(n)])
+    rolled = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), payloads)  # chunk c at rank c + 1
+    return (each, codec.decode_many(payloads, p.aux), codec.finish(each, p.aux, bucket, None)[0],
+            codec.decode_finish(payloads, p.aux, bucket, None)[0],
+            codec.decode_finish(rolled, p.aux, bucket, None, rotate=1)[0])
+
+  each, many, want, finished, finished_rolled = jax.jit(run)()
+  _same(many, each)
+  _same(finished, want)
+  _same(finished_rolled, want)
