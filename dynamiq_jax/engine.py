@@ -64,7 +64,7 @@ from dynamiq_jax.schedules.plan import TreePlan, get_plan
 __all__ = [
     "SAFE_EXPONENT", "guard", "guard_votes", "guarded", "guard_metadata", "unguard",
     "one_after_another",
-    "hop_ops", "combine_metadata", "lossy_receive", "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
+    "hop_ops", "combine_metadata", "plan_bucket", "lossy_receive", "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
     "reduce_buckets", "program_keys", "wire_pass", "decode_pass", "wire_loop", "zeros_after", "decode_loop",
     "run_sharded",
 ]
@@ -111,7 +111,11 @@ def hop_ops(codec: Codec, aux, keys: Keys) -> HopOps:
 
   decode_many = (lambda payloads: codec.decode_many(payloads, aux)) if type(
       codec).decode_many is not Codec.decode_many else None  # None: the executor's decodes
-  return HopOps(encode, decode, decode_add_encode, decode_add, decode_sum, decode_many)
+  decode_sum_encode = (
+      lambda payloads, c, hop: codec.decode_sum_encode(payloads, aux, keys.at(c, hop))
+  ) if type(codec).decode_sum_encode is not Codec.decode_sum_encode else None
+  return HopOps(encode, decode, decode_add_encode, decode_add, decode_sum, decode_many,
+                decode_sum_encode)
 
 
 def combine_metadata(meta, ctx: AxisContext, keys: Keys):
@@ -123,6 +127,19 @@ def combine_metadata(meta, ctx: AxisContext, keys: Keys):
   if isinstance(meta.combine, Codec):
     return two_step(ctx, meta.local, hop_ops(meta.combine, None, keys))
   raise ValueError(f"Metadata.combine={meta.combine!r} must be 'max' or a Codec")
+
+
+def plan_bucket(x, local, codec: Codec, bucket: Bucket, state, keys: Keys, ctx: AxisContext):
+  """``codec.plan`` of guarded ``x`` given this rank's metadata ``local`` (a
+  :class:`~dynamiq_jax.codecs.base.Metadata`, or None): combined over the ranks first,
+  and what it kept for the plan (``Metadata.kept``) passed on as ``kept``."""
+  if local is None:
+    return codec.plan(x, None, bucket, state, keys)
+  with jax.named_scope("metadata"):
+    meta = combine_metadata(local, ctx, keys)
+  if local.kept is None:
+    return codec.plan(x, meta, bucket, state, keys)
+  return codec.plan(x, meta, bucket, state, keys, kept=local.kept)
 
 
 def lossy_receive(loss, codec: Codec, bucket: Bucket, keys: Keys, ctx: AxisContext, chunks):
@@ -147,10 +164,7 @@ def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan
   step loses packets; the metadata pass and the gather step do not. ``local``: the local
   metadata if made (:func:`guard_metadata`; None: ``codec.metadata``)."""
   meta = local if local is not None else codec.metadata(x, bucket, state, keys)
-  if meta is not None:
-    with jax.named_scope("metadata"):
-      meta = combine_metadata(meta, ctx, keys)
-  p = codec.plan(x, meta, bucket, state, keys)
+  p = plan_bucket(x, meta, codec, bucket, state, keys, ctx)
   payloads = gather_payloads(plan, ctx, reduce_scatter(
       plan, ctx, p.chunks, hop_ops(codec, p.aux, keys),
       lossy=lossy_receive(loss, codec, bucket, keys, ctx, p.chunks)), chunk_order=False)
@@ -296,10 +310,7 @@ class ReduceScatter:
     keys = program_keys(words, index, ctx, self.codec)
     nonfinite, x, scale, meta = guard_metadata(x, used, bucket, keys, ctx, after)
     meta = meta if meta is not None else used.metadata(x, bucket, None, keys)
-    if meta is not None:
-      with jax.named_scope("metadata"):
-        meta = combine_metadata(meta, ctx, keys)
-    p = used.plan(x, meta, bucket, None, keys)
+    p = plan_bucket(x, meta, used, bucket, None, keys, ctx)
     with jax.named_scope("reduce_scatter"):
       mine = reduce_scatter(plan, ctx, p.chunks, hop_ops(used, p.aux, keys), encode_root=False,
                             lossy=lossy_receive(self.loss, used, bucket, keys, ctx, p.chunks))

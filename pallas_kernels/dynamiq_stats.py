@@ -11,34 +11,39 @@ super-group of 256 coordinates per row) and gives, per row:
   step ``hop``: :func:`pallas_kernels.rng.hash_index` of the element index
   ``row % s`` in the chunk of ``s`` rows);
 * the L2 norm of the centred residual, exact to bf16 (:func:`row_norm_block`,
-  the arithmetic of :func:`dynamiq_jax.codecs._exact.row_norm`).
+  the arithmetic of :func:`dynamiq_jax.codecs._exact.row_norm`);
+* the centring mean itself, float32 (the codec subtracts it before it
+  encodes: :func:`rescale` finishes it), so that no second pass over the bucket
+  (:func:`row_mean`) computes it again.
 
 **Scale.** The guard scales a bucket whose largest magnitude reaches
 ``2^safe_exponent`` by a power of two, which is known only once every rank
 has voted; this pass runs before that. So each row is first scaled by its
 *own* guard factor ``2^shift`` (``shift = min(safe_exponent - e, 0)``,
 ``e`` the exponent of the row's largest magnitude: 0 for every usual row),
-which keeps sums and residuals finite, and :func:`rescale` multiplies mean
-and norm by ``2^(bucket shift - row shift)`` after the vote. A product by a
+which keeps sums and residuals finite, and :func:`rescale` multiplies mean and
+norm (and the centring mean) by ``2^(bucket shift - row shift)``
+after the vote. A product by a
 power of two is exact, and stochastic rounding to bf16 commutes with it, so
 these are the statistics of the guarded bucket, bit for bit, except where
 the guarded values are subnormal (below 2^-126: only in a bucket with a
 value of 2^64 or more, for values 2^190 times smaller than its largest):
 there the statistics of the guarded bucket would have lost bits that these
-keep (and a GPU may flush them), and the codec's centring mean
-(:func:`row_mean` of the guarded values) can differ from the mean sent in
-those bits. Norms below 2^-126 are flushed to 0 (they only rank super-groups).
+keep (and a GPU may flush them), and the centring mean can differ from
+:func:`row_mean` of the guarded values (and from the mean sent) in those bits. Norms below 2^-126 are flushed to 0 (they only rank super-groups).
 
 :func:`stats_sum` is the owner's step of the statistics' all-reduce
 (:meth:`dynamiq_jax.codecs.dynamiq.SupergroupStats.decode_sum`): the n ranks'
 payloads of one chunk ``[n, s, 2]`` bf16 decoded, the means summed by a fixed
 pairwise tree in rank order, the norms combined as ``sqrt(sum of squares)``
 (:func:`dynamiq_jax.codecs._exact.hypot_all`'s arithmetic), in one launch.
-:func:`row_mean` is the centring mean of the guarded bucket (the same tree).
+:func:`row_mean` is the centring mean of a guarded bucket that :func:`guard_stats` did
+not read (the same tree).
 
 Memory layout: one program handles :data:`BLOCK` rows, each row whole in
 registers (both reductions of a row stay in the program) and writes one
-column of a ``[4, S]`` output (mean, norm, largest magnitude, non-finite flag);
+column of a ``[6, S]`` output (mean, norm, largest magnitude, non-finite flag,
+centring mean, inverse row factor);
 the key tables come in whole and are gathered by chunk. Pairwise trees are
 ``split``-and-add steps (``v[..., :h] + v[..., h:]``), which the Triton
 backend lowers as register shuffles. The block arithmetic below is shared by
@@ -50,6 +55,7 @@ GPU), so the two agree bit for bit; on a GPU the square root is
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,9 +67,10 @@ from pallas_kernels import rng
 from pallas_kernels import triton_ops as tt
 
 __all__ = ["ROW", "BLOCK", "NUM_WARPS", "tree_sum", "row_stats_block", "row_norm_block",
-           "guard_exponent", "rescale", "row_mean", "row_mean_reference", "row_mean_pallas",
+           "guard_exponent", "rescale", "GuardStats", "row_mean", "row_mean_reference", "row_mean_pallas",
            "guard_stats", "guard_stats_reference", "guard_stats_pallas",
-           "stats_sum", "stats_sum_reference", "stats_sum_pallas"]
+           "stats_sum", "stats_sum_reference", "stats_sum_pallas", "stats_sum_encode",
+           "stats_sum_encode_reference"]
 
 ROW = 256
 """Coordinates per row (a DynamiQ super-group)."""
@@ -74,6 +81,7 @@ NUM_WARPS = 4
 """Warps per program."""
 _SUM_BLOCK = 256  # super-groups per program of stats_sum_pallas
 _TINY = np.float32(2.0**-126)  # smallest normal float32
+_OUTPUTS = 6  # rows of guard_stats' output: mean, norm, amax, bad, centre, unshift
 
 
 # ----------------------------------------------------------------------------
@@ -139,13 +147,16 @@ def row_norm_block(r, sqrt=jnp.sqrt):
 
 
 def row_stats_block(x, j, k0, k1, *, safe_exponent: int, sqrt=jnp.sqrt):
-  """One pass over rows ``x`` float [B, 256] -> per row ``(mean, norm, amax, bad)``, float32.
+  """One pass over rows ``x`` float [B, 256] -> per row ``(mean, norm, amax, bad, centre,
+  unshift)``, float32.
 
   ``amax``: the largest finite magnitude; ``bad``: 1.0 if a value is not
   finite. ``mean`` and ``norm``: the statistics of the row's finite values
   (others as 0) scaled by the row's guard factor ``2^shift`` (module
   docstring; :func:`rescale` finishes them), the mean rounded to bf16
-  stochastically by ``hash_index(k0, k1, j)``.
+  stochastically by ``hash_index(k0, k1, j)``; ``centre``: the same mean before
+  that rounding (the codec's centring mean, row-scaled); ``unshift``: ``2^-shift``,
+  which :func:`rescale` multiplies by the bucket's factor.
 
   Args:
     x: float [B, 256].
@@ -162,8 +173,8 @@ def row_stats_block(x, j, k0, k1, *, safe_exponent: int, sqrt=jnp.sqrt):
   xt = xz * _pow2(shift)[:, None]
   mean = tree_sum(xt) * np.float32(1.0 / ROW)
   norm = row_norm_block(xt - mean[:, None], sqrt)
-  mean = _stochastic_bf16(mean, rng.hash_index(k0, k1, j))
-  return mean, norm, amax, bad
+  sent = _stochastic_bf16(mean, rng.hash_index(k0, k1, j))
+  return sent, norm, amax, bad, mean, _pow2(-shift)
 
 
 def _row_shift(amax, safe_exponent: int):
@@ -178,15 +189,19 @@ def guard_exponent(amax, safe_exponent: int):
   return _row_shift(amax, safe_exponent)
 
 
-def rescale(mean, norm, amax, scale_exponent, *, safe_exponent: int):
-  """Row statistics of :func:`guard_stats` (``amax`` its rows' largest magnitudes) -> those
-  of the guarded bucket ``[S, 2]`` bfloat16 (the means already stochastically rounded),
-  ``scale_exponent`` (int32) the bucket's guard exponent (:func:`guard_exponent`): each
-  row times ``2^(scale_exponent - row shift)`` (exact: a power of two in [2^-64, 1])."""
+def rescale(found, scale_exponent, *, safe_exponent: int):
+  """:func:`guard_stats`' row statistics (a :class:`GuardStats`) -> those of the guarded
+  bucket: ``(stats, centre)``, ``[S, 2]`` bfloat16 (mean, norm: the means already
+  stochastically rounded) and float32 ``[S]`` the centring means (:func:`row_mean` of the
+  guarded rows, bit for bit barring subnormals: module docstring), ``scale_exponent``
+  (int32) the bucket's guard exponent (:func:`guard_exponent`). Each row times
+  ``2^scale_exponent 2^-shift`` (``found.unshift``; exact: a power of two in [2^-64, 1]).
+  """
   if safe_exponent >= 127:  # nothing is scaled
-    return jnp.stack([mean, norm], axis=-1).astype(jnp.bfloat16)
-  f = _pow2(scale_exponent - _row_shift(amax, safe_exponent))
-  return jnp.stack([mean * f, norm * f], axis=-1).astype(jnp.bfloat16)
+    return jnp.stack([found.mean, found.norm], axis=-1).astype(jnp.bfloat16), found.centre
+  f = _pow2(scale_exponent) * found.unshift  # (both powers of two: exact)
+  return (jnp.stack([found.mean * f, found.norm * f], axis=-1).astype(jnp.bfloat16),
+          found.centre * f)
 
 
 def _sum_block(means, norms, sqrt=jnp.sqrt):
@@ -219,15 +234,38 @@ def _chunk_keys(k0, k1, hop, c, stride: int):
   return k0[i], k1[i]
 
 
+class GuardStats(NamedTuple):
+  """What :func:`guard_stats` returns: float32 [S] per row, float32 scalars the votes.
+
+  Attributes:
+    mean: the row-scaled local mean, rounded to bf16 stochastically (the statistics'
+      first encode).
+    norm: the row-scaled norm of the centred residual, rounded to bf16.
+    rows_amax: each row's largest finite magnitude.
+    amax: the guard's vote, the largest finite magnitude.
+    bad: the guard's vote, 1.0 if a value is not finite.
+    centre: the row-scaled local mean in float32 (:func:`rescale` finishes it).
+    unshift: ``2^-shift``, the inverse of each row's own guard factor (:func:`rescale`).
+  """
+
+  mean: jax.Array
+  norm: jax.Array
+  rows_amax: jax.Array
+  amax: jax.Array
+  bad: jax.Array
+  centre: jax.Array
+  unshift: jax.Array
+
+
 def guard_stats_reference(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: int = 1):
   """:func:`guard_stats` in jnp: the same block arithmetic over every row at once."""
   _check_rows(x)
   row = jnp.arange(x.shape[0], dtype=jnp.int32)
   k0, k1 = (jnp.asarray(k, jnp.uint32).reshape(-1) for k in (k0, k1))
   hop = jnp.asarray(hop, jnp.int32).reshape(())
-  mean, norm, amax, bad = row_stats_block(x, row % s, *_chunk_keys(k0, k1, hop, row // s, stride),
-                                          safe_exponent=safe_exponent)
-  return mean, norm, amax, jnp.max(amax), jnp.max(bad)
+  mean, norm, amax, bad, mid, unshift = row_stats_block(
+      x, row % s, *_chunk_keys(k0, k1, hop, row // s, stride), safe_exponent=safe_exponent)
+  return GuardStats(mean, norm, amax, jnp.max(amax), jnp.max(bad), mid, unshift)
 
 
 def _guard_stats_kernel(keys_ref, hop_ref, x_ref, out_ref, *, block: int, s: int,
@@ -241,7 +279,7 @@ def _guard_stats_kernel(keys_ref, hop_ref, x_ref, out_ref, *, block: int, s: int
   sqrt = jnp.sqrt if interpret else _sqrt_rn
   found = row_stats_block(x_ref[...], row % s, keys_ref[i], keys_ref[half + i],
                           safe_exponent=safe_exponent, sqrt=sqrt)
-  for r, v in enumerate(found):  # (mean, norm, amax, bad): one output, [4, S]
+  for r, v in enumerate(found):  # (mean, norm, amax, bad, centre, unshift): one output
     out_ref[r, :] = v
 
 
@@ -264,11 +302,11 @@ def _guard_stats_launch(x, keys, hop, *, s, stride, safe_exponent, interpret, bl
   kernel = functools.partial(_guard_stats_kernel, block=block, s=s, stride=stride,
                              safe_exponent=safe_exponent, interpret=bool(interpret))
   whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))
-  out = jax.ShapeDtypeStruct((4, rows), jnp.float32)
+  out = jax.ShapeDtypeStruct((_OUTPUTS, rows), jnp.float32)
   return pl.pallas_call(
       kernel, out_shape=D.typed_like(out, (x, keys, hop)), grid=(pl.cdiv(rows, block),),
       in_specs=[whole(keys), whole(hop), pl.BlockSpec((block, ROW), lambda i: (i, 0))],
-      out_specs=pl.BlockSpec((4, block), lambda i: (0, i)),
+      out_specs=pl.BlockSpec((_OUTPUTS, block), lambda i: (0, i)),
       compiler_params=_compiler_params(interpret), interpret=interpret,
       name="dynamiq_guard_stats")(keys, hop, x)
 
@@ -281,16 +319,13 @@ def guard_stats_pallas(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: 
     raise NotImplementedError(f"x dtype {x.dtype} (the kernel takes float32)")
   if not interpret:
     _quiet()
-  k0, k1 = (jnp.asarray(k, jnp.uint32).reshape(-1) for k in (k0, k1))
-  if k0.shape != k1.shape:
-    raise ValueError(f"k0 has {k0.size} keys and k1 {k1.size}; give tables of one size")
   hop = jnp.asarray(hop, jnp.int32).reshape(1)
   launch = functools.partial(_guard_stats_launch, s=s, stride=stride,
                              safe_exponent=safe_exponent, interpret=interpret, block=block)
-  # one operand: where k0 and k1 are adjacent slices of one array, XLA passes one slice
-  out = D.map_over_batch(launch, x, jnp.concatenate([k0, k1]), hop)  # [..., 4, S]
-  votes = jnp.max(out[..., 2:, :], axis=-1)  # one reduction for both
-  return out[..., 0, :], out[..., 1, :], out[..., 2, :], votes[..., 0], votes[..., 1]
+  out = D.map_over_batch(launch, x, _flat_keys(k0, k1), hop)  # [..., 6, S]
+  votes = jnp.max(out[..., 2:4, :], axis=-1)  # one reduction for both
+  return GuardStats(out[..., 0, :], out[..., 1, :], out[..., 2, :], votes[..., 0],
+                    votes[..., 1], out[..., 4, :], out[..., 5, :])
 
 
 def guard_stats(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: int = 1,
@@ -310,10 +345,11 @@ def guard_stats(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: int = 1
     implementation, interpret: as :func:`pallas_kernels.dynamiq.compress`'s.
 
   Returns:
-    ``(mean, norm, rows_amax, amax, bad)``: float32 [S] the row-scaled statistics
-    (the mean rounded to bf16 stochastically, the norm to bf16) and each row's
-    largest finite magnitude (:func:`rescale` takes these three); float32 scalars
-    the guard's votes: the largest finite magnitude and the non-finite flag.
+    a :class:`GuardStats`: float32 [S] the row-scaled statistics (the mean rounded
+    to bf16 stochastically, the norm to bf16), each row's largest finite magnitude,
+    the row-scaled centring mean and the inverse row factor (:func:`rescale` takes
+    it all); float32 scalars the guard's votes: the largest finite magnitude and the
+    non-finite flag.
   """
   n = np.size(k0) // stride
   if s < 1 or x.ndim != 2 or x.shape[0] != s * n:
@@ -358,8 +394,8 @@ def row_mean_pallas(x, *, interpret=False, block: int = BLOCK):
 
 def row_mean(x, *, implementation: D.Implementation = None, interpret: bool | None = None):
   """Each row's mean, its pairwise :func:`tree_sum` times 2^-8: the centring mean of a
-  guarded bucket ``x`` float32 [S, 256] (the mean :func:`guard_stats` encodes, barring
-  subnormals: module docstring)."""
+  guarded bucket ``x`` float32 [S, 256] (what :func:`guard_stats` gives in its pass,
+  barring subnormals: module docstring), for a bucket that pass did not read."""
   return D.dispatch("row_mean", D.Kernels(row_mean_pallas), row_mean_reference,
                     _implementation(implementation), interpret, x)
 
@@ -379,6 +415,24 @@ def _pad_ranks(payloads):
   return jnp.pad(payloads, ((0, q - n), (0, 0), (0, 0))) if q != n else payloads
 
 
+def _encode_block(total, norm, k0, k1, j):
+  """The sum's encode for the next step (:meth:`SupergroupStats.encode
+  <dynamiq_jax.codecs.dynamiq.SupergroupStats.encode>`): bfloat16 ``[B, 2]``, the
+  means ``total`` rounded stochastically by ``hash_index(k0, k1, j)`` (non-finite
+  ones as they are, as :func:`pallas_kernels.bf16.stochastic`), the norms as they are
+  (bf16-exact)."""
+  mean = jnp.where(_finite(total), _stochastic_bf16(total, rng.hash_index(k0, k1, j)), total)
+  return jnp.stack([mean, norm], axis=-1).astype(jnp.bfloat16)
+
+
+def _sum_keys(keys, chunk, *, stride: int, step: int):
+  """``(k0, k1)`` of chunk ``chunk`` at ``step``: entry ``chunk stride + step`` of the flat
+  tables ``keys`` (k0's, then k1's)."""
+  half = keys.shape[0] // 2
+  i = chunk * stride + step
+  return keys[i], keys[half + i]
+
+
 def stats_sum_reference(payloads):
   """:func:`stats_sum` in jnp."""
   _check_payloads(payloads)
@@ -386,28 +440,52 @@ def stats_sum_reference(payloads):
   return jnp.stack(_sum_block(p[..., 0], p[..., 1]), axis=-1)
 
 
-def _stats_sum_kernel(p_ref, out_ref, *, interpret: bool):
+def stats_sum_encode_reference(payloads, k0, k1, chunk, *, stride: int, step: int):
+  """:func:`stats_sum_encode` in jnp."""
+  _check_payloads(payloads)
+  p = _pad_ranks(payloads).astype(jnp.float32)
+  total, norm = _sum_block(p[..., 0], p[..., 1])
+  keys = _flat_keys(k0, k1)
+  c = jnp.asarray(chunk, jnp.int32).reshape(())
+  j = jnp.arange(total.shape[0], dtype=jnp.int32)
+  return _encode_block(total, norm, *_sum_keys(keys, c, stride=stride, step=step), j)
+
+
+def _stats_sum_kernel(p_ref, *refs, interpret: bool, encode: bool, block: int, stride: int,
+                      step: int):
   means = p_ref[:, :, 0].astype(jnp.float32)
   norms = p_ref[:, :, 1].astype(jnp.float32)
   total, norm = _sum_block(means, norms, sqrt=jnp.sqrt if interpret else _sqrt_rn)
-  out_ref[...] = jnp.stack([total, norm], axis=-1)
+  if not encode:
+    [out_ref] = refs
+    out_ref[...] = jnp.stack([total, norm], axis=-1)
+    return
+  keys_ref, chunk_ref, out_ref = refs
+  half = keys_ref.shape[0] // 2
+  i = chunk_ref[0] * stride + step
+  j = pl.program_id(0) * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+  out_ref[...] = _encode_block(total, norm, keys_ref[i], keys_ref[half + i], j)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block"))
-def _stats_sum_launch(payloads, *, interpret, block):
+@functools.partial(jax.jit, static_argnames=("interpret", "block", "stride", "step"))
+def _stats_sum_launch(payloads, keys=None, chunk=None, *, interpret, block, stride=1, step=0):
   n, s, _ = payloads.shape
-  out = jax.ShapeDtypeStruct((s, 2), jnp.float32)
+  encode = keys is not None
+  out = jax.ShapeDtypeStruct((s, 2), jnp.bfloat16 if encode else jnp.float32)
+  operands = (payloads, keys, chunk) if encode else (payloads,)
+  whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))
   return pl.pallas_call(
-      functools.partial(_stats_sum_kernel, interpret=bool(interpret)),
-      out_shape=D.typed_like(out, (payloads,)), grid=(pl.cdiv(s, block),),
-      in_specs=[pl.BlockSpec((n, block, 2), lambda i: (0, i, 0))],
+      functools.partial(_stats_sum_kernel, interpret=bool(interpret), encode=encode,
+                        block=block, stride=stride, step=step),
+      out_shape=D.typed_like(out, operands), grid=(pl.cdiv(s, block),),
+      in_specs=[pl.BlockSpec((n, block, 2), lambda i: (0, i, 0))]
+      + ([whole(keys), whole(chunk)] if encode else []),
       out_specs=pl.BlockSpec((block, 2), lambda i: (i, 0)),
       compiler_params=_compiler_params(interpret), interpret=interpret,
-      name="dynamiq_stats_sum")(payloads)
+      name="dynamiq_stats_sum_encode" if encode else "dynamiq_stats_sum")(*operands)
 
 
-def stats_sum_pallas(payloads, *, interpret=False, block: int = _SUM_BLOCK):
-  """Kernel version of :func:`stats_sum_reference`."""
+def _check_sum_kernel(payloads, interpret):
   _check_payloads(payloads)
   n = payloads.shape[0]
   if payloads.dtype != jnp.bfloat16:
@@ -416,9 +494,37 @@ def stats_sum_pallas(payloads, *, interpret=False, block: int = _SUM_BLOCK):
     raise NotImplementedError(f"n={n} ranks, not a power of two")
   if not interpret:
     _quiet()
-  block = min(block, 1 << max(payloads.shape[1] - 1, 0).bit_length())
-  launch = functools.partial(_stats_sum_launch, interpret=interpret, block=block)
+
+
+def _sum_block_rows(payloads, block: int) -> int:
+  return min(block, 1 << max(payloads.shape[1] - 1, 0).bit_length())
+
+
+def stats_sum_pallas(payloads, *, interpret=False, block: int = _SUM_BLOCK):
+  """Kernel version of :func:`stats_sum_reference`."""
+  _check_sum_kernel(payloads, interpret)
+  launch = functools.partial(_stats_sum_launch, interpret=interpret,
+                             block=_sum_block_rows(payloads, block))
   return D.map_over_batch(launch, payloads)
+
+
+def _flat_keys(k0, k1):
+  """k0's and k1's tables, flat, in one operand (a bucket's two tables are adjacent in its
+  key row, so XLA passes one slice of it, the one :func:`guard_stats` reads)."""
+  k0, k1 = (jnp.asarray(k, jnp.uint32).reshape(-1) for k in (k0, k1))
+  if k0.shape != k1.shape:
+    raise ValueError(f"k0 has {k0.size} keys and k1 {k1.size}; give tables of one size")
+  return jnp.concatenate([k0, k1])
+
+
+def stats_sum_encode_pallas(payloads, k0, k1, chunk, *, stride: int, step: int, interpret=False,
+                            block: int = _SUM_BLOCK):
+  """Kernel version of :func:`stats_sum_encode_reference` (the same arguments)."""
+  _check_sum_kernel(payloads, interpret)
+  launch = functools.partial(_stats_sum_launch, interpret=interpret, stride=stride, step=step,
+                             block=_sum_block_rows(payloads, block))
+  return D.map_over_batch(launch, payloads, _flat_keys(k0, k1),
+                          jnp.asarray(chunk, jnp.int32).reshape(1))
 
 
 def stats_sum(payloads, *, implementation: D.Implementation = None,
@@ -435,6 +541,31 @@ def stats_sum(payloads, *, implementation: D.Implementation = None,
   """
   return D.dispatch("stats_sum", D.Kernels(stats_sum_pallas), stats_sum_reference,
                     _implementation(implementation), interpret, payloads)
+
+
+def stats_sum_encode(payloads, k0, k1, chunk, *, stride: int, step: int,
+                     implementation: D.Implementation = None, interpret: bool | None = None):
+  """:func:`stats_sum` and the sum's encode for the next step, in one pass: the owner's
+  step of the statistics' two-step all-reduce, ending in what it all-gathers.
+
+  Args:
+    payloads: bfloat16 [n, s, 2], as for :func:`stats_sum`.
+    k0, k1: uint32, flat key tables (as :func:`guard_stats`'): the encode's key is
+      entry ``chunk * stride + step``.
+    chunk: int32 scalar, the chunk this rank owns (traced).
+    stride, step: static ints (DynamiQ's ``[n, n + 1]`` tables: ``n + 1`` and ``n``).
+
+  Returns:
+    bfloat16 [s, 2]: the means of :func:`stats_sum` rounded to bf16 stochastically by
+    ``hash_index(k0, k1, j)`` for row j, the norms as they are: the bits of
+    :meth:`SupergroupStats.encode <dynamiq_jax.codecs.dynamiq.SupergroupStats.encode>`
+    of :func:`stats_sum`.
+  """
+  if not (isinstance(stride, (int, np.integer)) and isinstance(step, (int, np.integer))):
+    raise TypeError(f"stride={stride!r} and step={step!r} must be Python ints (static)")
+  return D.dispatch("stats_sum_encode", D.Kernels(stats_sum_encode_pallas),
+                    stats_sum_encode_reference, _implementation(implementation), interpret,
+                    payloads, k0, k1, chunk, stride=int(stride), step=int(step))
 
 
 def _implementation(implementation: D.Implementation) -> D.Implementation:

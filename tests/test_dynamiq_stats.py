@@ -14,6 +14,7 @@ import pytest
 
 import dynamiq_jax as dq
 from dynamiq_jax import engine
+from dynamiq_jax.codecs.dynamiq import DynamiQKeyTables, SupergroupStats
 from dynamiq_jax.codecs._exact import hypot_all, row_norm, stochastic_bf16, tree_sum
 from pallas_kernels import dynamiq_stats as S
 from pallas_kernels import rng
@@ -70,7 +71,7 @@ def _old_statistics(x, k0, k1, s):
   xg = jnp.asarray(np.where(finite, x, 0) * scale)
   row = np.arange(x.shape[0])
   c, j = row // s, jnp.asarray(row % s, jnp.uint32)
-  return _old_encode(xg, k0, k1, c, j), amax, float(~finite.all())
+  return _old_encode(xg, k0, k1, c, j), amax, float(~finite.all()), xg
 
 
 @jax.jit  # one compile (eagerly: one per operation)
@@ -97,7 +98,7 @@ def test_guard_stats_kernel_equals_the_reference(n, s, kind):
   k0, k1 = _keys(n)
   want = SJ.guard_stats_reference(x, k0, k1, s=s, safe_exponent=SAFE)
   got = SJ.guard_stats_pallas(x, k0, k1, s=s, safe_exponent=SAFE, interpret=True)
-  assert len(want) == len(got) == 5
+  assert len(want) == len(got) == 7
   for a, b in zip(want, got):
     _same(a, b)
 
@@ -119,17 +120,21 @@ def test_keys_from_a_table_of_chunks_and_steps():
 
 @pytest.mark.parametrize("n,s,kind", CASES)
 def test_one_pass_equals_the_guard_then_the_statistics(n, s, kind):
-  """Votes and the rescaled statistics are the guard's and those of the guarded bucket, bit
-  for bit (huge rows: the bucket is scaled by 2^-36 or 2^-64, exactly)."""
+  """Votes, the rescaled statistics and the centring means are the guard's, those of the
+  guarded bucket and its :func:`row_mean`, bit for bit (huge rows: the bucket is scaled by
+  2^-36 or 2^-64, exactly)."""
   x = _rows(n * 10 + s, n, s, kind)
   k0, k1 = _keys(n, seed=5)
-  mean, norm, rows_amax, amax, bad = SJ.guard_stats(x, k0, k1, s=s, safe_exponent=SAFE)
-  want, want_amax, want_bad = _old_statistics(x, k0, k1, s)
+  found = SJ.guard_stats(x, k0, k1, s=s, safe_exponent=SAFE)
+  amax, bad = found.amax, found.bad
+  want, want_amax, want_bad, guarded = _old_statistics(x, k0, k1, s)
   assert float(amax) == want_amax and float(bad) == want_bad
   shift = S.guard_exponent(amax, SAFE)
   _, e = np.frexp(want_amax)
   assert int(shift) == min(SAFE - int(e), 0) and (int(shift) < 0) == (kind == "huge")
-  _same(SJ.rescale(mean, norm, rows_amax, shift, safe_exponent=SAFE), want)
+  stats, centred = SJ.rescale(found, shift, safe_exponent=SAFE)
+  _same(stats, want)
+  _same(centred, SJ.row_mean(guarded))
 
 
 def test_zero_rows_give_zero_statistics_and_bad_rows_count_as_zeros():
@@ -137,12 +142,14 @@ def test_zero_rows_give_zero_statistics_and_bad_rows_count_as_zeros():
   x[1, 3] = np.nan
   x[2, :] = np.inf
   x[3, 5] = 2.0
-  mean, norm, rows_amax, amax, bad = SJ.guard_stats_pallas(jnp.asarray(x), *_keys(2), s=2,
-                                                           safe_exponent=SAFE, interpret=True)
+  mean, norm, rows_amax, amax, bad, centre, unshift = SJ.guard_stats_pallas(
+      jnp.asarray(x), *_keys(2), s=2, safe_exponent=SAFE, interpret=True)
   assert float(bad) == 1 and float(amax) == 2
   np.testing.assert_array_equal(np.asarray(rows_amax), [0, 0, 0, 2])
   np.testing.assert_array_equal(np.asarray(norm)[:3], 0)
   np.testing.assert_array_equal(np.asarray(mean)[:3], 0)
+  np.testing.assert_array_equal(np.asarray(centre), [0, 0, 0, 2 / 256])
+  np.testing.assert_array_equal(np.asarray(unshift), 1)
   assert float(norm[3]) == float(jnp.asarray(np.sqrt(255 * (2 / 256) ** 2 + (2 - 2 / 256) ** 2),
                                              jnp.bfloat16))
 
@@ -174,6 +181,26 @@ def test_stats_sum_kernel_equals_the_reference_and_the_old_decode_sum(n, s):
   _same(want, _old_decode_sum(p))
 
 
+@pytest.mark.parametrize("n,s", [(8, 300), (2, 5)])
+def test_stats_sum_encode_equals_the_sum_then_the_codecs_encode(n, s):
+  """The owner's step in one kernel: the bits of SupergroupStats.encode of stats_sum, with
+  the key of (chunk, step) from flat [n, n + 1] tables (non-finite sums pass through)."""
+  p = _payloads(n, s, seed=3 * n + s)
+  p = p.at[0, 1, 0].set(jnp.inf) if n > 2 else p
+  t0, t1 = (rng.mix32(jnp.arange(n * (n + 1), dtype=jnp.uint32) + v) for v in (7, 70))
+  chunk = jnp.int32(n - 1)
+  want = SJ.stats_sum_encode_reference(p, t0, t1, chunk, stride=n + 1, step=n)
+  _same(SJ.stats_sum_encode_pallas(p, t0, t1, chunk, stride=n + 1, step=n, interpret=True),
+        want)
+  tables = DynamiQKeyTables(None, (t0.reshape(n, n + 1), t1.reshape(n, n + 1)))
+  keys = dq.codecs.Keys(jnp.uint32(0), jnp.uint32(0), 0, chunk, (jnp.uint32(0),) * 2,
+                        tables=tables).at(chunk, n)
+  codec = SupergroupStats(implementation="xla")
+  old = jax.jit(lambda p: codec.encode(codec.decode_sum(p, None), None, keys))(p)
+  _same(want, old)
+  assert (n > 2) == bool(np.isinf(np.asarray(want, np.float32)).any())
+
+
 def test_stats_sum_of_a_rank_count_not_a_power_of_two_falls_back():
   p = _payloads(6, 9)
   with pytest.raises(NotImplementedError, match="n=6"):
@@ -200,12 +227,21 @@ def test_kernels_under_vmap_equal_the_reference():
     _same(a, b)
 
 
+def _compressed_rows(seed, kind):
+  """8 ranks' rows of ``_rows`` as one leaf: 8,192 coordinates per rank, the smallest
+  bucket DynamiQ compresses over 8 ranks (a smaller one goes as bf16, and no statistics
+  kernel would run)."""
+  x = np.asarray(_rows(seed, 8, 32, kind)).reshape(8, -1)
+  assert dq.codecs.DynamiQ().compresses(x.shape[1], 8)
+  return x
+
+
 @pytest.mark.parametrize("schedule", ["ring", "two_step"])
 @pytest.mark.parametrize("kind", ["mixed", "huge", "nonfinite"])
 def test_the_all_reduce_with_the_kernels_equals_the_reference(schedule, kind):
   """The whole DynamiQ all-reduce, kernels (interpret mode) against references: the same
   bits on every rank, non-finite and huge buckets included."""
-  x = np.asarray(_rows(7, 8, 4, kind)).reshape(8, -1)
+  x = _compressed_rows(7, kind)
 
   def run(impl):
     codec = dq.codecs.DynamiQ()
@@ -232,7 +268,7 @@ class _NoHook(dq.codecs.DynamiQ):
 
 @pytest.mark.parametrize("kind", ["mixed", "huge", "nonfinite"])
 def test_one_pass_guard_equals_the_two_pass_guard(kind):
-  x = np.asarray(_rows(3, 8, 4, kind)).reshape(8, -1)
+  x = _compressed_rows(3, kind)
   one = dq.simulate({"g": x}, codec=dq.codecs.DynamiQ())["g"]
   two = dq.simulate({"g": x}, codec=_NoHook())["g"]
   np.testing.assert_array_equal(_bits(one), _bits(two))
@@ -255,10 +291,15 @@ def test_kernels_lower_for_cuda():
   assert lower_for("cuda", jax.jit(S.stats_sum), p).count(TRITON) == 1
   assert TRITON not in lower_for("cpu", jax.jit(S.stats_sum), p)
   assert lower_for("cuda", jax.jit(S.row_mean), x).count(TRITON) == 1
+  t = jax.ShapeDtypeStruct((72,), jnp.uint32)
+  c = jax.ShapeDtypeStruct((), jnp.int32)
+  encode = jax.jit(lambda p, a, b, c: S.stats_sum_encode(p, a, b, c, stride=9, step=8))
+  assert lower_for("cuda", encode, p, t, t, c).count(TRITON) == 1
+  assert TRITON not in lower_for("cpu", encode, p, t, t, c)
 
 
 def compile_kernels():
-  """Both kernels compiled for one H100 (runs in the child), each with the XLA operation
+  """The kernels compiled for one H100 (runs in the child), each with the XLA operation
   that follows it in the codec (a program of one custom call alone emits an empty PTX
   module)."""
   [device] = GT.h100_devices(1)
@@ -273,6 +314,10 @@ def compile_kernels():
     out.append(jax.jit(lambda x: S.row_mean_pallas(x) * 2).trace(x).lower().compile())
     out.append(jax.jit(lambda p: S.stats_sum_pallas(p).astype(jnp.bfloat16)).trace(p).lower()
                .compile())
+    t = jax.ShapeDtypeStruct((72,), jnp.uint32, sharding=sharding)
+    c = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
+    encode = lambda p, a, b, c: S.stats_sum_encode_pallas(p, a, b, c, stride=9, step=8) * 2
+    out.append(jax.jit(encode).trace(p, t, t, c).lower().compile())
   return out
 
 
@@ -282,7 +327,8 @@ def test_kernels_compile_for_h100_without_spills():
     # (XLA also writes an empty PTX module per program: nothing to assemble)
     ptx = [f for f in build.ptx if ".version" in pathlib.Path(f).read_text()]
     report = GT.ptxas_report(ptx, prefix="dynamiq_")
-  names = {"dynamiq_guard_stats", "dynamiq_stats_sum", "dynamiq_row_mean"}
+  names = {"dynamiq_guard_stats", "dynamiq_stats_sum", "dynamiq_row_mean",
+           "dynamiq_stats_sum_encode"}
   assert names <= set(report), json.dumps(report)
   assert all(report[k]["spill_bytes"] == 0 for k in names), json.dumps(report)
 

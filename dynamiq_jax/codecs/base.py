@@ -219,10 +219,14 @@ class Metadata(NamedTuple):
       :meth:`Codec.decode_sum`, encodes the sum, all ranks decode it; e.g.
       DynamiQ's statistics, OmniReduce's counts); the combined value is that
       codec's decoded chunks.
+    kept: local values made in the same pass that the codec's own
+      :meth:`Codec.plan` reads and no collective carries (None: none); the engine
+      passes them as ``plan(..., kept=kept)`` (DynamiQ: its centring means).
   """
 
   local: PyTree
   combine: Any = "max"
+  kept: PyTree = None
 
 
 class Plan(NamedTuple):
@@ -392,6 +396,12 @@ class Codec(abc.ABC):
         acc = self.decode_add(take(s), acc, aux)
       return acc
     return jax.lax.fori_loop(1, n, lambda s, a: self.decode_add(take(s), a, aux), acc)
+
+  def decode_sum_encode(self, payloads, aux, keys: HopKeys):
+    """``encode(decode_sum(payloads))``: the owner's step of a two-step reduction, ending
+    in the payload it forwards. A codec overrides it to fuse the two, with the same
+    bits (DynamiQ's statistics: one kernel); the executor calls a codec's own."""
+    return self.encode(self.decode_sum(payloads, aux), aux, keys)
 
   def decode_many(self, payloads, aux):
     """Every gathered payload decoded: payloads (leading axis n) -> the partial sums they

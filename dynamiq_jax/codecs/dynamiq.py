@@ -234,15 +234,16 @@ class DynamiQ(Codec):
 
   # -- the all-reduce ------------------------------------------------------------
 
-  def _rows(self, x, bucket):
-    """x -> ([padded super-groups, 256] values, local means, centred residuals)."""
+  def _rows(self, x, bucket, mean=None):
+    """x -> (local means, centred residuals [padded super-groups, 256]); ``mean``: the
+    local means if already made (the statistics' pass keeps them: :meth:`guard_statistics`)."""
     lay = self.layout(bucket.d, bucket.n)
     total = lay.padded_supergroups
     xs = pad_to(x.astype(jnp.float32), total * SUPERGROUP).reshape(total, SUPERGROUP)
     if not self.centre:
       return jnp.zeros((total,), jnp.float32), xs
-    # a kernel in a GPU lowering: the pairwise tree of the statistics' mean, one launch
-    mean = stats_kernels.row_mean(xs, implementation=bucket.implementation)
+    if mean is None:  # a kernel in a GPU lowering: the statistics' pairwise tree, one launch
+      mean = stats_kernels.row_mean(xs, implementation=bucket.implementation)
     return mean, xs - mean[:, None]
 
   def metadata(self, x, bucket, state, keys=None):
@@ -261,8 +262,9 @@ class DynamiQ(Codec):
         mean, resid = self._rows(x, bucket)
         stats = jnp.stack([mean, row_norm(resid)], axis=-1)
         return Metadata(stats.reshape(n, -1, 2),
-                        combine=SupergroupStats(implementation=bucket.implementation))
-      votes, finish = self.guard_statistics(x, bucket, keys, safe_exponent=_NO_SCALE)
+                        combine=SupergroupStats(implementation=bucket.implementation),
+                        kept=mean if self.centre else None)
+      votes, finish = self._statistics_pass(x, bucket, keys, safe_exponent=_NO_SCALE)
       return finish(votes[0])  # (_NO_SCALE scales nothing)
 
   def guard_statistics(self, x, bucket, keys, *, safe_exponent: int):
@@ -278,23 +280,29 @@ class DynamiQ(Codec):
     """
     if not self.centre:
       return None
+    return self._statistics_pass(x, bucket, keys, safe_exponent=safe_exponent)
+
+  def _statistics_pass(self, x, bucket, keys, *, safe_exponent: int):
+    """:meth:`guard_statistics`' pass (also :meth:`metadata`'s, whatever a subclass's
+    hook does)."""
     n = bucket.n
     lay = self.layout(bucket.d, n)
     total = lay.padded_supergroups
     with jax.named_scope("dynamiq/stats"):
       xs = pad_to(x.astype(jnp.float32), total * SUPERGROUP).reshape(total, SUPERGROUP)
       k0, k1, hop, stride = self._first_keys(keys, n)
-      mean, norm, rows_amax, amax, bad = stats_kernels.guard_stats(
+      found = stats_kernels.guard_stats(
           xs, k0, k1, hop, s=total // n, safe_exponent=safe_exponent, stride=stride,
           implementation=bucket.implementation)
-    votes = [amax, bad]
+    votes = [found.amax, found.bad]
 
     def finish(agreed_amax):
       with jax.named_scope("dynamiq/stats"):
         shift = stats_kernels.guard_exponent(agreed_amax, safe_exponent)
-        stats = stats_kernels.rescale(mean, norm, rows_amax, shift, safe_exponent=safe_exponent)
+        stats, centre = stats_kernels.rescale(found, shift, safe_exponent=safe_exponent)
       return Metadata(stats.reshape(n, -1, 2),
-                      combine=SupergroupStats(implementation=bucket.implementation))
+                      combine=SupergroupStats(implementation=bucket.implementation),
+                      kept=centre)
 
     return votes, finish
 
@@ -312,7 +320,7 @@ class DynamiQ(Codec):
     k0, k1 = keys.derive(jnp.arange(n, dtype=jnp.uint32), hop, rng.Stream.DYNAMIQ_STATS)
     return k0, k1, jnp.int32(0), 1
 
-  def plan(self, x, meta, bucket, state, keys):
+  def plan(self, x, meta, bucket, state, keys, kept=None):
     """Widths chosen this round from the global statistics (identical on every rank).
 
     The equal-marginal-gain rule of :func:`~dynamiq_jax.codecs.allocation.allocate`,
@@ -321,7 +329,8 @@ class DynamiQ(Codec):
     (ties by index), and hands them to the chunks in turn (slot ``j n + c``:
     chunk c, position j), so position j of every chunk has the same width,
     widest first. With ``bucket.scatter``, chunk c takes its own super-groups,
-    ranked among themselves.
+    ranked among themselves. ``kept``: the local centring means of
+    :meth:`guard_statistics`' pass (None: computed here, one more pass over ``x``).
     """
     del state
     n = bucket.n
@@ -329,7 +338,7 @@ class DynamiQ(Codec):
     total, s = lay.padded_supergroups, lay.padded_supergroups // n
     stats = meta.reshape(total, 2)
     gmean, gnorm = stats[:, 0], stats[:, 1]
-    _, resid = self._rows(x, bucket)
+    _, resid = self._rows(x, bucket, kept)
     with jax.named_scope("dynamiq/allocate"):
       unit_bits = payload_lib.unit_bytes(lay.plane_bits) * 8
       # one Pallas kernel in a GPU lowering: slots, chunk order (slot j n + c: chunk c's
@@ -543,6 +552,20 @@ class SupergroupStats(Codec):
       p = jnp.moveaxis(payloads.astype(jnp.float32), 0, -1)  # [..., 2, n]
       return jnp.stack([tree_sum(p[..., 0, :]), hypot_all(p[..., 1, :])], axis=-1)
     return stats_kernels.stats_sum(payloads, implementation=self.implementation)
+
+  def decode_sum_encode(self, payloads, aux, keys):
+    """:meth:`decode_sum`, then :meth:`encode` of the sum, in one kernel launch where the
+    keys are the engine's tables and the step static
+    (:func:`pallas_kernels.dynamiq_stats.stats_sum_encode`): the same bits."""
+    tables = keys.keys.tables
+    if (payloads.dtype != jnp.bfloat16 or payloads.ndim != 3
+        or not isinstance(tables, DynamiQKeyTables)
+        or not isinstance(keys.hop, (int, np.integer))):
+      return self.encode(self.decode_sum(payloads, aux), aux, keys)
+    k0, k1 = tables.stats
+    return stats_kernels.stats_sum_encode(payloads, k0, k1, keys.chunk, stride=k0.shape[-1],
+                                          step=int(keys.hop),
+                                          implementation=self.implementation)
 
 
 def _entry(table, *index):

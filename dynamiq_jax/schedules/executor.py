@@ -73,6 +73,8 @@ class HopOps(NamedTuple):
     decode_many: ``payloads (leading axis n) -> values (leading axis n)``: every
       payload decoded at once, as ``decode`` of each (None: :func:`decode_all`
       decodes them one by one).
+    decode_sum_encode: ``(payloads, c, hop) -> payload``: ``encode(decode_sum(payloads),
+      c, hop)`` at once, the two-step owner's step (``hop`` a Python int; None: the two).
   """
 
   encode: Callable[[PyTree, Any, Any], PyTree]
@@ -81,6 +83,7 @@ class HopOps(NamedTuple):
   decode_add: Callable[[PyTree, PyTree], PyTree]
   decode_sum: Callable[[PyTree], PyTree] | None = None
   decode_many: Callable[[PyTree], PyTree] | None = None
+  decode_sum_encode: Callable[[PyTree, Any, int], PyTree] | None = None
 
 
 def _take(chunks, c):
@@ -138,6 +141,8 @@ def reduce_scatter(plan: TreePlan | TwoStepPlan, ctx: AxisContext, chunks, ops: 
     if n == 1:
       own = _take(chunks, 0)
       return ops.encode(own, jnp.int32(0), jnp.int32(1)) if encode_root else own
+    if encode_root and lossy is None and ops.decode_sum_encode is not None:
+      return ops.decode_sum_encode(two_step_exchange(ctx, chunks, ops), r, n)
     total = two_step_sum(ctx, chunks, ops, lossy)
     return ops.encode(total, r, jnp.int32(n)) if encode_root else total
 
@@ -284,17 +289,25 @@ def two_step_sum(ctx: AxisContext, chunks, ops: HopOps, lossy: Lossy | None = No
   With ``lossy``, the packets it lost are discarded and the sum is estimated
   from the rest (:func:`lossy_sum`).
   """
+  received = two_step_exchange(ctx, chunks, ops)
   n, r = ctx.n, ctx.rank()
-  with jax.named_scope("two_step/encode"):
-    payloads = jax.vmap(lambda ch, c: ops.encode(ch, c, r))(chunks,
-                                                            jnp.arange(n, dtype=jnp.int32))
-  received = ctx.all_to_all(payloads)  # row s: rank s's payload of chunk r
   with jax.named_scope("two_step/sum"):
     total = _decoded_sum(received, ops, n)
     if lossy is None:
       return total
   with jax.named_scope("two_step/lossy_sum"):
     return lossy_sum(received, total, ops, lossy, r)
+
+
+def two_step_exchange(ctx: AxisContext, chunks, ops: HopOps):
+  """The collective of :func:`two_step_sum`: every rank encodes each of its n chunks
+  (keys: chunk c, hop = its rank) and one ``all_to_all`` gives rank r every rank's
+  payload of chunk r (row s: rank s's)."""
+  n, r = ctx.n, ctx.rank()
+  with jax.named_scope("two_step/encode"):
+    payloads = jax.vmap(lambda ch, c: ops.encode(ch, c, r))(chunks,
+                                                            jnp.arange(n, dtype=jnp.int32))
+  return ctx.all_to_all(payloads)
 
 
 def _decoded_sum(received, ops: HopOps, n: int):
