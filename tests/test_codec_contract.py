@@ -13,7 +13,7 @@ import pytest
 import dynamiq_jax as dq
 from dynamiq_jax import codecs
 from dynamiq_jax.engine import combine_metadata
-from dynamiq_jax.codecs.dynamiq import SupergroupStats
+from dynamiq_jax.codecs.supergroup_stats import SupergroupStats
 from dynamiq_jax.schedules import axis_context
 
 from _helpers import per_rank, rows_identical

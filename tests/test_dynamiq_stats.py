@@ -14,7 +14,7 @@ import pytest
 
 import dynamiq_jax as dq
 from dynamiq_jax import engine
-from dynamiq_jax.codecs.dynamiq import DynamiQKeyTables, SupergroupStats
+from dynamiq_jax.codecs.supergroup_stats import DynamiQKeyTables, SupergroupStats
 from dynamiq_jax.codecs._exact import hypot_all, row_norm, stochastic_bf16, tree_sum
 from pallas_kernels import dynamiq_stats as S
 from pallas_kernels import rng

@@ -41,12 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.codecs import allocation
-from dynamiq_jax.codecs._exact import hypot
-from dynamiq_jax.codecs._exact import hypot_all
 from dynamiq_jax.codecs._exact import row_norm
-from dynamiq_jax.codecs._exact import stochastic_bf16
-from dynamiq_jax.codecs._exact import tree_sum
 from dynamiq_jax.codecs.base import Codec, Metadata, Plan, ceil_div, pad_to, partial_sum_energy
+from dynamiq_jax.codecs.supergroup_stats import STATS_BITS, DynamiQKeyTables, SupergroupStats
+from dynamiq_jax.codecs.supergroup_stats import table_entry
 from pallas_kernels import dynamiq as kernels
 from pallas_kernels import dynamiq_block as block
 from pallas_kernels import dynamiq_reference as payload_lib
@@ -56,7 +54,6 @@ from pallas_kernels import rng
 __all__ = ["DynamiQ", "DynamiQLayout"]
 
 SUPERGROUP = block.SUPERGROUP
-_STATS_BITS = 32  # two bf16 values per super-group
 _NO_SCALE = 1 << 10  # a guard exponent that scales no float32 (metadata of a guarded bucket)
 
 DEFAULT_EPS = ((2, 0.23), (4, 0.18), (8, 0.10))
@@ -394,7 +391,7 @@ class DynamiQ(Codec):
       return (k0, k1, s0, s1)
     r0, r1, s0, s1 = aux.chunk_keys  # the plan's: [n, n + 1] rounding keys, [n] strata keys
     c, h = keys.chunk, keys.hop
-    return (_entry(r0, c, h), _entry(r1, c, h), _entry(s0, c), _entry(s1, c))
+    return (table_entry(r0, c, h), table_entry(r1, c, h), table_entry(s0, c), table_entry(s1, c))
 
   def encode(self, chunk, aux, keys):
     return kernels.compress(chunk, aux.widths, aux.layout.units, keys=self._keys(keys, aux),
@@ -484,102 +481,6 @@ class DynamiQAux(NamedTuple):
   chunk_keys: tuple | None = None  # uint32: rounding keys [n, n + 1] x 2, stratum keys [n] x 2
 
 
-class DynamiQKeyTables(NamedTuple):
-  """One bucket's keys (:meth:`DynamiQ.key_tables`): ``chunk``, uint32 rounding keys
-  ``[n, n + 1]`` x 2 and stratum keys ``[n]`` x 2; ``stats``, the statistics' keys
-  ``[n, n + 1]`` x 2 (chunk, hop)."""
-
-  chunk: tuple
-  stats: tuple
-
-
-@dataclasses.dataclass(frozen=True)
-class SupergroupStats(Codec):
-  """The statistics all-reduce: lane 0 sums means, lane 1 combines norms.
-
-  Means are rounded to bf16 *stochastically* at every encode, so the mean
-  that is added back is an unbiased estimate of the exact sum of local means
-  and the whole all-reduce stays unbiased (round-to-nearest would leave a
-  fixed error of up to 2^-9 of every super-group mean). Norms only rank
-  super-groups; they are combined as the root of their summed squares with
-  exact squares (:func:`~dynamiq_jax.codecs._exact.hypot`, or
-  :func:`~dynamiq_jax.codecs._exact.hypot_all` for n at once), so the result
-  is ``sqrt(F)`` with ``F`` the sum of local squared norms.
-
-  A bfloat16 chunk is already encoded (DynamiQ's statistics pass encodes the
-  first step's payloads as it computes them, with the keys this encode would
-  use): :meth:`encode` passes it on. ``implementation`` chooses the kernel of
-  :meth:`decode_sum` (:func:`pallas_kernels.dynamiq_stats.stats_sum`).
-  """
-
-  implementation: str | None = None
-
-  def wire_bits(self, d: int, n: int) -> int:
-    return _STATS_BITS * d
-
-  def plan(self, x, meta, bucket, state, keys):
-    raise NotImplementedError("SupergroupStats only combines metadata")
-
-  def finish(self, decoded, aux, bucket, state):
-    raise NotImplementedError("SupergroupStats only combines metadata")
-
-  def encode(self, chunk, aux, keys):
-    del aux
-    if chunk.dtype == jnp.bfloat16:  # encoded by the statistics pass
-      return chunk
-    tables = keys.keys.tables
-    if isinstance(tables, DynamiQKeyTables):  # derived for every bucket at once
-      k0, k1 = (_entry(t, keys.chunk, keys.hop) for t in tables.stats)
-    else:
-      k0, k1 = keys.derive(keys.chunk, keys.hop, rng.Stream.DYNAMIQ_STATS)
-    mean = stochastic_bf16(chunk[..., 0], rng.hash_index(k0, k1, _element_index(chunk[..., 0])))
-    return jnp.stack([mean, chunk[..., 1].astype(jnp.bfloat16)], axis=-1)
-
-  def decode(self, payload, aux):
-    del aux
-    return payload.astype(jnp.float32)
-
-  def decode_add(self, payload, chunk, aux):
-    p = self.decode(payload, aux)
-    return jnp.stack([p[..., 0] + chunk[..., 0], hypot(p[..., 1], chunk[..., 1])], axis=-1)
-
-  def decode_sum(self, payloads, aux):
-    """n payloads at once, by a fixed pairwise tree: the means summed, the norms
-    combined as ``sqrt(sum of squares)`` (:func:`~dynamiq_jax.codecs._exact.hypot_all`'s
-    arithmetic), in one pass (:func:`pallas_kernels.dynamiq_stats.stats_sum`)."""
-    del aux
-    if payloads.dtype != jnp.bfloat16 or payloads.ndim != 3:
-      p = jnp.moveaxis(payloads.astype(jnp.float32), 0, -1)  # [..., 2, n]
-      return jnp.stack([tree_sum(p[..., 0, :]), hypot_all(p[..., 1, :])], axis=-1)
-    return stats_kernels.stats_sum(payloads, implementation=self.implementation)
-
-  def decode_sum_encode(self, payloads, aux, keys):
-    """:meth:`decode_sum`, then :meth:`encode` of the sum, in one kernel launch where the
-    keys are the engine's tables and the step static
-    (:func:`pallas_kernels.dynamiq_stats.stats_sum_encode`): the same bits."""
-    tables = keys.keys.tables
-    if (payloads.dtype != jnp.bfloat16 or payloads.ndim != 3
-        or not isinstance(tables, DynamiQKeyTables)
-        or not isinstance(keys.hop, (int, np.integer))):
-      return self.encode(self.decode_sum(payloads, aux), aux, keys)
-    k0, k1 = tables.stats
-    return stats_kernels.stats_sum_encode(payloads, k0, k1, keys.chunk, stride=k0.shape[-1],
-                                          step=int(keys.hop),
-                                          implementation=self.implementation)
-
-
-def _entry(table, *index):
-  """``table[index]`` for uint32 scalar indices (:class:`HopKeys`' chunk and hop), sliced
-  directly: unsigned, so the slice carries no sign handling, where ``jnp`` indexing
-  converts them to signed and wraps negatives in every fusion that reads a key."""
-  index = [jnp.asarray(i, jnp.uint32) for i in index]
-  return jax.lax.dynamic_slice(table, index, (1,) * len(index)).reshape(())
-
-
-def _element_index(v):
-  return jnp.arange(v.size, dtype=jnp.uint32).reshape(v.shape)
-
-
 @functools.lru_cache(maxsize=4096)
 def _layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
   """Each chunk is S scale records and a fixed number of code units (one plane of
@@ -588,7 +489,7 @@ def _layout(codec: DynamiQ, d: int, n: int) -> DynamiQLayout:
     raise ValueError(f"need d >= 1 and n >= 1, got {d=}, {n=}")
   m = ceil_div(d, SUPERGROUP)
   s = ceil_div(m, n)
-  stats_bits = _STATS_BITS * s * n
+  stats_bits = STATS_BITS * s * n
   plane_bits = 2 if all(w % 2 == 0 for w in codec.widths) else 1
   unit = payload_lib.unit_bytes(plane_bits)
   chunk_bytes = int((codec.bits * d - stats_bits) // (8 * n))
