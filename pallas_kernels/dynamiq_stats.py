@@ -22,18 +22,18 @@ has voted; this pass runs before that. So each row is first scaled by its
 *own* guard factor ``2^shift`` (``shift = min(safe_exponent - e, 0)``,
 ``e`` the exponent of the row's largest magnitude: 0 for every usual row),
 which keeps sums and residuals finite, and :func:`rescale` multiplies mean and
-norm (and the centring mean) by ``2^(bucket shift - row shift)``
-after the vote. A product by a
-power of two is exact, and stochastic rounding to bf16 commutes with it, so
+norm (and the centring mean) by ``2^(bucket shift - row shift)`` after the
+vote. A product by a power of two is exact, and stochastic rounding to bf16 commutes with it, so
 these are the statistics of the guarded bucket, bit for bit, except where
 the guarded values are subnormal (below 2^-126: only in a bucket with a
 value of 2^64 or more, for values 2^190 times smaller than its largest):
 there the statistics of the guarded bucket would have lost bits that these
 keep (and a GPU may flush them), and the centring mean can differ from
-:func:`row_mean` of the guarded values (and from the mean sent) in those bits. Norms below 2^-126 are flushed to 0 (they only rank super-groups).
+:func:`row_mean` of the guarded values (and from the mean sent) in those bits.
+Norms below 2^-126 are flushed to 0 (they only rank super-groups).
 
 :func:`stats_sum` is the owner's step of the statistics' all-reduce
-(:meth:`dynamiq_jax.codecs.dynamiq.SupergroupStats.decode_sum`): the n ranks'
+(:meth:`dynamiq_jax.codecs.supergroup_stats.SupergroupStats.decode_sum`): the n ranks'
 payloads of one chunk ``[n, s, 2]`` bf16 decoded, the means summed by a fixed
 pairwise tree in rank order, the norms combined as ``sqrt(sum of squares)``
 (:func:`dynamiq_jax.codecs._exact.hypot_all`'s arithmetic), in one launch.
@@ -67,7 +67,8 @@ from pallas_kernels import rng
 from pallas_kernels import triton_ops as tt
 
 __all__ = ["ROW", "BLOCK", "NUM_WARPS", "tree_sum", "row_stats_block", "row_norm_block",
-           "guard_exponent", "rescale", "GuardStats", "row_mean", "row_mean_reference", "row_mean_pallas",
+           "guard_exponent", "rescale", "GuardStats", "row_mean", "row_mean_reference",
+           "row_mean_pallas",
            "guard_stats", "guard_stats_reference", "guard_stats_pallas",
            "stats_sum", "stats_sum_reference", "stats_sum_pallas", "stats_sum_encode",
            "stats_sum_encode_reference"]
@@ -417,7 +418,7 @@ def _pad_ranks(payloads):
 
 def _encode_block(total, norm, k0, k1, j):
   """The sum's encode for the next step (:meth:`SupergroupStats.encode
-  <dynamiq_jax.codecs.dynamiq.SupergroupStats.encode>`): bfloat16 ``[B, 2]``, the
+  <dynamiq_jax.codecs.supergroup_stats.SupergroupStats.encode>`): bfloat16 ``[B, 2]``, the
   means ``total`` rounded stochastically by ``hash_index(k0, k1, j)`` (non-finite
   ones as they are, as :func:`pallas_kernels.bf16.stochastic`), the norms as they are
   (bf16-exact)."""
@@ -427,24 +428,27 @@ def _encode_block(total, norm, k0, k1, j):
 
 def _sum_keys(keys, chunk, *, stride: int, step: int):
   """``(k0, k1)`` of chunk ``chunk`` at ``step``: entry ``chunk stride + step`` of the flat
-  tables ``keys`` (k0's, then k1's)."""
+  tables ``keys`` (k0's, then k1's; an array, or the kernel's ref)."""
   half = keys.shape[0] // 2
   i = chunk * stride + step
   return keys[i], keys[half + i]
 
 
-def stats_sum_reference(payloads):
-  """:func:`stats_sum` in jnp."""
+def _summed(payloads):
+  """``(total, norm)`` float32 [s] of payloads [n, s, 2] (:func:`_sum_block`), in jnp."""
   _check_payloads(payloads)
   p = _pad_ranks(payloads).astype(jnp.float32)
-  return jnp.stack(_sum_block(p[..., 0], p[..., 1]), axis=-1)
+  return _sum_block(p[..., 0], p[..., 1])
+
+
+def stats_sum_reference(payloads):
+  """:func:`stats_sum` in jnp."""
+  return jnp.stack(_summed(payloads), axis=-1)
 
 
 def stats_sum_encode_reference(payloads, k0, k1, chunk, *, stride: int, step: int):
   """:func:`stats_sum_encode` in jnp."""
-  _check_payloads(payloads)
-  p = _pad_ranks(payloads).astype(jnp.float32)
-  total, norm = _sum_block(p[..., 0], p[..., 1])
+  total, norm = _summed(payloads)
   keys = _flat_keys(k0, k1)
   c = jnp.asarray(chunk, jnp.int32).reshape(())
   j = jnp.arange(total.shape[0], dtype=jnp.int32)
@@ -461,10 +465,9 @@ def _stats_sum_kernel(p_ref, *refs, interpret: bool, encode: bool, block: int, s
     out_ref[...] = jnp.stack([total, norm], axis=-1)
     return
   keys_ref, chunk_ref, out_ref = refs
-  half = keys_ref.shape[0] // 2
-  i = chunk_ref[0] * stride + step
   j = pl.program_id(0) * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
-  out_ref[...] = _encode_block(total, norm, keys_ref[i], keys_ref[half + i], j)
+  out_ref[...] = _encode_block(total, norm,
+                               *_sum_keys(keys_ref, chunk_ref[0], stride=stride, step=step), j)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block", "stride", "step"))
@@ -537,7 +540,7 @@ def stats_sum(payloads, *, implementation: D.Implementation = None,
   Returns:
     float32 [s, 2]: the means added in rank order by a pairwise tree, the
     norms combined as ``sqrt(sum of squares)`` rounded to bf16 (what
-    :meth:`~dynamiq_jax.codecs.dynamiq.SupergroupStats.decode_sum` returns).
+    :meth:`~dynamiq_jax.codecs.supergroup_stats.SupergroupStats.decode_sum` returns).
   """
   return D.dispatch("stats_sum", D.Kernels(stats_sum_pallas), stats_sum_reference,
                     _implementation(implementation), interpret, payloads)
@@ -558,7 +561,7 @@ def stats_sum_encode(payloads, k0, k1, chunk, *, stride: int, step: int,
   Returns:
     bfloat16 [s, 2]: the means of :func:`stats_sum` rounded to bf16 stochastically by
     ``hash_index(k0, k1, j)`` for row j, the norms as they are: the bits of
-    :meth:`SupergroupStats.encode <dynamiq_jax.codecs.dynamiq.SupergroupStats.encode>`
+    :meth:`SupergroupStats.encode <dynamiq_jax.codecs.supergroup_stats.SupergroupStats.encode>`
     of :func:`stats_sum`.
   """
   if not (isinstance(stride, (int, np.integer)) and isinstance(step, (int, np.integer))):

@@ -30,9 +30,9 @@ STATS_BITS = 32
 
 
 class DynamiQKeyTables(NamedTuple):
-  """One bucket's keys (:meth:`~dynamiq_jax.codecs.dynamiq.DynamiQ.key_tables`): ``chunk``, uint32 rounding keys
-  ``[n, n + 1]`` x 2 and stratum keys ``[n]`` x 2; ``stats``, the statistics' keys
-  ``[n, n + 1]`` x 2 (chunk, hop)."""
+  """One bucket's keys (:meth:`~dynamiq_jax.codecs.dynamiq.DynamiQ.key_tables`): ``chunk``,
+  uint32 rounding keys ``[n, n + 1]`` x 2 and stratum keys ``[n]`` x 2; ``stats``, the
+  statistics' keys ``[n, n + 1]`` x 2 (chunk, hop)."""
 
   chunk: tuple
   stats: tuple
