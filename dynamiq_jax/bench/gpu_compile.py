@@ -240,8 +240,10 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
   ``**kwargs`` (JSON-able), and must return a ``jax.stages.Compiled`` or a
   list of them (compiled for :func:`h100_devices`), or a dict ``{"compiled":
   those, "info": JSON-able}``. The child runs with ``JAX_PLATFORMS=cpu`` and
-  ``XLA_FLAGS`` = the caller's environment's and ``xla_flags`` (a program
-  that sorts needs :data:`DEVICELESS_XLA_FLAGS` there); in it,
+  ``XLA_FLAGS`` = the caller's environment's (less an
+  ``--xla_backend_optimization_level``: registers and spills are those of XLA's
+  default) and ``xla_flags`` (a program that sorts needs
+  :data:`DEVICELESS_XLA_FLAGS` there); in it,
   ``dynamiq_jax.bench.gpu_compile`` is this module even where ``path`` puts
   another ``dynamiq_jax`` first.
 
@@ -271,7 +273,9 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
   out = pathlib.Path(tmp.name)
   dump = out / "xla"
   env = dict(os.environ)
-  flags = [env.get("XLA_FLAGS", ""), *xla_flags]
+  # the caller's optimisation level stays with the caller: the build is a user's job's
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_backend_optimization_level")] + list(xla_flags)
   if ptx:
     flags += [f"--xla_dump_to={dump}", *PTX_FLAGS]
     env.update(MOSAIC_DUMP_ENV)
