@@ -172,12 +172,16 @@ def wire_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan
   return payloads, p.aux, own
 
 
-def decode_pass(payloads, aux, codec: Codec, bucket: Bucket, state, plan: TreePlan):
+def decode_pass(payloads, aux, codec: Codec, bucket: Bucket, state, plan: TreePlan,
+                dtype=None):
   """The gathered payloads (:func:`wire_pass`'s, in rank order: chunk c is payload ``(c +
   plan.root) % n``) decoded and finished -> (out, new state, estimated squared error: NaN
-  where the codec makes no estimate)."""
+  where the codec makes no estimate). ``dtype``: where the codec decodes and finishes at
+  once (:meth:`~dynamiq_jax.codecs.Codec.decode_finish`), ``out`` comes rounded to it
+  (None: float32)."""
   if type(codec).decode_finish is not Codec.decode_finish:  # decoded and finished at once
-    out, new_state = codec.decode_finish(payloads, aux, bucket, state, rotate=plan.root)
+    out, new_state = codec.decode_finish(payloads, aux, bucket, state, rotate=plan.root,
+                                         dtype=dtype)
   else:
     chunks = in_chunk_order(payloads, plan.root)
     out, new_state = codec.finish(decode_all(chunks, hop_ops(codec, aux, None)), aux, bucket,
@@ -187,7 +191,7 @@ def decode_pass(payloads, aux, codec: Codec, bucket: Bucket, state, plan: TreePl
 
 
 def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
-               ctx: AxisContext, return_own: bool, loss=None, local=None):
+               ctx: AxisContext, return_own: bool, loss=None, local=None, dtype=None):
   """One guarded bucket through the codec: metadata pass, payload pass, finish -> (out, new
   state, own, estimated squared error: NaN where the codec makes no estimate, sent).
 
@@ -195,12 +199,13 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
   chains to (:func:`one_after_another`), so that it waits for this bucket's
   collectives only, and this bucket's decode and finish can run later, beside
   the optimizer that reads them, while the next buckets are on the wire: what
-  waits in between is the compressed payloads, not the float32 result.
+  waits in between is the compressed payloads, not the float32 result. ``dtype``: as
+  :func:`decode_pass`'s.
   """
   payloads, aux, own = wire_pass(x, codec, bucket, state, keys, plan, ctx, return_own, loss,
                                  local)
   sent = jax.tree.leaves(payloads)[0].reshape(-1)[0].astype(jnp.float32)
-  out, new_state, err = decode_pass(payloads, aux, codec, bucket, state, plan)
+  out, new_state, err = decode_pass(payloads, aux, codec, bucket, state, plan, dtype)
   return out, new_state, own, err, sent
 
 
@@ -248,7 +253,8 @@ class AllReduce:
     keys = program_keys(words, index, ctx, self.codec)
     nonfinite, x, scale, local = guard_metadata(x, used, bucket, keys, ctx, after)
     out, new_state, own, err, sent = codec_pass(
-        x, used, bucket, state, keys, plan, ctx, self.return_own, self.loss, local)
+        x, used, bucket, state, keys, plan, ctx, self.return_own, self.loss, local,
+        used.result_dtype)
     own = own / scale if self.return_own else None
     return (unguard(out, nonfinite, scale, used.result_dtype),
             state if used is not self.codec else new_state, own, err / (scale * scale), sent)
@@ -271,7 +277,7 @@ class AllReduce:
     n = axis_context(self.axis_name).n
     used = bucket_codec(self.codec, d, n)
     out, _, err = decode_pass(payloads, aux, used, Bucket(index, d, n, self.implementation),
-                              None, get_plan(self.schedule, n))
+                              None, get_plan(self.schedule, n), used.result_dtype)
     nonfinite, scale = guarded
     return unguard(out, nonfinite, scale, used.result_dtype), err / (scale * scale)
 

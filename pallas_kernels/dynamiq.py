@@ -182,14 +182,14 @@ def _many_mosaic(payloads, widths, units: int, *, interpret=False, **geo):
                     for c in range(payloads.shape[0])])
 
 
-def _rows_mosaic(payloads, widths, units: int, slots, mean=None, *, rotate=0, interpret=False,
-                 **geo):
+def _rows_mosaic(payloads, widths, units: int, slots, mean=None, *, rotate=0, dtype=jnp.float32,
+                 interpret=False, **geo):
   """Mosaic GPU's form of :func:`decompress_rows`: :func:`_many_mosaic`, then the
   reference's gather and mean."""
   R.check_payloads(payloads, widths, units, plane_bits=geo["plane_bits"],
                    width_set=geo["width_set"], slots=slots, mean=mean, rotate=rotate)
   return R.rows_of_decoded(_many_mosaic(payloads, widths, units, interpret=interpret, **geo),
-                          slots, mean, rotate)
+                          slots, mean, rotate).astype(dtype)
 
 
 def _probe_many(gather: bool, **static):
@@ -220,9 +220,11 @@ def decompress_many(payloads, widths, units: int, *, eps, plane_bits: int = R.PL
 
 def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
                       plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET, rotate: int = 0,
-                      implementation: D.Implementation = None,
+                      dtype=jnp.float32, implementation: D.Implementation = None,
                       interpret: bool | None = None):
-  """Rows of ``n`` decoded chunk payloads, each from its slot, plus a mean: float32 [R, 256].
+  """Rows of ``n`` decoded chunk payloads, each from its slot, plus a mean: [R, 256] of
+  ``dtype`` (float32 by default; another float dtype: the float32 rows rounded to it as
+  they are stored, so that no float32 copy is written).
 
   Row r is slot ``slots[r]`` (int32 [R]) of the decoded chunks interleaved by position
   (slot ``j n + c``: position j of chunk c, which is payload ``(c + rotate) % n``: the
@@ -236,7 +238,7 @@ def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
                     D.Kernels(T.decompress_rows_pallas, _rows_mosaic,
                               functools.partial(_probe_many, True, **geo)),
                     R.decompress_rows_reference, implementation, interpret, payloads, widths,
-                    units, slots, mean, rotate=rotate, **geo)
+                    units, slots, mean, rotate=rotate, dtype=jnp.dtype(dtype), **geo)
 
 
 def _sum_mosaic(payloads, widths, units: int, *, interpret=False, **geo):

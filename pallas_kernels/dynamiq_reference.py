@@ -448,8 +448,9 @@ def decompress_many_reference(payloads, widths, units: int, *, eps,
 
 def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *, eps,
                                 plane_bits: int = PLANE_BITS, width_set=WIDTH_SET,
-                                rotate: int = 0):
-  """Rows of the ``n`` decoded payloads, gathered, plus a mean: float32 [R, 256].
+                                rotate: int = 0, dtype=jnp.float32):
+  """Rows of the ``n`` decoded payloads, gathered, plus a mean: [R, 256] of ``dtype``
+  (computed in float32, then rounded to ``dtype``).
 
   Row r is slot ``slots[r]`` of the decoded chunks interleaved by position (slot ``j n
   + c``: position j of chunk c; an out-of-range slot reads the nearest one), plus
@@ -466,12 +467,13 @@ def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *,
     rotate: chunk c is payload ``(c + rotate) % n`` (static): payloads gathered in rank
       order where rank ``(c + rotate) % n`` holds chunk c, read without a copy in chunk
       order.
+    dtype: the rows' dtype (static).
   """
   check_payloads(payloads, widths, units, plane_bits=plane_bits, width_set=width_set,
                  slots=slots, mean=mean, rotate=rotate)
   dec = decompress_many_reference(payloads, widths, units, eps=eps, plane_bits=plane_bits,
                                   width_set=width_set)
-  return rows_of_decoded(dec, slots, mean, rotate)
+  return rows_of_decoded(dec, slots, mean, rotate).astype(dtype)
 
 
 def rows_of_decoded(dec, slots, mean=None, rotate: int = 0):

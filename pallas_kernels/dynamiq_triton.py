@@ -254,12 +254,13 @@ def _load_dense(ref, cfg: _Config):
 
 
 def _store_dense(ref, v, cfg: _Config):
-  """Stores float32 ``v`` (as :func:`_load_dense` gives) into a dense block."""
+  """Stores float32 ``v`` (as :func:`_load_dense` gives) into a dense block, rounded to the
+  block's dtype."""
   if not cfg.split:
-    ref[...] = v
+    ref[...] = v.astype(ref.dtype)
     return
   for c, half in enumerate(v):
-    ref[:, :, c, :] = half
+    ref[:, :, c, :] = half.astype(ref.dtype)
 
 
 def _u16_payload(payload):
@@ -581,8 +582,9 @@ def _launch(payload, x, widths, karr, *, op, cfg, units, strata, interpret, fill
   return out if writes else out.reshape(s_count, B.SUPERGROUP)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret", "rotate"))
-def _launch_rows(payloads, widths, slots, mean, *, cfg, units, interpret, rotate=0):
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret", "rotate", "dtype"))
+def _launch_rows(payloads, widths, slots, mean, *, cfg, units, interpret, rotate=0,
+                 dtype=jnp.float32):
   """One launch decoding rows of all ``n`` payloads [n, bytes] (:func:`_decode_rows_kernel`)
   over ``cdiv(rows, BLOCK)`` programs: ``n S`` rows in chunk order, or one per slot
   (chunk c: payload ``(c + rotate) % n``)."""
@@ -606,7 +608,7 @@ def _launch_rows(payloads, widths, slots, mean, *, cfg, units, interpret, rotate
   kernel = functools.partial(_decode_rows_kernel, cfg=cfg, s_count=s_count, n=n, count=count,
                              slots=slots is not None, mean=mean is not None,
                              payload_bytes=size, interpret=bool(interpret), rotate=rotate)
-  out_shape = jax.ShapeDtypeStruct(cfg.block(count), jnp.float32)
+  out_shape = jax.ShapeDtypeStruct(cfg.block(count), dtype)
   name = "decompress_rows" if slots is not None else "decompress_many"
   out = pl.pallas_call(
       kernel, out_shape=dispatch.typed_like(out_shape, args), grid=(pl.cdiv(count, cfg.sg),),
@@ -691,7 +693,7 @@ def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_roundi
 
 
 def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, width_set,
-              interpret, launch=None, rotate=0):
+              interpret, launch=None, rotate=0, dtype=jnp.float32):
   """:func:`_run` for the decodes of all ``n`` payloads at once (:func:`_launch_rows`,
   or their sum: :func:`_launch_sum`)."""
   widths = jnp.asarray(widths).astype(jnp.int32)
@@ -713,7 +715,7 @@ def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, widt
     call = functools.partial(_launch_sum, cfg=cfg, units=int(units), interpret=interpret)
     return dispatch.map_over_batch(call, payloads, widths)
   call = functools.partial(_launch_rows, cfg=cfg, units=int(units), interpret=interpret,
-                           rotate=int(rotate))
+                           rotate=int(rotate), dtype=jnp.dtype(dtype))
   return dispatch.map_over_batch(call, payloads, widths, slots, mean)
 
 
@@ -811,13 +813,14 @@ def decompress_many_pallas(payloads, widths, units: int, *, eps, plane_bits: int
 @_triton_entry
 def decompress_rows_pallas(payloads, widths, units: int, slots, mean=None, *, eps,
                              plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
-                             rotate: int = 0, interpret=False, launch=None):
+                             rotate: int = 0, dtype=jnp.float32, interpret=False, launch=None):
   """Kernel version of
   :func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`: each output
-  row decoded from its slot of the ``n`` payloads (plus its mean) by one launch."""
+  row decoded from its slot of the ``n`` payloads (plus its mean) by one launch, stored
+  as ``dtype``."""
   return _run_rows("decompress_rows", payloads, widths, units, slots, mean, eps=eps,
                    plane_bits=plane_bits, width_set=width_set, interpret=interpret,
-                   launch=launch, rotate=rotate)
+                   launch=launch, rotate=rotate, dtype=dtype)
 
 
 @_triton_entry

@@ -100,6 +100,13 @@ def test_batched_kernels_equal_the_reference(case):
         gather)
   _same(T.decompress_rows_pallas(rolled, widths, units, slots, mean, rotate=k, **geo,
                                  interpret=True), gather)
+  # stored as bfloat16 (the engine's result dtype): the float32 rows rounded, in the kernel
+  as_bf16 = RJ.decompress_rows_reference(rolled, widths, units, slots, mean, rotate=k,
+                                         dtype=jnp.bfloat16, **geo)
+  assert as_bf16.dtype == jnp.bfloat16
+  _same(as_bf16, gather.astype(jnp.bfloat16))
+  _same(T.decompress_rows_pallas(rolled, widths, units, slots, mean, rotate=k, **geo,
+                                 dtype=jnp.bfloat16, interpret=True), as_bf16)
   # fewer rows than slots exist (a partial last program), repeated slots, no mean
   few = jnp.concatenate([slots[:5], slots[:2]])
   _same(T.decompress_rows_pallas(pays, widths, units, few, **geo, interpret=True),
@@ -240,7 +247,9 @@ def compile_batched(block: int | None = None):
     p, w = st((n, R.payload_bytes(s, units, pb)), jnp.uint8), st((s,), jnp.int32)
     rows, mean = st((n * s,), jnp.int32), st((n * s,), jnp.float32)
     for f, args in ((lambda p, w: T.decompress_many_pallas(p, w, units, **geo), (p, w)),
-                    (lambda p, w, r, m: T.decompress_rows_pallas(p, w, units, r, m, **geo),
+                    # (stored as the engine stores it: bfloat16, the codecs' result dtype)
+                    (lambda p, w, r, m: T.decompress_rows_pallas(p, w, units, r, m, **geo,
+                                                                 dtype=jnp.bfloat16),
                      (p, w, rows, mean)),
                     (lambda p, w: T.decompress_sum_pallas(p, w, units, **geo), (p, w))):
       with GT.gpu_target(device):

@@ -196,6 +196,9 @@ def test_decompress_rows_reads_rank_ordered_payloads_as_the_reference():
   rolled = jnp.roll(pays, 2, axis=0)
   _same(K.decompress_rows(rolled, widths, units, slots, mean, eps=EPS, width_set=ws,
                           rotate=2, implementation="mosaic", interpret=True), want)
+  _same(K.decompress_rows(rolled, widths, units, slots, mean, eps=EPS, width_set=ws,
+                          rotate=2, dtype=jnp.bfloat16, implementation="mosaic",
+                          interpret=True), want.astype(jnp.bfloat16))
 
 
 # (width_set, S, dtype): compress runs with the default codec's rounding (stochastic

@@ -424,14 +424,16 @@ class DynamiQ(Codec):
     return kernels.decompress_sum(payloads, aux.widths, aux.layout.units,
                                   **self._geometry(aux, decode=True))
 
-  def decode_finish(self, payloads, aux, bucket, state, rotate: int = 0):
+  def decode_finish(self, payloads, aux, bucket, state, rotate: int = 0, dtype=None):
     """:meth:`finish` of the decoded payloads, in one kernel launch
     (:func:`pallas_kernels.dynamiq.decompress_rows`): each super-group decoded from
-    its slot ``aux.dest`` straight into its place, its reduced mean added. The same
-    bits as :meth:`finish` of :meth:`decode_many`."""
+    its slot ``aux.dest`` straight into its place, its reduced mean added, and stored
+    rounded to ``dtype`` (None: float32). The same bits as :meth:`finish` of
+    :meth:`decode_many`, then rounded."""
     del state
     out = kernels.decompress_rows(payloads, aux.widths, aux.layout.units, aux.dest,
-                                    aux.gmean, rotate=rotate, **self._geometry(aux, decode=True))
+                                  aux.gmean, rotate=rotate, dtype=dtype or jnp.float32,
+                                  **self._geometry(aux, decode=True))
     # stored on XLA:CPU, as in finish
     return payload_lib.materialize(out.reshape(-1)[:bucket.d]), None
 
