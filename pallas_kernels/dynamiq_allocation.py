@@ -32,12 +32,14 @@ the norms at computed offsets and recomputing F from them on every pass
 (nothing but the norms is read: ~70 passes over 4 bytes a super-group).
 Steps 1 and 2 read all ``total`` norms in every program (they are global),
 steps 3 and 4 the program's own block. The prefix count of step 4 is
-``cumsum`` within a tile plus a running count carried across tiles. Program
+``cumsum`` within a tile plus a running count carried across tiles (one
+``cumsum`` per boundary: its two counts, above and tied, packed 16 bits each). Program
 k writes ``dest`` and ``order_t`` of its block (``order_t`` by a scatter
 store: a slot's position), and program 0 the position widths and counts.
 
-Compiled for sm_90a from a CPU host (tests/test_allocation_kernel.py): 245
-registers on jax 0.10.2, 128 on jax 0.12, no spills. Its run time on a GPU
+Compiled for sm_90a from a CPU host (tests/test_allocation_kernel.py): 161 and 139
+registers (all-reduce and reduce-scatter) on jax 0.10.2, 135 and 141 on jax 0.12, no
+spills. Its run time on a GPU
 is not measured yet (no GPU here): a single program per block that makes
 ~70 dependent passes over the norms is latency-bound: an estimate (not a
 measurement) puts it at milliseconds at 2^25 coordinates, not microseconds;
@@ -448,8 +450,13 @@ def _plan_kernel(g_ref, dest_ref, order_ref, widths_ref, counts_ref, *, rule: Ru
       for b in range(bounds):
         a = ((key > above_v[b]) & ok).astype(jnp.int32)
         t = ((key == above_v[b]) & ok).astype(jnp.int32)
-        a_before = above_before[b] + jnp.cumsum(a) - a
-        t_before = tie_before[b] + jnp.cumsum(t) - t
+        # both counts in one scan: a in the low 16 bits, t in the high ones (a count
+        # within a tile is at most tile <= 2^14: no field carries into the next): the
+        # scans are most of the kernel's compile time (tools/kernel_compile_cpu.py)
+        both = a | (t << 16)
+        before = jnp.cumsum(both) - both
+        a_before = above_before[b] + (before & 0xFFFF)
+        t_before = tie_before[b] + (before >> 16)
         prefix.append(a_before + jnp.minimum(t_before, need[b]))
         cls = cls + (a | (t & (t_before < need[b]).astype(jnp.int32)))
         new_a.append(above_before[b] + jnp.sum(a))
@@ -522,8 +529,9 @@ def plan_pallas(gnorm, *, real: int, rule: Rule, tile: int | None = None,
   of ``rule.blocks`` programs, mapped over a ``vmap`` batch."""
   _check(gnorm, real, rule)
   tile = TILE if tile is None else int(tile)
-  if tile < 32 or tile & (tile - 1):
-    raise ValueError(f"tile={tile} must be a power of two >= 32")
+  if tile < 32 or tile > 2**14 or tile & (tile - 1):
+    raise ValueError(f"tile={tile} must be a power of two in [32, 2^14] (the slots' counts "
+                     "of a tile share one 32-bit scan, 16 bits each)")
   if len(rule.widths) > _COUNTS:
     raise NotImplementedError(f"{len(rule.widths)} widths (the kernel counts {_COUNTS})")
   if not interpret:

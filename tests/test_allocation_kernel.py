@@ -103,6 +103,24 @@ def test_six_widths_and_sizes_not_multiples_of_the_tile(blocks):
     np.testing.assert_array_equal(a, b)
 
 
+def test_full_tiles_with_hundreds_of_ties_at_a_boundary():
+  """Tiles of 1,024 super-groups (the kernel's own) in which the keys above a boundary and
+  its ties each count past 2^8: the two counts share one 32-bit scan, 16 bits each."""
+  n, positions = 4, 300  # 1,200 super-groups: a full tile and a partial one
+  rule = _rule(SIX, n, positions, 3.8, 1)  # (3.8 bits: the 2 | 3 boundary splits the ties)
+  rng = np.random.default_rng(11)
+  g = np.ones(rule.total, np.float32)  # 700 ties
+  g[rng.choice(rule.total, 500, replace=False)] = rng.uniform(2, 9, 500)
+  ref, ker = _both(g, rule.total, rule, tile=1024)
+  for a, b in zip(ref, ker):
+    np.testing.assert_array_equal(a, b)
+  dest, _, widths, _ = ref
+  tied_widths = widths[dest[g == 1] // n]
+  assert len(set(tied_widths.tolist())) > 1  # a boundary's key is the ties' own
+  first = g[:1024]
+  assert (first > 1).sum() > 256 and (first == 1).sum() > 256  # both counts past 2^8
+
+
 @pytest.mark.parametrize("errors, bits", [(ERRORS, 8.0), ({4: 0.02}, 4.0)])
 def test_one_class(errors, bits):
   """Every position at one width (the budget pays for the widest, or one width only):
@@ -156,6 +174,8 @@ def test_bad_input_names_the_value():
     K.plan(jnp.zeros(180), real=181, rule=rule)
   with pytest.raises(ValueError, match="tile=48 must be a power of two"):
     K.plan_pallas(jnp.zeros(180), real=180, rule=rule, tile=48, interpret=True)
+  with pytest.raises(ValueError, match=r"tile=32768 must be a power of two in \[32, 2\^14\]"):
+    K.plan_pallas(jnp.zeros(180), real=180, rule=rule, tile=2**15, interpret=True)
   with pytest.raises(ValueError, match="blocks=3 must be 1 or n=4"):
     _rule(ERRORS, 4, 45, 3.3, 3)
 
