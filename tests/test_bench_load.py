@@ -118,3 +118,13 @@ def test_every_networked_benchmark_has_strict():
   for parser in (net.build_parser(), tta.build_parser(), kernels.build_parser(),
                  codec_cost.build_parser()):
     assert parser.parse_args(["--strict"]).strict
+
+
+def test_xla_flags_less_drops_only_the_named_flags():
+  env = {"XLA_FLAGS": " --xla_backend_optimization_level=0  --xla_cpu_use_fusion_emitters=false"
+                      " --xla_force_host_platform_device_count=8"}
+  assert common.xla_flags_less(env, "--xla_backend_optimization_level",
+                               "--xla_force_host_platform_device_count") == [
+                                   "--xla_cpu_use_fusion_emitters=false"]
+  assert common.xla_flags_less(env) == env["XLA_FLAGS"].split()
+  assert common.xla_flags_less({}, "--xla_backend_optimization_level") == []

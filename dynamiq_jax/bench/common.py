@@ -14,7 +14,13 @@ import time
 
 __all__ = ["machine", "command_line", "write_json", "write_results", "results_dir",
            "add_data_flags", "add_process_flags", "add_load_flags", "load_watch",
-           "load_record", "BUSY_CORES"]
+           "load_record", "BUSY_CORES", "xla_flags_less"]
+
+
+def xla_flags_less(env, *prefixes: str) -> list[str]:
+  """The flags of ``env["XLA_FLAGS"]`` (a process environment) but those starting with
+  one of ``prefixes``: what a child process inherits of its caller's XLA settings."""
+  return [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(prefixes)]
 
 
 def add_data_flags(parser, *, real: str = "the LM gradients"):

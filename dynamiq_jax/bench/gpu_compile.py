@@ -268,14 +268,15 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
   Raises:
     RuntimeError: the child failed (its standard error's end is in the message).
   """
+  from dynamiq_jax.bench.common import xla_flags_less  # pylint: disable=import-outside-toplevel
+
   start = time.perf_counter()
   tmp = tempfile.TemporaryDirectory()
   out = pathlib.Path(tmp.name)
   dump = out / "xla"
   env = dict(os.environ)
   # the caller's optimisation level stays with the caller: the build is a user's job's
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_backend_optimization_level")] + list(xla_flags)
+  flags = xla_flags_less(env, "--xla_backend_optimization_level") + list(xla_flags)
   if ptx:
     flags += [f"--xla_dump_to={dump}", *PTX_FLAGS]
     env.update(MOSAIC_DUMP_ENV)

@@ -70,11 +70,11 @@ def worker_job(module: str, workers: int, cfg_path: str, *, shaped: bool):
   and namespace is gone on exit.
   """
   from dynamiq_jax import multiprocess
+  from dynamiq_jax.bench.common import xla_flags_less
 
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   # one CPU device per worker: the caller's XLA_FLAGS less a host device count
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                              if not f.startswith("--xla_force_host_platform_device_count"))
+  env["XLA_FLAGS"] = " ".join(xla_flags_less(env, "--xla_force_host_platform_device_count"))
   with contextlib.ExitStack() as stack:
     net = stack.enter_context(Network(workers)) if shaped else None
     host = net.address(0) if net else "127.0.0.1"

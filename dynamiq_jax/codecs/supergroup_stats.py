@@ -93,7 +93,7 @@ class SupergroupStats(Codec):
     combined as ``sqrt(sum of squares)`` (:func:`~dynamiq_jax.codecs._exact.hypot_all`'s
     arithmetic), in one pass (:func:`pallas_kernels.dynamiq_stats.stats_sum`)."""
     del aux
-    if payloads.dtype != jnp.bfloat16 or payloads.ndim != 3:
+    if not _kernel_payloads(payloads):
       p = jnp.moveaxis(payloads.astype(jnp.float32), 0, -1)  # [..., 2, n]
       return jnp.stack([tree_sum(p[..., 0, :]), hypot_all(p[..., 1, :])], axis=-1)
     return stats_kernels.stats_sum(payloads, implementation=self.implementation)
@@ -103,14 +103,19 @@ class SupergroupStats(Codec):
     keys are the engine's tables and the step static
     (:func:`pallas_kernels.dynamiq_stats.stats_sum_encode`): the same bits."""
     tables = keys.keys.tables
-    if (payloads.dtype != jnp.bfloat16 or payloads.ndim != 3
-        or not isinstance(tables, DynamiQKeyTables)
+    if (not _kernel_payloads(payloads) or not isinstance(tables, DynamiQKeyTables)
         or not isinstance(keys.hop, (int, np.integer))):
       return self.encode(self.decode_sum(payloads, aux), aux, keys)
     k0, k1 = tables.stats
     return stats_kernels.stats_sum_encode(payloads, k0, k1, keys.chunk, stride=k0.shape[-1],
                                           step=int(keys.hop),
                                           implementation=self.implementation)
+
+
+def _kernel_payloads(payloads) -> bool:
+  """Whether the statistics' kernels take ``payloads``: bfloat16 ``[n, s, 2]`` (any other
+  dtype or rank takes the jnp arithmetic)."""
+  return payloads.dtype == jnp.bfloat16 and payloads.ndim == 3
 
 
 def table_entry(table, *index):
