@@ -30,7 +30,8 @@ from dynamiq_jax.schedules.context import AxisContext, axis_names, varying_axes
 from dynamiq_jax.schedules.plan import ring_bytes_per_rank
 
 __all__ = [
-    "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "FIRST_BUCKET_FRACTION", "AllReduceStats",
+    "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "FIRST_BUCKET_FRACTION", "ALIGN",
+    "ALIGN_FROM", "AllReduceStats",
     "Segment", "PADDING", "Layout", "resolve_leaf_order", "bucket_layout", "pack_layout",
     "bucket_sizes", "layout_coords", "runtime_offsets", "pack", "unpack", "check_codec",
     "check_leaves", "check_varying", "flat_specs", "bucket_codec",
@@ -48,6 +49,17 @@ DEFAULT_MAX_BUCKETS = 32
 
 FIRST_BUCKET_FRACTION = 4
 """The first ``bucket_size`` is cut in buckets of ``bucket_size // FIRST_BUCKET_FRACTION``."""
+
+ALIGN = 1 << 14
+"""Buckets of :data:`ALIGN_FROM` coordinates or more are cut at multiples of this (and of
+the codec's block): 64 blocks of 256, so that such a bucket splits into ``n`` equal chunks
+of whole DynamiQ super-groups for every ``n`` dividing 64, and the codec pads nothing (a
+padded bucket is a copy of it, and one launch more, in every step). The layout still does
+not depend on ``n``."""
+
+ALIGN_FROM = 1 << 22
+"""The least bucket size cut at multiples of :data:`ALIGN`: its zeros then stay below 0.4%
+of the bucket (smaller buckets are cut at the codec's block)."""
 
 
 class AllReduceStats(NamedTuple):
@@ -134,8 +146,10 @@ def bucket_layout(tree, *, codec=None, bucket_size: int = DEFAULT_BUCKET_SIZE,
   (:data:`FIRST_BUCKET_FRACTION`; as PyTorch DDP's first bucket is small, so
   that the wire starts early in the backward pass), then the fewest buckets
   of at most ``bucket_size`` that hold the rest, all of one size (a multiple
-  of the codec's block). A gradient of at most ``bucket_size`` coordinates is
-  cut into the fewest equal buckets of at most a quarter. The last bucket is
+  of the codec's block; from :data:`ALIGN_FROM` coordinates on, of :data:`ALIGN`,
+  so that DynamiQ splits a large bucket into ``n`` chunks of whole super-groups
+  with no copy for every ``n`` dividing 64). A gradient of at most ``bucket_size``
+  coordinates is cut into the fewest equal buckets of at most a quarter. The last bucket is
   padded with zeros (a :class:`Segment` of leaf :data:`PADDING`, less than one
   block per bucket of its size) to the size of the others, so that every
   bucket of a size is the same program: XLA compiles one set of kernels for
@@ -193,6 +207,7 @@ def pack_layout(sizes, order, bucket_size: int, unit: int) -> Layout:
   if total == 0:
     return ()
   first = max(unit, min(bucket_size // FIRST_BUCKET_FRACTION // unit * unit, bucket_size))
+  first = max(first // _step(first, unit) * _step(first, unit), unit)
   if total <= FIRST_BUCKET_FRACTION * first:
     shapes = _equal_cut(total, first, unit)
   else:
@@ -215,14 +230,27 @@ def pack_layout(sizes, order, bucket_size: int, unit: int) -> Layout:
   return tuple(buckets)
 
 
+def _step(size: int, unit: int) -> int:
+  """What a bucket of ``size`` coordinates is a multiple of: ``unit`` (the codec's block),
+  and :data:`ALIGN` too from :data:`ALIGN_FROM` coordinates on."""
+  return int(np.lcm(unit, ALIGN)) if size >= ALIGN_FROM else unit
+
+
 def _equal_cut(total: int, most: int, unit: int) -> list[int]:
   """The fewest bucket sizes of at most ``most`` coordinates that hold ``total``, all
-  equal (a multiple of ``unit``); their sum passes ``total`` by less than one
-  ``unit`` per bucket (the last bucket's padding). One bucket is ``total`` itself."""
+  equal (a multiple of ``unit``, and of :data:`ALIGN` where :func:`_step` says); their
+  sum passes ``total`` by less than one step per bucket (the last bucket's padding). One
+  bucket is ``total`` itself where it is not that large."""
   if total <= most:
-    return [total]
-  size = round_up(ceil_div(total, ceil_div(total, most)), unit)
-  return [size] * ceil_div(total, size)
+    whole = round_up(total, _step(total, unit))
+    return [whole if total >= ALIGN_FROM and whole <= most else total]
+  count = ceil_div(total, most)
+  while True:  # (a count more where rounding up to the step passes ``most``)
+    size = ceil_div(total, count)
+    size = round_up(size, _step(size, unit))
+    if size <= most or size <= unit:
+      return [size] * ceil_div(total, size)
+    count += 1
 
 
 def bucket_sizes(layout: Layout) -> list[int]:

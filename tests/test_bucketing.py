@@ -283,3 +283,25 @@ def test_hops_run_in_loops_on_cpu_and_unrolled_elsewhere_with_the_same_bits(mesh
     np.testing.assert_array_equal(np.asarray(looped[k]).view(np.uint32),
                                   np.asarray(unrolled[k]).view(np.uint32))
   assert rows_identical(looped)
+
+
+def test_large_buckets_hold_whole_super_groups_for_every_n_dividing_64():
+  """Buckets of ALIGN_FROM coordinates or more are cut at multiples of ALIGN: DynamiQ then
+  splits each into n chunks of whole super-groups with no padding of its own (a copy of
+  the bucket) for n | 64; the layout's own zeros stay below 0.4% of a bucket, no bucket
+  passes bucket_size, and smaller buckets are cut as before (at the block)."""
+  from dynamiq_jax import buckets as B
+  codec = DynamiQ()
+  tree = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in (50_000_017, 33_333_333, 7_777_777)]
+  for bucket_size in (B.DEFAULT_BUCKET_SIZE, 24_999_936):  # (PyTorch DDP's 25 MB, in blocks)
+    sizes = B.bucket_sizes(dq.bucket_layout(tree, codec=codec, bucket_size=bucket_size))
+    assert len(sizes) < B.DEFAULT_MAX_BUCKETS and max(sizes) <= bucket_size, sizes
+    assert all(d >= B.ALIGN_FROM and d % B.ALIGN == 0 for d in sizes), sizes
+    assert sum(sizes) - sum(t.size for t in tree) < 0.004 * min(sizes) * len(sizes)
+    for d in set(sizes):
+      for n in (2, 4, 8, 16, 32, 64):
+        assert codec.layout(d, n).padded_supergroups * 256 == d, (d, n)
+  small = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in (3000, 700)]
+  # 3,700 coordinates: four quarters of 256, then the rest in 3 equal buckets of whole blocks
+  assert B.bucket_sizes(dq.bucket_layout(small, codec=codec, bucket_size=1024)) == [256] * 4 + [
+      1024] * 3
