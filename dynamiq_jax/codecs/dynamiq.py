@@ -464,8 +464,11 @@ class DynamiQ(Codec):
                                 partials)
     errors = self.width_errors()
     table = jnp.asarray([errors.get(w, 0.0) for w in range(max(errors) + 1)], jnp.float32)
-    # super-group i's width: that of its slot's position, dest[i] // n (one gather)
-    width = payload_lib.take_in_range(aux.widths, aux.dest // n)
+    # super-group i's width: that of its slot's position, dest[i] // n (one gather; slots
+    # are >= 0, so an unsigned division: jnp's floor division of int32 adds ~17
+    # instructions of sign handling)
+    position = jax.lax.div(aux.dest.astype(jnp.uint32), np.uint32(n))
+    width = payload_lib.take_in_range(aux.widths, position)
     return jnp.sum(payload_lib.take_in_range(table, width) * energy)
 
 
