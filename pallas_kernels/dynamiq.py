@@ -59,6 +59,7 @@ __all__ = [
     "decompress_many",
     "decompress_rows",
     "decompress_sum",
+    "plane_table",
 ]
 
 
@@ -91,6 +92,27 @@ def _kernels(triton, mosaic, x, payload: bool, encode: bool, **static) -> D.Kern
   return D.Kernels(triton, mosaic, functools.partial(_probe, x_dtype, payload, encode, **static))
 
 
+@functools.lru_cache(maxsize=None)
+def _without_ptab(fn):
+  """``fn`` taking and ignoring ``ptab=`` (the plane table a Triton kernel takes as an
+  operand): the references and the Mosaic GPU kernels find their plane offsets from the
+  widths themselves. One wrapper per function, so that its traces stay cached."""
+
+  @functools.wraps(fn)
+  def call(*args, ptab=None, **kwargs):
+    del ptab
+    return fn(*args, **kwargs)
+
+  return call
+
+
+def plane_table(counts, width_set, plane_bits: int, units: int):
+  """int32 [16]: the plane offsets the kernels read (``ptab=``), from the positions per
+  width ``counts`` (an allocation's, ascending widths of ``width_set``): what each kernel
+  would otherwise compute from the widths (:func:`pallas_kernels.dynamiq_triton.plane_table`)."""
+  return T.plane_table(counts, width_set, plane_bits, units)
+
+
 def _eps_key(eps):
   """eps as a hashable, sorted tuple of (width, eps) pairs (a dict is converted)."""
   return tuple(sorted((int(w), float(e)) for w, e in dict(eps).items()))
@@ -98,7 +120,7 @@ def _eps_key(eps):
 
 def compress(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1, scale_rounding="up",
              plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
-             implementation: D.Implementation = None, interpret: bool | None = None):
+             ptab=None, implementation: D.Implementation = None, interpret: bool | None = None):
   """Compresses a chunk ``x`` float [S, 256] at per-super-group ``widths``.
 
   Args:
@@ -112,6 +134,9 @@ def compress(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1, scale
     scale_rounding: ``"up"`` or ``"stochastic"``.
     plane_bits: 1 (32-byte units, any widths) or 2 (64-byte units, even widths).
     width_set: the widths the chunk may use (a subset of 2..8).
+    ptab: the widths' :func:`plane_table` from their counts, or None: the Triton kernel
+      computes it from ``widths`` (a sum over every position, one launch more per
+      bucket); the reference and Mosaic GPU ignore it. Every call below takes it too.
     implementation: None (the Triton kernel in a GPU lowering, or for ``cuda`` the
       Mosaic GPU kernel where it lowers if ``dispatch.MOSAIC_FIRST``; else the
       reference), ``"pallas"`` (Triton), ``"mosaic"`` (Mosaic GPU) or ``"xla"``
@@ -122,57 +147,59 @@ def compress(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1, scale
     uint8 ``[payload_bytes(S, units, plane_bits)]``.
   """
   return D.dispatch("compress",
-                    _kernels(T.compress_pallas, M.compress_mosaic, x, False, True, eps=_eps_key(eps),
-                             strata=strata, scale_rounding=scale_rounding,
+                    _kernels(T.compress_pallas, _without_ptab(M.compress_mosaic), x, False, True,
+                             eps=_eps_key(eps), strata=strata, scale_rounding=scale_rounding,
                              plane_bits=plane_bits, width_set=tuple(width_set)),
-                    R.compress_reference, implementation,
+                    _without_ptab(R.compress_reference), implementation,
                     interpret, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
                     strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
-                    width_set=tuple(width_set))
+                    width_set=tuple(width_set), ptab=ptab)
 
 
 def decompress(payload, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
-               width_set=R.WIDTH_SET, implementation: D.Implementation = None,
+               width_set=R.WIDTH_SET, ptab=None, implementation: D.Implementation = None,
                interpret: bool | None = None):
   """Decodes a chunk payload (see :func:`compress`) to float32 [S, 256]."""
   return D.dispatch("decompress",
-                    _kernels(T.decompress_pallas, M.decompress_mosaic, None, True, False,
-                             eps=_eps_key(eps), plane_bits=plane_bits,
+                    _kernels(T.decompress_pallas, _without_ptab(M.decompress_mosaic), None, True,
+                             False, eps=_eps_key(eps), plane_bits=plane_bits,
                              width_set=tuple(width_set)),
-                    R.decompress_reference, implementation,
+                    _without_ptab(R.decompress_reference), implementation,
                     interpret, payload, widths, units, eps=_eps_key(eps),
-                    plane_bits=plane_bits, width_set=tuple(width_set))
+                    plane_bits=plane_bits, width_set=tuple(width_set), ptab=ptab)
 
 
 def decompress_accumulate(payload, x, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
-                          width_set=R.WIDTH_SET, implementation: D.Implementation = None,
+                          width_set=R.WIDTH_SET, ptab=None, implementation: D.Implementation = None,
                           interpret: bool | None = None):
   """``decompress(payload) + x`` in float32 [S, 256]."""
   return D.dispatch("decompress_accumulate",
-                    _kernels(T.decompress_accumulate_pallas, M.decompress_accumulate_mosaic,
+                    _kernels(T.decompress_accumulate_pallas,
+                             _without_ptab(M.decompress_accumulate_mosaic),
                              x, True, False, eps=_eps_key(eps), plane_bits=plane_bits,
                              width_set=tuple(width_set)),
-                    R.decompress_accumulate_reference, implementation, interpret, payload, x,
-                    widths, units, eps=_eps_key(eps), plane_bits=plane_bits,
-                    width_set=tuple(width_set))
+                    _without_ptab(R.decompress_accumulate_reference), implementation, interpret,
+                    payload, x, widths, units, eps=_eps_key(eps), plane_bits=plane_bits,
+                    width_set=tuple(width_set), ptab=ptab)
 
 
 def decompress_accumulate_recompress(payload, x, widths, units: int, *, eps, keys, rank=0,
                                      strata: int = 1, scale_rounding="up",
                                      plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
-                                     implementation: D.Implementation = None,
+                                     ptab=None, implementation: D.Implementation = None,
                                      interpret: bool | None = None):
   """``compress(decompress(payload) + x)`` in one pass (a ring hop); the sum is never
   stored."""
   return D.dispatch("decompress_accumulate_recompress",
                     _kernels(T.decompress_accumulate_recompress_pallas,
-                             M.decompress_accumulate_recompress_mosaic, x, True, True,
-                             eps=_eps_key(eps), strata=strata, scale_rounding=scale_rounding,
+                             _without_ptab(M.decompress_accumulate_recompress_mosaic), x, True,
+                             True, eps=_eps_key(eps), strata=strata, scale_rounding=scale_rounding,
                              plane_bits=plane_bits, width_set=tuple(width_set)),
-                    R.decompress_accumulate_recompress_reference, implementation, interpret,
+                    _without_ptab(R.decompress_accumulate_recompress_reference), implementation,
+                    interpret,
                     payload, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
                     strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
-                    width_set=tuple(width_set))
+                    width_set=tuple(width_set), ptab=ptab)
 
 
 def _many_mosaic(payloads, widths, units: int, *, interpret=False, **geo):
@@ -204,7 +231,7 @@ def _probe_many(gather: bool, **static):
 
 
 def decompress_many(payloads, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
-                    width_set=R.WIDTH_SET, implementation: D.Implementation = None,
+                    width_set=R.WIDTH_SET, ptab=None, implementation: D.Implementation = None,
                     interpret: bool | None = None):
   """Decodes ``n`` chunk payloads of the same ``widths`` (uint8 [n, bytes], see
   :func:`compress`) to float32 [n, S, 256]: one Triton launch whose grid covers every
@@ -212,15 +239,16 @@ def decompress_many(payloads, widths, units: int, *, eps, plane_bits: int = R.PL
   :func:`decompress` of each). The same bits as :func:`decompress` of each payload."""
   geo = dict(eps=_eps_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
   return D.dispatch("decompress_many",
-                    D.Kernels(T.decompress_many_pallas, _many_mosaic,
+                    D.Kernels(T.decompress_many_pallas, _without_ptab(_many_mosaic),
                               functools.partial(_probe_many, False, **geo)),
-                    R.decompress_many_reference, implementation, interpret, payloads, widths,
-                    units, **geo)
+                    _without_ptab(R.decompress_many_reference), implementation, interpret,
+                    payloads, widths,
+                    units, **geo, ptab=ptab)
 
 
 def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
                       plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET, rotate: int = 0,
-                      dtype=jnp.float32, implementation: D.Implementation = None,
+                      dtype=jnp.float32, ptab=None, implementation: D.Implementation = None,
                       interpret: bool | None = None):
   """Rows of ``n`` decoded chunk payloads, each from its slot, plus a mean: [R, 256] of
   ``dtype`` (float32 by default; another float dtype: the float32 rows rounded to it as
@@ -235,10 +263,11 @@ def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
   (:func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`)."""
   geo = dict(eps=_eps_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
   return D.dispatch("decompress_rows",
-                    D.Kernels(T.decompress_rows_pallas, _rows_mosaic,
+                    D.Kernels(T.decompress_rows_pallas, _without_ptab(_rows_mosaic),
                               functools.partial(_probe_many, True, **geo)),
-                    R.decompress_rows_reference, implementation, interpret, payloads, widths,
-                    units, slots, mean, rotate=rotate, dtype=jnp.dtype(dtype), **geo)
+                    _without_ptab(R.decompress_rows_reference), implementation, interpret,
+                    payloads, widths,
+                    units, slots, mean, rotate=rotate, dtype=jnp.dtype(dtype), **geo, ptab=ptab)
 
 
 def _sum_mosaic(payloads, widths, units: int, *, interpret=False, **geo):
@@ -252,7 +281,7 @@ def _sum_mosaic(payloads, widths, units: int, *, interpret=False, **geo):
 
 
 def decompress_sum(payloads, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
-                   width_set=R.WIDTH_SET, implementation: D.Implementation = None,
+                   width_set=R.WIDTH_SET, ptab=None, implementation: D.Implementation = None,
                    interpret: bool | None = None):
   """The decodes of ``n`` chunk payloads of the same ``widths`` (uint8 [n, bytes]) summed
   in rank order: float32 [S, 256], one Triton launch that keeps the sum in registers
@@ -260,7 +289,8 @@ def decompress_sum(payloads, widths, units: int, *, eps, plane_bits: int = R.PLA
   payload 0 followed by :func:`decompress_accumulate` of each next one."""
   geo = dict(eps=_eps_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
   return D.dispatch("decompress_sum",
-                    D.Kernels(T.decompress_sum_pallas, _sum_mosaic,
+                    D.Kernels(T.decompress_sum_pallas, _without_ptab(_sum_mosaic),
                               functools.partial(_probe_many, False, **geo)),
-                    R.decompress_sum_reference, implementation, interpret, payloads, widths,
-                    units, **geo)
+                    _without_ptab(R.decompress_sum_reference), implementation, interpret,
+                    payloads, widths,
+                    units, **geo, ptab=ptab)

@@ -85,6 +85,7 @@ __all__ = [
     "NUM_WARPS",
     "TUNED",
     "launch_config",
+    "plane_table",
     "TRITON_DEPRECATION",
     "compress_pallas",
     "decompress_pallas",
@@ -520,6 +521,28 @@ def _plane_table(widths, plane_bits: int, units: int):
   return jnp.minimum(terms[:, 0], units).astype(jnp.int32)
 
 
+def plane_table(counts, width_set, plane_bits: int, units: int):
+  """:func:`_plane_table` of widths that take ``counts[i]`` positions of width
+  ``sorted(width_set)[i]`` (an allocation's counts): int32 [16], the same integers from
+  a few products instead of a sum over every position (what a hop reads of its widths
+  beside them; the kernels take it as their ``ptab`` operand)."""
+  ws = sorted(int(w) for w in width_set)
+  counts = jnp.asarray(counts).astype(jnp.int32)
+  if counts.shape[-1:] != (len(ws),):
+    raise ValueError(f"counts has shape {counts.shape}; give one count per width of "
+                     f"width_set={tuple(ws)}")
+  planes = 8 // plane_bits
+  p = np.minimum(np.arange(_PTAB), planes)[:, None]  # [16, 1], static
+  per = np.minimum(np.asarray(ws)[None, :] // plane_bits, p).astype(np.int32)  # [16, widths]
+  return jnp.minimum(jnp.sum(counts[..., None, :] * per, axis=-1), units).astype(jnp.int32)
+
+
+def _check_ptab(ptab):
+  if ptab is not None and (np.shape(ptab) != (_PTAB,) or jnp.result_type(ptab) != jnp.int32):
+    raise ValueError(f"ptab has shape {np.shape(ptab)} and dtype {jnp.result_type(ptab)}; "
+                     f"give int32 [{_PTAB}] (plane_table of the widths' counts)")
+
+
 def _compiler_params(cfg: _Config, interpret):
   """Triton's (what makes a ``pallas_call`` lower with the Triton backend on GPU)."""
   if interpret:
@@ -538,17 +561,19 @@ _KERNELS = {  # op: (kernel body, reads a payload, reads x, writes a payload)
 
 @functools.partial(jax.jit, static_argnames=("op", "cfg", "units", "strata", "interpret",
                                              "fill"))
-def _launch(payload, x, widths, karr, *, op, cfg, units, strata, interpret, fill=None):
-  """One launch of ``op`` over ``cdiv(S, BLOCK)`` programs. ``fill`` (tests only): the
-  output payload buffer's initial byte (None: uninitialized), to check that every
-  byte is written."""
+def _launch(payload, x, widths, karr, ptab=None, *, op, cfg, units, strata, interpret,
+            fill=None):
+  """One launch of ``op`` over ``cdiv(S, BLOCK)`` programs. ``ptab``: the widths' plane
+  table (None: :func:`_plane_table` of them). ``fill`` (tests only): the output payload
+  buffer's initial byte (None: uninitialized), to check that every byte is written."""
   body, reads, dense, writes = _KERNELS[op]
   s_count = widths.shape[0]
   tab = jnp.asarray(cfg.table())
   static = dict(cfg=cfg, s_count=s_count, interpret=bool(interpret))
   if writes:
     static.update(units=units, strata=strata)
-  args = ([karr] if writes else []) + [_plane_table(widths, cfg.plane_bits, units), tab, widths]
+  ptab = _plane_table(widths, cfg.plane_bits, units) if ptab is None else ptab
+  args = ([karr] if writes else []) + [ptab, tab, widths]
   dense_spec = pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))
   whole = lambda n: pl.BlockSpec((n,), lambda i: (0,))
   in_specs = ([whole(8)] if writes else []) + [
@@ -583,7 +608,7 @@ def _launch(payload, x, widths, karr, *, op, cfg, units, strata, interpret, fill
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret", "rotate", "dtype"))
-def _launch_rows(payloads, widths, slots, mean, *, cfg, units, interpret, rotate=0,
+def _launch_rows(payloads, widths, slots, mean, ptab=None, *, cfg, units, interpret, rotate=0,
                  dtype=jnp.float32):
   """One launch decoding rows of all ``n`` payloads [n, bytes] (:func:`_decode_rows_kernel`)
   over ``cdiv(rows, BLOCK)`` programs: ``n S`` rows in chunk order, or one per slot
@@ -595,7 +620,8 @@ def _launch_rows(payloads, widths, slots, mean, *, cfg, units, interpret, rotate
   whole = lambda k: pl.BlockSpec((k,), lambda i: (0,))
   per_row = pl.BlockSpec((cfg.sg,), lambda i: (i,))
   anywhere = pl.BlockSpec(memory_space=pl.ANY)
-  args = [_plane_table(widths, cfg.plane_bits, units), tab, widths]
+  ptab = _plane_table(widths, cfg.plane_bits, units) if ptab is None else ptab
+  args = [ptab, tab, widths]
   in_specs = [whole(_PTAB), whole(tab.shape[0]), anywhere]
   if slots is not None:
     args.append(slots.astype(jnp.int32))
@@ -619,7 +645,7 @@ def _launch_rows(payloads, widths, slots, mean, *, cfg, units, interpret, rotate
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
-def _launch_sum(payloads, widths, *, cfg, units, interpret):
+def _launch_sum(payloads, widths, ptab=None, *, cfg, units, interpret):
   """One launch summing the decodes of all ``n`` payloads [n, bytes] in rank order
   (:func:`_decode_sum_kernel`) over ``cdiv(S, BLOCK)`` programs."""
   n, size = payloads.shape
@@ -627,8 +653,8 @@ def _launch_sum(payloads, widths, *, cfg, units, interpret):
   tab = jnp.asarray(cfg.table())
   whole = lambda k: pl.BlockSpec((k,), lambda i: (0,))
   dense_spec = pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))
-  args = [_plane_table(widths, cfg.plane_bits, units), tab, widths,
-          _u16_payload(payloads.reshape(-1))]
+  ptab = _plane_table(widths, cfg.plane_bits, units) if ptab is None else ptab
+  args = [ptab, tab, widths, _u16_payload(payloads.reshape(-1))]
   in_specs = [whole(_PTAB), whole(tab.shape[0]), pl.BlockSpec((cfg.sg,), lambda i: (i,)),
               pl.BlockSpec(memory_space=pl.ANY)]
   kernel = functools.partial(_decode_sum_kernel, cfg=cfg, s_count=s_count, n=n,
@@ -668,7 +694,7 @@ def launch_config(op: str, launch=None, *, interpret: bool = False) -> tuple[int
 
 
 def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_rounding, plane_bits,
-         width_set, interpret, fill=None, launch=None):
+         width_set, interpret, fill=None, launch=None, ptab=None):
   """Validates (ValueError; NotImplementedError for what the kernels do not support,
   so that dispatch falls back to the reference), then launches ``op``
   (:func:`launch_config`), mapped over a ``vmap`` batch: a chunk's units are
@@ -689,11 +715,12 @@ def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_roundi
   karr = rng.key_operand(keys, rank) if _KERNELS[op][3] else None
   launch = functools.partial(_launch, op=op, cfg=cfg, units=int(units), strata=strata,
                              interpret=interpret, fill=fill)
-  return dispatch.map_over_batch(launch, payload, x, widths, karr)
+  _check_ptab(ptab)
+  return dispatch.map_over_batch(launch, payload, x, widths, karr, ptab)
 
 
 def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, width_set,
-              interpret, launch=None, rotate=0, dtype=jnp.float32):
+              interpret, launch=None, rotate=0, dtype=jnp.float32, ptab=None):
   """:func:`_run` for the decodes of all ``n`` payloads at once (:func:`_launch_rows`,
   or their sum: :func:`_launch_sum`)."""
   widths = jnp.asarray(widths).astype(jnp.int32)
@@ -711,12 +738,13 @@ def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, widt
                               "(int32 byte offsets)")
   if cfg.plane_bits == 2 and any(w % 2 for w in cfg.width_set):
     raise NotImplementedError(f"odd widths in width_set={cfg.width_set} with plane_bits=2")
+  _check_ptab(ptab)
   if op == "decompress_sum":
     call = functools.partial(_launch_sum, cfg=cfg, units=int(units), interpret=interpret)
-    return dispatch.map_over_batch(call, payloads, widths)
+    return dispatch.map_over_batch(call, payloads, widths, ptab)
   call = functools.partial(_launch_rows, cfg=cfg, units=int(units), interpret=interpret,
                            rotate=int(rotate), dtype=jnp.dtype(dtype))
-  return dispatch.map_over_batch(call, payloads, widths, slots, mean)
+  return dispatch.map_over_batch(call, payloads, widths, slots, mean, ptab)
 
 
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
@@ -758,32 +786,33 @@ def _triton_entry(kernel):
 @_triton_entry
 def compress_pallas(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1,
                     scale_rounding="up", plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
-                    interpret=False, fill=None, launch=None):
+                    interpret=False, fill=None, launch=None, ptab=None):
   """Kernel version of :func:`~pallas_kernels.dynamiq_reference.compress_reference`
   (the same arguments; ``fill``: see :func:`_launch`; ``launch``: ``(block,
-  num_warps)``, :func:`launch_config`)."""
+  num_warps)``, :func:`launch_config`; ``ptab``: the widths' :func:`plane_table`, or
+  None: computed from them)."""
   return _run("compress", None, x, widths, units, keys, rank, eps=eps, strata=strata,
               scale_rounding=scale_rounding, plane_bits=plane_bits, width_set=width_set,
-              interpret=interpret, fill=fill, launch=launch)
+              interpret=interpret, fill=fill, launch=launch, ptab=ptab)
 
 
 @_triton_entry
 def decompress_pallas(payload, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
-                      width_set=R.WIDTH_SET, interpret=False, launch=None):
+                      width_set=R.WIDTH_SET, interpret=False, launch=None, ptab=None):
   """Kernel version of :func:`~pallas_kernels.dynamiq_reference.decompress_reference`."""
   return _run("decompress", payload, None, widths, units, None, None, eps=eps, strata=1,
               scale_rounding="up", plane_bits=plane_bits, width_set=width_set,
-              interpret=interpret, launch=launch)
+              interpret=interpret, launch=launch, ptab=ptab)
 
 
 @_triton_entry
 def decompress_accumulate_pallas(payload, x, widths, units: int, *, eps,
                                  plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
-                                 interpret=False, launch=None):
+                                 interpret=False, launch=None, ptab=None):
   """Kernel version of ``decompress_reference(payload) + x``."""
   return _run("decompress_accumulate", payload, x, widths, units, None, None, eps=eps, strata=1,
               scale_rounding="up", plane_bits=plane_bits, width_set=width_set,
-              interpret=interpret, launch=launch)
+              interpret=interpret, launch=launch, ptab=ptab)
 
 
 @_triton_entry
@@ -791,43 +820,44 @@ def decompress_accumulate_recompress_pallas(payload, x, widths, units: int, *, e
                                             rank=0, strata: int = 1, scale_rounding="up",
                                             plane_bits: int = R.PLANE_BITS,
                                             width_set=R.WIDTH_SET, interpret=False, fill=None,
-                                            launch=None):
+                                            launch=None, ptab=None):
   """Kernel version of the fused ring hop
   (:func:`~pallas_kernels.dynamiq_reference.decompress_accumulate_recompress_reference`)."""
   return _run("decompress_accumulate_recompress", payload, x, widths, units, keys, rank,
               eps=eps, strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
-              width_set=width_set, interpret=interpret, fill=fill, launch=launch)
+              width_set=width_set, interpret=interpret, fill=fill, launch=launch, ptab=ptab)
 
 
 @_triton_entry
 def decompress_many_pallas(payloads, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
-                           width_set=R.WIDTH_SET, interpret=False, launch=None):
+                           width_set=R.WIDTH_SET, interpret=False, launch=None, ptab=None):
   """Kernel version of :func:`~pallas_kernels.dynamiq_reference.decompress_many_reference`:
   the ``n`` payloads [n, bytes] decoded by one launch, float32 [n, S, 256]."""
   out = _run_rows("decompress_many", payloads, widths, units, None, None, eps=eps,
                   plane_bits=plane_bits, width_set=width_set, interpret=interpret,
-                  launch=launch)
+                  launch=launch, ptab=ptab)
   return out.reshape(payloads.shape[0], -1, B.SUPERGROUP)
 
 
 @_triton_entry
 def decompress_rows_pallas(payloads, widths, units: int, slots, mean=None, *, eps,
                              plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
-                             rotate: int = 0, dtype=jnp.float32, interpret=False, launch=None):
+                             rotate: int = 0, dtype=jnp.float32, interpret=False, launch=None,
+                             ptab=None):
   """Kernel version of
   :func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`: each output
   row decoded from its slot of the ``n`` payloads (plus its mean) by one launch, stored
   as ``dtype``."""
   return _run_rows("decompress_rows", payloads, widths, units, slots, mean, eps=eps,
                    plane_bits=plane_bits, width_set=width_set, interpret=interpret,
-                   launch=launch, rotate=rotate, dtype=dtype)
+                   launch=launch, rotate=rotate, dtype=dtype, ptab=ptab)
 
 
 @_triton_entry
 def decompress_sum_pallas(payloads, widths, units: int, *, eps, plane_bits: int = R.PLANE_BITS,
-                          width_set=R.WIDTH_SET, interpret=False, launch=None):
+                          width_set=R.WIDTH_SET, interpret=False, launch=None, ptab=None):
   """Kernel version of :func:`~pallas_kernels.dynamiq_reference.decompress_sum_reference`:
   the ``n`` payloads' decodes summed in rank order by one launch, float32 [S, 256]."""
   return _run_rows("decompress_sum", payloads, widths, units, None, None, eps=eps,
                    plane_bits=plane_bits, width_set=width_set, interpret=interpret,
-                   launch=launch)
+                   launch=launch, ptab=ptab)

@@ -22,9 +22,9 @@ from dynamiq_jax.bench import bucket_cost, gpu_compile
 pytestmark = pytest.mark.skipif(gpu_compile.missing(need_ptxas=False) is not None,
                                 reason=str(gpu_compile.missing(need_ptxas=False)))
 
-INSTRUCTIONS_PER_BUCKET = 425
-"""The most HLO instructions one bucket of 2^16 may add (403 on jax 0.10.2 and 409 on 0.12,
-the finish storing the bucket's bfloat16 result itself; 406 / 412 before, 473 / 478
+INSTRUCTIONS_PER_BUCKET = 405
+"""The most HLO instructions one bucket of 2^16 may add (390 on jax 0.10.2 and 396 on 0.12,
+the hops' plane table made from the allocation's counts; 403 / 409 before, 473 / 478
 before the statistics' sum was encoded in its kernel, 2,228 before the bucket's kernels;
 docs/results.md, *What one more bucket costs*)."""
 TOP_LEVEL_PER_BUCKET = 33
@@ -49,8 +49,8 @@ def test_one_bucket_adds_few_instructions_and_operations(tiny, record_property):
   record_property("per_bucket", json.dumps(per))
   assert 0 < per["instructions"] <= INSTRUCTIONS_PER_BUCKET, tiny["phases"]
   assert 0 < per["top_level"] <= TOP_LEVEL_PER_BUCKET, tiny["phases"]
-  # a bucket of a compiled shape reuses every kernel: the one kernel that changes is the
-  # derivation of the buckets' key prefixes, whose length is the number of buckets
+  # a bucket of a compiled shape reuses every kernel (0 on both versions; the derivation
+  # of the buckets' key prefixes, whose length is the number of buckets, may count as one)
   assert per["kernels"] <= 1, per
 
 

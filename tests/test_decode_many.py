@@ -287,6 +287,20 @@ def _dynamiq_bucket(n=4, d=256 * 4 * 6, seed=0, implementation="pallas"):
   return codec, bucket, p.aux, payloads
 
 
+def test_plan_carries_the_widths_plane_table():
+  """DynamiQ's plan gives the hops the plane offsets of its widths, made from the
+  allocation's counts per width (kernels.plane_table): those each kernel would compute."""
+  for bits in (3, 5):  # mixed widths at both budgets
+    codec = DynamiQ(bits=bits)
+    bucket = Bucket(0, 256 * 4 * 6, 4, None)
+    x = jnp.asarray(np.random.default_rng(bits).standard_normal(bucket.d), jnp.float32)
+    keys = Keys.from_key(jax.random.key(0), bucket=0, rank=0)
+    aux = codec.plan(x, codec.metadata(x, bucket, None, keys).local, bucket, None, keys).aux
+    assert len(set(np.asarray(aux.widths).tolist())) > 1
+    own = T._plane_table(aux.widths, aux.layout.plane_bits, aux.layout.units)  # pylint: disable=protected-access
+    _same(aux.ptab, own)
+
+
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
 def test_dynamiq_hooks_give_the_bits_of_decode_and_finish(implementation):
   def run():  # under one jit, as in the all-reduce (eagerly: a compile per operation)

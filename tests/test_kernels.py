@@ -127,9 +127,16 @@ def test_all_four_kernels_equal_the_reference(case):
   _same(T.decompress_accumulate_pallas(p_ref, x, widths, units, **geo, interpret=True),
         RJ.decompress_accumulate_reference(p_ref, x, widths, units, **geo))
   enc2 = dict(enc, keys=_keys(2), rank=3)
+  want = RJ.decompress_accumulate_recompress_reference(p_ref, x, widths, units, **enc2, **geo)
   _same(T.decompress_accumulate_recompress_pallas(p_ref, x, widths, units, **enc2, **geo,
-                                                  interpret=True, fill=0xA5),
-        RJ.decompress_accumulate_recompress_reference(p_ref, x, widths, units, **enc2, **geo))
+                                                  interpret=True, fill=0xA5), want)
+  # the plane offsets from the counts per width (a codec's allocation gives them) are the
+  # kernels' own from the widths, and a hop given them writes the same bytes
+  counts = [int(np.sum(np.asarray(widths) == w)) for w in sorted(ws)]
+  ptab = T.plane_table(jnp.asarray(counts, jnp.int32), ws, pb, units)
+  _same(ptab, T._plane_table(widths, pb, units))  # pylint: disable=protected-access
+  _same(T.decompress_accumulate_recompress_pallas(p_ref, x, widths, units, **enc2, **geo,
+                                                  ptab=ptab, interpret=True, fill=0xA5), want)
 
 
 def test_unused_units_are_zero_and_values_round_trip():
@@ -449,3 +456,12 @@ def test_kernels_lower_inside_shard_map_with_check_vma():
   text = f.trace(sharded((s, 256), jnp.float32),
                  sharded((s,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count(TRITON) == 3
+
+
+def test_plane_table_checks_its_input():
+  with pytest.raises(ValueError, match=r"counts has shape \(3,\); give one count per width"):
+    T.plane_table(jnp.zeros(3, jnp.int32), WS6, 1, 10)
+  with pytest.raises(ValueError, match=r"ptab has shape \(8,\).*give int32 \[16\]"):
+    T.decompress_pallas(jnp.zeros(R.payload_bytes(1, 8, 1), jnp.uint8),
+                        jnp.full((1,), 8, jnp.int32), 8, eps=EPS, width_set=WS6,
+                        ptab=jnp.zeros(8, jnp.int32), interpret=True)

@@ -86,20 +86,23 @@ def top_level(comps) -> list:
 
 _NAME = re.compile(r"%([\w.\-]+)")
 _METADATA = re.compile(r"metadata=\{[^{}]*\}|, scheduling_name=\"[^\"]*\"")
+_CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+"""A called computation: a fusion's body, a reduction's combiner (each bucket has copies of
+its own, identical but for their names)."""
 
 
 def _fingerprint(comps, ins, memo) -> str:
   """What identifies the kernel of a fusion or custom call ``ins``: its shape, and the
-  fused computation's instructions with names replaced by positions (recursively), or
+  called computations' instructions with names replaced by positions (recursively), or
   the custom call's configuration; metadata dropped."""
   text = f"{ins.shape} {ins.opcode} " + _METADATA.sub("", ins.attributes)
-  called = re.findall(r"calls=%?([\w.\-]+)", ins.attributes)
+  called = _CALLED.findall(ins.attributes)
   for name in called:
     if name not in memo:
       comp = comps[name]
       index = {i.name: str(k) for k, i in enumerate(comp.instructions)}
       memo[name] = "\n".join(
-          _fingerprint(comps, i, memo) if "calls=" in i.attributes else
+          _fingerprint(comps, i, memo) if _CALLED.search(i.attributes) else
           f"{i.shape} {i.opcode}(" + _NAME.sub(lambda m: index.get(m.group(1), "?"), i.operands)
           + ") " + _METADATA.sub("", i.attributes) for i in comp.instructions)
     text = text.replace(name, memo[name])

@@ -340,11 +340,14 @@ class DynamiQ(Codec):
       unit_bits = payload_lib.unit_bytes(lay.plane_bits) * 8
       # one Pallas kernel in a GPU lowering: slots, chunk order (slot j n + c: chunk c's
       # position j) and position widths
-      dest, order_t, widths, _ = allocation.plan(
+      dest, order_t, widths, counts = allocation.plan(
           gnorm, lay.supergroups, self.width_errors(), s,
           {w: n * SUPERGROUP * w for w in self.widths}, n * lay.units * unit_bits, n,
           blocks=n if bucket.scatter else 1, implementation=bucket.implementation)
       chunks = payload_lib.take_in_range(resid, order_t)  # [n, s, 256]
+      # the hops' plane offsets from the counts per width (a few products), so that no
+      # kernel sums them over every position (XLA makes that sum one to three launches)
+      ptab = kernels.plane_table(counts, self.widths, lay.plane_bits, lay.units)
     # every chunk's shared stratum key, and its rounding key at every hop (hop <= n: the
     # schedules' steps, and the two-step reduction's), derived once for all hops. The
     # engine's (keys.tables) are already stored, derived outside every bucket, so the hops
@@ -357,7 +360,7 @@ class DynamiQ(Codec):
     else:
       chunk_keys = jax.lax.optimization_barrier(self.key_tables(keys, n).chunk)
     return Plan(chunks, DynamiQAux(dest, gmean, gnorm, widths, lay, bucket.implementation,
-                                   chunk_keys))
+                                   chunk_keys, ptab))
 
   def key_tables(self, keys, n: int) -> "DynamiQKeyTables":
     """Every chunk's rounding key at every hop and its shared stratum key, and the
@@ -374,7 +377,7 @@ class DynamiQ(Codec):
 
   def _geometry(self, aux, decode=False):
     args = dict(eps=self.eps, plane_bits=aux.layout.plane_bits, width_set=self.widths,
-                implementation=aux.implementation)
+                implementation=aux.implementation, ptab=aux.ptab)
     if not decode:
       args.update(strata=aux.layout.n if self.correlated else 1,
                   scale_rounding=self.scale_rounding)
@@ -484,6 +487,7 @@ class DynamiQAux(NamedTuple):
   layout: "DynamiQLayout"
   implementation: str | None = None
   chunk_keys: tuple | None = None  # uint32: rounding keys [n, n + 1] x 2, stratum keys [n] x 2
+  ptab: jax.Array | None = None  # int32 [16]: the widths' plane offsets (kernels.plane_table)
 
 
 @functools.lru_cache(maxsize=4096)
