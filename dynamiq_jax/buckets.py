@@ -207,7 +207,8 @@ def pack_layout(sizes, order, bucket_size: int, unit: int) -> Layout:
   if total == 0:
     return ()
   first = max(unit, min(bucket_size // FIRST_BUCKET_FRACTION // unit * unit, bucket_size))
-  first = max(first // _step(first, unit) * _step(first, unit), unit)
+  step = _step(first, unit)
+  first = max(first // step * step, unit)
   if total <= FIRST_BUCKET_FRACTION * first:
     shapes = _equal_cut(total, first, unit)
   else:

@@ -106,11 +106,9 @@ def _without_ptab(fn):
   return call
 
 
-def plane_table(counts, width_set, plane_bits: int, units: int):
-  """int32 [16]: the plane offsets the kernels read (``ptab=``), from the positions per
-  width ``counts`` (an allocation's, ascending widths of ``width_set``): what each kernel
-  would otherwise compute from the widths (:func:`pallas_kernels.dynamiq_triton.plane_table`)."""
-  return T.plane_table(counts, width_set, plane_bits, units)
+plane_table = T.plane_table
+"""int32 [16]: the plane offsets the kernels read (``ptab=``), from the positions per width
+(an allocation's counts, ascending widths): :func:`pallas_kernels.dynamiq_triton.plane_table`."""
 
 
 def _eps_key(eps):
@@ -196,8 +194,7 @@ def decompress_accumulate_recompress(payload, x, widths, units: int, *, eps, key
                              True, eps=_eps_key(eps), strata=strata, scale_rounding=scale_rounding,
                              plane_bits=plane_bits, width_set=tuple(width_set)),
                     _without_ptab(R.decompress_accumulate_recompress_reference), implementation,
-                    interpret,
-                    payload, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
+                    interpret, payload, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
                     strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
                     width_set=tuple(width_set), ptab=ptab)
 
@@ -242,8 +239,7 @@ def decompress_many(payloads, widths, units: int, *, eps, plane_bits: int = R.PL
                     D.Kernels(T.decompress_many_pallas, _without_ptab(_many_mosaic),
                               functools.partial(_probe_many, False, **geo)),
                     _without_ptab(R.decompress_many_reference), implementation, interpret,
-                    payloads, widths,
-                    units, **geo, ptab=ptab)
+                    payloads, widths, units, **geo, ptab=ptab)
 
 
 def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
@@ -266,8 +262,8 @@ def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
                     D.Kernels(T.decompress_rows_pallas, _without_ptab(_rows_mosaic),
                               functools.partial(_probe_many, True, **geo)),
                     _without_ptab(R.decompress_rows_reference), implementation, interpret,
-                    payloads, widths,
-                    units, slots, mean, rotate=rotate, dtype=jnp.dtype(dtype), **geo, ptab=ptab)
+                    payloads, widths, units, slots, mean, rotate=rotate, dtype=jnp.dtype(dtype),
+                    **geo, ptab=ptab)
 
 
 def _sum_mosaic(payloads, widths, units: int, *, interpret=False, **geo):
@@ -292,5 +288,4 @@ def decompress_sum(payloads, widths, units: int, *, eps, plane_bits: int = R.PLA
                     D.Kernels(T.decompress_sum_pallas, _without_ptab(_sum_mosaic),
                               functools.partial(_probe_many, False, **geo)),
                     _without_ptab(R.decompress_sum_reference), implementation, interpret,
-                    payloads, widths,
-                    units, **geo, ptab=ptab)
+                    payloads, widths, units, **geo, ptab=ptab)

@@ -537,10 +537,15 @@ def plane_table(counts, width_set, plane_bits: int, units: int):
   return jnp.minimum(jnp.sum(counts[..., None, :] * per, axis=-1), units).astype(jnp.int32)
 
 
-def _check_ptab(ptab):
-  if ptab is not None and (np.shape(ptab) != (_PTAB,) or jnp.result_type(ptab) != jnp.int32):
+def _plane_operand(ptab, widths, plane_bits: int, units: int):
+  """The kernels' plane-offset operand: ``ptab`` as given (checked), or None:
+  :func:`_plane_table` of ``widths``."""
+  if ptab is None:
+    return _plane_table(widths, plane_bits, units)
+  if np.shape(ptab) != (_PTAB,) or jnp.result_type(ptab) != jnp.int32:
     raise ValueError(f"ptab has shape {np.shape(ptab)} and dtype {jnp.result_type(ptab)}; "
                      f"give int32 [{_PTAB}] (plane_table of the widths' counts)")
+  return ptab
 
 
 def _compiler_params(cfg: _Config, interpret):
@@ -561,18 +566,16 @@ _KERNELS = {  # op: (kernel body, reads a payload, reads x, writes a payload)
 
 @functools.partial(jax.jit, static_argnames=("op", "cfg", "units", "strata", "interpret",
                                              "fill"))
-def _launch(payload, x, widths, karr, ptab=None, *, op, cfg, units, strata, interpret,
-            fill=None):
+def _launch(payload, x, widths, karr, ptab, *, op, cfg, units, strata, interpret, fill=None):
   """One launch of ``op`` over ``cdiv(S, BLOCK)`` programs. ``ptab``: the widths' plane
-  table (None: :func:`_plane_table` of them). ``fill`` (tests only): the output payload
-  buffer's initial byte (None: uninitialized), to check that every byte is written."""
+  table (:func:`_plane_operand`). ``fill`` (tests only): the output payload buffer's
+  initial byte (None: uninitialized), to check that every byte is written."""
   body, reads, dense, writes = _KERNELS[op]
   s_count = widths.shape[0]
   tab = jnp.asarray(cfg.table())
   static = dict(cfg=cfg, s_count=s_count, interpret=bool(interpret))
   if writes:
     static.update(units=units, strata=strata)
-  ptab = _plane_table(widths, cfg.plane_bits, units) if ptab is None else ptab
   args = ([karr] if writes else []) + [ptab, tab, widths]
   dense_spec = pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))
   whole = lambda n: pl.BlockSpec((n,), lambda i: (0,))
@@ -608,7 +611,7 @@ def _launch(payload, x, widths, karr, ptab=None, *, op, cfg, units, strata, inte
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret", "rotate", "dtype"))
-def _launch_rows(payloads, widths, slots, mean, ptab=None, *, cfg, units, interpret, rotate=0,
+def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, rotate=0,
                  dtype=jnp.float32):
   """One launch decoding rows of all ``n`` payloads [n, bytes] (:func:`_decode_rows_kernel`)
   over ``cdiv(rows, BLOCK)`` programs: ``n S`` rows in chunk order, or one per slot
@@ -620,7 +623,6 @@ def _launch_rows(payloads, widths, slots, mean, ptab=None, *, cfg, units, interp
   whole = lambda k: pl.BlockSpec((k,), lambda i: (0,))
   per_row = pl.BlockSpec((cfg.sg,), lambda i: (i,))
   anywhere = pl.BlockSpec(memory_space=pl.ANY)
-  ptab = _plane_table(widths, cfg.plane_bits, units) if ptab is None else ptab
   args = [ptab, tab, widths]
   in_specs = [whole(_PTAB), whole(tab.shape[0]), anywhere]
   if slots is not None:
@@ -645,7 +647,7 @@ def _launch_rows(payloads, widths, slots, mean, ptab=None, *, cfg, units, interp
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
-def _launch_sum(payloads, widths, ptab=None, *, cfg, units, interpret):
+def _launch_sum(payloads, widths, ptab, *, cfg, units, interpret):
   """One launch summing the decodes of all ``n`` payloads [n, bytes] in rank order
   (:func:`_decode_sum_kernel`) over ``cdiv(S, BLOCK)`` programs."""
   n, size = payloads.shape
@@ -653,7 +655,6 @@ def _launch_sum(payloads, widths, ptab=None, *, cfg, units, interpret):
   tab = jnp.asarray(cfg.table())
   whole = lambda k: pl.BlockSpec((k,), lambda i: (0,))
   dense_spec = pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))
-  ptab = _plane_table(widths, cfg.plane_bits, units) if ptab is None else ptab
   args = [ptab, tab, widths, _u16_payload(payloads.reshape(-1))]
   in_specs = [whole(_PTAB), whole(tab.shape[0]), pl.BlockSpec((cfg.sg,), lambda i: (i,)),
               pl.BlockSpec(memory_space=pl.ANY)]
@@ -715,8 +716,8 @@ def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_roundi
   karr = rng.key_operand(keys, rank) if _KERNELS[op][3] else None
   launch = functools.partial(_launch, op=op, cfg=cfg, units=int(units), strata=strata,
                              interpret=interpret, fill=fill)
-  _check_ptab(ptab)
-  return dispatch.map_over_batch(launch, payload, x, widths, karr, ptab)
+  return dispatch.map_over_batch(launch, payload, x, widths, karr,
+                                 _plane_operand(ptab, widths, cfg.plane_bits, int(units)))
 
 
 def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, width_set,
@@ -738,7 +739,7 @@ def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, widt
                               "(int32 byte offsets)")
   if cfg.plane_bits == 2 and any(w % 2 for w in cfg.width_set):
     raise NotImplementedError(f"odd widths in width_set={cfg.width_set} with plane_bits=2")
-  _check_ptab(ptab)
+  ptab = _plane_operand(ptab, widths, cfg.plane_bits, int(units))
   if op == "decompress_sum":
     call = functools.partial(_launch_sum, cfg=cfg, units=int(units), interpret=interpret)
     return dispatch.map_over_batch(call, payloads, widths, ptab)
