@@ -180,13 +180,13 @@ def decode_pass(payloads, aux, codec: Codec, bucket: Bucket, state, plan: TreePl
   once (:meth:`~dynamiq_jax.codecs.Codec.decode_finish`), ``out`` comes rounded to it
   (None: float32)."""
   if type(codec).decode_finish is not Codec.decode_finish:  # decoded and finished at once
-    out, new_state = codec.decode_finish(payloads, aux, bucket, state, rotate=plan.root,
-                                         dtype=dtype)
+    out, new_state, err = codec.decode_finish(payloads, aux, bucket, state, rotate=plan.root,
+                                              dtype=dtype, partials=plan.partials())
   else:
     chunks = in_chunk_order(payloads, plan.root)
     out, new_state = codec.finish(decode_all(chunks, hop_ops(codec, aux, None)), aux, bucket,
                                   state)
-  err = codec.error_estimate(out, aux, bucket, plan.partials())
+    err = codec.error_estimate(out, aux, bucket, plan.partials())
   return out, new_state, jnp.float32(jnp.nan) if err is None else err
 
 

@@ -121,7 +121,8 @@ def map_batch_rule(fn):
       it = iter(items)
       return fn(*[next(it) if b else a for a, b in zip(args, in_batched)])
 
-    return jax.lax.map(one, batched), True
+    out = jax.lax.map(one, batched)
+    return out, jax.tree.map(lambda _: True, out)
 
   return rule
 

@@ -207,13 +207,14 @@ def _many_mosaic(payloads, widths, units: int, *, interpret=False, **geo):
 
 
 def _rows_mosaic(payloads, widths, units: int, slots, mean=None, *, rotate=0, dtype=jnp.float32,
-                 interpret=False, **geo):
+                 row_sq=False, interpret=False, **geo):
   """Mosaic GPU's form of :func:`decompress_rows`: :func:`_many_mosaic`, then the
-  reference's gather and mean."""
+  reference's gather, mean and sums of squares."""
   R.check_payloads(payloads, widths, units, plane_bits=geo["plane_bits"],
                    width_set=geo["width_set"], slots=slots, mean=mean, rotate=rotate)
-  return R.rows_of_decoded(_many_mosaic(payloads, widths, units, interpret=interpret, **geo),
-                          slots, mean, rotate).astype(dtype)
+  rows = R.rows_of_decoded(_many_mosaic(payloads, widths, units, interpret=interpret, **geo),
+                           slots, mean, rotate)
+  return R.rows_and_squares(rows, mean, dtype, row_sq)
 
 
 def _probe_many(gather: bool, **static):
@@ -244,11 +245,15 @@ def decompress_many(payloads, widths, units: int, *, eps, plane_bits: int = R.PL
 
 def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
                       plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET, rotate: int = 0,
-                      dtype=jnp.float32, ptab=None, implementation: D.Implementation = None,
-                      interpret: bool | None = None):
+                      dtype=jnp.float32, ptab=None, row_sq: bool = False,
+                      implementation: D.Implementation = None, interpret: bool | None = None):
   """Rows of ``n`` decoded chunk payloads, each from its slot, plus a mean: [R, 256] of
   ``dtype`` (float32 by default; another float dtype: the float32 rows rounded to it as
-  they are stored, so that no float32 copy is written).
+  they are stored, so that no float32 copy is written). ``row_sq``: ``(rows, sums)``, the
+  float32 [R] sums of each float32 row's squares less its mean
+  (:func:`~pallas_kernels.dynamiq_reference.row_squares`; the kernel sums in its
+  compiler's order, so their last bits may differ from the reference's): what an error
+  estimate reads, without reading the rows again.
 
   Row r is slot ``slots[r]`` (int32 [R]) of the decoded chunks interleaved by position
   (slot ``j n + c``: position j of chunk c, which is payload ``(c + rotate) % n``: the
@@ -263,7 +268,7 @@ def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
                               functools.partial(_probe_many, True, **geo)),
                     _without_ptab(R.decompress_rows_reference), implementation, interpret,
                     payloads, widths, units, slots, mean, rotate=rotate, dtype=jnp.dtype(dtype),
-                    **geo, ptab=ptab)
+                    row_sq=bool(row_sq), **geo, ptab=ptab)
 
 
 def _sum_mosaic(payloads, widths, units: int, *, interpret=False, **geo):

@@ -448,9 +448,10 @@ def decompress_many_reference(payloads, widths, units: int, *, eps,
 
 def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *, eps,
                                 plane_bits: int = PLANE_BITS, width_set=WIDTH_SET,
-                                rotate: int = 0, dtype=jnp.float32):
+                                rotate: int = 0, dtype=jnp.float32, row_sq: bool = False):
   """Rows of the ``n`` decoded payloads, gathered, plus a mean: [R, 256] of ``dtype``
-  (computed in float32, then rounded to ``dtype``).
+  (computed in float32, then rounded to ``dtype``); with ``row_sq``, ``(rows,``
+  :func:`row_squares` ``of the float32 rows)``.
 
   Row r is slot ``slots[r]`` of the decoded chunks interleaved by position (slot ``j n
   + c``: position j of chunk c; an out-of-range slot reads the nearest one), plus
@@ -473,7 +474,21 @@ def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *,
                  slots=slots, mean=mean, rotate=rotate)
   dec = decompress_many_reference(payloads, widths, units, eps=eps, plane_bits=plane_bits,
                                   width_set=width_set)
-  return rows_of_decoded(dec, slots, mean, rotate).astype(dtype)
+  return rows_and_squares(rows_of_decoded(dec, slots, mean, rotate), mean, dtype, row_sq)
+
+
+def row_squares(rows, mean=None):
+  """float32 [R]: each float32 row's sum of squares less its mean (``mean`` [R] or None),
+  what a codec's error estimate reads of its finished rows."""
+  r = rows if mean is None else rows - mean.astype(jnp.float32)[:, None]
+  return jnp.sum(r * r, axis=-1)
+
+
+def rows_and_squares(rows, mean, dtype, row_sq: bool):
+  """The float32 ``rows`` rounded to ``dtype``, and with ``row_sq`` their
+  :func:`row_squares` beside them."""
+  out = rows.astype(dtype)
+  return (out, row_squares(rows, mean)) if row_sq else out
 
 
 def rows_of_decoded(dec, slots, mean=None, rotate: int = 0):

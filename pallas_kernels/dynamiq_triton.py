@@ -440,17 +440,18 @@ def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, 
 
 
 def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count, slots, mean,
-                        payload_bytes, interpret, rotate=0):
+                        payload_bytes, interpret, rotate=0, row_sq=False):
   """Decodes ``count`` rows, each one super-group of one of the ``n`` payloads (all with
   the same per-position widths, ``w_ref`` read per row): row r is position ``r % S``
   of payload ``r // S``, or (``slots``) slot ``slot_ref[r]``, clamped to ``[0, n S)``:
   position ``slot // n`` of chunk ``slot % n``, which is payload ``(slot % n + rotate)
   % n``; plus ``mean_ref[r]`` (``mean``), by the same ``fma`` as
-  :func:`_decompress_accumulate_kernel`."""
+  :func:`_decompress_accumulate_kernel`. ``row_sq``: also each row's sum of squares
+  less its mean, of the float32 row (:func:`_row_sq`)."""
   refs = list(refs)
   slot_ref = refs.pop(0) if slots else None
   mean_ref = refs.pop(0) if mean else None
-  pay_ref, out_ref = refs
+  pay_ref, out_ref = refs[:2]
   block = cfg.sg
   row = pl.program_id(0) * block + _iota((block,), 0)
   ok = row < count
@@ -473,6 +474,25 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
   val = _read_chunk(pay_ref, tt.load(w_ref, j, ok), ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
                     interpret=interpret, addend=addend, rows=rows)
   _store_dense(out_ref, val, cfg)
+  if row_sq:
+    refs[2][...] = _row_sq(val, addend, cfg)
+
+
+def _row_sq(val, addend, cfg: _Config):
+  """float32 [BLOCK]: each row's sum of ``(val - addend)^2`` over its 256 values (``val``,
+  ``addend`` as :func:`_read_chunk` takes and gives them; None: no addend), one axis at a
+  time (a Triton reduction takes one): the compiler's order, so the last bits may differ
+  from the reference's sum."""
+  halves = val if cfg.split else (val,)
+  addends = (None,) * len(halves) if addend is None else (addend if cfg.split else (addend,))
+  total = None
+  for v, a in zip(halves, addends):
+    r = v if a is None else v - a
+    sq = r * r
+    while sq.ndim > 1:
+      sq = jnp.sum(sq, axis=sq.ndim - 1)
+    total = sq if total is None else total + sq
+  return total
 
 
 def _decode_sum_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, n,
@@ -610,12 +630,14 @@ def _launch(payload, x, widths, karr, ptab, *, op, cfg, units, strata, interpret
   return out if writes else out.reshape(s_count, B.SUPERGROUP)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret", "rotate", "dtype"))
+@functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret", "rotate", "dtype",
+                                             "row_sq"))
 def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, rotate=0,
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, row_sq=False):
   """One launch decoding rows of all ``n`` payloads [n, bytes] (:func:`_decode_rows_kernel`)
   over ``cdiv(rows, BLOCK)`` programs: ``n S`` rows in chunk order, or one per slot
-  (chunk c: payload ``(c + rotate) % n``)."""
+  (chunk c: payload ``(c + rotate) % n``). ``row_sq``: -> (rows, float32 [rows] sums of
+  squares less the mean)."""
   n, size = payloads.shape
   s_count = widths.shape[0]
   count = n * s_count if slots is None else slots.shape[0]
@@ -635,15 +657,21 @@ def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, 
   in_specs.append(anywhere)
   kernel = functools.partial(_decode_rows_kernel, cfg=cfg, s_count=s_count, n=n, count=count,
                              slots=slots is not None, mean=mean is not None,
-                             payload_bytes=size, interpret=bool(interpret), rotate=rotate)
-  out_shape = jax.ShapeDtypeStruct(cfg.block(count), dtype)
+                             payload_bytes=size, interpret=bool(interpret), rotate=rotate,
+                             row_sq=row_sq)
+  out_shape = [jax.ShapeDtypeStruct(cfg.block(count), dtype)]
+  out_specs = [pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))]
+  if row_sq:
+    out_shape.append(jax.ShapeDtypeStruct((count,), jnp.float32))
+    out_specs.append(per_row)
   name = "decompress_rows" if slots is not None else "decompress_many"
   out = pl.pallas_call(
-      kernel, out_shape=dispatch.typed_like(out_shape, args), grid=(pl.cdiv(count, cfg.sg),),
-      in_specs=in_specs, out_specs=pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0)),
+      kernel, out_shape=[dispatch.typed_like(o, args) for o in out_shape],
+      grid=(pl.cdiv(count, cfg.sg),), in_specs=in_specs, out_specs=out_specs,
       compiler_params=_compiler_params(cfg, interpret), interpret=interpret,
       name=f"dynamiq_units_{name}_p{cfg.plane_bits}")(*args)
-  return out.reshape(count, B.SUPERGROUP)
+  rows = out[0].reshape(count, B.SUPERGROUP)
+  return (rows, out[1]) if row_sq else rows
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
@@ -721,7 +749,7 @@ def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_roundi
 
 
 def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, width_set,
-              interpret, launch=None, rotate=0, dtype=jnp.float32, ptab=None):
+              interpret, launch=None, rotate=0, dtype=jnp.float32, ptab=None, row_sq=False):
   """:func:`_run` for the decodes of all ``n`` payloads at once (:func:`_launch_rows`,
   or their sum: :func:`_launch_sum`)."""
   widths = jnp.asarray(widths).astype(jnp.int32)
@@ -744,7 +772,7 @@ def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, widt
     call = functools.partial(_launch_sum, cfg=cfg, units=int(units), interpret=interpret)
     return dispatch.map_over_batch(call, payloads, widths, ptab)
   call = functools.partial(_launch_rows, cfg=cfg, units=int(units), interpret=interpret,
-                           rotate=int(rotate), dtype=jnp.dtype(dtype))
+                           rotate=int(rotate), dtype=jnp.dtype(dtype), row_sq=bool(row_sq))
   return dispatch.map_over_batch(call, payloads, widths, slots, mean, ptab)
 
 
@@ -844,14 +872,15 @@ def decompress_many_pallas(payloads, widths, units: int, *, eps, plane_bits: int
 def decompress_rows_pallas(payloads, widths, units: int, slots, mean=None, *, eps,
                              plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
                              rotate: int = 0, dtype=jnp.float32, interpret=False, launch=None,
-                             ptab=None):
+                             ptab=None, row_sq: bool = False):
   """Kernel version of
   :func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`: each output
   row decoded from its slot of the ``n`` payloads (plus its mean) by one launch, stored
-  as ``dtype``."""
+  as ``dtype``; with ``row_sq``, also each float32 row's sum of squares less its mean
+  (summed in the compiler's order: the last bits may differ from the reference's)."""
   return _run_rows("decompress_rows", payloads, widths, units, slots, mean, eps=eps,
                    plane_bits=plane_bits, width_set=width_set, interpret=interpret,
-                   launch=launch, rotate=rotate, dtype=dtype, ptab=ptab)
+                   launch=launch, rotate=rotate, dtype=dtype, ptab=ptab, row_sq=row_sq)
 
 
 @_triton_entry

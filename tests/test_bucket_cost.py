@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(gpu_compile.missing(need_ptxas=False) is not Non
                                 reason=str(gpu_compile.missing(need_ptxas=False)))
 
 INSTRUCTIONS_PER_BUCKET = 405
-"""The most HLO instructions one bucket of 2^16 may add (390 on jax 0.10.2 and 396 on 0.12,
-the hops' plane table made from the allocation's counts; 403 / 409 before, 473 / 478
+"""The most HLO instructions one bucket of 2^16 may add (391 on jax 0.10.2 and 398 on 0.12,
+the finish's kernel also giving the rows' squared residuals; 390 / 396 before, the hops'
+plane table made from the allocation's counts; 403 / 409 before that, 473 / 478
 before the statistics' sum was encoded in its kernel, 2,228 before the bucket's kernels;
 docs/results.md, *What one more bucket costs*)."""
 TOP_LEVEL_PER_BUCKET = 33
@@ -52,6 +53,23 @@ def test_one_bucket_adds_few_instructions_and_operations(tiny, record_property):
   # a bucket of a compiled shape reuses every kernel (0 on both versions; the derivation
   # of the buckets' key prefixes, whose length is the number of buckets, may count as one)
   assert per["kernels"] <= 1, per
+
+
+ESTIMATE_INSTRUCTIONS = 80
+"""The most HLO instructions that keeping the error estimate (as ``compressed_psum`` does)
+may add to a bucket of 2^16 (76 on jax 0.10.2 and 0.12: the finish's kernel gives each
+super-group's squared residual; 89 on 0.10.2 before, when a fusion read the bucket's
+result again)."""
+
+
+def test_the_error_estimate_adds_little(tiny):
+  """The estimate costs the bucket a few elementwise operations on its super-groups'
+  squared residuals (from the finish's kernel) and their sum: at most two launches, and
+  no second read of the result."""
+  kept = bucket_cost.measure(1 << 16, estimate=True)
+  extra = {k: kept["per_bucket"][k] - tiny["per_bucket"][k] for k in ("instructions", "top_level")}
+  assert 0 < extra["instructions"] <= ESTIMATE_INSTRUCTIONS, (extra, kept["phases"])
+  assert 0 < extra["top_level"] <= 2, (extra, kept["phases"])
 
 
 def test_the_phases_are_the_buckets(tiny):

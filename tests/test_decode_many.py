@@ -107,10 +107,25 @@ def test_batched_kernels_equal_the_reference(case):
   _same(as_bf16, gather.astype(jnp.bfloat16))
   _same(T.decompress_rows_pallas(rolled, widths, units, slots, mean, rotate=k, **geo,
                                  dtype=jnp.bfloat16, interpret=True), as_bf16)
+  # with row_sq: the same rows, and each float32 row's squares less its mean, summed (the
+  # kernel in its compiler's order: equal but for the last bits)
+  rows, sq = T.decompress_rows_pallas(rolled, widths, units, slots, mean, rotate=k, **geo,
+                                      dtype=jnp.bfloat16, row_sq=True, interpret=True)
+  _same(rows, as_bf16)
+  ref_rows, ref_sq = RJ.decompress_rows_reference(rolled, widths, units, slots, mean, rotate=k,
+                                                  dtype=jnp.bfloat16, row_sq=True, **geo)
+  _same(ref_rows, as_bf16)
+  _same(ref_sq, jnp.sum(jnp.square(gather - mean[:, None]), axis=-1))
+  np.testing.assert_allclose(np.asarray(sq), np.asarray(ref_sq), rtol=1e-6)
   # fewer rows than slots exist (a partial last program), repeated slots, no mean
   few = jnp.concatenate([slots[:5], slots[:2]])
   _same(T.decompress_rows_pallas(pays, widths, units, few, **geo, interpret=True),
         RJ.decompress_rows_reference(pays, widths, units, few, **geo))
+  few_rows, few_sq = T.decompress_rows_pallas(pays, widths, units, few, **geo, row_sq=True,
+                                              interpret=True)
+  _same(few_rows, RJ.decompress_rows_reference(pays, widths, units, few, **geo))
+  np.testing.assert_allclose(np.asarray(few_sq), np.sum(np.square(np.asarray(few_rows)), -1),
+                             rtol=1e-6)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2],
@@ -162,6 +177,12 @@ def test_under_vmap_each_element_is_its_own_batch():
   got = jax.jit(jax.vmap(ker))(pays, ws, slots, means)
   _same(got, jax.jit(jax.vmap(ref))(pays, ws, slots, means))
   _same(got[1], RJ.decompress_rows_reference(pays[1], ws[1], units, slots[1], means[1], **geo))
+  # two outputs (rows, squares) mapped alike
+  rows, sq = jax.jit(jax.vmap(lambda p, w, sl, m: T.decompress_rows_pallas(
+      p, w, units, sl, m, **geo, row_sq=True, interpret=True)))(pays, ws, slots, means)
+  _same(rows, got)
+  np.testing.assert_allclose(np.asarray(sq), np.asarray(jax.vmap(R.row_squares)(got, means)),
+                             rtol=1e-6)
   _same(jax.jit(jax.vmap(lambda p, w: T.decompress_many_pallas(p, w, units, **geo,
                                                                interpret=True)))(pays, ws),
         jax.jit(jax.vmap(lambda p, w: R.decompress_many_reference(p, w, units, **geo)))(
@@ -247,9 +268,11 @@ def compile_batched(block: int | None = None):
     p, w = st((n, R.payload_bytes(s, units, pb)), jnp.uint8), st((s,), jnp.int32)
     rows, mean = st((n * s,), jnp.int32), st((n * s,), jnp.float32)
     for f, args in ((lambda p, w: T.decompress_many_pallas(p, w, units, **geo), (p, w)),
-                    # (stored as the engine stores it: bfloat16, the codecs' result dtype)
+                    # (as the engine launches it: stored as bfloat16, the codecs' result
+                    # dtype, with the rows' sums of squares for the error estimate)
                     (lambda p, w, r, m: T.decompress_rows_pallas(p, w, units, r, m, **geo,
-                                                                 dtype=jnp.bfloat16),
+                                                                 dtype=jnp.bfloat16,
+                                                                 row_sq=True),
                      (p, w, rows, mean)),
                     (lambda p, w: T.decompress_sum_pallas(p, w, units, **geo), (p, w))):
       with GT.gpu_target(device):
@@ -307,7 +330,8 @@ def test_dynamiq_hooks_give_the_bits_of_decode_and_finish(implementation):
     codec, bucket, aux, payloads = _dynamiq_bucket(implementation=implementation)
     one_by_one = jnp.stack([codec.decode(payloads[c], aux) for c in range(bucket.n)])
     want, _ = codec.finish(one_by_one, aux, bucket, None)
-    got, state = codec.decode_finish(payloads, aux, bucket, None)
+    got, state, err = codec.decode_finish(payloads, aux, bucket, None)
+    assert err is None  # no partials: no estimate
     return (one_by_one, codec.decode_many(payloads, aux), codec.decode_sum(payloads, aux),
             Codec.decode_sum(codec, payloads, aux), want, got, state)
 
@@ -317,6 +341,26 @@ def test_dynamiq_hooks_give_the_bits_of_decode_and_finish(implementation):
   assert state is None
   _same(got, want)
   assert got.shape == (256 * 4 * 6,)  # the bucket's d
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_dynamiq_finish_makes_the_error_estimate_of_its_result(implementation):
+  """With ``partials``, DynamiQ's one-launch finish also gives the error estimate: the
+  estimate of its result (``error_estimate``) but for the order of each row's sum, and the
+  same output bits as without it."""
+  partials = dq.schedules.ring_plan(4).partials()
+
+  def run():
+    codec, bucket, aux, payloads = _dynamiq_bucket(implementation=implementation)
+    out, _, err = codec.decode_finish(payloads, aux, bucket, None, partials=partials)
+    plain, _, none = codec.decode_finish(payloads, aux, bucket, None)
+    assert none is None
+    return out, plain, err, codec.error_estimate(out, aux, bucket, partials)
+
+  out, plain, err, want = jax.jit(run)()
+  _same(out, plain)
+  assert np.isfinite(float(err)) and float(err) > 0
+  np.testing.assert_allclose(float(err), float(want), rtol=1e-5)
 
 
 def test_executor_and_engine_use_a_codec_s_own_hooks():

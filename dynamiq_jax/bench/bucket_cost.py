@@ -3,12 +3,16 @@
     python -m dynamiq_jax.bench.bucket_cost                  # buckets of 2^20, ring of 8
     python -m dynamiq_jax.bench.bucket_cost --size 8388608   # buckets of 2^23
     python -m dynamiq_jax.bench.bucket_cost --tiny           # smoke test (CI)
+    python -m dynamiq_jax.bench.bucket_cost --estimate       # with the error estimate kept
 
 No GPU is needed. The default compressed all-reduce of ``k`` equal leaves
 (one bucket each, after the first bucket's quarter-size piece) is compiled
 in a child process (:func:`~dynamiq_jax.bench.gpu_compile.compile_in_child`)
 by XLA's GPU pipeline for a compile-only 8 x H100 host, for ``k = 3`` and
-``k = 4``; the difference is what one bucket costs:
+``k = 4``; the difference is what one bucket costs. The bare all-reduce's
+error estimate is unused, so XLA drops it; ``--estimate`` keeps it (returns
+``AllReduceStats.error_estimate``), as :func:`~dynamiq_jax.compressed_psum`
+does in its state:
 
 * **HLO instructions** of the optimized module (every computation's, fusion
   bodies included): XLA's passes visit each one, and a bucket's are visited
@@ -47,8 +51,9 @@ PHASES = (("guard", "guard"), ("statistics", "dynamiq/stats"), ("metadata", "met
 """A bucket's phases, by the named scope its instructions carry (first match)."""
 
 
-def step_in_child(buckets: int, size: int, schedule: str = "ring") -> dict:
-  """Compiles (in the child) the all-reduce of ``buckets`` leaves of ``size`` coordinates."""
+def step_in_child(buckets: int, size: int, schedule: str = "ring", estimate: bool = False) -> dict:
+  """Compiles (in the child) the all-reduce of ``buckets`` leaves of ``size`` coordinates
+  (``estimate``: and its error estimate)."""
   import time
 
   import jax
@@ -63,10 +68,12 @@ def step_in_child(buckets: int, size: int, schedule: str = "ring") -> dict:
                                sharding=NamedSharding(mesh, P("data"))) for _ in range(buckets)]
 
   def local(xs):
-    return dq.allreduce(xs, axis_name="data", codec=dq.codecs.DynamiQ(), schedule=schedule,
-                        key=jax.random.key(0), bucket_size=size)[0]
+    out, stats = dq.allreduce(xs, axis_name="data", codec=dq.codecs.DynamiQ(),
+                              schedule=schedule, key=jax.random.key(0), bucket_size=size)
+    return (out, stats.error_estimate) if estimate else out
 
-  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"),), out_specs=P("data")))
+  out_specs = (P("data"), P()) if estimate else P("data")
+  f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"),), out_specs=out_specs))
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     c0 = time.process_time()
     compiled = f.trace(tree).lower().compile()
@@ -134,21 +141,21 @@ def by_scope(comps, bucket: int) -> dict:
   return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
 
 
-def measure(size: int, schedule: str = "ring") -> dict:
+def measure(size: int, schedule: str = "ring", estimate: bool = False) -> dict:
   """One bucket's cost: the compiles of 3 and 4 buckets, their difference, and bucket 2's
   instructions by phase."""
   runs = {}
   for k in (3, 4):
     with gpu_compile.compile_in_child(
         "dynamiq_jax.bench.bucket_cost:step_in_child",
-        kwargs={"buckets": k, "size": size, "schedule": schedule},
+        kwargs={"buckets": k, "size": size, "schedule": schedule, "estimate": estimate},
         xla_flags=gpu_compile.DEVICELESS_XLA_FLAGS, ptx=False, strict_warnings=False) as build:
       comps = gpu_compile.parse_hlo(build.hlo[0])
       runs[k] = {"instructions": len(_instructions(comps)), "top_level": len(top_level(comps)),
                  "kernels": kernels(comps),
                  "sorts": sum(ins.opcode == "sort" for _, ins in _instructions(comps)),
                  "cpu_s": build.info["cpu_s"], "phases": by_scope(comps, 2)}
-  return {"size": size, "schedule": schedule, "devices": DEVICES,
+  return {"size": size, "schedule": schedule, "devices": DEVICES, "estimate": estimate,
           "per_bucket": {key: runs[4][key] - runs[3][key]
                          for key in ("instructions", "top_level", "kernels", "sorts")},
           "phases": runs[4]["phases"], "runs": {str(k): v for k, v in runs.items()}}
@@ -163,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--schedule", default="ring", help="the all-reduce's schedule")
   p.add_argument("--label", default=None,
                  help="writes bucket_cost_<label>.json instead of bucket_cost.json")
+  p.add_argument("--estimate", action="store_true",
+                 help="keep the error estimate (as compressed_psum does)")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI): buckets of 2^16")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   return p
@@ -179,8 +188,9 @@ def main(argv=None) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads the machine
   from dynamiq_jax.bench.common import command_line, machine, write_results
 
-  r = measure(size, args.schedule)
-  print(f"one bucket of {size} coordinates, {args.schedule} of {DEVICES} (8 x H100, compile-only)")
+  r = measure(size, args.schedule, args.estimate)
+  print(f"one bucket of {size} coordinates, {args.schedule} of {DEVICES} (8 x H100, compile-only)"
+        + (", error estimate kept" if args.estimate else ""))
   print(f"  HLO instructions {r['per_bucket']['instructions']:>6}   top-level operations "
         f"{r['per_bucket']['top_level']:>4}   kernels {r['per_bucket']['kernels']}   "
         f"sorts {r['per_bucket']['sorts']}   "

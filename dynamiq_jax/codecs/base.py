@@ -415,11 +415,14 @@ class Codec(abc.ABC):
     """
     return jax.vmap(lambda p: self.decode(p, aux))(payloads)
 
-  def decode_finish(self, payloads, aux, bucket: Bucket, state, rotate: int = 0, dtype=None):
+  def decode_finish(self, payloads, aux, bucket: Bucket, state, rotate: int = 0, dtype=None,
+                    partials: tuple[int, ...] | None = None):
     """``finish(decode_many(chunks), aux, bucket, state)``: the gathered payloads
     (leading axis n, in rank order: chunk c is payload ``(c + rotate) % n``) decoded and
-    finished at once -> ``(flat [d], new state)``, float32, or rounded to ``dtype``
-    (the engine's :attr:`result_dtype`: a kernel can store its result so).
+    finished at once -> ``(flat [d], new state, estimate)``, float32, or rounded to
+    ``dtype`` (the engine's :attr:`result_dtype`: a kernel can store its result so);
+    ``estimate``: :meth:`error_estimate` with ``partials`` (None without them: no
+    estimate made).
 
     A codec overrides it to fuse the two, with the same results (DynamiQ: one kernel
     decodes each super-group straight into its place and adds its mean, reading the
@@ -429,7 +432,8 @@ class Codec(abc.ABC):
     chunks = jax.tree.map(lambda p: jnp.roll(p, -rotate, axis=0), payloads) if rotate \
         else payloads
     out, state = self.finish(self.decode_many(chunks, aux), aux, bucket, state)
-    return (out if dtype is None else out.astype(dtype)), state
+    err = None if partials is None else self.error_estimate(out, aux, bucket, partials)
+    return (out if dtype is None else out.astype(dtype)), state, err
 
   @abc.abstractmethod
   def finish(self, decoded, aux, bucket: Bucket, state):

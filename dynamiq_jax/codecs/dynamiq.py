@@ -427,18 +427,24 @@ class DynamiQ(Codec):
     return kernels.decompress_sum(payloads, aux.widths, aux.layout.units,
                                   **self._geometry(aux, decode=True))
 
-  def decode_finish(self, payloads, aux, bucket, state, rotate: int = 0, dtype=None):
+  def decode_finish(self, payloads, aux, bucket, state, rotate: int = 0, dtype=None,
+                    partials=None):
     """:meth:`finish` of the decoded payloads, in one kernel launch
     (:func:`pallas_kernels.dynamiq.decompress_rows`): each super-group decoded from
     its slot ``aux.dest`` straight into its place, its reduced mean added, and stored
     rounded to ``dtype`` (None: float32). The same bits as :meth:`finish` of
-    :meth:`decode_many`, then rounded."""
+    :meth:`decode_many`, then rounded. With ``partials``, the same launch gives each
+    super-group's squared residual for the error estimate (:meth:`_estimate`), from the
+    float32 rows (padding included), so that nothing reads the result again."""
     del state
-    out = kernels.decompress_rows(payloads, aux.widths, aux.layout.units, aux.dest,
-                                  aux.gmean, rotate=rotate, dtype=dtype or jnp.float32,
-                                  **self._geometry(aux, decode=True))
+    found = kernels.decompress_rows(payloads, aux.widths, aux.layout.units, aux.dest,
+                                    aux.gmean, rotate=rotate, dtype=dtype or jnp.float32,
+                                    row_sq=partials is not None,
+                                    **self._geometry(aux, decode=True))
+    out, sq = found if partials is not None else (found, None)
+    err = None if sq is None else self._estimate(sq, aux, bucket.n, partials)
     # stored on XLA:CPU, as in finish
-    return payload_lib.materialize(out.reshape(-1)[:bucket.d]), None
+    return payload_lib.materialize(out.reshape(-1)[:bucket.d]), None, err
 
   def finish(self, decoded, aux, bucket, state):
     del state
@@ -460,11 +466,14 @@ class DynamiQ(Codec):
     estimate is an upper one. The bf16 rounding of the means is not counted
     (about ``2^-18`` relative per hop).
     """
-    lay, n = aux.layout, bucket.n
-    total = lay.padded_supergroups
-    resid = pad_to(out, total * SUPERGROUP).reshape(total, SUPERGROUP) - aux.gmean[:, None]
-    energy = partial_sum_energy(jnp.sum(resid * resid, axis=-1), aux.gnorm * aux.gnorm, n,
-                                partials)
+    total = aux.layout.padded_supergroups
+    rows = pad_to(out.astype(jnp.float32), total * SUPERGROUP).reshape(total, SUPERGROUP)
+    return self._estimate(payload_lib.row_squares(rows, aux.gmean), aux, bucket.n, partials)
+
+  def _estimate(self, sq, aux, n: int, partials):
+    """:meth:`error_estimate` from each super-group's squared residual ``sq`` (float32
+    [padded super-groups]: its reduced values' squares less its mean)."""
+    energy = partial_sum_energy(sq, aux.gnorm * aux.gnorm, n, partials)
     errors = self.width_errors()
     table = jnp.asarray([errors.get(w, 0.0) for w in range(max(errors) + 1)], jnp.float32)
     # super-group i's width: that of its slot's position, dest[i] // n (one gather; slots
