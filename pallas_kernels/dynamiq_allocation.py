@@ -319,26 +319,45 @@ def inverse(dest):
       pos, mode="promise_in_bounds", unique_indices=True)
 
 
-def _check(gnorm, real: int, rule: Rule):
+def _check(gnorm, real: int, rule: Rule, column: int | None = None):
   if not isinstance(rule, Rule):
     raise TypeError(f"rule={rule!r} must be a pallas_kernels.dynamiq_allocation.Rule "
                     "(dynamiq_jax.codecs.allocation.rule makes one)")
-  if jnp.shape(gnorm) != (rule.total,):
-    raise ValueError(f"gnorm.shape={jnp.shape(gnorm)} must be ({rule.total},): "
+  shape = jnp.shape(gnorm)
+  if column is None and shape != (rule.total,):
+    raise ValueError(f"gnorm.shape={shape} must be ({rule.total},): "
                      f"positions={rule.positions} x n={rule.n} super-groups")
+  if column is not None and (len(shape) != 2 or shape[0] != rule.total
+                             or not 0 <= column < shape[1]):
+    raise ValueError(f"gnorm.shape={shape} with column={column}: give ({rule.total}, k) "
+                     f"statistics, the norms in column 0 <= column < k")
   if not 0 <= real <= rule.total:
     raise ValueError(f"real={real} must be in [0, {rule.total}] (the super-groups that "
                      "are not padding come first)")
 
 
-def plan_reference(gnorm, *, real: int, rule: Rule):
-  """``(dest, order_t, widths, counts)`` of :func:`plan`, in jnp."""
-  _check(gnorm, real, rule)
+def plan_reference(gnorm, *, real: int, rule: Rule, planes: tuple[int, int] | None = None,
+                   column: int | None = None):
+  """``(dest, order_t, widths, counts[, ptab])`` of :func:`plan`, in jnp."""
+  _check(gnorm, real, rule, column)
+  if column is not None:
+    gnorm = gnorm[:, column]
   valid = jnp.arange(rule.total) < real
   dest, counts = allocate_reference(gnorm, valid, rule)
   order_t = inverse(dest).reshape(rule.positions, rule.n).T  # slot j n + c: chunk c's j
   widths = R.position_widths(counts, rule.widths, rule.positions)
-  return dest, order_t, widths, counts
+  if planes is None:
+    return dest, order_t, widths, counts
+  return dest, order_t, widths, counts, _plane_table(list(counts), rule, planes)
+
+
+def _plane_table(counts, rule: Rule, planes: tuple[int, int]):
+  """The hops' plane table (int32 [16]) of the counts per width (``counts``, in
+  ``rule.widths`` order): :func:`~pallas_kernels.dynamiq_reference.plane_table_of_counts`
+  with ``planes = (plane_bits, units)``."""
+  plane_bits, units = planes
+  return R.plane_table_of_counts(counts, rule.widths, plane_bits, units,
+                                 jnp.arange(_COUNTS, dtype=jnp.int32))
 
 
 # ----------------------------------------------------------------------------
@@ -352,16 +371,19 @@ def _store(ref, size: int, offsets, values, ok):
   tt.store(ref, jnp.where(ok, offsets, size), values, ok)
 
 
-def _plan_kernel(g_ref, dest_ref, order_ref, widths_ref, counts_ref, *, rule: Rule, real: int,
-                 tile: int):
-  """Program k: the allocation of block k (module docstring)."""
+def _plan_kernel(g_ref, dest_ref, order_ref, widths_ref, counts_ref, *ptab_ref, rule: Rule,
+                 real: int, tile: int, planes: tuple[int, int] | None = None,
+                 stride: int = 1, column: int = 0):
+  """Program k: the allocation of block k (module docstring); with ``planes``, program 0
+  also stores the hops' plane table (:func:`_plane_table`). The norm of super-group i is
+  entry ``i stride + column`` of ``g_ref`` (a column of the statistics, read in place)."""
   k = pl.program_id(0)
   total, per, n, positions = rule.total, rule.per, rule.n, rule.positions
   bounds = len(rule.t)
   lanes = jnp.arange(tile, dtype=jnp.int32)
 
   def norms(idx, ok):  # masked norms at global indices idx (ok: in range)
-    g = tt.load(g_ref, jnp.where(ok, idx, 0), ok)
+    g = tt.load(g_ref, jnp.where(ok, idx, 0) * stride + column, ok)
     return masked_norms(g, idx < real)
 
   def over(count: int, body, init):
@@ -501,33 +523,42 @@ def _plan_kernel(g_ref, dest_ref, order_ref, widths_ref, counts_ref, *, rule: Ru
     vec = jnp.where(slot_i == i, cnt, vec)
   ok = (slot_i < len(rule.widths)) & first
   _store(counts_ref, _COUNTS, slot_i, vec, ok)
+  if planes is not None:
+    _store(ptab_ref[0], _COUNTS, slot_i, _plane_table(counts_list, rule, planes),
+           (slot_i < _COUNTS) & first)  # every entry, by program 0
 
 
-@functools.partial(jax.jit, static_argnames=("real", "rule", "tile", "interpret"))
-def _launch(gnorm, *, real: int, rule: Rule, tile: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("real", "rule", "tile", "interpret", "planes",
+                                             "column"))
+def _launch(gnorm, *, real: int, rule: Rule, tile: int, interpret: bool, planes=None,
+            column=None):
   total, positions = rule.total, rule.positions
   out_shape = [jax.ShapeDtypeStruct((total,), jnp.int32),
                jax.ShapeDtypeStruct((total,), jnp.int32),
                jax.ShapeDtypeStruct((positions,), jnp.int32),
                jax.ShapeDtypeStruct((_COUNTS,), jnp.int32)]
+  if planes is not None:
+    out_shape.append(jax.ShapeDtypeStruct((_COUNTS,), jnp.int32))
   anywhere = pl.BlockSpec(memory_space=pl.ANY)
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as pltr
     params = pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
-  dest, order, widths, counts = pl.pallas_call(
-      functools.partial(_plan_kernel, rule=rule, real=real, tile=tile),
+  dest, order, widths, counts, *ptab = pl.pallas_call(
+      functools.partial(_plan_kernel, rule=rule, real=real, tile=tile, planes=planes,
+                        stride=1 if column is None else gnorm.shape[1], column=column or 0),
       out_shape=[D.typed_like(s, [gnorm]) for s in out_shape], grid=(rule.blocks,),
-      in_specs=[anywhere], out_specs=[anywhere] * 4, compiler_params=params,
-      interpret=interpret, name=f"dynamiq_allocate_b{rule.blocks}")(gnorm)
-  return dest, order.reshape(rule.n, positions), widths, counts[:len(rule.widths)]
+      in_specs=[anywhere], out_specs=[anywhere] * len(out_shape), compiler_params=params,
+      interpret=interpret, name=f"dynamiq_allocate_b{rule.blocks}")(gnorm.reshape(-1))
+  return (dest, order.reshape(rule.n, positions), widths, counts[:len(rule.widths)], *ptab)
 
 
 def plan_pallas(gnorm, *, real: int, rule: Rule, tile: int | None = None,
-                interpret: bool = False):
-  """``(dest, order_t, widths, counts)`` of :func:`plan` in one Pallas Triton launch
+                interpret: bool = False, planes: tuple[int, int] | None = None,
+                column: int | None = None):
+  """``(dest, order_t, widths, counts[, ptab])`` of :func:`plan` in one Pallas Triton launch
   of ``rule.blocks`` programs, mapped over a ``vmap`` batch."""
-  _check(gnorm, real, rule)
+  _check(gnorm, real, rule, column)
   tile = TILE if tile is None else int(tile)
   if tile < 32 or tile > 2**14 or tile & (tile - 1):
     raise ValueError(f"tile={tile} must be a power of two in [32, 2^14] (the slots' counts "
@@ -539,33 +570,38 @@ def plan_pallas(gnorm, *, real: int, rule: Rule, tile: int | None = None,
     warnings.filterwarnings("ignore", message=dynamiq_triton.TRITON_DEPRECATION,
                             category=DeprecationWarning)
   launch = functools.partial(_launch, real=int(real), rule=rule, tile=tile,
-                             interpret=bool(interpret))
-  return _map_over_batch(launch, jnp.asarray(gnorm, jnp.float32))
+                             interpret=bool(interpret), planes=_planes(planes), column=column)
+  g = jnp.asarray(gnorm)
+  if g.dtype not in (jnp.float32, jnp.bfloat16):  # (read as they are: no copy converts them)
+    g = g.astype(jnp.float32)
+  return D.map_over_batch(launch, g)
 
 
-def _map_over_batch(fn, gnorm):
-  """``fn(gnorm)`` (four outputs), and under ``vmap`` ``fn`` mapped over the batch
-  (``jax.lax.map``): ``pallas_call``'s own batching would add a grid axis under the
-  kernel's computed offsets (as :func:`pallas_kernels.dispatch.map_over_batch`, which
-  returns one output)."""
-  call = jax.custom_batching.custom_vmap(fn)
-
-  @call.def_vmap
-  def _rule(axis_size, in_batched, g):
-    del axis_size, in_batched  # one operand: batched whenever the rule runs
-    return jax.lax.map(call, g), (True,) * 4
-
-  return call(gnorm)
+def _planes(planes):
+  """``planes`` checked: None, or ``(plane_bits, units)`` as two ints."""
+  if planes is None:
+    return None
+  plane_bits, units = (int(v) for v in planes)
+  if plane_bits not in (1, 2) or units < 0:
+    raise ValueError(f"planes={planes}: give (plane_bits in (1, 2), units >= 0)")
+  return plane_bits, units
 
 
-def plan(gnorm, *, real: int, rule: Rule, implementation: D.Implementation = None,
+def plan(gnorm, *, real: int, rule: Rule, planes: tuple[int, int] | None = None,
+         column: int | None = None, implementation: D.Implementation = None,
          interpret: bool | None = None):
   """Each super-group's slot, the chunks' super-groups, and the widths of the positions.
 
   Args:
-    gnorm: float32 ``[rule.total]``: the global super-group norms (>= 0).
+    gnorm: float32 or bfloat16 ``[rule.total]``: the global super-group norms (>= 0);
+      with ``column``, ``[rule.total, k]`` statistics whose column ``column`` holds them
+      (read in place: no slice of them is made).
     real: super-groups that are not padding (the first ``real``; static).
     rule: the static :class:`Rule`.
+    planes: ``(plane_bits, units)`` of the chunks' payloads, or None: with them, the
+      hops' plane table (int32 [16],
+      :func:`~pallas_kernels.dynamiq_reference.plane_table_of_counts` of the counts)
+      comes fifth, made by the same launch.
     implementation: None (the Triton kernel in a GPU lowering, else the reference),
       ``"pallas"`` or ``"xla"`` (:func:`pallas_kernels.dispatch.dispatch`); ``"mosaic"``
       (the hops' Mosaic GPU kernels) is None here.
@@ -576,9 +612,10 @@ def plan(gnorm, *, real: int, rule: Rule, implementation: D.Implementation = Non
     super-group (slot ``j n + c``: chunk c, position j); int32 ``[n, positions]``,
     the super-group at chunk c's position j; int32 ``[positions]``, the width of each
     position (widest first); int32 ``[len(rule.widths)]``, positions per width
-    (ascending widths).
+    (ascending widths); with ``planes``, the plane table.
   """
   if implementation == "mosaic":  # no Mosaic GPU kernel of its own: Triton's where it is
     implementation = None
   return D.dispatch("allocate", D.Kernels(plan_pallas), plan_reference, implementation,
-                    interpret, gnorm, real=int(real), rule=rule)
+                    interpret, gnorm, real=int(real), rule=rule, planes=_planes(planes),
+                    column=None if column is None else int(column))

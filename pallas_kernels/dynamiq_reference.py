@@ -38,7 +38,7 @@ from pallas_kernels import rng
 
 __all__ = [
     "SCALE_BYTES", "WIDTH_SET", "PLANE_BITS", "unit_bytes", "payload_bytes", "check_chunk",
-    "position_widths",
+    "position_widths", "plane_table_of_counts", "row_means", "row_squares",
     "plane_bytes", "codes_of_planes", "codes_to_planes", "planes_to_codes", "take_in_range",
     "materialize", "compress_reference", "decompress_reference",
     "decompress_accumulate_reference", "decompress_accumulate_recompress_reference",
@@ -112,9 +112,11 @@ def check_payloads(payloads, widths, units, *, plane_bits, width_set, slots=None
               payload=jax.ShapeDtypeStruct(payloads.shape[1:], payloads.dtype))
   if slots is not None and (slots.ndim != 1 or not jnp.issubdtype(slots.dtype, jnp.integer)):
     raise ValueError(f"slots {slots.dtype}{list(slots.shape)} must be int32 [rows]")
-  if mean is not None and (slots is None or mean.shape != slots.shape):
-    raise ValueError(f"mean {mean.dtype}{list(mean.shape)} must be float32 [rows], one per "
-                     f"slot (slots: {None if slots is None else list(slots.shape)})")
+  if mean is not None and (slots is None or mean.ndim not in (1, 2)
+                           or mean.shape[0] != slots.shape[0]):
+    raise ValueError(f"mean {mean.dtype}{list(mean.shape)} must be float [rows] (or [rows, k] "
+                     f"statistics, the mean in column 0), one per slot (slots: "
+                     f"{None if slots is None else list(slots.shape)})")
   if not isinstance(rotate, (int, np.integer)) or not 0 <= rotate < payloads.shape[0]:
     raise ValueError(f"rotate={rotate!r} must be a Python int in [0, {payloads.shape[0]}) "
                      "(chunk c is payload (c + rotate) % n)")
@@ -137,6 +139,21 @@ def position_widths(counts, width_set, supergroups: int):
     start, end = end, end + counts[i]
     out = jnp.where((j >= start) & (j < end), w, out)
   return out
+
+
+def plane_table_of_counts(counts, width_set, plane_bits: int, units: int, p):
+  """Entry ``p`` of the plane-offset table of a chunk whose positions take ``counts[i]``
+  of width ``sorted(width_set)[i]``: ``min(sum_i counts[i] min(w_i / plane_bits,
+  min(p, 8 / plane_bits)), units)``, the first unit of plane p (past the last plane:
+  the units used). ``counts``: a sequence of int32 values (scalars, or arrays that
+  broadcast with ``p``); ``p``: int32. Integers: the same in any order, so the
+  allocation kernel makes it from its counts as the hops' wrappers do."""
+  q = jnp.minimum(p, 8 // plane_bits)
+  ws = sorted(int(w) for w in width_set)
+  if len(counts) != len(ws):
+    raise ValueError(f"{len(counts)} counts for width_set={tuple(ws)}; give one per width")
+  total = sum(c * jnp.minimum(q, w // plane_bits) for c, w in zip(counts, ws))
+  return jnp.minimum(total, units).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------
@@ -463,7 +480,8 @@ def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *,
     widths: int32 [S].
     units: code units of each payload (static).
     slots: int32 [R], each in ``[0, n S)``.
-    mean: float32 [R] or None.
+    mean: float [R], or [R, k] statistics with the mean in column 0 (:func:`row_means`), or
+      None.
     eps, plane_bits, width_set: as :func:`decompress_reference`.
     rotate: chunk c is payload ``(c + rotate) % n`` (static): payloads gathered in rank
       order where rank ``(c + rotate) % n`` holds chunk c, read without a copy in chunk
@@ -478,10 +496,17 @@ def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *,
 
 
 def row_squares(rows, mean=None):
-  """float32 [R]: each float32 row's sum of squares less its mean (``mean`` [R] or None),
-  what a codec's error estimate reads of its finished rows."""
-  r = rows if mean is None else rows - mean.astype(jnp.float32)[:, None]
+  """float32 [R]: each float32 row's sum of squares less its mean (``mean`` as
+  :func:`row_means` takes it, or None), what a codec's error estimate reads of its
+  finished rows."""
+  r = rows if mean is None else rows - row_means(mean)[:, None]
   return jnp.sum(r * r, axis=-1)
+
+
+def row_means(mean):
+  """float32 [R]: ``mean`` float [R], or column 0 of float [R, k] statistics (a codec's,
+  which the kernels read in place)."""
+  return (mean if mean.ndim == 1 else mean[:, 0]).astype(jnp.float32)
 
 
 def rows_and_squares(rows, mean, dtype, row_sq: bool):
@@ -497,7 +522,7 @@ def rows_of_decoded(dec, slots, mean=None, rotate: int = 0):
   interleaved by position, plus ``mean[r]``."""
   dec = jnp.roll(dec, -rotate, axis=0) if rotate else dec  # chunk order
   out = take_in_range(dec.transpose(1, 0, 2).reshape(-1, dec.shape[-1]), slots)
-  return out if mean is None else out + mean.astype(jnp.float32)[:, None]
+  return out if mean is None else out + row_means(mean)[:, None]
 
 
 _UNROLL_SUM = 17  # payloads decompress_sum_reference adds unrolled; more in a loop

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from typing import Any, NamedTuple
 
@@ -445,9 +446,9 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
   the same per-position widths, ``w_ref`` read per row): row r is position ``r % S``
   of payload ``r // S``, or (``slots``) slot ``slot_ref[r]``, clamped to ``[0, n S)``:
   position ``slot // n`` of chunk ``slot % n``, which is payload ``(slot % n + rotate)
-  % n``; plus ``mean_ref[r]`` (``mean``), by the same ``fma`` as
-  :func:`_decompress_accumulate_kernel`. ``row_sq``: also each row's sum of squares
-  less its mean, of the float32 row (:func:`_row_sq`)."""
+  % n``; plus ``mean_ref[r mean]`` (``mean``: the stride of the flat means, 0 without),
+  by the same ``fma`` as :func:`_decompress_accumulate_kernel`. ``row_sq``: also each
+  row's sum of squares less its mean, of the float32 row (:func:`_row_sq`)."""
   refs = list(refs)
   slot_ref = refs.pop(0) if slots else None
   mean_ref = refs.pop(0) if mean else None
@@ -465,8 +466,9 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
     c, j = jax.lax.div(r, np.int32(s_count)), jax.lax.rem(r, np.int32(s_count))
   rows = _Rows(j, c * np.int32(payload_bytes), ok)
   addend = None
-  if mean:
-    m, shape = mean_ref[...].astype(jnp.float32), cfg.block(block)
+  if mean:  # row r's mean: entry r * mean of the flat means (a column of statistics)
+    m = tt.load(mean_ref, jnp.where(ok, row, 0) * np.int32(mean), ok).astype(jnp.float32)
+    shape = cfg.block(block)
     if cfg.split:
       addend = (jnp.broadcast_to(m[:, None, None], (shape[0], shape[1], shape[3])),) * cfg.cb
     else:
@@ -544,17 +546,17 @@ def _plane_table(widths, plane_bits: int, units: int):
 def plane_table(counts, width_set, plane_bits: int, units: int):
   """:func:`_plane_table` of widths that take ``counts[i]`` positions of width
   ``sorted(width_set)[i]`` (an allocation's counts): int32 [16], the same integers from
-  a few products instead of a sum over every position (what a hop reads of its widths
-  beside them; the kernels take it as their ``ptab`` operand)."""
+  a few products instead of a sum over every position
+  (:func:`~pallas_kernels.dynamiq_reference.plane_table_of_counts`: what a hop reads of
+  its widths beside them; the kernels take it as their ``ptab`` operand, and the
+  allocation kernel makes it from its counts)."""
   ws = sorted(int(w) for w in width_set)
   counts = jnp.asarray(counts).astype(jnp.int32)
   if counts.shape[-1:] != (len(ws),):
     raise ValueError(f"counts has shape {counts.shape}; give one count per width of "
                      f"width_set={tuple(ws)}")
-  planes = 8 // plane_bits
-  p = np.minimum(np.arange(_PTAB), planes)[:, None]  # [16, 1], static
-  per = np.minimum(np.asarray(ws)[None, :] // plane_bits, p).astype(np.int32)  # [16, widths]
-  return jnp.minimum(jnp.sum(counts[..., None, :] * per, axis=-1), units).astype(jnp.int32)
+  return R.plane_table_of_counts([counts[..., i, None] for i in range(len(ws))], ws,
+                                 plane_bits, units, np.arange(_PTAB, dtype=np.int32))
 
 
 def _plane_operand(ptab, widths, plane_bits: int, units: int):
@@ -650,13 +652,16 @@ def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, 
   if slots is not None:
     args.append(slots.astype(jnp.int32))
     in_specs.append(per_row)
-  if mean is not None:
-    args.append(mean.astype(jnp.float32))
-    in_specs.append(per_row)
+  if mean is not None:  # read where it lies: [rows] or column 0 of [rows, k] statistics
+    if mean.dtype not in (jnp.float32, jnp.bfloat16):
+      mean = mean.astype(jnp.float32)
+    args.append(mean.reshape(-1))
+    in_specs.append(anywhere)
   args.append(_u16_payload(payloads.reshape(-1)))
   in_specs.append(anywhere)
   kernel = functools.partial(_decode_rows_kernel, cfg=cfg, s_count=s_count, n=n, count=count,
-                             slots=slots is not None, mean=mean is not None,
+                             slots=slots is not None,
+                             mean=0 if mean is None else math.prod(mean.shape[1:]),
                              payload_bytes=size, interpret=bool(interpret), rotate=rotate,
                              row_sq=row_sq)
   out_shape = [jax.ShapeDtypeStruct(cfg.block(count), dtype)]

@@ -49,21 +49,28 @@ def _rule(errors, n, positions, bits, blocks):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(real, rule):
-  """The reference, jitted once per (real, rule): the statistics (kind) are data, so the
-  cases that differ only in them (or in the kernel's tile) share one compile."""
-  return jax.jit(lambda g: K.plan_reference(g, real=real, rule=rule))
+def _reference(real, rule, planes=None):
+  """The reference, jitted once per (real, rule, planes): the statistics (kind) are data,
+  so the cases that differ only in them (or in the kernel's tile) share one compile."""
+  return jax.jit(lambda g: K.plan_reference(g, real=real, rule=rule, planes=planes))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(real, rule, tile):
-  """The interpreted kernel, jitted once per (real, rule, tile)."""
-  return jax.jit(lambda g: K.plan_pallas(g, real=real, rule=rule, tile=tile, interpret=True))
+def _kernel(real, rule, tile, planes=None):
+  """The interpreted kernel, jitted once per (real, rule, tile, planes)."""
+  return jax.jit(lambda g: K.plan_pallas(g, real=real, rule=rule, tile=tile, interpret=True,
+                                         planes=planes))
 
 
-def _both(g, real, rule, tile=32):
-  ref, ker = _reference(real, rule), _kernel(real, rule, tile)
+def _both(g, real, rule, tile=32, planes=None):
+  ref, ker = _reference(real, rule, planes), _kernel(real, rule, tile, planes)
   return [np.asarray(a) for a in ref(g)], [np.asarray(a) for a in ker(g)]
+
+
+def _hops_plane_table(widths, planes):
+  """The plane table the hop kernels make of the widths themselves."""
+  from pallas_kernels import dynamiq_triton  # pylint: disable=import-outside-toplevel
+  return np.asarray(dynamiq_triton._plane_table(jnp.asarray(widths), *planes))  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("kind", ["random", "tied", "zeros", "all_zero"])
@@ -76,16 +83,38 @@ def test_kernel_equals_reference(kind, blocks, padded):
   rule = _rule(ERRORS, n, positions, 3.3, 1 if blocks == "one" else n)
   g = _norms(kind, rule.total, rng)
   real = rule.total - 23 if padded else rule.total
-  ref, ker = _both(g, real, rule)
-  for name, a, b in zip(("dest", "order_t", "widths", "counts"), ref, ker):
+  # plane table of 1-bit planes, every plane's units below the payload's 200
+  planes = (1, 200)
+  ref, ker = _both(g, real, rule, planes=planes)
+  for name, a, b in zip(("dest", "order_t", "widths", "counts", "ptab"), ref, ker):
     np.testing.assert_array_equal(a, b, err_msg=name)
-  dest, order_t, widths, counts = ref
+  dest, order_t, widths, counts, ptab = ref
+  # the plane table of the counts is the hops' own of the widths
+  np.testing.assert_array_equal(ptab, _hops_plane_table(widths, planes))
   # a permutation, its inverse in chunk order, and widths as counted
   assert sorted(dest.tolist()) == list(range(rule.total))
   np.testing.assert_array_equal(order_t.T.reshape(-1)[dest], np.arange(rule.total))
   assert counts.sum() == positions
   np.testing.assert_array_equal(
       np.bincount(widths, minlength=9)[list(rule.widths)], counts)
+
+
+def test_norms_read_in_place_from_bfloat16_statistics():
+  """``column``: the norms are column 1 of ``[total, 2]`` statistics (DynamiQ's, bfloat16 as
+  gathered), read in place: the allocation of that column as float32, kernel and
+  reference."""
+  rng = np.random.default_rng(3)
+  rule = _rule(ERRORS, 4, 45, 3.3, 1)
+  g = jnp.asarray(_norms("random", rule.total, rng)).astype(jnp.bfloat16)
+  stats = jnp.stack([-g, g], axis=-1)  # (mean, norm)
+  want = _reference(rule.total - 7, rule)(g.astype(jnp.float32))
+  for impl in ("xla", "pallas"):
+    got = jax.jit(lambda s, impl=impl: K.plan(s, real=rule.total - 7, rule=rule, column=1,
+                                              implementation=impl, interpret=True))(stats)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=impl)
+  with pytest.raises(ValueError, match=r"gnorm.shape=\(180, 2\) with column=2: give \(180, k\)"):
+    K.plan(stats, real=rule.total, rule=rule, column=2)
 
 
 @pytest.mark.parametrize("blocks", [1, 8])
@@ -98,9 +127,15 @@ def test_six_widths_and_sizes_not_multiples_of_the_tile(blocks):
   g[::5] = g[3]  # ties across classes
   # one tile per case (the same code at another size): 296 super-groups, 9.25 tiles of 32
   # (blocks of 37 positions) or 4.6 of 64
-  ref, ker = _both(g, rule.total - 5, rule, tile=32 if blocks == 8 else 64)
+  # 2-bit planes (even widths only in a payload; the table's integers need none), and
+  # fewer units than the planes take: the clamp
+  planes = (2, 40)
+  ref, ker = _both(g, rule.total - 5, rule, tile=32 if blocks == 8 else 64, planes=planes)
+  assert len(ref) == len(ker) == 5
   for a, b in zip(ref, ker):
     np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(ref[4], _hops_plane_table(ref[2], planes))
+  assert ref[4][-1] == 40  # clamped to the units
 
 
 def test_full_tiles_with_hundreds_of_ties_at_a_boundary():
@@ -176,6 +211,8 @@ def test_bad_input_names_the_value():
     K.plan_pallas(jnp.zeros(180), real=180, rule=rule, tile=48, interpret=True)
   with pytest.raises(ValueError, match=r"tile=32768 must be a power of two in \[32, 2\^14\]"):
     K.plan_pallas(jnp.zeros(180), real=180, rule=rule, tile=2**15, interpret=True)
+  with pytest.raises(ValueError, match=r"planes=\(3, 10\): give \(plane_bits in \(1, 2\)"):
+    K.plan(jnp.zeros(180), real=180, rule=rule, planes=(3, 10))
   with pytest.raises(ValueError, match="blocks=3 must be 1 or n=4"):
     _rule(ERRORS, 4, 45, 3.3, 3)
 
@@ -199,7 +236,9 @@ def compile_kernels():
                   blocks)
     g = jax.ShapeDtypeStruct((rule.total,), jnp.float32, sharding=sharding)
     with T.gpu_target(device):
-      out.append(jax.jit(lambda x, rule=rule: K.plan(x, real=rule.total - 3, rule=rule))
+      # (as DynamiQ launches it: with the hops' plane table)
+      out.append(jax.jit(lambda x, rule=rule: K.plan(x, real=rule.total - 3, rule=rule,
+                                                     planes=(1, positions * 8)))
                  .trace(g).lower().compile())
   return out
 
@@ -229,7 +268,7 @@ def test_kernel_on_gpu_equals_reference(blocks, record_property):
   outs = {}
   for impl in ("pallas", "xla"):
     f = jax.jit(lambda x, impl=impl: K.plan(x, real=rule.total - 3, rule=rule,
-                                            implementation=impl))
+                                            planes=(1, positions * 8), implementation=impl))
     outs[impl] = jax.block_until_ready(f(g))
     t0 = time.perf_counter()
     for _ in range(5):

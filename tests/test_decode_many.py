@@ -13,6 +13,7 @@ the engine (the same bits as decoding payload by payload, then finishing).
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +118,14 @@ def test_batched_kernels_equal_the_reference(case):
   _same(ref_rows, as_bf16)
   _same(ref_sq, jnp.sum(jnp.square(gather - mean[:, None]), axis=-1))
   np.testing.assert_allclose(np.asarray(sq), np.asarray(ref_sq), rtol=1e-6)
+  # the mean read in place from column 0 of bfloat16 statistics [rows, 2] (a codec's as
+  # gathered): the rows of its float32 values
+  stats = jnp.stack([mean.astype(jnp.bfloat16), -mean.astype(jnp.bfloat16)], axis=-1)
+  want = RJ.decompress_rows_reference(pays, widths, units, slots,
+                                      stats[:, 0].astype(jnp.float32), **geo)
+  _same(RJ.decompress_rows_reference(pays, widths, units, slots, stats, **geo), want)
+  _same(T.decompress_rows_pallas(pays, widths, units, slots, stats, **geo, interpret=True),
+        want)
   # fewer rows than slots exist (a partial last program), repeated slots, no mean
   few = jnp.concatenate([slots[:5], slots[:2]])
   _same(T.decompress_rows_pallas(pays, widths, units, few, **geo, interpret=True),
@@ -228,8 +237,10 @@ class TestDispatch:
     pays = jnp.zeros((2, R.payload_bytes(4, 8, 1)), jnp.uint8)
     with pytest.raises(ValueError, match=r"slots float32\[8\] must be int32 \[rows\]"):
       K.decompress_rows(pays, w, 8, jnp.zeros((8,), jnp.float32), eps=EPS)
-    with pytest.raises(ValueError, match=r"mean float32\[3\] must be float32 \[rows\]"):
-      K.decompress_rows(pays, w, 8, jnp.arange(8), jnp.zeros((3,)), eps=EPS)
+    for mean in (jnp.zeros((3,)), jnp.zeros((3, 2)), jnp.zeros((8, 2, 1))):
+      with pytest.raises(ValueError, match=re.escape(
+          f"mean float32{list(mean.shape)} must be float [rows] (or [rows, k] statistics")):
+        K.decompress_rows(pays, w, 8, jnp.arange(8), mean, eps=EPS)
     for rotate in (2, -1, 0.5):
       with pytest.raises(ValueError, match=rf"rotate={rotate} must be a Python int in \[0, 2\)"):
         K.decompress_rows(pays, w, 8, jnp.arange(8), rotate=rotate, eps=EPS)

@@ -41,7 +41,7 @@ def child(d: int, n: int) -> dict:
   codec = DynamiQ()
   lay = codec.layout(d, n)
   total, s, units = lay.padded_supergroups, lay.padded_supergroups // n, lay.units
-  aux = DynamiQAux(None, None, None, None, lay, None)
+  aux = DynamiQAux(None, None, None, lay, None)
   enc, dec = codec._geometry(aux), codec._geometry(aux, decode=True)  # pylint: disable=protected-access
   for geo in (enc, dec):
     geo["implementation"] = "pallas"
@@ -59,12 +59,13 @@ def child(d: int, n: int) -> dict:
                                                   implementation="pallas"),
           (st((n, s, 2), jnp.bfloat16), st((n, n + 1), jnp.uint32),
            st((n, n + 1), jnp.uint32), key)),
-      "allocate": (
+      "allocate": (  # (as DynamiQ.plan launches it: on the gathered statistics)
           lambda g: allocation.plan(
               g, lay.supergroups, codec.width_errors(), s,
               {w: n * 256 * w for w in codec.widths},
-              n * units * R.unit_bytes(lay.plane_bits) * 8, n, implementation="pallas"),
-          (st((total,), jnp.float32),)),
+              n * units * R.unit_bytes(lay.plane_bits) * 8, n,
+              planes=(lay.plane_bits, units), column=1, implementation="pallas"),
+          (st((total, 2), jnp.bfloat16),)),
       "compress": (
           lambda x, w, a, b, c, e: K.compress(x, w, units, keys=(a, b, c, e), rank=0, **enc),
           (st((s, 256), jnp.float32), st((s,), jnp.int32), key, key, key, key)),
@@ -75,9 +76,9 @@ def child(d: int, n: int) -> dict:
            key, key, key, key)),
       "decompress_rows": (
           lambda p, w, slots, m: K.decompress_rows(p, w, units, slots, m, dtype=jnp.bfloat16,
-                                                   **dec),
+                                                   row_sq=True, **dec),
           (st((n, payload), jnp.uint8), st((s,), jnp.int32), st((total,), jnp.int32),
-           st((total,), jnp.float32))),
+           st((total, 2), jnp.bfloat16))),
   }
   seconds = {"lower_cpu_s": {}, "compile_cpu_s": {}}
   for name, (f, args) in cases.items():

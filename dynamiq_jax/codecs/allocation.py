@@ -187,11 +187,14 @@ def allocate(gnorm, valid, errors: Mapping[int, float], positions: int,
 
 def plan(gnorm, supergroups: int, errors: Mapping[int, float], positions: int,
          cost_per_position: Mapping[int, int], budget: float, n: int, blocks: int = 1, *,
+         planes: tuple[int, int] | None = None, column: int | None = None,
          implementation=None, interpret: bool | None = None):
   """:func:`allocate` of the first ``supergroups`` super-groups (the rest padding), with
-  what a bucket needs of it: ``(dest, order_t, widths, counts)``
+  what a bucket needs of it: ``(dest, order_t, widths, counts)``, and with ``planes =
+  (plane_bits, units)`` the hops' plane table fifth
   (:func:`pallas_kernels.dynamiq_allocation.plan`): one Pallas Triton kernel in a GPU
-  lowering, the jnp reference elsewhere, the same bits.
+  lowering, the jnp reference elsewhere, the same bits. With ``column``, ``gnorm`` is
+  ``[super-groups, k]`` statistics whose column ``column`` holds the norms.
 
   Returns:
     ``dest`` and ``counts`` as :func:`allocate`; ``order_t`` int32 ``[n, positions]``,
@@ -199,5 +202,5 @@ def plan(gnorm, supergroups: int, errors: Mapping[int, float], positions: int,
     width of each position, widest first.
   """
   r = rule(errors, positions, cost_per_position, budget, n, blocks)
-  return K.plan(gnorm, real=supergroups, rule=r, implementation=implementation,
-                interpret=interpret)
+  return K.plan(gnorm, real=supergroups, rule=r, planes=planes, column=column,
+                implementation=implementation, interpret=interpret)

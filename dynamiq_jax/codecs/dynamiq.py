@@ -333,21 +333,21 @@ class DynamiQ(Codec):
     n = bucket.n
     lay = self.layout(bucket.d, n)
     total, s = lay.padded_supergroups, lay.padded_supergroups // n
-    stats = meta.reshape(total, 2)
-    gmean, gnorm = stats[:, 0], stats[:, 1]
+    stats = meta.reshape(total, 2)  # as gathered (bfloat16), read in place by the kernels
     _, resid = self._rows(x, bucket, kept)
     with jax.named_scope("dynamiq/allocate"):
       unit_bits = payload_lib.unit_bytes(lay.plane_bits) * 8
       # one Pallas kernel in a GPU lowering: slots, chunk order (slot j n + c: chunk c's
-      # position j) and position widths
-      dest, order_t, widths, counts = allocation.plan(
-          gnorm, lay.supergroups, self.width_errors(), s,
+      # position j), position widths and the hops' plane offsets from the counts per
+      # width, so that no kernel sums them over every position (XLA makes that sum one to
+      # three launches) and no launch of its own makes them
+      # (the norms read in place from the statistics as gathered: no slice of them)
+      dest, order_t, widths, _, ptab = allocation.plan(
+          stats, lay.supergroups, self.width_errors(), s,
           {w: n * SUPERGROUP * w for w in self.widths}, n * lay.units * unit_bits, n,
-          blocks=n if bucket.scatter else 1, implementation=bucket.implementation)
+          blocks=n if bucket.scatter else 1, planes=(lay.plane_bits, lay.units), column=1,
+          implementation=bucket.implementation)
       chunks = payload_lib.take_in_range(resid, order_t)  # [n, s, 256]
-      # the hops' plane offsets from the counts per width (a few products), so that no
-      # kernel sums them over every position (XLA makes that sum one to three launches)
-      ptab = kernels.plane_table(counts, self.widths, lay.plane_bits, lay.units)
     # every chunk's shared stratum key, and its rounding key at every hop (hop <= n: the
     # schedules' steps, and the two-step reduction's), derived once for all hops. The
     # engine's (keys.tables) are already stored, derived outside every bucket, so the hops
@@ -359,7 +359,7 @@ class DynamiQ(Codec):
       chunk_keys = keys.tables.chunk
     else:
       chunk_keys = jax.lax.optimization_barrier(self.key_tables(keys, n).chunk)
-    return Plan(chunks, DynamiQAux(dest, gmean, gnorm, widths, lay, bucket.implementation,
+    return Plan(chunks, DynamiQAux(dest, stats, widths, lay, bucket.implementation,
                                    chunk_keys, ptab))
 
   def key_tables(self, keys, n: int) -> "DynamiQKeyTables":
@@ -438,7 +438,7 @@ class DynamiQ(Codec):
     float32 rows (padding included), so that nothing reads the result again."""
     del state
     found = kernels.decompress_rows(payloads, aux.widths, aux.layout.units, aux.dest,
-                                    aux.gmean, rotate=rotate, dtype=dtype or jnp.float32,
+                                    aux.stats, rotate=rotate, dtype=dtype or jnp.float32,
                                     row_sq=partials is not None,
                                     **self._geometry(aux, decode=True))
     out, sq = found if partials is not None else (found, None)
@@ -485,18 +485,28 @@ class DynamiQ(Codec):
 
 
 class DynamiQAux(NamedTuple):
-  """One bucket's allocation: each super-group's slot in the chunks, reduced means and
-  residual norms, the width of each chunk position (widest first), static
-  layout; each chunk's random-key prefix, derived once for all its hops."""
+  """One bucket's allocation: each super-group's slot in the chunks, its reduced
+  statistics (``[super-groups, 2]``: mean, residual norm; bfloat16 as gathered), the
+  width of each chunk position (widest first), static layout; each chunk's random-key
+  prefix, derived once for all its hops."""
 
   dest: jax.Array
-  gmean: jax.Array
-  gnorm: jax.Array
+  stats: jax.Array
   widths: jax.Array
   layout: "DynamiQLayout"
   implementation: str | None = None
   chunk_keys: tuple | None = None  # uint32: rounding keys [n, n + 1] x 2, stratum keys [n] x 2
   ptab: jax.Array | None = None  # int32 [16]: the widths' plane offsets (kernels.plane_table)
+
+  @property
+  def gmean(self):
+    """float32 [super-groups]: the reduced means."""
+    return self.stats[:, 0].astype(jnp.float32)
+
+  @property
+  def gnorm(self):
+    """float32 [super-groups]: the reduced residual norms."""
+    return self.stats[:, 1].astype(jnp.float32)
 
 
 @functools.lru_cache(maxsize=4096)

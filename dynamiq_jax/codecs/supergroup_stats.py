@@ -81,11 +81,14 @@ class SupergroupStats(Codec):
     return jnp.stack([mean, chunk[..., 1].astype(jnp.bfloat16)], axis=-1)
 
   def decode(self, payload, aux):
+    """The payload as it is: bfloat16 values are the partial sums themselves, which their
+    readers convert where they read them (DynamiQ's allocation and finish kernels read
+    the gathered statistics in place, so no converted copy is made)."""
     del aux
-    return payload.astype(jnp.float32)
+    return payload
 
   def decode_add(self, payload, chunk, aux):
-    p = self.decode(payload, aux)
+    p = self.decode(payload, aux).astype(jnp.float32)
     return jnp.stack([p[..., 0] + chunk[..., 0], hypot(p[..., 1], chunk[..., 1])], axis=-1)
 
   def decode_sum(self, payloads, aux):
