@@ -269,8 +269,8 @@ def guard_stats_reference(x, k0, k1, hop=0, *, s: int, safe_exponent: int, strid
   return GuardStats(mean, norm, amax, jnp.max(amax), jnp.max(bad), mid, unshift)
 
 
-def _guard_stats_kernel(keys_ref, hop_ref, x_ref, out_ref, *, block: int, s: int,
-                        stride: int, safe_exponent: int, interpret: bool):
+def _guard_stats_kernel(keys_ref, hop_ref, x_ref, out_ref, votes_ref, *, block: int, s: int,
+                        stride: int, safe_exponent: int, interpret: bool, rows: int):
   # keys_ref: k0's table, then k1's (one operand: a bucket's two tables are adjacent in
   # its key row, so XLA passes one slice of it)
   half = keys_ref.shape[0] // 2
@@ -282,6 +282,11 @@ def _guard_stats_kernel(keys_ref, hop_ref, x_ref, out_ref, *, block: int, s: int
                           safe_exponent=safe_exponent, sqrt=sqrt)
   for r, v in enumerate(found):  # (mean, norm, amax, bad, centre, unshift): one output
     out_ref[r, :] = v
+  # this program's votes (the largest of its rows'; 0, the maximum's identity here, for
+  # rows past the end), so that the bucket's vote is a maximum over programs, not rows
+  ok = row < rows
+  for r in (2, 3):
+    votes_ref[r - 2, 0] = jnp.max(jnp.where(ok, found[r], 0.0))
 
 
 def _sqrt_rn(v):
@@ -300,14 +305,17 @@ def _compiler_params(interpret, num_warps=NUM_WARPS):
                                              "block"))
 def _guard_stats_launch(x, keys, hop, *, s, stride, safe_exponent, interpret, block):
   rows = x.shape[0]
+  programs = pl.cdiv(rows, block)
   kernel = functools.partial(_guard_stats_kernel, block=block, s=s, stride=stride,
-                             safe_exponent=safe_exponent, interpret=bool(interpret))
+                             safe_exponent=safe_exponent, interpret=bool(interpret), rows=rows)
   whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,))
-  out = jax.ShapeDtypeStruct((_OUTPUTS, rows), jnp.float32)
+  out = [jax.ShapeDtypeStruct((_OUTPUTS, rows), jnp.float32),
+         jax.ShapeDtypeStruct((2, programs), jnp.float32)]
   return pl.pallas_call(
-      kernel, out_shape=D.typed_like(out, (x, keys, hop)), grid=(pl.cdiv(rows, block),),
+      kernel, out_shape=[D.typed_like(o, (x, keys, hop)) for o in out], grid=(programs,),
       in_specs=[whole(keys), whole(hop), pl.BlockSpec((block, ROW), lambda i: (i, 0))],
-      out_specs=pl.BlockSpec((_OUTPUTS, block), lambda i: (0, i)),
+      out_specs=[pl.BlockSpec((_OUTPUTS, block), lambda i: (0, i)),
+                 pl.BlockSpec((2, 1), lambda i: (0, i))],
       compiler_params=_compiler_params(interpret), interpret=interpret,
       name="dynamiq_guard_stats")(keys, hop, x)
 
@@ -323,8 +331,8 @@ def guard_stats_pallas(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: 
   hop = jnp.asarray(hop, jnp.int32).reshape(1)
   launch = functools.partial(_guard_stats_launch, s=s, stride=stride,
                              safe_exponent=safe_exponent, interpret=interpret, block=block)
-  out = D.map_over_batch(launch, x, _flat_keys(k0, k1), hop)  # [..., 6, S]
-  votes = jnp.max(out[..., 2:4, :], axis=-1)  # one reduction for both
+  out, programs = D.map_over_batch(launch, x, _flat_keys(k0, k1), hop)  # [..., 6, S]
+  votes = jnp.max(programs, axis=-1)  # [..., 2]: over the programs' votes
   return GuardStats(out[..., 0, :], out[..., 1, :], out[..., 2, :], votes[..., 0],
                     votes[..., 1], out[..., 4, :], out[..., 5, :])
 

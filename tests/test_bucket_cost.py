@@ -36,6 +36,31 @@ centring mean kept from the statistics' pass, with no second pass and no stored 
 bucket, the statistics' sum encoded in its kernel, and the finish's kernel storing
 bfloat16 with no cast after it; 34 before that, 37 before the sum's encode, 78 before the
 bucket's kernels)."""
+MIDDLE_TOP_LEVEL = 30
+"""The most top-level operations a middle bucket's own program may launch, counted by its
+scope (29 at 2^16 and 30 at 2^23 on jax 0.10.2: the issue's bound); ``per_bucket``
+also counts what one more leaf changes at the step's end (its output's fusion, the last
+bucket's result unfused)."""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bucket_cost")
+  payload = bucket_cost.main(["--tiny", "--out", str(out)])
+  with open(out / "bucket_cost_tiny.json") as f:
+    assert json.load(f)["per_bucket"] == payload["per_bucket"]
+  return payload
+
+
+def test_one_bucket_adds_few_instructions_and_operations(tiny, record_property):
+  per = tiny["per_bucket"]
+  record_property("per_bucket", json.dumps(per))
+  assert 0 < per["instructions"] <= INSTRUCTIONS_PER_BUCKET, tiny["phases"]
+  assert 0 < per["top_level"] <= TOP_LEVEL_PER_BUCKET, tiny["phases"]
+  assert 0 < tiny["middle_top_level"] <= MIDDLE_TOP_LEVEL, tiny["phases"]
+  # a bucket of a compiled shape reuses every kernel (0 on both versions; the derivation
+  # of the buckets' key prefixes, whose length is the number of buckets, may count as one)
+  assert per["kernels"] <= 1, per
 
 
 ESTIMATE_INSTRUCTIONS = 80

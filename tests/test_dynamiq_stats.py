@@ -154,6 +154,20 @@ def test_zero_rows_give_zero_statistics_and_bad_rows_count_as_zeros():
                                              jnp.bfloat16))
 
 
+def test_votes_from_every_program_and_none_past_the_end():
+  """The kernel's votes are the largest over its programs' (16 rows each): a largest value
+  and a NaN in the last, partial program count, and the rows past the end do not."""
+  x = np.full((40, 256), 0.5, np.float32)  # 3 programs, the last of 8 rows
+  x[37, 9] = -7.0
+  got = SJ.guard_stats_pallas(jnp.asarray(x), *_keys(2), s=20, safe_exponent=SAFE,
+                              interpret=True)
+  assert float(got.amax) == 7.0 and float(got.bad) == 0
+  x[38, 0] = np.nan
+  got = SJ.guard_stats_pallas(jnp.asarray(x), *_keys(2), s=20, safe_exponent=SAFE,
+                              interpret=True)
+  assert float(got.amax) == 7.0 and float(got.bad) == 1
+
+
 def test_shapes_are_checked():
   k0, k1 = _keys(2)
   with pytest.raises(ValueError, match=r"rows \[S, 256\]"):

@@ -25,9 +25,11 @@ does in its state:
   identical ones once): a bucket of a shape already compiled should bring none;
 
 and, for one bucket in the middle, both by the named scope that made them
-(guard, statistics, metadata, allocation, hops, gather, other). Counts are
-deterministic (no timing); the CPU seconds of each compile are printed beside
-them, a shared machine's.
+(guard, statistics, metadata, allocation, hops, gather, other): its own
+top-level operations are their sum (the difference above also counts what
+changes at the end of the step: each leaf's output, the last bucket's result
+unfused). Counts are deterministic (no timing); the CPU seconds of each compile
+are printed beside them, a shared machine's.
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ def measure(size: int, schedule: str = "ring", estimate: bool = False) -> dict:
   return {"size": size, "schedule": schedule, "devices": DEVICES, "estimate": estimate,
           "per_bucket": {key: runs[4][key] - runs[3][key]
                          for key in ("instructions", "top_level", "kernels", "sorts")},
+          "middle_top_level": sum(top for _, top in runs[4]["phases"].values()),
           "phases": runs[4]["phases"], "runs": {str(k): v for k, v in runs.items()}}
 
 
@@ -196,6 +199,7 @@ def main(argv=None) -> dict:
         f"sorts {r['per_bucket']['sorts']}   "
         f"(compile CPU s: 3 buckets "
         f"{r['runs']['3']['cpu_s']}, 4 buckets {r['runs']['4']['cpu_s']})")
+  print(f"  a middle bucket's own top-level operations {r['middle_top_level']}, by phase:")
   print(f"  {'phase':<12} {'instructions':>12} {'top-level':>9}")
   for phase, (ins, top) in r["phases"].items():
     print(f"  {phase:<12} {ins:>12} {top:>9}")
