@@ -148,11 +148,13 @@ def finish_key(state):
 
 
 def key_operand(keys, rank):
-  """uint32 [8]: ``keys`` (four uint32 scalars), ``rank``, zeros: one small
-  kernel operand holding a hop's random keys."""
-  k = [jnp.asarray(v).astype(jnp.uint32) for v in keys]
+  """uint32 [8]: ``keys`` (four uint32 scalars, or their uint32 [4] array), ``rank``,
+  zeros: one small kernel operand holding a hop's random keys."""
   r = jnp.asarray(rank).astype(jnp.uint32)
-  return jnp.stack(k + [r, jnp.uint32(0), jnp.uint32(0), jnp.uint32(0)])
+  rest = jnp.stack([r, jnp.uint32(0), jnp.uint32(0), jnp.uint32(0)])
+  if isinstance(keys, (jax.Array, np.ndarray)) and np.shape(keys) == (4,):
+    return jnp.concatenate([jnp.asarray(keys).astype(jnp.uint32), rest])
+  return jnp.concatenate([jnp.stack([jnp.asarray(v).astype(jnp.uint32) for v in keys]), rest])
 
 
 def hash_index(k0, k1, index):

@@ -44,7 +44,7 @@ from dynamiq_jax.codecs import allocation
 from dynamiq_jax.codecs._exact import row_norm
 from dynamiq_jax.codecs.base import Codec, Metadata, Plan, ceil_div, pad_to, partial_sum_energy
 from dynamiq_jax.codecs.supergroup_stats import STATS_BITS, DynamiQKeyTables, SupergroupStats
-from dynamiq_jax.codecs.supergroup_stats import table_entry
+from dynamiq_jax.codecs.supergroup_stats import hop_words
 from pallas_kernels import dynamiq as kernels
 from pallas_kernels import dynamiq_block as block
 from pallas_kernels import dynamiq_reference as payload_lib
@@ -373,7 +373,7 @@ class DynamiQ(Codec):
                                          rng.Stream.DYNAMIQ_ROUND))
     stats = keys.derive(jnp.arange(n, dtype=jnp.uint32)[:, None], hops,
                         rng.Stream.DYNAMIQ_STATS)
-    return DynamiQKeyTables((*rounding, *strata), stats)
+    return DynamiQKeyTables((jnp.stack(rounding, axis=-1), jnp.stack(strata, axis=-1)), stats)
 
   def _geometry(self, aux, decode=False):
     args = dict(eps=self.eps, plane_bits=aux.layout.plane_bits, width_set=self.widths,
@@ -384,7 +384,8 @@ class DynamiQ(Codec):
     return args
 
   def _keys(self, keys, aux):
-    """(k0, k1, s0, s1): the rounding key of this hop and the shared stratum key.
+    """(k0, k1, s0, s1): the rounding key of this hop and the shared stratum key (from the
+    plan's tables: one uint32 [4] of two slices).
 
     (The leading word 0 stood for the code width in the keys of an earlier
     format; it stays so that the draws stay as they are.)"""
@@ -392,9 +393,7 @@ class DynamiQ(Codec):
       k0, k1 = keys.derive(0, keys.chunk, keys.hop, rng.Stream.DYNAMIQ_ROUND)
       s0, s1 = keys.derive(0, keys.chunk, rng.Stream.DYNAMIQ_PERMUTATION)
       return (k0, k1, s0, s1)
-    r0, r1, s0, s1 = aux.chunk_keys  # the plan's: [n, n + 1] rounding keys, [n] strata keys
-    c, h = keys.chunk, keys.hop
-    return (table_entry(r0, c, h), table_entry(r1, c, h), table_entry(s0, c), table_entry(s1, c))
+    return hop_words(aux.chunk_keys, keys.chunk, keys.hop)  # the plan's, uint32 [4]
 
   def encode(self, chunk, aux, keys):
     return kernels.compress(chunk, aux.widths, aux.layout.units, keys=self._keys(keys, aux),
@@ -495,7 +494,7 @@ class DynamiQAux(NamedTuple):
   widths: jax.Array
   layout: "DynamiQLayout"
   implementation: str | None = None
-  chunk_keys: tuple | None = None  # uint32: rounding keys [n, n + 1] x 2, stratum keys [n] x 2
+  chunk_keys: tuple | None = None  # uint32: rounding keys [n, n + 1, 2], stratum keys [n, 2]
   ptab: jax.Array | None = None  # int32 [16]: the widths' plane offsets (kernels.plane_table)
 
   @property

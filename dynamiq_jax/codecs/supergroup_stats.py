@@ -23,7 +23,8 @@ from dynamiq_jax.codecs.base import Codec
 from pallas_kernels import dynamiq_stats as stats_kernels
 from pallas_kernels import rng
 
-__all__ = ["STATS_BITS", "DynamiQKeyTables", "SupergroupStats", "table_entry", "element_index"]
+__all__ = ["STATS_BITS", "DynamiQKeyTables", "SupergroupStats", "table_entry", "hop_words",
+           "element_index"]
 
 STATS_BITS = 32
 """Bits per super-group of the statistics: two bf16 values."""
@@ -31,8 +32,8 @@ STATS_BITS = 32
 
 class DynamiQKeyTables(NamedTuple):
   """One bucket's keys (:meth:`~dynamiq_jax.codecs.dynamiq.DynamiQ.key_tables`): ``chunk``,
-  uint32 rounding keys ``[n, n + 1]`` x 2 and stratum keys ``[n]`` x 2; ``stats``, the
-  statistics' keys ``[n, n + 1]`` x 2 (chunk, hop)."""
+  uint32 rounding keys ``[n, n + 1, 2]`` (chunk, hop, word) and stratum keys ``[n, 2]``
+  (:func:`hop_words`); ``stats``, the statistics' keys ``[n, n + 1]`` x 2 (chunk, hop)."""
 
   chunk: tuple
   stats: tuple
@@ -127,6 +128,17 @@ def table_entry(table, *index):
   converts them to signed and wraps negatives in every fusion that reads a key."""
   index = [jnp.asarray(i, jnp.uint32) for i in index]
   return jax.lax.dynamic_slice(table, index, (1,) * len(index)).reshape(())
+
+
+def hop_words(chunk_keys, chunk, hop):
+  """uint32 [4]: the rounding key of (``chunk``, ``hop``) and the chunk's stratum key from
+  :class:`DynamiQKeyTables`' ``chunk`` tables, each pair one unsigned slice (a hop's four
+  words adjacent in one table made XLA give each hop's key operand a launch of its own,
+  where these slices share one for all the hops)."""
+  rounding, strata = chunk_keys
+  c, h, zero = jnp.asarray(chunk, jnp.uint32), jnp.asarray(hop, jnp.uint32), jnp.uint32(0)
+  return jnp.concatenate([jax.lax.dynamic_slice(rounding, (c, h, zero), (1, 1, 2)).reshape(2),
+                          jax.lax.dynamic_slice(strata, (c, zero), (1, 2)).reshape(2)])
 
 
 def element_index(v):
