@@ -23,13 +23,12 @@ pytestmark = pytest.mark.skipif(gpu_compile.missing(need_ptxas=False) is not Non
                                 reason=str(gpu_compile.missing(need_ptxas=False)))
 
 INSTRUCTIONS_PER_BUCKET = 360
-"""The most HLO instructions one bucket of 2^16 may add (350 on jax 0.10.2 and 340 on 0.12: a hop's key
-words two slices; 367 / 373 on 0.12 before, the allocation kernel making the hops' plane
-table and reading the gathered statistics in place, as the finish's kernel does; 390 / 396
-before that, the hops' plane table made from
-the allocation's counts; 403 / 409 before, 473 / 478 before the statistics' sum was
-encoded in its kernel, 2,228 before the bucket's kernels; docs/results.md, *What one more
-bucket costs*)."""
+"""The most HLO instructions one bucket of 2^16 may add (350 on jax 0.10.2 and 340 on 0.12:
+a hop's key words two slices; 367 / 373 before, the allocation kernel making the hops'
+plane table and reading the gathered statistics in place, as the finish's kernel does;
+390 / 396 before that, the hops' plane table made from the allocation's counts; 403 / 409
+before, 473 / 478 before the statistics' sum was encoded in its kernel, 2,228 before the
+bucket's kernels; docs/results.md, *What one more bucket costs*)."""
 TOP_LEVEL_PER_BUCKET = 31
 """The most top-level operations one bucket of 2^16 may add (31 on jax 0.10.2 and 0.12:
 no launch makes the plane table or slices the gathered statistics; 33 before that, the
