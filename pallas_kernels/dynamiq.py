@@ -207,14 +207,14 @@ def _many_mosaic(payloads, widths, units: int, *, interpret=False, **geo):
 
 
 def _rows_mosaic(payloads, widths, units: int, slots, mean=None, *, rotate=0, dtype=jnp.float32,
-                 row_sq=False, interpret=False, **geo):
+                 row_sum=None, interpret=False, **geo):
   """Mosaic GPU's form of :func:`decompress_rows`: :func:`_many_mosaic`, then the
-  reference's gather, mean and sums of squares."""
+  reference's gather, mean and row sum."""
   R.check_payloads(payloads, widths, units, plane_bits=geo["plane_bits"],
                    width_set=geo["width_set"], slots=slots, mean=mean, rotate=rotate)
   rows = R.rows_of_decoded(_many_mosaic(payloads, widths, units, interpret=interpret, **geo),
                            slots, mean, rotate)
-  return R.rows_and_squares(rows, mean, dtype, row_sq)
+  return R.rows_and_total(rows, mean, widths, slots, payloads.shape[0], dtype, row_sum)
 
 
 def _probe_many(gather: bool, **static):
@@ -245,20 +245,21 @@ def decompress_many(payloads, widths, units: int, *, eps, plane_bits: int = R.PL
 
 def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
                       plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET, rotate: int = 0,
-                      dtype=jnp.float32, ptab=None, row_sq: bool = False,
+                      dtype=jnp.float32, ptab=None, row_sum=None,
                       implementation: D.Implementation = None, interpret: bool | None = None):
   """Rows of ``n`` decoded chunk payloads, each from its slot, plus a mean: [R, 256] of
   ``dtype`` (float32 by default; another float dtype: the float32 rows rounded to it as
-  they are stored, so that no float32 copy is written). ``row_sq``: ``(rows, sums)``, the
-  float32 [R] sums of each float32 row's squares less its mean
-  (:func:`~pallas_kernels.dynamiq_reference.row_squares`; the kernel sums in its
-  compiler's order, so their last bits may differ from the reference's): what an error
-  estimate reads, without reading the rows again.
+  they are stored, so that no float32 copy is written). ``row_sum`` (a static callable):
+  ``(rows, total)``, ``total`` the float32 sum over the rows of ``row_sum(sq, norm,
+  width)`` (:func:`~pallas_kernels.dynamiq_reference.row_total`: each float32 row's
+  squares less its mean, the statistics' next column, its position's width), summed in the
+  kernel's programs and then over them (the last bits may differ from the reference's):
+  an error estimate made without reading the rows again.
 
   Row r is slot ``slots[r]`` (int32 [R]) of the decoded chunks interleaved by position
   (slot ``j n + c``: position j of chunk c, which is payload ``(c + rotate) % n``: the
   payloads as gathered in rank order, read in chunk order without a copy), plus
-  ``mean[r]`` (float32 [R], or None):
+  ``mean[r]`` (float [R], or column 0 of ``[R, k]`` statistics read in place, or None):
   a codec's finish in one Triton launch, the same bits as :func:`decompress` of each
   payload, then the gather and the sum
   (:func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`)."""
@@ -268,7 +269,7 @@ def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
                               functools.partial(_probe_many, True, **geo)),
                     _without_ptab(R.decompress_rows_reference), implementation, interpret,
                     payloads, widths, units, slots, mean, rotate=rotate, dtype=jnp.dtype(dtype),
-                    row_sq=bool(row_sq), **geo, ptab=ptab)
+                    row_sum=row_sum, **geo, ptab=ptab)
 
 
 def _sum_mosaic(payloads, widths, units: int, *, interpret=False, **geo):

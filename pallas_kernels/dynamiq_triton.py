@@ -441,14 +441,16 @@ def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, 
 
 
 def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count, slots, mean,
-                        payload_bytes, interpret, rotate=0, row_sq=False):
+                        payload_bytes, interpret, rotate=0, row_sum=None):
   """Decodes ``count`` rows, each one super-group of one of the ``n`` payloads (all with
   the same per-position widths, ``w_ref`` read per row): row r is position ``r % S``
   of payload ``r // S``, or (``slots``) slot ``slot_ref[r]``, clamped to ``[0, n S)``:
   position ``slot // n`` of chunk ``slot % n``, which is payload ``(slot % n + rotate)
   % n``; plus ``mean_ref[r mean]`` (``mean``: the stride of the flat means, 0 without),
-  by the same ``fma`` as :func:`_decompress_accumulate_kernel`. ``row_sq``: also each
-  row's sum of squares less its mean, of the float32 row (:func:`_row_sq`)."""
+  by the same ``fma`` as :func:`_decompress_accumulate_kernel`. ``row_sum``: also this
+  program's sum of ``row_sum(sq, norm, width)`` over its rows (``sq`` each float32 row's
+  squares less its mean, :func:`_row_sq`; ``norm`` the entry after its mean, or None;
+  ``width`` its position's)."""
   refs = list(refs)
   slot_ref = refs.pop(0) if slots else None
   mean_ref = refs.pop(0) if mean else None
@@ -473,11 +475,17 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
       addend = (jnp.broadcast_to(m[:, None, None], (shape[0], shape[1], shape[3])),) * cfg.cb
     else:
       addend = jnp.broadcast_to(m[:, None, None, None], shape)
-  val = _read_chunk(pay_ref, tt.load(w_ref, j, ok), ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
+  width = tt.load(w_ref, j, ok)
+  val = _read_chunk(pay_ref, width, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
                     interpret=interpret, addend=addend, rows=rows)
   _store_dense(out_ref, val, cfg)
-  if row_sq:
-    refs[2][...] = _row_sq(val, addend, cfg)
+  if row_sum is not None:
+    norm = None
+    if mean >= 2:  # the statistics' next column: the row's norm
+      norm = tt.load(mean_ref, jnp.where(ok, row, 0) * np.int32(mean) + 1, ok)
+      norm = norm.astype(jnp.float32)
+    term = row_sum(_row_sq(val, addend, cfg), norm, width)
+    refs[2][0] = jnp.sum(jnp.where(ok, term, 0.0))
 
 
 def _row_sq(val, addend, cfg: _Config):
@@ -633,13 +641,13 @@ def _launch(payload, x, widths, karr, ptab, *, op, cfg, units, strata, interpret
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret", "rotate", "dtype",
-                                             "row_sq"))
+                                             "row_sum"))
 def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, rotate=0,
-                 dtype=jnp.float32, row_sq=False):
+                 dtype=jnp.float32, row_sum=None):
   """One launch decoding rows of all ``n`` payloads [n, bytes] (:func:`_decode_rows_kernel`)
   over ``cdiv(rows, BLOCK)`` programs: ``n S`` rows in chunk order, or one per slot
-  (chunk c: payload ``(c + rotate) % n``). ``row_sq``: -> (rows, float32 [rows] sums of
-  squares less the mean)."""
+  (chunk c: payload ``(c + rotate) % n``). ``row_sum``: -> (rows, the float32 sum of its
+  programs' sums)."""
   n, size = payloads.shape
   s_count = widths.shape[0]
   count = n * s_count if slots is None else slots.shape[0]
@@ -663,20 +671,21 @@ def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, 
                              slots=slots is not None,
                              mean=0 if mean is None else math.prod(mean.shape[1:]),
                              payload_bytes=size, interpret=bool(interpret), rotate=rotate,
-                             row_sq=row_sq)
+                             row_sum=row_sum)
   out_shape = [jax.ShapeDtypeStruct(cfg.block(count), dtype)]
   out_specs = [pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))]
-  if row_sq:
-    out_shape.append(jax.ShapeDtypeStruct((count,), jnp.float32))
-    out_specs.append(per_row)
+  programs = pl.cdiv(count, cfg.sg)
+  if row_sum is not None:  # one partial sum per program
+    out_shape.append(jax.ShapeDtypeStruct((programs,), jnp.float32))
+    out_specs.append(pl.BlockSpec((1,), lambda i: (i,)))
   name = "decompress_rows" if slots is not None else "decompress_many"
   out = pl.pallas_call(
       kernel, out_shape=[dispatch.typed_like(o, args) for o in out_shape],
-      grid=(pl.cdiv(count, cfg.sg),), in_specs=in_specs, out_specs=out_specs,
+      grid=(programs,), in_specs=in_specs, out_specs=out_specs,
       compiler_params=_compiler_params(cfg, interpret), interpret=interpret,
       name=f"dynamiq_units_{name}_p{cfg.plane_bits}")(*args)
   rows = out[0].reshape(count, B.SUPERGROUP)
-  return (rows, out[1]) if row_sq else rows
+  return (rows, jnp.sum(out[1])) if row_sum is not None else rows
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
@@ -754,7 +763,7 @@ def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_roundi
 
 
 def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, width_set,
-              interpret, launch=None, rotate=0, dtype=jnp.float32, ptab=None, row_sq=False):
+              interpret, launch=None, rotate=0, dtype=jnp.float32, ptab=None, row_sum=None):
   """:func:`_run` for the decodes of all ``n`` payloads at once (:func:`_launch_rows`,
   or their sum: :func:`_launch_sum`)."""
   widths = jnp.asarray(widths).astype(jnp.int32)
@@ -777,7 +786,7 @@ def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, widt
     call = functools.partial(_launch_sum, cfg=cfg, units=int(units), interpret=interpret)
     return dispatch.map_over_batch(call, payloads, widths, ptab)
   call = functools.partial(_launch_rows, cfg=cfg, units=int(units), interpret=interpret,
-                           rotate=int(rotate), dtype=jnp.dtype(dtype), row_sq=bool(row_sq))
+                           rotate=int(rotate), dtype=jnp.dtype(dtype), row_sum=row_sum)
   return dispatch.map_over_batch(call, payloads, widths, slots, mean, ptab)
 
 
@@ -877,15 +886,15 @@ def decompress_many_pallas(payloads, widths, units: int, *, eps, plane_bits: int
 def decompress_rows_pallas(payloads, widths, units: int, slots, mean=None, *, eps,
                              plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
                              rotate: int = 0, dtype=jnp.float32, interpret=False, launch=None,
-                             ptab=None, row_sq: bool = False):
+                             ptab=None, row_sum=None):
   """Kernel version of
   :func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`: each output
   row decoded from its slot of the ``n`` payloads (plus its mean) by one launch, stored
-  as ``dtype``; with ``row_sq``, also each float32 row's sum of squares less its mean
-  (summed in the compiler's order: the last bits may differ from the reference's)."""
+  as ``dtype``; with ``row_sum``, also the sum of a term per row (each program sums its
+  rows' in the compiler's order: the last bits may differ from the reference's)."""
   return _run_rows("decompress_rows", payloads, widths, units, slots, mean, eps=eps,
                    plane_bits=plane_bits, width_set=width_set, interpret=interpret,
-                   launch=launch, rotate=rotate, dtype=dtype, ptab=ptab, row_sq=row_sq)
+                   launch=launch, rotate=rotate, dtype=dtype, ptab=ptab, row_sum=row_sum)
 
 
 @_triton_entry

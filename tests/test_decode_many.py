@@ -23,6 +23,7 @@ import pytest
 import dynamiq_jax as dq
 from dynamiq_jax import engine
 from dynamiq_jax.codecs import DynamiQ, IntGroup
+from dynamiq_jax.codecs.dynamiq import RowError
 from dynamiq_jax.codecs.base import Bucket, Codec, Keys
 from dynamiq_jax.schedules import executor
 from pallas_kernels import dynamiq as K
@@ -108,33 +109,53 @@ def test_batched_kernels_equal_the_reference(case):
   _same(as_bf16, gather.astype(jnp.bfloat16))
   _same(T.decompress_rows_pallas(rolled, widths, units, slots, mean, rotate=k, **geo,
                                  dtype=jnp.bfloat16, interpret=True), as_bf16)
-  # with row_sq: the same rows, and each float32 row's squares less its mean, summed (the
-  # kernel in its compiler's order: equal but for the last bits)
-  rows, sq = T.decompress_rows_pallas(rolled, widths, units, slots, mean, rotate=k, **geo,
-                                      dtype=jnp.bfloat16, row_sq=True, interpret=True)
-  _same(rows, as_bf16)
-  ref_rows, ref_sq = RJ.decompress_rows_reference(rolled, widths, units, slots, mean, rotate=k,
-                                                  dtype=jnp.bfloat16, row_sq=True, **geo)
-  _same(ref_rows, as_bf16)
-  _same(ref_sq, jnp.sum(jnp.square(gather - mean[:, None]), axis=-1))
-  np.testing.assert_allclose(np.asarray(sq), np.asarray(ref_sq), rtol=1e-6)
   # the mean read in place from column 0 of bfloat16 statistics [rows, 2] (a codec's as
   # gathered): the rows of its float32 values
-  stats = jnp.stack([mean.astype(jnp.bfloat16), -mean.astype(jnp.bfloat16)], axis=-1)
+  stats = jnp.stack([mean.astype(jnp.bfloat16), jnp.abs(mean).astype(jnp.bfloat16)], axis=-1)
   want = RJ.decompress_rows_reference(pays, widths, units, slots,
                                       stats[:, 0].astype(jnp.float32), **geo)
   _same(RJ.decompress_rows_reference(pays, widths, units, slots, stats, **geo), want)
   _same(T.decompress_rows_pallas(pays, widths, units, slots, stats, **geo, interpret=True),
         want)
+  # with row_sum: the same rows, and the sum of a term of each float32 row's squares less
+  # its mean, its norm (the statistics' column 1) and its width (the kernel sums in its
+  # programs' order: equal but for the last bits)
+  rows, total = T.decompress_rows_pallas(rolled, widths, units, slots, stats, rotate=k, **geo,
+                                         dtype=jnp.bfloat16, row_sum=_term, interpret=True)
+  _same(rows, RJ.decompress_rows_reference(rolled, widths, units, slots, stats, rotate=k,
+                                           dtype=jnp.bfloat16, **geo))
+  ref_rows, ref_total = RJ.decompress_rows_reference(rolled, widths, units, slots, stats,
+                                                     rotate=k, dtype=jnp.bfloat16,
+                                                     row_sum=_term, **geo)
+  _same(ref_rows, rows)
+  np.testing.assert_allclose(float(ref_total), _term_numpy(want, stats, widths, slots, n),
+                             rtol=1e-5)
+  np.testing.assert_allclose(float(total), float(ref_total), rtol=1e-5)
   # fewer rows than slots exist (a partial last program), repeated slots, no mean
   few = jnp.concatenate([slots[:5], slots[:2]])
   _same(T.decompress_rows_pallas(pays, widths, units, few, **geo, interpret=True),
         RJ.decompress_rows_reference(pays, widths, units, few, **geo))
-  few_rows, few_sq = T.decompress_rows_pallas(pays, widths, units, few, **geo, row_sq=True,
-                                              interpret=True)
+  few_rows, few_total = T.decompress_rows_pallas(pays, widths, units, few, **geo,
+                                                 row_sum=_term, interpret=True)
   _same(few_rows, RJ.decompress_rows_reference(pays, widths, units, few, **geo))
-  np.testing.assert_allclose(np.asarray(few_sq), np.sum(np.square(np.asarray(few_rows)), -1),
-                             rtol=1e-6)
+  np.testing.assert_allclose(float(few_total), _term_numpy(few_rows, None, widths, few, n),
+                             rtol=1e-5)
+
+
+def _term(sq, norm, width):
+  """A row term of ``row_sum`` that reads all three of its inputs."""
+  w = width.astype(jnp.float32)
+  return sq * (1.0 + w) if norm is None else sq * (1.0 + w) + norm * w
+
+
+def _term_numpy(rows, stats, widths, slots, n):
+  """:func:`_term` summed over float32 ``rows`` in numpy (float64)."""
+  rows = np.asarray(rows, np.float64)
+  mean = 0.0 if stats is None else np.asarray(stats[:, 0], np.float64)[:, None]
+  sq = np.sum(np.square(rows - mean), axis=-1)
+  w = np.asarray(widths)[np.asarray(slots) // n].astype(np.float64)
+  extra = 0.0 if stats is None else np.asarray(stats[:, 1], np.float64) * w
+  return float(np.sum(sq * (1.0 + w) + extra))
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2],
@@ -186,12 +207,13 @@ def test_under_vmap_each_element_is_its_own_batch():
   got = jax.jit(jax.vmap(ker))(pays, ws, slots, means)
   _same(got, jax.jit(jax.vmap(ref))(pays, ws, slots, means))
   _same(got[1], RJ.decompress_rows_reference(pays[1], ws[1], units, slots[1], means[1], **geo))
-  # two outputs (rows, squares) mapped alike
-  rows, sq = jax.jit(jax.vmap(lambda p, w, sl, m: T.decompress_rows_pallas(
-      p, w, units, sl, m, **geo, row_sq=True, interpret=True)))(pays, ws, slots, means)
+  # two outputs (rows, row sum) mapped alike
+  rows, total = jax.jit(jax.vmap(lambda p, w, sl, m: T.decompress_rows_pallas(
+      p, w, units, sl, m, **geo, row_sum=_term, interpret=True)))(pays, ws, slots, means)
   _same(rows, got)
-  np.testing.assert_allclose(np.asarray(sq), np.asarray(jax.vmap(R.row_squares)(got, means)),
-                             rtol=1e-6)
+  want = jax.jit(jax.vmap(lambda r, m, w, sl: R.row_total(r, m, w, sl, n, _term)))(
+      got, means, ws, slots)
+  np.testing.assert_allclose(np.asarray(total), np.asarray(want), rtol=1e-5)
   _same(jax.jit(jax.vmap(lambda p, w: T.decompress_many_pallas(p, w, units, **geo,
                                                                interpret=True)))(pays, ws),
         jax.jit(jax.vmap(lambda p, w: R.decompress_many_reference(p, w, units, **geo)))(
@@ -277,14 +299,15 @@ def compile_batched(block: int | None = None):
     geo = dict(eps=EPS, plane_bits=pb, width_set=ws)
     st = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     p, w = st((n, R.payload_bytes(s, units, pb)), jnp.uint8), st((s,), jnp.int32)
-    rows, mean = st((n * s,), jnp.int32), st((n * s,), jnp.float32)
+    rows, stats = st((n * s,), jnp.int32), st((n * s, 2), jnp.bfloat16)
     for f, args in ((lambda p, w: T.decompress_many_pallas(p, w, units, **geo), (p, w)),
                     # (as the engine launches it: stored as bfloat16, the codecs' result
-                    # dtype, with the rows' sums of squares for the error estimate)
-                    (lambda p, w, r, m: T.decompress_rows_pallas(p, w, units, r, m, **geo,
-                                                                 dtype=jnp.bfloat16,
-                                                                 row_sq=True),
-                     (p, w, rows, mean)),
+                    # dtype, with the means read from the statistics and DynamiQ's error
+                    # estimate summed)
+                    (lambda p, w, r, m: T.decompress_rows_pallas(
+                        p, w, units, r, m, **geo, dtype=jnp.bfloat16,
+                        row_sum=RowError(n, (1,) * (n - 1), ((2, 0.1), (4, 0.01), (8, 1e-4)))),
+                     (p, w, rows, stats)),
                     (lambda p, w: T.decompress_sum_pallas(p, w, units, **geo), (p, w))):
       with GT.gpu_target(device):
         out.append(jax.jit(f).trace(*args).lower().compile())

@@ -75,8 +75,9 @@ def child(d: int, n: int) -> dict:
           (st((payload,), jnp.uint8), st((s, 256), jnp.float32), st((s,), jnp.int32),
            key, key, key, key)),
       "decompress_rows": (
-          lambda p, w, slots, m: K.decompress_rows(p, w, units, slots, m, dtype=jnp.bfloat16,
-                                                   row_sq=True, **dec),
+          lambda p, w, slots, m: K.decompress_rows(
+              p, w, units, slots, m, dtype=jnp.bfloat16,
+              row_sum=codec._row_error(n, (1,) * (n - 1)), **dec),  # pylint: disable=protected-access
           (st((n, payload), jnp.uint8), st((s,), jnp.int32), st((total,), jnp.int32),
            st((total, 2), jnp.bfloat16))),
   }

@@ -222,13 +222,21 @@ SCOPES = (("metadata", "metadata"), ("allocation", "dynamiq/allocate"),
 
 
 def bucket_scopes(hlo: str) -> dict:
-  """Instructions per bucket by what made them: ``{"buckets", "per_bucket": {scope: n}}``.
+  """Instructions per bucket by what made them: ``{"buckets", "per_bucket": {scope: n},
+  "top_level": n}``.
 
   Every instruction of the module whose ``op_name`` lies under
   ``allreduce/bucket<b>/`` is counted under the first of :data:`SCOPES` its
   name contains, else ``"other"`` (finish, error estimate, conversions);
-  the counts are averages over the buckets.
+  the counts are averages over the buckets. ``top_level``: the median bucket's
+  top-level operations (launches, collectives: :func:`bucket_cost.top_level
+  <dynamiq_jax.bench.bucket_cost.top_level>`).
   """
+  from dynamiq_jax.bench import bucket_cost  # pylint: disable=import-outside-toplevel
+
+  launches = collections.Counter(
+      m.group(1) for m in (_SCOPE.search(ins.line)
+                           for ins in bucket_cost.top_level(gpu_compile.parse_hlo(hlo))) if m)
   counts = collections.Counter()
   buckets = set()
   for line in hlo.splitlines():
@@ -239,8 +247,10 @@ def bucket_scopes(hlo: str) -> dict:
     scope = next((label for label, key in SCOPES if key in m.group(2)), "other")
     counts[scope] += 1
   n = max(len(buckets), 1)
+  ordered = sorted(launches.values())
   return {"buckets": len(buckets),
-          "per_bucket": {k: round(v / n) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}}
+          "per_bucket": {k: round(v / n) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])},
+          "top_level": ordered[len(ordered) // 2] if ordered else 0}
 
 
 def compile_step(spec: dict, library: str | None = None) -> dict:

@@ -432,16 +432,15 @@ class DynamiQ(Codec):
     (:func:`pallas_kernels.dynamiq.decompress_rows`): each super-group decoded from
     its slot ``aux.dest`` straight into its place, its reduced mean added, and stored
     rounded to ``dtype`` (None: float32). The same bits as :meth:`finish` of
-    :meth:`decode_many`, then rounded. With ``partials``, the same launch gives each
-    super-group's squared residual for the error estimate (:meth:`_estimate`), from the
-    float32 rows (padding included), so that nothing reads the result again."""
+    :meth:`decode_many`, then rounded. With ``partials``, the same launch sums the error
+    estimate's terms (:class:`RowError`) over the float32 rows (padding included), so
+    that nothing reads the result again."""
     del state
+    term = None if partials is None else self._row_error(bucket.n, partials)
     found = kernels.decompress_rows(payloads, aux.widths, aux.layout.units, aux.dest,
                                     aux.stats, rotate=rotate, dtype=dtype or jnp.float32,
-                                    row_sq=partials is not None,
-                                    **self._geometry(aux, decode=True))
-    out, sq = found if partials is not None else (found, None)
-    err = None if sq is None else self._estimate(sq, aux, bucket.n, partials)
+                                    row_sum=term, **self._geometry(aux, decode=True))
+    out, err = found if term is not None else (found, None)
     # stored on XLA:CPU, as in finish
     return payload_lib.materialize(out.reshape(-1)[:bucket.d]), None, err
 
@@ -467,20 +466,37 @@ class DynamiQ(Codec):
     """
     total = aux.layout.padded_supergroups
     rows = pad_to(out.astype(jnp.float32), total * SUPERGROUP).reshape(total, SUPERGROUP)
-    return self._estimate(payload_lib.row_squares(rows, aux.gmean), aux, bucket.n, partials)
-
-  def _estimate(self, sq, aux, n: int, partials):
-    """:meth:`error_estimate` from each super-group's squared residual ``sq`` (float32
-    [padded super-groups]: its reduced values' squares less its mean)."""
-    energy = partial_sum_energy(sq, aux.gnorm * aux.gnorm, n, partials)
-    errors = self.width_errors()
-    table = jnp.asarray([errors.get(w, 0.0) for w in range(max(errors) + 1)], jnp.float32)
+    n = bucket.n
     # super-group i's width: that of its slot's position, dest[i] // n (one gather; slots
     # are >= 0, so an unsigned division: jnp's floor division of int32 adds ~17
     # instructions of sign handling)
     position = jax.lax.div(aux.dest.astype(jnp.uint32), np.uint32(n))
     width = payload_lib.take_in_range(aux.widths, position)
-    return jnp.sum(payload_lib.take_in_range(table, width) * energy)
+    sq = payload_lib.row_squares(rows, aux.gmean)
+    return jnp.sum(self._row_error(n, partials)(sq, aux.gnorm, width))
+
+  def _row_error(self, n: int, partials) -> "RowError":
+    return RowError(n, tuple(int(k) for k in partials),
+                    tuple(sorted((int(w), float(e)) for w, e in self.width_errors().items())))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowError:
+  """One super-group's term of :meth:`DynamiQ.error_estimate`: ``c_w sum_k E ||P_k||^2``
+  from its reduced residual's squares ``sq``, its residual norm ``norm`` (the ranks'
+  ``sqrt(F)``) and its width. Static and hashable: the finish kernel computes it per row
+  (:func:`pallas_kernels.dynamiq.decompress_rows`'s ``row_sum``), as the reference does."""
+
+  n: int
+  partials: tuple[int, ...]
+  errors: tuple[tuple[int, float], ...]  # (width, c_w)
+
+  def __call__(self, sq, norm, width):
+    energy = partial_sum_energy(sq, norm * norm, self.n, self.partials)
+    c = jnp.zeros_like(energy)
+    for w, e in self.errors:  # the table by selects: a kernel cannot gather from a constant
+      c = jnp.where(width == w, np.float32(e), c)
+    return c * energy
 
 
 class DynamiQAux(NamedTuple):
