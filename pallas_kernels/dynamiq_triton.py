@@ -468,8 +468,9 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
     c, j = jax.lax.div(r, np.int32(s_count)), jax.lax.rem(r, np.int32(s_count))
   rows = _Rows(j, c * np.int32(payload_bytes), ok)
   addend = None
+  at = jnp.where(ok, row, 0) * np.int32(mean)  # row r's entry in the flat means
   if mean:  # row r's mean: entry r * mean of the flat means (a column of statistics)
-    m = tt.load(mean_ref, jnp.where(ok, row, 0) * np.int32(mean), ok).astype(jnp.float32)
+    m = tt.load(mean_ref, at, ok).astype(jnp.float32)
     shape = cfg.block(block)
     if cfg.split:
       addend = (jnp.broadcast_to(m[:, None, None], (shape[0], shape[1], shape[3])),) * cfg.cb
@@ -482,8 +483,7 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
   if row_sum is not None:
     norm = None
     if mean >= 2:  # the statistics' next column: the row's norm
-      norm = tt.load(mean_ref, jnp.where(ok, row, 0) * np.int32(mean) + 1, ok)
-      norm = norm.astype(jnp.float32)
+      norm = tt.load(mean_ref, at + 1, ok).astype(jnp.float32)
     term = row_sum(_row_sq(val, addend, cfg), norm, width)
     refs[2][0] = jnp.sum(jnp.where(ok, term, 0.0))
 

@@ -31,6 +31,7 @@ def child(d: int, n: int) -> dict:
   from dynamiq_jax.bench import gpu_compile as G
   from dynamiq_jax.codecs import allocation
   from dynamiq_jax.codecs.dynamiq import DynamiQ, DynamiQAux
+  from dynamiq_jax.schedules import ring_plan
   from pallas_kernels import dynamiq as K
   from pallas_kernels import dynamiq_reference as R
   from pallas_kernels import dynamiq_stats as S
@@ -77,7 +78,7 @@ def child(d: int, n: int) -> dict:
       "decompress_rows": (
           lambda p, w, slots, m: K.decompress_rows(
               p, w, units, slots, m, dtype=jnp.bfloat16,
-              row_sum=codec._row_error(n, (1,) * (n - 1)), **dec),  # pylint: disable=protected-access
+              row_sum=codec._row_error(n, ring_plan(n).partials()), **dec),  # pylint: disable=protected-access
           (st((n, payload), jnp.uint8), st((s,), jnp.int32), st((total,), jnp.int32),
            st((total, 2), jnp.bfloat16))),
   }

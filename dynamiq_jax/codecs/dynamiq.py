@@ -466,14 +466,9 @@ class DynamiQ(Codec):
     """
     total = aux.layout.padded_supergroups
     rows = pad_to(out.astype(jnp.float32), total * SUPERGROUP).reshape(total, SUPERGROUP)
-    n = bucket.n
-    # super-group i's width: that of its slot's position, dest[i] // n (one gather; slots
-    # are >= 0, so an unsigned division: jnp's floor division of int32 adds ~17
-    # instructions of sign handling)
-    position = jax.lax.div(aux.dest.astype(jnp.uint32), np.uint32(n))
-    width = payload_lib.take_in_range(aux.widths, position)
-    sq = payload_lib.row_squares(rows, aux.gmean)
-    return jnp.sum(self._row_error(n, partials)(sq, aux.gnorm, width))
+    # (the reference's sum of the finish kernel's terms, over the rows of slots aux.dest)
+    return payload_lib.row_total(rows, aux.stats, aux.widths, aux.dest, bucket.n,
+                                 self._row_error(bucket.n, partials))
 
   def _row_error(self, n: int, partials) -> "RowError":
     return RowError(n, tuple(int(k) for k in partials),
@@ -511,7 +506,7 @@ class DynamiQAux(NamedTuple):
   layout: "DynamiQLayout"
   implementation: str | None = None
   chunk_keys: tuple | None = None  # uint32: rounding keys [n, n + 1, 2], stratum keys [n, 2]
-  ptab: jax.Array | None = None  # int32 [16]: the widths' plane offsets (kernels.plane_table)
+  ptab: jax.Array | None = None  # int32 [16]: the widths' plane offsets (the allocation's)
 
   @property
   def gmean(self):
