@@ -28,6 +28,25 @@ def test_tiny_run(tmp_path):
   assert every4 == pytest.approx(pulled["bytes_per_rank_step"]["replicas"] / 4)
   runs = report["runs"]
   assert runs[alone["row"]]["0"]["train_loss"] != runs[present["row"]]["0"]["train_loss"]
+  # the control: every rank alike (no spread), the mean weighted unlike everyone present's
+  control = rows["everyone present weighted as 10% absent"]
+  assert control["spread_end"] == 0 and control["absent_share"] == 0
+  assert runs[control["row"]]["0"]["train_loss"] != runs[present["row"]]["0"]["train_loss"]
+
+
+def test_contribution_weights():
+  import jax
+  import numpy as np
+
+  import dynamiq_jax as dq
+  everyone = moshpit.contribution_weights(dq.Moshpit(grid=(2, 2)), 4, jax.random.key(0))
+  np.testing.assert_allclose(everyone, np.full(4, 0.25), rtol=1e-6)
+  mosh = dq.Moshpit(grid=(2, 2), dropout=0.3)
+  keys = [jax.random.fold_in(jax.random.key(0), t) for t in range(8)]
+  seen = [np.asarray(moshpit.contribution_weights(mosh, 4, k)) for k in keys]
+  for c in seen:  # a weighted mean of the ranks' gradients
+    assert np.all(c >= 0) and abs(c.sum() - 1) < 1e-5
+  assert any(np.ptp(c) > 0.05 for c in seen)  # some step's absences weigh ranks unequally
 
 
 def test_bad_flags():
@@ -35,3 +54,5 @@ def test_bad_flags():
     moshpit.main(["--tiny", "--rows", "nobody"])
   with pytest.raises(SystemExit, match="--grid"):
     moshpit.main(["--tiny", "--grid", "2,3"])
+  with pytest.raises(SystemExit):
+    moshpit.main(["--tiny", "--optimizer", "lamb"])

@@ -18,7 +18,16 @@ averaging (DynamiQ 5b inside the groups of the grid). Rows:
 * ``10% absent + replicas (unweighted)``, ``10% absent + replicas``: with
   ``average_replicas`` last in the chain, averaging the updated parameters in the
   same rounds so that an absent rank is averaged back at its next round;
-  ``... every 4``: the replicas averaged every fourth step only.
+  ``... every 4``: the replicas averaged every fourth step only;
+* ``everyone present weighted as 10% absent`` (a control): every rank
+  present, but each step's mean weighs the ranks' gradients as the mean of the
+  ranks' results does in ``10% absent`` with the same draws (found by running that
+  step's Moshpit rounds, float32, on one-hot rows), so every rank steps alike on
+  what the absent run's replicas receive between them: what the lost contributions
+  alone cost.
+
+``--optimizer sgd`` trains with SGD and momentum 0.9 instead of Adam (the rows'
+gap under a linear optimizer).
 
 Per row and seed it records the held-out loss of the first replica and of the
 replicas' mean, the replicas' spread (the largest distance of a replica from
@@ -42,17 +51,21 @@ from dynamiq_jax.bench.train import smooth
 
 __all__ = ["main", "ROWS", "run", "summarize", "markdown"]
 
-# (label, dropout, replicas averaged every this many steps: 0 never, Moshpit's weighted)
+# (label, dropout, replicas averaged every this many steps: 0 never, Moshpit's weighted,
+#  the dropout whose lost contributions every rank's gradient is weighted by: 0 none)
 ROWS = (
-    ("everyone present", 0.0, 0, True),
-    ("10% absent: gradients only", 0.1, 0, False),
-    ("10% absent: gradients weighted", 0.1, 0, True),
-    ("10% absent + replicas (unweighted)", 0.1, 1, False),
-    ("10% absent + replicas", 0.1, 1, True),
-    ("10% absent + replicas every 4", 0.1, 4, True),
+    ("everyone present", 0.0, 0, True, 0.0),
+    ("10% absent: gradients only", 0.1, 0, False, 0.0),
+    ("10% absent: gradients weighted", 0.1, 0, True, 0.0),
+    ("10% absent + replicas (unweighted)", 0.1, 1, False, 0.0),
+    ("10% absent + replicas", 0.1, 1, True, 0.0),
+    ("10% absent + replicas every 4", 0.1, 4, True, 0.0),
+    ("everyone present weighted as 10% absent", 0.0, 0, True, 0.1),
 )
 DEFAULT_ROWS = tuple(r[0] for r in ROWS if r[0] != "10% absent: gradients weighted")
 BASELINE = ROWS[0][0]
+LEARNING_RATES = {"adam": 3e-3, "sgd": 0.05}
+"""Each ``--optimizer``'s default learning rate."""
 IN, HIDDEN, OUT = 16, 256, 4
 
 
@@ -72,9 +85,33 @@ def _target(teacher, x):
 
 
 def _loss(params, batch):
+  """Mean squared error of ``(x, y)``, or of ``(x, y, w)`` with each sample's error
+  weighted by ``w``."""
   import jax.numpy as jnp
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2)
+  x, y = batch[:2]
+  err = (jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2
+  return jnp.mean(err if len(batch) == 2 else batch[2][:, None] * err)
+
+
+def _optimizer(name: str, lr: float):
+  import optax
+  if name == "adam":
+    return optax.adam(lr)
+  if name == "sgd":
+    return optax.sgd(lr, momentum=0.9)
+  raise ValueError(f"optimizer {name!r}: 'adam' or 'sgd'")
+
+
+def contribution_weights(mosh, n: int, key):
+  """``c`` float32 ``[n]``: the weight of rank j's gradient in the mean of the ranks'
+  results after ``mosh``'s rounds with the absences drawn from ``key`` (the step's
+  key); sums to 1. Found by averaging one-hot rows in float32 (the mixing itself)."""
+  import jax.numpy as jnp
+
+  import dynamiq_jax as dq
+  rows = dq.simulate(jnp.eye(n, dtype=jnp.float32), codec=dq.codecs.F32(), schedule=mosh,
+                     key=key)
+  return jnp.mean(rows, axis=0)
 
 
 def _spread(leaves) -> float:
@@ -85,9 +122,11 @@ def _spread(leaves) -> float:
   return float(np.max(np.linalg.norm(flat - mean, axis=1)) / max(np.linalg.norm(mean), 1e-30))
 
 
-def run(cfg: dict, mesh, seed: int, dropout: float, every: int, weighted: bool = True, *,
-        progress=None) -> dict:
-  """One training run; returns its evaluations and measurements."""
+def run(cfg: dict, mesh, seed: int, dropout: float, every: int, weighted: bool = True,
+        contributions_of: float = 0.0, *, progress=None) -> dict:
+  """One training run; returns its evaluations and measurements. ``contributions_of``:
+  a dropout whose runs' lost contributions each step's gradient mean reproduces (every
+  rank's samples weighted by ``n c`` of :func:`contribution_weights`; 0: none)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -99,7 +138,7 @@ def run(cfg: dict, mesh, seed: int, dropout: float, every: int, weighted: bool =
   n = mesh.shape["data"]
   mosh = dq.Moshpit(grid=tuple(cfg["grid"]), dropout=dropout, weighted=weighted)
   parts = [dq.compressed_psum("data", codec=dq.codecs.DynamiQ(bits=5.0), schedule=mosh,
-                              seed=seed), optax.adam(cfg["lr"])]
+                              seed=seed), _optimizer(cfg["optimizer"], cfg["lr"])]
   if every:
     parts.append(average_replicas("data", schedule=mosh, seed=seed, every=every))
   tx = optax.chain(*parts)
@@ -109,6 +148,8 @@ def run(cfg: dict, mesh, seed: int, dropout: float, every: int, weighted: bool =
   eval_fn = jax.jit(jax.vmap(_loss, in_axes=(0, None)))
   data = NamedSharding(mesh, P("data"))
   plan = mosh.plan(n)
+  lost = dq.Moshpit(grid=tuple(cfg["grid"]), dropout=contributions_of, weighted=weighted)
+  weights = jax.jit(lambda k: n * contribution_weights(lost, n, k))
   grad_bytes = float(dq.wire_stats(jax.ShapeDtypeStruct((sum(a.size for a in init.values()),),
                                                         jnp.float32),
                                    codec=dq.codecs.DynamiQ(bits=5.0), n=n,
@@ -120,13 +161,14 @@ def run(cfg: dict, mesh, seed: int, dropout: float, every: int, weighted: bool =
     host = jax.device_get(params)
     losses = np.asarray(eval_fn(host, (xe, ye)))
     mean = jax.tree.map(lambda a: a.mean(0), host)
-    adam = jax.device_get(opt[1][0])  # ScaleByAdamState
+    moments = jax.device_get(opt[1][0])  # ScaleByAdamState, or SGD's TraceState
+    adam = cfg["optimizer"] == "adam"
     return {"step": s, "eval_loss": float(losses[0]), "eval_loss_max": float(losses.max()),
             "eval_loss_of_mean": float(eval_fn(jax.tree.map(lambda a: a[None], mean),
                                                (xe, ye))[0]),
             "replica_spread": _spread(jax.tree.leaves(host)),
-            "mu_spread": _spread(jax.tree.leaves(adam.mu)),
-            "nu_spread": _spread(jax.tree.leaves(adam.nu))}
+            "mu_spread": _spread(jax.tree.leaves(moments.mu if adam else moments.trace)),
+            "nu_spread": _spread(jax.tree.leaves(moments.nu)) if adam else None}
 
   evals = [measure(0)]
   train, spreads = [], []
@@ -136,7 +178,11 @@ def run(cfg: dict, mesh, seed: int, dropout: float, every: int, weighted: bool =
     x = rng.normal(size=(n * cfg["batch"], IN)).astype(np.float32)
     y = _target(teacher, x) + cfg["noise"] * rng.normal(size=(x.shape[0], OUT)).astype(
         np.float32)
-    params, opt, loss = step(params, opt, jax.device_put((x, y), data))
+    batch = (x, y)
+    if contributions_of:  # rank r's samples weighted by n c_r: the mean is sum_r c_r g_r
+      w = np.asarray(weights(jax.random.fold_in(key, s)))
+      batch = (x, y, np.repeat(w, cfg["batch"]).astype(np.float32))
+    params, opt, loss = step(params, opt, jax.device_put(batch, data))
     train.append(float(loss))
     spreads.append(_spread(jax.tree.leaves(jax.device_get(params))))  # after every step
     if dropout:  # the mask the reductions drew this step (from the reducer's seed and step)
@@ -186,16 +232,21 @@ def summarize(runs: dict, cfg: dict) -> list[dict]:
                                               for r in seeds.values()])),
         "spread_max_2nd_half": float(np.mean([max(h) for h in half])),
         "mu_spread_end": float(np.mean([r["evals"][-1]["mu_spread"] for r in seeds.values()])),
-        "nu_spread_end": float(np.mean([r["evals"][-1]["nu_spread"] for r in seeds.values()])),
+        "nu_spread_end": (None if first["evals"][-1]["nu_spread"] is None else float(
+            np.mean([r["evals"][-1]["nu_spread"] for r in seeds.values()]))),
         "absent_share": float(np.mean([r["absent_share"] for r in seeds.values()])),
         "rounds_per_step": first["rounds_per_step"],
         "bytes_per_rank_step": first["bytes_per_rank_step"]})
   return rows
 
 
+def _percent(v) -> str:
+  return "-" if v is None else f"{100 * v:.2f}%"
+
+
 def markdown(rows: list[dict], n_seeds: int) -> str:
   out = ["| row | final eval loss | vs everyone present | reached target | spread at half "
-         "/ end | largest spread, 1st / 2nd half | Adam mu / nu spread, end | absent slots "
+         "/ end | largest spread, 1st / 2nd half | momentum / Adam nu spread, end | absent slots "
          "| bytes / rank / step (grad + replicas) |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     steps = [s for s in r["steps_to_target"] if s is not None]
@@ -206,7 +257,7 @@ def markdown(rows: list[dict], n_seeds: int) -> str:
         f"{f' (step {int(np.median(steps))})' if steps else ''} "
         f"| {100 * r['spread_mid']:.3f}% / {100 * r['spread_end']:.3f}% "
         f"| {100 * r['spread_max_1st_half']:.3f}% / {100 * r['spread_max_2nd_half']:.3f}% "
-        f"| {100 * r['mu_spread_end']:.2f}% / {100 * r['nu_spread_end']:.2f}% "
+        f"| {100 * r['mu_spread_end']:.2f}% / {_percent(r['nu_spread_end'])} "
         f"| {100 * r['absent_share']:.1f}% "
         f"| {b['gradient'] / 1e3:.1f} kB + {b['replicas'] / 1e3:.1f} kB |")
   return "\n".join(out)
@@ -220,7 +271,10 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--grid", default="2,2" if tiny else "2,4", help="the Moshpit grid's sides")
   p.add_argument("--steps", type=int, default=12 if tiny else 200, help="training steps")
   p.add_argument("--batch", type=int, default=8 if tiny else 32, help="per rank")
-  p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
+  p.add_argument("--optimizer", choices=sorted(LEARNING_RATES), default="adam",
+                 help="after the gradient reduction: Adam, or SGD with momentum 0.9")
+  p.add_argument("--lr", type=float, default=None,
+                 help=f"learning rate (unset: {LEARNING_RATES})")
   p.add_argument("--noise", type=float, default=0.3, help="label noise's std")
   p.add_argument("--eval-every", type=int, default=4 if tiny else 10,
                  help="steps between evaluations")
@@ -253,8 +307,9 @@ def main(argv=None):
   import jax
 
   mesh = jax.make_mesh((args.workers,), ("data",), devices=devices)
+  lr = LEARNING_RATES[args.optimizer] if args.lr is None else args.lr
   cfg = {"workers": args.workers, "grid": list(grid), "steps": args.steps, "batch": args.batch,
-         "lr": args.lr, "noise": args.noise, "eval_every": args.eval_every,
+         "optimizer": args.optimizer, "lr": lr, "noise": args.noise, "eval_every": args.eval_every,
          "smooth": args.smooth, "target_at": args.target_at,
          "model": f"{IN}-{HIDDEN}-{OUT} tanh MLP, teacher {IN}-64-{OUT}"}
   seeds = [int(s) for s in args.seeds.split(",")]
@@ -263,11 +318,12 @@ def main(argv=None):
   report = {"training": cfg, "codec": "DynamiQ 5b inside the groups", "seeds": seeds,
             "runs": runs, "command": common.command_line(), "machine": common.machine()}
   with common.load_watch("training"):
-    for label, dropout, every, weighted in ROWS:
+    for label, dropout, every, weighted, contributions_of in ROWS:
       if label not in labels:
         continue
       for seed in seeds:
-        runs.setdefault(label, {})[str(seed)] = run(cfg, mesh, seed, dropout, every, weighted)
+        runs.setdefault(label, {})[str(seed)] = run(cfg, mesh, seed, dropout, every, weighted,
+                                                    contributions_of)
         last = runs[label][str(seed)]["evals"][-1]
         print(f"{label}, seed {seed}: eval loss {last['eval_loss']:.4f}, spread "
               f"{last['replica_spread']:.2e}", flush=True)
