@@ -35,8 +35,9 @@ their mean, relative to the mean's norm) and Adam's moments' spread (the same
 for ``mu`` and ``nu``), at every ``--eval-every`` steps; the measured share of
 (rank, round) slots absent; the rounds per step; and the bytes each rank sends
 per step. The spread is measured after every step (the averaging of
-``every 4`` included, which runs at every fourth). The target: the smoothed held-out loss ``everyone present`` reaches at
-``--target-at`` of its run. Writes ``docs/results/moshpit_absent.json``.
+``every 4`` included, which runs at every fourth). The target: the smoothed
+held-out loss ``everyone present`` reaches at ``--target-at`` of its run. Writes
+``docs/results/moshpit_absent.json``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ import numpy as np
 from dynamiq_jax.bench import common
 from dynamiq_jax.bench.train import smooth
 
-__all__ = ["main", "ROWS", "run", "summarize", "markdown"]
+__all__ = ["main", "ROWS", "run", "summarize", "markdown", "problem", "teacher_output", "loss",
+           "contribution_weights"]
 
 # (label, dropout, replicas averaged every this many steps: 0 never, Moshpit's weighted,
 #  the dropout whose lost contributions every rank's gradient is weighted by: 0 none)
@@ -69,7 +71,7 @@ LEARNING_RATES = {"adam": 3e-3, "sgd": 0.05}
 IN, HIDDEN, OUT = 16, 256, 4
 
 
-def _problem(seed: int):
+def problem(seed: int):
   """The teacher (a fixed random two-layer network), the held-out set and the init."""
   rng = np.random.default_rng([7, seed])
   teacher = (rng.normal(size=(IN, 64)) / np.sqrt(IN), rng.normal(size=(64, OUT)) / 8)
@@ -77,14 +79,15 @@ def _problem(seed: int):
           "b1": np.zeros(HIDDEN, np.float32),
           "w2": (rng.normal(size=(HIDDEN, OUT)) / np.sqrt(HIDDEN)).astype(np.float32)}
   x = rng.normal(size=(4096, IN)).astype(np.float32)
-  return teacher, init, (x, _target(teacher, x))
+  return teacher, init, (x, teacher_output(teacher, x))
 
 
-def _target(teacher, x):
+def teacher_output(teacher, x):
+  """The teacher's noiseless output on ``x`` (float32)."""
   return (np.tanh(x @ teacher[0]) @ teacher[1]).astype(np.float32)
 
 
-def _loss(params, batch):
+def loss(params, batch):
   """Mean squared error of ``(x, y)``, or of ``(x, y, w)`` with each sample's error
   weighted by ``w``."""
   import jax.numpy as jnp
@@ -142,10 +145,10 @@ def run(cfg: dict, mesh, seed: int, dropout: float, every: int, weighted: bool =
   if every:
     parts.append(average_replicas("data", schedule=mosh, seed=seed, every=every))
   tx = optax.chain(*parts)
-  teacher, init, (xe, ye) = _problem(seed)
+  teacher, init, (xe, ye) = problem(seed)
   params, opt = dq.per_rank_copies((init, tx.init(init)), mesh=mesh)
-  step = dq.data_parallel_step(_loss, tx, mesh=mesh, per_rank=True, donate=False)
-  eval_fn = jax.jit(jax.vmap(_loss, in_axes=(0, None)))
+  step = dq.data_parallel_step(loss, tx, mesh=mesh, per_rank=True, donate=False)
+  eval_fn = jax.jit(jax.vmap(loss, in_axes=(0, None)))
   data = NamedSharding(mesh, P("data"))
   plan = mosh.plan(n)
   lost = dq.Moshpit(grid=tuple(cfg["grid"]), dropout=contributions_of, weighted=weighted)
@@ -176,14 +179,14 @@ def run(cfg: dict, mesh, seed: int, dropout: float, every: int, weighted: bool =
   for s in range(cfg["steps"]):
     rng = np.random.default_rng([seed, s])
     x = rng.normal(size=(n * cfg["batch"], IN)).astype(np.float32)
-    y = _target(teacher, x) + cfg["noise"] * rng.normal(size=(x.shape[0], OUT)).astype(
+    y = teacher_output(teacher, x) + cfg["noise"] * rng.normal(size=(x.shape[0], OUT)).astype(
         np.float32)
     batch = (x, y)
     if contributions_of:  # rank r's samples weighted by n c_r: the mean is sum_r c_r g_r
       w = np.asarray(weights(jax.random.fold_in(key, s)))
       batch = (x, y, np.repeat(w, cfg["batch"]).astype(np.float32))
-    params, opt, loss = step(params, opt, jax.device_put(batch, data))
-    train.append(float(loss))
+    params, opt, value = step(params, opt, jax.device_put(batch, data))
+    train.append(float(value))
     spreads.append(_spread(jax.tree.leaves(jax.device_get(params))))  # after every step
     if dropout:  # the mask the reductions drew this step (from the reducer's seed and step)
       here = jax.vmap(lambda r: presence(plan, mosh, jax.random.fold_in(key, s), None, r))(
