@@ -28,7 +28,10 @@ variants:
   learning rate.
 
 Prints the final held-out loss of replica 0 per seed and its mean against
-everyone present's, and with ``--json`` writes them.
+everyone present's, and the share of the contributions a rank's own result holds
+and the mean over ranks holds (the effective sample size ``1 / (n sum_j w_j^2)``
+of the weights ``w`` = a row of ``X``, or ``c``), averaged over the absent run's
+steps; with ``--json`` writes them.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ def mixing(mosh, n: int, key):
 
 
 def train(seed: int, variant: str, *, n: int, grid, dropout: float, steps: int, batch: int,
-          lr: float, noise: float) -> float:
-  """Replica 0's final held-out loss."""
+          lr: float, noise: float) -> tuple[float, float, float]:
+  """Replica 0's final held-out loss, and the mean over steps of the contributions a rank's
+  own result holds (the mean over ranks) and the mean over ranks holds."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -104,15 +108,20 @@ def train(seed: int, variant: str, *, n: int, grid, dropout: float, steps: int, 
       mu, nu = (jax.tree.map(lambda a: jnp.tensordot(ym, a, 1), m) for m in (mu, nu))
     return p, mu, nu
 
+  own_share, mean_share = [], []
   for s in range(steps):
     rng = np.random.default_rng([seed, s])  # bench.moshpit's batches
     x = rng.normal(size=(n * batch, B.IN)).astype(np.float32)
     y = B.teacher_output(teacher, x) + noise * rng.normal(
         size=(x.shape[0], B.OUT)).astype(np.float32)
     xm, ym = mix(jax.random.fold_in(key, s))
+    w = np.asarray(xm, np.float64)
+    own_share.append(np.mean(1 / (n * np.sum(w * w, axis=1))))
+    mean_share.append(1 / (n * np.sum(w.mean(0) ** 2)))
     p, mu, nu = step(p, mu, nu, x.reshape(n, batch, -1), y.reshape(n, batch, -1),
                      jnp.float32(s + 1), xm, ym)
-  return float(B.loss(jax.tree.map(lambda a: a[0], p), (xe, ye)))
+  final = float(B.loss(jax.tree.map(lambda a: a[0], p), (xe, ye)))
+  return final, float(np.mean(own_share)), float(np.mean(mean_share))
 
 
 def main(argv=None):
@@ -138,14 +147,21 @@ def main(argv=None):
   for variant, f in jobs:
     label = variant if f == 1.0 else f"{variant}, lr x {f:g}"
     runs[label] = [train(s, variant, **dict(cfg, lr=cfg["lr"] * f)) for s in seeds]
-  base = float(np.mean(runs["everyone present"]))
-  rows = [{"variant": k, "final_eval_loss": v, "mean": float(np.mean(v)),
-           "vs_everyone_present": float(np.mean(v)) / base - 1} for k, v in runs.items()]
-  print("| variant | final held-out loss per seed | mean | vs everyone present |")
-  print("|---|---|---:|---:|")
+  base = float(np.mean([r[0] for r in runs["everyone present"]]))
+  rows = []
+  for k, v in runs.items():
+    final = [r[0] for r in v]
+    rows.append({"variant": k, "final_eval_loss": final, "mean": float(np.mean(final)),
+                 "vs_everyone_present": float(np.mean(final)) / base - 1,
+                 "own_result_share": float(np.mean([r[1] for r in v])),
+                 "mean_over_ranks_share": float(np.mean([r[2] for r in v]))})
+  print("| variant | final held-out loss per seed | mean | vs everyone present | "
+        "contributions held: a rank's result / the mean over ranks |")
+  print("|---|---|---:|---:|---:|")
   for r in rows:
     print(f"| {r['variant']} | {', '.join(f'{v:.5f}' for v in r['final_eval_loss'])} | "
-          f"{r['mean']:.5f} | {100 * r['vs_everyone_present']:+.2f}% |")
+          f"{r['mean']:.5f} | {100 * r['vs_everyone_present']:+.2f}% | "
+          f"{r['own_result_share']:.1%} / {r['mean_over_ranks_share']:.1%} |")
   if args.json:
     report = {"command": "python tools/moshpit_adam.py " + " ".join(argv or sys.argv[1:]),
               "config": cfg, "seeds": seeds, "rows": rows, "machine": common.machine()}
