@@ -45,3 +45,15 @@ def test_bench_tiny(tmp_path, capsys):
   assert stored["machine"]["device_count"] == 8 and stored["command"]
   out = capsys.readouterr().out
   assert "| feedback | ef=none |" in out and "command: " in out
+
+
+def test_bench_tiny_lm(tmp_path):
+  # the LM part with feedback options (their wire bits were once asked of the codec)
+  report = arctopk.main(["--tiny", "--parts", "lm", "--lm-variants", "ef=ef14;ef=none",
+                         "--lm-seeds", "0", "--out", str(tmp_path)])
+  table = {r["label"]: r for r in report["lm"]["table"]}
+  assert set(table) == {"BF16 psum", "ARC-Top-K ef=ef14", "ARC-Top-K ef=none"}
+  assert table["ARC-Top-K ef=ef14"]["options"]["error_feedback"] == "ef14"
+  assert table["ARC-Top-K ef=ef14"]["bits_per_coord"] == table["ARC-Top-K ef=none"][
+      "bits_per_coord"] < 16 == table["BF16 psum"]["bits_per_coord"]
+  assert all(np.isfinite(r["final_eval_loss"]).all() for r in table.values())

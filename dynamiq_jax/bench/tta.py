@@ -236,6 +236,8 @@ def wire(cfg: dict, label: str) -> dict:
             "bytes_per_rank": ring_bytes_per_rank(bits / 8 * d, n)}
   schedule = "ring"
   options, every = _replicas(options)
+  for feedback in ("error_feedback", "ef21m_momentum"):  # dq.reducer's, not the codec's
+    options.pop(feedback, None)
   if name == "moshpit":
     schedule, name, options = moshpit_options(options)
   st = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32),
