@@ -50,7 +50,7 @@ def moshpit_options(options: dict):
 
 def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 0,
             average: bool = True, implementation=None, error_feedback=None,
-            ef21m_momentum: float = 0.5, **options) -> optax.GradientTransformationExtraArgs:
+            ef21m_momentum: float | None = None, **options) -> optax.GradientTransformationExtraArgs:
   """The gradient all-reduce called ``name`` as an optax transform.
 
   Args:
@@ -62,7 +62,7 @@ def reducer(name: str, axis_name="data", *, schedule: str = "ring", seed: int = 
       :func:`dynamiq_jax.compressed_psum`: ``"dynamiq"``, ``"mxfp8"``,
       ``"mxfp6"``, ``"mxfp4"`` (the paper's adaptation), ``"mxfp8-ocp"``
       (E8M0 scales), ``"thc"`` (16 levels), ``"thc120"``, ``"omnireduce"``,
-      ``"globalqsgd"``, ``"arc-topk"`` (ARC-Top-K, EF21-M by default),
+      ``"globalqsgd"``, ``"arc-topk"`` (ARC-Top-K, EF14 by default),
       ``"int8"``, ``"int4"`` (``codecs.IntGroup``, groups of 128),
       ``"bf16-ring"``, ``"f32-ring"``.
     axis_name: the data-parallel axis.

@@ -92,6 +92,28 @@ def feedback_mode(error_feedback, codec) -> str | None:
                    f"'ef14', 'ef21m' or None (the codec's default)")
 
 
+EF21M_MOMENTUM = 0.5
+"""EF21-M's ``eta`` when none is given (the ARC-Top-K authors' synthetic experiment)."""
+
+
+def check_momentum(ef21m_momentum, mode, error_feedback) -> float:
+  """``ef21m_momentum`` checked against the feedback ``mode`` (:func:`feedback_mode`):
+  EF21-M's ``eta`` (None: :data:`EF21M_MOMENTUM`); given with another rule, an error (it
+  would change nothing)."""
+  if ef21m_momentum is None:
+    return EF21M_MOMENTUM
+  if mode != "ef21m":
+    raise ValueError(
+        f"ef21m_momentum={ef21m_momentum!r} is EF21-M's momentum, but the error feedback here "
+        f"is {mode or 'none'!r} (error_feedback={error_feedback!r}, None: the codec's "
+        f"default). Fix: pass error_feedback='ef21m' with it, or drop ef21m_momentum")
+  if not (isinstance(ef21m_momentum, (int, float)) and not isinstance(ef21m_momentum, bool)
+          and 0 < ef21m_momentum <= 1):
+    raise ValueError(f"ef21m_momentum={ef21m_momentum!r} must be in (0, 1] (EF21-M's eta; "
+                     f"1: no momentum)")
+  return float(ef21m_momentum)
+
+
 def ef14_init(params) -> PerRank:
   """EF14's residual at step 0: zeros, one slice per rank (of size 1 here)."""
   return PerRank(jax.tree.map(lambda p: jnp.zeros((1,) + tuple(jnp.shape(p)), jnp.float32),
@@ -143,7 +165,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
                     leaf_order=None,
                     implementation: str | None = None,
                     error_feedback: bool | str | None = None,
-                    ef21m_momentum: float = 0.5,
+                    ef21m_momentum: float | None = None,
                     stacked=None,
                     packet_loss=None,
                     loss=UNSET,
@@ -184,7 +206,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     error_feedback: how the compression error is fed back, for the biased
       codecs (MX, OmniReduce's and ARC-Top-K's top-k, THC's clamping):
       ``None`` (default): the codec's own choice
-      (``codec.default_error_feedback``: EF21-M for ARC-Top-K, none for the
+      (``codec.default_error_feedback``: EF14 for ARC-Top-K, none for the
       others); ``False``: none; ``True`` or ``"ef14"``: EF-SGD, each rank
       adds its residual to the next gradient (``p = g + e``, ``e <- p -
       C(p)``, where ``C(p)`` is the rank's contribution as the codec
@@ -195,8 +217,10 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
       corrected at the next steps). The per-rank parts are
       :class:`PerRank` state.
     ef21m_momentum: EF21-M's ``eta`` (``v <- (1 - eta) v + eta g``); 1 is EF21
-      without momentum. 0.5 by default (the ARC-Top-K authors' synthetic
-      experiment; with AdamW after it, docs/results.md measures 0.1 far worse).
+      without momentum; only with EF21-M (given with another rule: an error). None:
+      0.5 (the ARC-Top-K authors' synthetic
+      experiment; with AdamW after it, docs/results.md measures 0.1 far worse
+      and no momentum better than no feedback).
     stacked: for layers under ``jax.lax.scan``, the leaves stacked along a
       leading axis of layers: a pytree key's name (e.g. ``"layers"``) or a
       callable ``(path, leaf) -> bool``; the gradient is then reduced in
@@ -225,9 +249,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
   mode = feedback_mode(error_feedback, codec)
   check_stateless(stacked, codec)
   check_loss(loss, schedule, stacked)
-  if not (isinstance(ef21m_momentum, (int, float)) and 0 < ef21m_momentum <= 1):
-    raise ValueError(f"ef21m_momentum={ef21m_momentum!r} must be in (0, 1] (EF21-M's eta; "
-                     f"1: no momentum)")
+  ef21m_momentum = check_momentum(ef21m_momentum, mode, error_feedback)
 
   def init_fn(params):
     residual = mean = None

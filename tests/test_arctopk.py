@@ -1,4 +1,5 @@
-"""ARC-Top-K: the same rows on every rank, the exact sum on them, zeros elsewhere; EF21-M."""
+"""ARC-Top-K: the same rows on every rank, the exact sum on them, zeros elsewhere; EF14 (its
+default) and EF21-M."""
 
 import jax
 import jax.numpy as jnp
@@ -190,7 +191,8 @@ def _ef21m_reference(g_steps, codec, eta, key):
 def test_ef21m_transform_follows_the_formulas_and_keeps_replicas_equal():
   codec = ARCTopK(ratio=0.25, row=ROW, values="f32")  # f32: u_bar = mean of u up to rounding
   eta, seed = 0.3, 4
-  tx = dq.compressed_psum("i", codec=codec, seed=seed, ef21m_momentum=eta)
+  tx = dq.compressed_psum("i", codec=codec, seed=seed, error_feedback="ef21m",
+                          ef21m_momentum=eta)
   steps = [_grads(seed=10 + t) for t in range(3)]
   state = tx.init(jnp.zeros(steps[0].shape[1]))
   assert state.mean is not None and set(state.residual.tree) == {"momentum", "sent"}
@@ -211,15 +213,22 @@ def test_ef21m_transform_follows_the_formulas_and_keeps_replicas_equal():
 
 def test_error_feedback_choices():
   arc = ARCTopK()
-  assert dq.compressed_psum(codec=arc).init(jnp.zeros(8)).mean is not None  # EF21-M by default
+  default = dq.compressed_psum(codec=arc).init(jnp.zeros(8))  # EF14 by default
+  assert default.mean is None and default.residual is not None
+  assert dq.compressed_psum(codec=arc, error_feedback="ef21m").init(jnp.zeros(8)).mean is not None
   assert dq.compressed_psum(codec=arc, error_feedback=False).init(jnp.zeros(8)).residual is None
   ef14 = dq.compressed_psum(codec=arc, error_feedback="ef14").init(jnp.zeros(8))
   assert ef14.mean is None and ef14.residual is not None
   assert dq.compressed_psum().init(jnp.zeros(8)).residual is None  # DynamiQ: none by default
   with pytest.raises(ValueError, match="error_feedback='ef2'"):
     dq.compressed_psum(codec=arc, error_feedback="ef2")
-  with pytest.raises(ValueError, match="ef21m_momentum"):
-    dq.compressed_psum(codec=arc, ef21m_momentum=0.0)
+  with pytest.raises(ValueError, match=r"ef21m_momentum=0.0 must be in \(0, 1\]"):
+    dq.compressed_psum(codec=arc, error_feedback="ef21m", ef21m_momentum=0.0)
+  # a momentum without EF21-M would change nothing: said, with the fix
+  with pytest.raises(ValueError, match=r"ef21m_momentum=0.3 .* is 'ef14' .* error_feedback='ef21m'"):
+    dq.compressed_psum(codec=arc, ef21m_momentum=0.3)
+  with pytest.raises(ValueError, match=r"is 'none'"):
+    dq.compressed_psum(codec=arc, error_feedback=False, ef21m_momentum=0.3)
   with pytest.raises(ValueError, match="compressed_psum_scatter does not run"):
     dq.compressed_psum_scatter(codec=dq.codecs.Bf16(), error_feedback="ef21m")
   with pytest.raises(ValueError, match="reports_contribution=False"):
@@ -234,7 +243,8 @@ def test_ef21m_trains_a_regression_to_its_optimum():
   x = rng.standard_normal((4, 32, 64)).astype(np.float32)
   y = x @ w_true
   tx = optax.chain(dq.compressed_psum("i", codec=ARCTopK(ratio=0.125, row=ROW),
-                                      ef21m_momentum=0.5), optax.sgd(1.0))
+                                      error_feedback="ef21m", ef21m_momentum=0.5),
+                   optax.sgd(1.0))
   w = jnp.zeros((64, ROW))
   state = jax.tree.map(lambda a: jnp.stack([a] * 4), tx.init(w))
   ws = jnp.stack([w] * 4)

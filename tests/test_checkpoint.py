@@ -34,7 +34,8 @@ def _step(mesh, kind="ef14"):
     # rounding key, the codec's adaptive scale state and per-rank residuals.
     reduce = dq.compressed_psum("data", codec=dq.codecs.mxfp4(), error_feedback=True, seed=7)
   else:  # ARC-Top-K with EF21-M: per-rank momentum and sent parts, the running mean
-    reduce = dq.compressed_psum("data", codec=dq.codecs.ARCTopK(ratio=0.25, row=16), seed=7)
+    reduce = dq.compressed_psum("data", codec=dq.codecs.ARCTopK(ratio=0.25, row=16), seed=7,
+                                error_feedback="ef21m")
   tx = optax.chain(reduce, optax.adamw(1e-2))
   return tx, dq.data_parallel_step(_loss, tx, mesh=mesh)
 

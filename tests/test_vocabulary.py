@@ -69,7 +69,7 @@ def test_a_bad_codec_says_what_a_codec_is(door):
 def test_compressed_psum_takes_a_name_where_it_used_to_fail():
   # was: AttributeError: 'str' object has no attribute 'default_error_feedback'
   tx = dq.compressed_psum("data", codec="arc-topk")
-  assert tx.init(jnp.zeros(8)).residual is not None  # ARC-Top-K's EF21-M, from its name
+  assert tx.init(jnp.zeros(8)).residual is not None  # ARC-Top-K's EF14, from its name
 
 
 # -- tp_psum's own mistakes -----------------------------------------------------------------
@@ -91,7 +91,7 @@ def test_tp_psum_refuses_arc_topk_saying_why_and_what_instead(codec):
   with pytest.raises(ValueError) as err:
     _vmap(lambda x: dq.tp_psum(x, "i", codec=codec))
   msg = str(err.value)
-  assert "error feedback" in msg and "'ef21m'" in msg and "no next step" in msg
+  assert "error feedback" in msg and "'ef14'" in msg and "no next step" in msg
   assert "codecs.IntGroup(bits=8)" in msg
 
 

@@ -39,9 +39,11 @@ neighbours instead of being sketched coordinate by coordinate (which costs
 their full size in metadata). docs/results.md (*ARC-Top-K*) measures the two
 rules on the same gradients.
 
-Top-K is biased: the optax transform pairs it with EF21-M error feedback by
+Top-K is biased: the optax transform pairs it with EF14 error feedback by
 default (``compressed_psum(codec=ARCTopK())``, see
-:func:`dynamiq_jax.compressed_psum`'s ``error_feedback``).
+:func:`dynamiq_jax.compressed_psum`'s ``error_feedback``). The ARC-Top-K authors
+use EF21-M; on ``bench.arctopk``'s regressions and LM, EF21-M trained worse than
+no feedback under AdamW, EF14 never did (docs/results.md, *ARC-Top-K*).
 """
 
 from __future__ import annotations
@@ -101,12 +103,12 @@ class RowSelection(Codec):
   Subclasses choose the rows (:meth:`select`) from the metadata every rank
   shares; the rows go through the element codec ``values``, the other rows
   decode to zero. Top-k selections are biased: ``default_error_feedback``
-  is EF21-M.
+  is EF14.
   """
 
   reports_contribution = True
   supports_scatter = False  # the selected rows of every chunk are gathered into one payload
-  default_error_feedback = "ef21m"
+  default_error_feedback = "ef14"
 
   ratio: float = 0.2
   row: int = 256
