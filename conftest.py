@@ -10,19 +10,20 @@ import jaxlib.version
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# On jaxlib < 0.11 the tests compile for CPU with LLVM unoptimised and XLA's older CPU loop
-# emitters: a DynamiQ step compiles 2.5x faster, to the same bits (the suite's recorded
-# digests, tests/test_digests.py, hold), and the suite runs 30% faster. On jaxlib 0.12 the
-# emitters' flag is gone and the optimisation level alone changes THC's recorded digest, so
-# its tests compile as a user's job does. The flags change how XLA's CPU code rounds some
-# other operations (training steps), so every process of a test run must compile with them:
-# they stay in XLA_FLAGS, which the processes a test starts (gloo ranks, benchmark workers)
-# inherit. A deviceless GPU compile (dynamiq_jax.bench.gpu_compile.compile_in_child), which
-# checks registers and spills, drops the optimisation level and compiles as a user's job does.
+# The tests compile for CPU with LLVM unoptimised (and, on jaxlib < 0.11, XLA's older CPU
+# loop emitters): a DynamiQ step compiles 2.5x faster, and the suite runs 30% faster on jaxlib
+# 0.10 and 0.12. The flags change how XLA's CPU code rounds some operations (training steps;
+# on jaxlib 0.12 THC's recorded digest), so every process of a test run must compile with
+# them: they stay in XLA_FLAGS, which the processes a test starts (gloo ranks, benchmark
+# workers) inherit, and DYNAMIQ_TEST_XLA_FLAGS names them, so that tests/test_digests.py
+# checks the recorded digests in a process that compiles as a user's job does. A deviceless
+# GPU compile (dynamiq_jax.bench.gpu_compile.compile_in_child), which checks registers and
+# spills, drops the optimisation level and compiles as a user's job does too.
+_TEST_XLA_FLAGS = ["--xla_backend_optimization_level=0"]
 if tuple(int(v) for v in jaxlib.version.__version__.split(".")[:2]) < (0, 11):
-  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
-                                      "--xla_backend_optimization_level=0",
-                                      "--xla_cpu_use_fusion_emitters=false"]).strip()
+  _TEST_XLA_FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_TEST_XLA_FLAGS]).strip()
+os.environ["DYNAMIQ_TEST_XLA_FLAGS"] = " ".join(_TEST_XLA_FLAGS)
 
 import jax  # noqa: E402
 

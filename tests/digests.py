@@ -140,6 +140,8 @@ def main(argv=None):
                  help="write every digest, add the cases the file lacks, or check them")
   p.add_argument("path", help="JSON file of digests")
   p.add_argument("--all", action="store_true", help="include the Pallas interpret-mode cases")
+  p.add_argument("--only", default=None,
+                 help="compare: these cases only (comma-separated names, as the file's keys)")
   args = p.parse_args(argv)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import subprocess
@@ -166,7 +168,10 @@ def main(argv=None):
     return 0
   with open(args.path) as f:
     want = json.load(f)
-  got = compute(include_pallas=args.all)
+  only = None if args.only is None else set(args.only.split(","))
+  got = compute(include_pallas=args.all or any("pallas" in k for k in only or ()), only=only)
+  if only is not None and set(got) != only:
+    p.error(f"--only: no case named {sorted(only - set(got))}")
   bad = [k for k in got if want["digests"].get(k) != got[k]]
   for k in sorted(got):
     print(f"{'DIFFERS' if k in bad else 'same   '} {k} {got[k]} (recorded {want['digests'].get(k)})")
