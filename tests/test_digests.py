@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from dynamiq_jax.bench import common
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ["dynamiq5_per_round/ring/xla", "dynamiq5_per_round/hierarchical/xla", "mxfp4/ring/xla",
          "omnireduce/error_feedback/xla", "thc16/butterfly/xla", "bf16/ring/xla"]
@@ -30,8 +32,8 @@ def recorded():
 
 def user_xla_flags() -> str:
   """XLA_FLAGS without the ones conftest.py adds for the tests (DYNAMIQ_TEST_XLA_FLAGS)."""
-  test_only = set(os.environ.get("DYNAMIQ_TEST_XLA_FLAGS", "").split())
-  return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in test_only)
+  test_only = tuple(os.environ.get("DYNAMIQ_TEST_XLA_FLAGS", "").split())
+  return " ".join(common.xla_flags_less(os.environ, *test_only))
 
 
 @pytest.fixture(scope="module")
