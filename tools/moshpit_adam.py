@@ -50,16 +50,17 @@ VARIANTS = ("everyone present", "10% absent", "10% absent, nu of the mean",
 
 def mixing(mosh, n: int, key):
   """``(X, Y)`` float32 ``[n, n]``: row r of ``X`` weighs the ranks' gradients in rank
-  r's result of the gradient rounds, of ``Y`` the replicas in rank r's parameters after
-  ``replica_rounds``; both with the absences drawn from ``key``."""
+  r's result of the gradient rounds (``bench.moshpit.mixing_rows``), of ``Y`` the
+  replicas in rank r's parameters after ``replica_rounds``; both with the absences drawn
+  from ``key``."""
   import jax
   import jax.numpy as jnp
 
-  import dynamiq_jax as dq
+  from dynamiq_jax.bench import moshpit as B
   from dynamiq_jax.moshpit import presence, replica_rounds
 
   eye = jnp.eye(n, dtype=jnp.float32)
-  x = dq.simulate(eye, codec=dq.codecs.F32(), schedule=mosh, key=key)
+  x = B.mixing_rows(mosh, n, key)
   plan = mosh.plan(n)
 
   def rep(row):

@@ -51,7 +51,7 @@ from dynamiq_jax.bench import common
 from dynamiq_jax.bench.train import smooth
 
 __all__ = ["main", "ROWS", "run", "summarize", "markdown", "problem", "teacher_output", "loss",
-           "contribution_weights"]
+           "mixing_rows", "contribution_weights"]
 
 # (label, dropout, replicas averaged every this many steps: 0 never, Moshpit's weighted,
 #  the dropout whose lost contributions every rank's gradient is weighted by: 0 none)
@@ -105,16 +105,22 @@ def _optimizer(name: str, lr: float):
   raise ValueError(f"optimizer {name!r}: 'adam' or 'sgd'")
 
 
-def contribution_weights(mosh, n: int, key):
-  """``c`` float32 ``[n]``: the weight of rank j's gradient in the mean of the ranks'
-  results after ``mosh``'s rounds with the absences drawn from ``key`` (the step's
-  key); sums to 1. Found by averaging one-hot rows in float32 (the mixing itself)."""
+def mixing_rows(mosh, n: int, key):
+  """``X`` float32 ``[n, n]``: row r weighs the ranks' gradients in rank r's result of
+  ``mosh``'s rounds with the absences drawn from ``key`` (the step's key). Found by
+  reducing one-hot rows in float32 (the rounds themselves)."""
   import jax.numpy as jnp
 
   import dynamiq_jax as dq
-  rows = dq.simulate(jnp.eye(n, dtype=jnp.float32), codec=dq.codecs.F32(), schedule=mosh,
+  return dq.simulate(jnp.eye(n, dtype=jnp.float32), codec=dq.codecs.F32(), schedule=mosh,
                      key=key)
-  return jnp.mean(rows, axis=0)
+
+
+def contribution_weights(mosh, n: int, key):
+  """``c`` float32 ``[n]``: the weight of rank j's gradient in the mean of the ranks'
+  results (the mean of :func:`mixing_rows`' rows); sums to 1."""
+  import jax.numpy as jnp
+  return jnp.mean(mixing_rows(mosh, n, key), axis=0)
 
 
 def _spread(leaves) -> float:
