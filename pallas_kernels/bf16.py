@@ -37,6 +37,12 @@ def next_up(v):
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def next_down(v):
+  """The bfloat16 value below a bf16-exact ``v > 0``."""
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32) - jnp.uint32(0x10000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def stochastic(v, hash_bits):
   """Rounds float32 ``v`` to bfloat16 stochastically (unbiased).
 

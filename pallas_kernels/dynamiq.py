@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import dispatch as D
+from pallas_kernels import dynamiq_block as B
 from pallas_kernels import dynamiq_mosaic as M
 from pallas_kernels import dynamiq_reference as R
 from pallas_kernels import dynamiq_triton as T
@@ -113,7 +114,7 @@ plane_table = T.plane_table
 
 def _eps_key(eps):
   """eps as a hashable, sorted tuple of (width, eps) pairs (a dict is converted)."""
-  return tuple(sorted((int(w), float(e)) for w, e in dict(eps).items()))
+  return B.level_key(eps)
 
 
 def compress(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1, scale_rounding="up",

@@ -53,7 +53,7 @@ from pallas_kernels import rng
 
 __all__ = [
     "SUPERGROUP", "GROUP", "GUESS_OFFSET", "level_table", "eps_for", "LevelTables",
-    "level_tables", "BlockOps", "REFERENCE_OPS", "sign_mask", "ceil_quotient",
+    "level_tables", "level_key", "LATTICE", "lattice_table", "BlockOps", "REFERENCE_OPS", "sign_mask", "ceil_quotient",
     "floor_quotient", "scales", "decoded_scale", "WidthConsts", "round_levels", "encode_block",
     "decode_block",
 ]
@@ -122,14 +122,15 @@ class LevelTables:
       guess of :func:`round_levels`; ternary widths: 1).
   """
 
-  def __init__(self, eps: dict[int, float], widths):
+  def __init__(self, eps, widths):
     tabs, base, r, c1, c2 = [], [], [], [], []
     off = 0
     self.widths = tuple(sorted(widths))
+    self.lattice = eps == LATTICE
     for w in self.widths:
-      e = eps_for(w, eps)
+      e = 0.23 if self.lattice else eps_for(w, eps)
       rr = 2 ** (w - 1) - 1
-      t = level_table(w, e)
+      t = lattice_table(w)[0] if self.lattice else level_table(w, e)
       tabs.append(t)
       base.append(off)
       off += t.size
@@ -148,7 +149,10 @@ class LevelTables:
     self.pbase = np.array(base, np.int32) + 1 + np.arange(len(tabs), dtype=np.int32)
     self.lev = np.concatenate([np.concatenate([[0.0], t, t[-1:]]) for t in tabs]).astype(np.float32)
     self.lbase = np.array(base, np.int32) + 1 + 2 * np.arange(len(tabs), dtype=np.int32)
-    dec = [np.concatenate([-t[::-1], t]).astype(np.float32) for t in tabs]
+    # the signed level of each code: MEE -lam_(R-c) for c <= R, lam_(c-R-1) above;
+    # lattice (sign-magnitude) -lam_c for c <= R, lam_(c-R-1) above
+    dec = [np.concatenate([-t if self.lattice else -t[::-1], t]).astype(np.float32)
+           for t in tabs]
     self.dec = np.concatenate(dec)
     self.dbase = np.cumsum([0] + [d.size for d in dec[:-1]]).astype(np.int32)
     self.base = np.array(base, np.int32)
@@ -157,6 +161,7 @@ class LevelTables:
     self.c2 = np.array(c2, np.float32)
     self.k = np.exp2(-GUESS_OFFSET / self.c2.astype(np.float64)).astype(np.float32)
     self.c1k = (self.c1.astype(np.float64) * self.k).astype(np.float32)
+    self.top = np.array([t[-1] for t in tabs], np.float32)  # lam_R: 1 for MEE
 
   def select(self, widths, values):
     """Per-super-group constant ``values[index of width]`` (the smallest width's for a
@@ -168,9 +173,59 @@ class LevelTables:
     return out
 
 
+def level_key(eps):
+  """The level set as a hashable static argument: :data:`LATTICE`, or MEE's ``eps`` (a dict
+  or ``(width, eps)`` pairs) as sorted ``(width, eps)`` pairs."""
+  if isinstance(eps, str):
+    if eps != LATTICE:
+      raise ValueError(f"levels {eps!r}: the level set is {LATTICE!r} or MEE eps pairs")
+    return eps
+  return tuple(sorted((int(w), float(e)) for w, e in dict(eps).items()))
+
+
 def level_tables(eps, widths) -> LevelTables:
-  """:class:`LevelTables` of ``eps`` (a dict or ``(width, eps)`` pairs) and ``widths``."""
-  return LevelTables(dict(eps), widths)
+  """:class:`LevelTables` of ``eps`` (a dict or ``(width, eps)`` pairs: MEE levels; or
+  :data:`LATTICE`) and ``widths``."""
+  return LevelTables(LATTICE if eps == LATTICE else dict(eps), widths)
+
+
+# ----------------------------------------------------------------------------
+# Lattice levels.
+
+LATTICE = "lattice"
+"""The level set whose rounding is a float addition (:func:`lattice_table`)."""
+
+LATTICE_Y0 = 1.25
+"""Where every width's lattice starts (:func:`lattice_table`)."""
+
+
+def _lattice_point(l, m: int) -> float:
+  return 2.0 ** (l >> m) * (1 + (l & ((1 << m) - 1)) / 2**m)
+
+
+@functools.lru_cache(maxsize=None)
+def lattice_table(bits: int):
+  """The lattice levels of a ``bits``-wide code -> (``lam[0..R]`` float32, ``Y0``, ``F``).
+
+  The float32 numbers with ``M = max(w - 1, 2)`` fraction bits form a lattice whose
+  step doubles at every power of two; its ``R + 1`` points from ``Y0`` =
+  :data:`LATTICE_Y0` less ``Y0`` are the levels, ``lam_l = y_(l0+l) - Y0`` (at most
+  ``w`` significant bits each; the top ``lam_R = 5/4 - 2^(2-w)``, at most 7): about
+  three quarters of the steps below 2, the rest twice as wide. A value ``t`` in [0,
+  lam_R] is rounded stochastically to its neighbours by adding ``F = 23 - M``
+  random bits to the float32 bits of ``Y0 + t`` and keeping the bits above them:
+  consecutive points differ by ``2^F`` in their bits, so the level is ``(bits(Y0
+  + t) + u - bits(Y0)) >> F`` and the rounding is unbiased (:func:`round_lattice`).
+  """
+  m = max(bits - 1, 2)
+  l0 = int((LATTICE_Y0 - 1) * 2**m)
+  r = 2 ** (bits - 1) - 1
+  y = np.array([_lattice_point(l, m) for l in range(l0, l0 + r + 1)], np.float64)
+  lam = (y - y[0]).astype(np.float32)
+  if not np.array_equal(lam.astype(np.float64), y - y[0]):
+    raise AssertionError(f"lattice levels of {bits} bits are not float32-exact")
+  lam.setflags(write=False)
+  return lam, np.float32(y[0]), 23 - m
 
 
 def _trailing(v, ndim: int):
@@ -201,12 +256,24 @@ def _lt_mask(a, b):
   return -(a < b).astype(jnp.int32)
 
 
+def _mul_add_rounded(a, b, c):
+  """``a b + c`` with the product rounded first (two roundings), for ``a b >= 0``: the
+  maximum with 0 changes no value but keeps a compiler from fusing the product and
+  the sum into one ``fma`` (XLA:CPU does at its default optimisation level)."""
+  return jnp.maximum(a * b, np.float32(0.0)) + c
+
+
+def _or_unless(z, bits, neg):
+  """``z | (bits & ~neg)`` (uint32)."""
+  return z | (bits & ~neg.astype(jnp.uint32))
+
+
 class BlockOps(NamedTuple):
   """The operations of the block arithmetic that a kernel may implement by one GPU
   instruction each (:data:`REFERENCE_OPS`: the jnp ones).
 
-  ``floor_int``, ``lt_mask``, ``frac_mul`` and ``mulhi`` must equal the
-  reference's on every input; ``fma`` may be fused or not (every sum it
+  ``floor_int``, ``lt_mask``, ``frac_mul``, ``mulhi`` and ``mul_add_rounded`` must
+  equal the reference's on every input; ``fma`` may be fused or not (every sum it
   feeds has an exact product, except the first guess); ``log2`` and ``div``
   feed only first guesses, so any approximation within 2^-20 (``log2``) or a
   few ulp for divisors in [2^-126, 2^126] (``div``; None: exact ``/``, whose
@@ -220,6 +287,8 @@ class BlockOps(NamedTuple):
   frac_mul: Callable = _frac_mul
   div: Callable | None = None
   mulhi: Callable = rng.mulhi
+  mul_add_rounded: Callable = _mul_add_rounded
+  or_unless: Callable = _or_unless
 
 
 REFERENCE_OPS = BlockOps()
@@ -415,9 +484,145 @@ def round_levels(a, s, c: WidthConsts, u_scaled, frac, q: int, *, ops: BlockOps 
   return g + step.astype(jnp.int32) - up
 
 
+def reciprocal_tables() -> np.ndarray:
+  """float32 [384]: ``RD(1 / k)`` for ``k`` in [0, 256) (0 at ``k = 0``), then ``RD(1 /
+  (1 + f / 128))`` for ``f`` in [0, 128): the factors of :func:`lattice_reciprocal`."""
+  return _RECIPROCALS
+
+
+def _round_down_recip(d: np.ndarray) -> np.ndarray:
+  r = (1.0 / d).astype(np.float32)
+  over = r.astype(np.float64) * d > 1.0
+  return np.where(over, np.nextafter(r, np.float32(0)), r).astype(np.float32)
+
+
+_RECIPROCALS = np.concatenate([
+    [np.float32(0)], _round_down_recip(np.arange(1, 256, dtype=np.float64)),
+    _round_down_recip(1.0 + np.arange(128, dtype=np.float64) / 128)]).astype(np.float32)
+_RECIPROCALS.setflags(write=False)
+_MANTISSA_AT = 256  # where reciprocal_tables() has RD(1 / (1 + f / 128))
+
+
+def _prev_float(v):
+  """The float32 below ``v`` for ``v > 0`` (``v`` where it is 0)."""
+  bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+  return jax.lax.bitcast_convert_type(bits - (bits > 0).astype(jnp.int32), jnp.float32)
+
+
+def lattice_consts(widths):
+  """Per-width constants of the lattice, computed from the int32 ``widths`` (any
+  shape; clipped to [2, 8]) -> (``F`` uint32, the code's sign bit ``2^(F + w - 1)``
+  uint32, the top level ``lam_R = 5/4 - 2^(2-w)`` float32, exact)."""
+  w = jnp.clip(widths, 2, 8).astype(jnp.uint32)
+  field = jnp.minimum(np.uint32(24) - w, np.uint32(21))  # 23 - M
+  sign_at = np.uint32(1) << (field + w - np.uint32(1))
+  top = np.float32(LATTICE_Y0) - jax.lax.bitcast_convert_type(
+      (np.uint32(129) - w) << np.uint32(23), jnp.float32)
+  return field, sign_at, top
+
+
+def lattice_reciprocal(num, den, recip):
+  """A float32 ``rs <= num / den``, within 2^-21 of it, for a bf16-exact ``den`` in
+  [2^-126, 2^117] and ``num`` either a float32 or, as an int32 in [0, 256),
+  an index of ``recip`` (``recip(i) -> reciprocal_tables()[i]``).
+
+  ``1 / den`` rounded down is ``RD(1 / (1 + f / 128))`` from the table times
+  ``2^(127 - e)`` (``den``'s biased exponent ``e`` and fraction ``f``: exact);
+  its product with ``num`` is rounded to nearest, then stepped down one float,
+  which puts it at or below the exact quotient. Only float products and
+  integer operations: the same bits in every implementation."""
+  bits = jax.lax.bitcast_convert_type(den, jnp.uint32)
+  frac = ((bits >> np.uint32(16)) & np.uint32(0x7F)).astype(jnp.int32)
+  scale = jax.lax.bitcast_convert_type(
+      (np.uint32(254 << 23) - (bits & np.uint32(0x7F800000))), jnp.float32)  # 2^(127 - e)
+  inv = recip(frac + _MANTISSA_AT) * scale  # RD(1 / den), exact
+  if jnp.issubdtype(num.dtype, jnp.integer):
+    num = recip(num)
+  return _prev_float(num * inv)
+
+
+def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, div=None):
+  """The hierarchical scales of lattice levels -> (``k`` f32 [S, G], super-group scale
+  ``V`` f32 [S], ``rs`` f32 [S, G]), from the group maxima ``gmax`` [S, G].
+
+  A group decodes as ``lam_l k V`` (``lam_R`` = :attr:`LevelTables.top` ``c``, not 1:
+  ``k V c`` covers the group). ``"up"``: ``V = ceil_bf16(max / (255 c))``, ``k =
+  ceil(gmax / (V c))`` (exact products: ``c`` has few bits), and the elements are
+  mapped to ``a rs`` with ``rs <= 1 / (k V)`` (:func:`lattice_reciprocal`), so
+  ``a rs <= c``. ``"stochastic"``: ``g = ceil_bf16(gmax)``, ``V =
+  ceil_bf16(max g / (255 c))``, ``k`` rounded stochastically with ``E[k V c] = g``,
+  and ``rs <= c / g``. Both unbiased up to ``rs``'s rounding (relative 2^-21).
+  """
+  _, _, top = lattice_consts(widths)
+  top_kmax = top * np.float32(_K_MAX)  # exact: 15 significant bits at most
+  if scale_rounding == "up":
+    sg_scale = _ceil_div_bf16_by(jnp.max(gmax, axis=-1), top_kmax, div)
+    vt = (sg_scale * top)[:, None]  # exact
+    k = ceil_quotient(gmax, vt, _K_MAX, div)
+    rs = lattice_reciprocal(k.astype(jnp.int32), jnp.broadcast_to(sg_scale[:, None], k.shape),
+                            recip)
+  else:
+    g = _ceil_div_bf16(gmax, 1.0)
+    sg_scale = _ceil_div_bf16_by(jnp.max(g, axis=-1), top_kmax, div)
+    vt = (sg_scale * top)[:, None]
+    kf = floor_quotient(g, vt, _K_MAX, div)
+    k0, k1, _, _ = keys
+    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
+    k = kf + ((u * vt < g - kf * vt) & (kf < _K_MAX)).astype(jnp.float32)
+    rs = lattice_reciprocal(jnp.broadcast_to(top[:, None], g.shape), g, recip)
+  live = (sg_scale > 0)[:, None]
+  return jnp.where(live, k, 0.0), sg_scale, jnp.where(live & (gmax > 0), rs, 0.0)
+
+
+def _ceil_div_bf16_by(v, c, div=None):
+  """:func:`_ceil_div_bf16` by a per-element ``c`` (at most 16 significant bits): a guess
+  from ``div`` (None: exact ``/``) within one bf16 step, then corrected both ways by
+  exact products, so any guess that close gives the same result."""
+  w = bf16.ceil(v / c if div is None else div(v, c))
+  down = bf16.next_down(w)
+  w = jnp.where((w > 0) & (down * c >= v), down, w)  # exact products
+  return jnp.where(w * c < v, bf16.next_up(w), w)
+
+
+def round_lattice(a, rs, y0, ybase, field, draws, ops: BlockOps = REFERENCE_OPS, *,
+                  sign_at=None, neg=None):
+  """Level index in [0, R] of ``t = a rs`` (in [0, lam_R]) on the lattice of
+  :func:`lattice_table`: ``y = Y0 + t`` (product and sum each rounded once,
+  ``ops.mul_add_rounded``), plus the ``F``-bit ``draws`` in its low bits, less
+  ``bits(Y0)``, shifted right by ``F``: level ``j + 1`` with probability ``(y -
+  y_j) / (y_(j+1) - y_j)``, exactly (a draw of ``F`` bits), else ``j``.
+
+  With ``sign_at`` (``2^(F + w - 1)``) and the sign mask ``neg``: the code instead
+  (uint32), the level with bit ``w - 1`` set where the element is not negative."""
+  y = ops.mul_add_rounded(a, rs, y0)
+  z = jax.lax.bitcast_convert_type(y, jnp.uint32) + draws - ybase
+  if sign_at is None:
+    return (z >> field).astype(jnp.int32)
+  return ops.or_unless(z, sign_at, neg) >> field
+
+
+def _encode_lattice(x, widths, tabs: LevelTables, *, keys, rank, strata, draw_group, lane,
+                    scale_rounding, ops, recip, group_idx, group_store, scales_):
+  """:func:`encode_block` on lattice levels (one array ``x``)."""
+  gstore = group_store or (lambda v: v)
+  a = jnp.abs(x)
+  if scales_ is None:
+    gmax = jnp.max(jnp.max(_trailing(a, 4), axis=-1), axis=-1)
+    scales_ = lattice_scales(gmax, widths, scale_rounding, keys, group_idx, recip, ops.div)
+  k, sg_scale, rs = scales_
+  field, sign_at, _ = (_trailing(gstore(v), x.ndim) for v in lattice_consts(widths))
+  neg = sign_mask(x)
+  draws = rng.lattice_draws(keys, rank, strata, group=draw_group, lane=lane, neg=neg,
+                            field=field, mulhi=ops.mulhi, hash_store=group_store)
+  y0 = np.float32(LATTICE_Y0)
+  codes = round_lattice(a, _trailing(gstore(rs), x.ndim), y0, y0.view(np.uint32), field, draws,
+                        ops, sign_at=sign_at, neg=neg)
+  return codes, k.astype(jnp.uint8), sg_scale
+
+
 def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, draw_group,
                  lane, scale_rounding="up", ops: BlockOps = REFERENCE_OPS, pairs=None,
-                 levels=None, group_idx=None, group_store=None, scales_=None):
+                 levels=None, group_idx=None, group_store=None, scales_=None, recip=None):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
@@ -453,13 +658,23 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
   if isinstance(x, (tuple, list)):  # parts of each group: encoded one by one
     parts = [jnp.abs(v) for v in x]
     gmax = functools.reduce(jnp.maximum, [jnp.max(v, axis=-1) for v in parts])
-    found = scales(None, scale_rounding, keys, group_idx, ops.div, gmax=gmax)
+    if tabs.lattice:
+      found = lattice_scales(gmax, widths, scale_rounding, keys, group_idx, recip, ops.div)
+    else:
+      found = scales(None, scale_rounding, keys, group_idx, ops.div, gmax=gmax)
     one = dict(tabs=tabs, keys=keys, rank=rank, strata=strata, scale_rounding=scale_rounding,
                ops=ops, pairs=pairs, levels=levels, group_idx=group_idx,
-               group_store=group_store, scales_=found)
+               group_store=group_store, scales_=found, recip=recip)
     codes = tuple(encode_block(v, widths, idx=i, draw_group=d, lane=l, **one)[0]
                   for v, i, d, l in zip(x, idx, draw_group, lane))
     return codes, found[0].astype(jnp.uint8), found[1]
+  if tabs.lattice:
+    if group_idx is None:
+      group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(GROUP)
+    return _encode_lattice(x, widths, tabs, keys=keys, rank=rank, strata=strata,
+                           draw_group=draw_group, lane=lane, scale_rounding=scale_rounding,
+                           ops=ops, recip=recip, group_idx=group_idx, group_store=group_store,
+                           scales_=scales_)
   a = jnp.abs(x)
   a4 = _trailing(a, 4)  # the [S, G, CB, P] view (P = 1 for [S, G, 16])
   if group_idx is None:

@@ -116,8 +116,17 @@ def interpret_params(detect_races: bool = True):
 
 
 def _eps_key(eps):
-  """eps (a dict or ``(width, eps)`` pairs) as a hashable, sorted tuple of pairs."""
-  return tuple(sorted((int(w), float(e)) for w, e in dict(eps).items()))
+  """eps (a dict or ``(width, eps)`` pairs) as a hashable, sorted tuple of pairs.
+
+  Raises:
+    NotImplementedError: for the lattice levels (:data:`~pallas_kernels.dynamiq_block.LATTICE`),
+      which these kernels do not implement yet: the dispatch then takes the next backend."""
+  key = B.level_key(eps)
+  if key == B.LATTICE:
+    raise NotImplementedError(
+        "the Mosaic GPU kernels implement the MEE levels only (level_set='mee'), not the "
+        "lattice levels; use implementation=None (Triton's kernel, else the reference)")
+  return key
 
 
 def _plane_table(widths, units: int):

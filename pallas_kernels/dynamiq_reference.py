@@ -411,7 +411,7 @@ def compress_reference(x, widths, units: int, *, eps, keys, rank=0, strata: int 
       xb, widths, tabs, keys=keys, rank=jnp.asarray(rank, jnp.int32), strata=strata, idx=idx,
       draw_group=idx[..., :1] >> np.uint32(rng.GROUP_SHIFT),
       lane=np.arange(rng.GROUP, dtype=np.uint32), scale_rounding=scale_rounding,
-      pairs=_table(tabs.pairs), group_store=materialize)
+      pairs=_table(tabs.pairs), group_store=materialize, recip=_table(B.reciprocal_tables()))
   # the codes are not stored (materialize) before the planes are cut: XLA:CPU is faster fused
   scales = jnp.concatenate([k, bf16.to_bytes(sg_scale)], axis=-1)  # [S, 18]
   body = _place(plane_bytes(codes.reshape(s_count, 256), plane_bits), widths, units, plane_bits)

@@ -142,6 +142,7 @@ class _Config:
   planes = property(lambda self: max(self.width_set) // self.plane_bits)
   split = property(lambda self: self.plane_bits == 1)
   levels_at = property(lambda self: self.tabs.dec.size)  # where table() has the levels
+  recip_at = property(lambda self: self.tabs.dec.size + self.tabs.lev.size)  # reciprocals
 
   @functools.cached_property
   def tabs(self):
@@ -151,7 +152,7 @@ class _Config:
     """int32: the signed decode table's float32 bits (``LevelTables.dec``), then
     (at :attr:`levels_at`) the encode's float32 levels (``LevelTables.lev``),
     zero-padded to a power of two (Triton)."""
-    t = np.concatenate([self.tabs.dec, self.tabs.lev]).view(np.int32)
+    t = np.concatenate([self.tabs.dec, self.tabs.lev, B.reciprocal_tables()]).view(np.int32)
     return np.pad(t, (0, pl.next_power_of_2(t.size) - t.size))
 
   def block(self, supergroups: int) -> tuple[int, int, int, int]:
@@ -160,7 +161,8 @@ class _Config:
 
 GPU_OPS = B.BlockOps(log2=tt.approx_log2, floor_int=tt.floor_int, fma=tt.fma,
                      lt_mask=tt.lt_mask, frac_mul=tt.frac_mul, div=tt.div_approx,
-                     mulhi=tt.mulhi)
+                     mulhi=tt.mulhi, mul_add_rounded=tt.mul_add_rounded,
+                     or_unless=tt.or_unless)
 """The block arithmetic's instructions on a GPU (a
 :class:`~pallas_kernels.dynamiq_block.BlockOps`)."""
 
@@ -356,9 +358,10 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
       x, widths, cfg.tabs, keys=keys, rank=rank, strata=strata, idx=idx, draw_group=draw_group,
       lane=lane, scale_rounding=cfg.scale_rounding,
       ops=B.REFERENCE_OPS if interpret else GPU_OPS, group_idx=group_idx,
-      levels=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.levels_at + j], jnp.float32))
+      levels=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.levels_at + j], jnp.float32),
+      recip=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.recip_at + j], jnp.float32))
   # the k offsets hidden in the hop, not in compress: docs/results/kernels_sass.md
-  one = _hidden_one(ptab_ref, cfg) if hop else 1
+  one = _hidden_one(ptab_ref, cfg)
   k_off, k_ok, _, _ = _scale_offsets(cfg, s_count, one)
   tt.store(out_ref, k_off, k, k_ok)
   # The super-group scale from the thread of each super-group's group 0, in
@@ -746,7 +749,7 @@ def _run(op, payload, x, widths, units, keys, rank, *, eps, strata, scale_roundi
   R.check_chunk(widths, units, plane_bits=plane_bits, width_set=width_set,
                 scale_rounding=scale_rounding, x=x, payload=payload)
   block, warps = launch_config(op, launch, interpret=bool(interpret))
-  cfg = _Config(eps=tuple(sorted((int(w), float(e)) for w, e in dict(eps).items())),
+  cfg = _Config(eps=B.level_key(eps),
                 width_set=tuple(sorted(int(w) for w in width_set)), plane_bits=plane_bits,
                 scale_rounding=scale_rounding, sg=block, num_warps=warps)
   if x is not None and x.dtype not in _SUPPORTED_DTYPES:
@@ -770,7 +773,7 @@ def _run_rows(op, payloads, widths, units, slots, mean, *, eps, plane_bits, widt
   R.check_payloads(payloads, widths, units, plane_bits=plane_bits, width_set=width_set,
                    slots=slots, mean=mean, rotate=rotate)
   block, warps = launch_config(op, launch, interpret=bool(interpret))
-  cfg = _Config(eps=tuple(sorted((int(w), float(e)) for w, e in dict(eps).items())),
+  cfg = _Config(eps=B.level_key(eps),
                 width_set=tuple(sorted(int(w) for w in width_set)), plane_bits=plane_bits,
                 scale_rounding="up", sg=block, num_warps=warps)
   if widths.shape[0] == 0 or payloads.shape[0] == 0 or (slots is not None

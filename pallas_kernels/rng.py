@@ -420,6 +420,74 @@ def uniforms(keys, rank, ranks: int, *, group, lane, mulhi=mulhi, hash_store=Non
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def alpha_product(h, rank, q: int, *, mulhi=mulhi):
+  """``alpha rank`` with ``alpha - 1 = mulhi(h, q - 1)``: in GF(q) for a power-of-two
+  ``q``, modulo ``q`` for a prime one (uint32; ``rank`` an int32 scalar or array)."""
+  h = _u32(h)
+  i = jnp.asarray(rank).astype(jnp.uint32)
+  alpha0 = mulhi(h, q - 1)  # alpha - 1
+  if q & (q - 1):
+    return ((alpha0 + jnp.uint32(1)) * i) % jnp.uint32(q)
+  k = q.bit_length() - 1
+  if k <= 3 and jnp.ndim(i) == 0:  # the row of products with the scalar rank
+    row = _gf_row(i, k) >> jnp.uint32(k)  # field alpha - 1 holds alpha i
+    return (row >> (alpha0 * jnp.uint32(k))) & jnp.uint32(q - 1)
+  return _gf_mul(alpha0 + jnp.uint32(1), jnp.broadcast_to(i, jnp.shape(h)), k)
+
+
+_ALPHA_MUL = 0x5851F42D  # the per-group multiplier's bits: (group ^ s0) times this (odd)
+
+
+def lattice_draws(keys, rank, ranks: int, *, group, lane, neg, field, mulhi=mulhi,
+                  hash_store=None):
+  """Per-element ``F``-bit draws (uint32 on [0, 2^F), ``F = field`` per element, at most
+  23), stratified over ``ranks`` and signed: ``2^F - 1 - r`` where ``neg`` (the sign
+  mask) is -1.
+
+  Each element's stratum is ``pi(rank) = alpha rank + beta`` (GF(q) for a
+  power-of-two ``q`` strata, else modulo the prime ``q``): the multiplier ``alpha``
+  (nonzero) is shared by the :data:`GROUP` elements of a draw group, from ``(group ^
+  s0) c`` (an odd ``c``: uniform over ``s0``), and ``beta`` is the element's own, from its lane's
+  shared bits (:func:`lane_bits` of ``group_hash(s0, s1, group)``). For a fixed
+  ``s0`` the multiplier is fixed and ``beta`` exactly uniform over ``s1``, so every
+  rank's stratum is exactly uniform; ``alpha`` is uniform over the nonzero values
+  (within 2^-29), so each element's permutation is uniform over the affine maps,
+  pairwise uniform over the ranks, as with an independent ``alpha`` per element
+  (:func:`stratum`), and two elements' strata stay independent (their betas are).
+
+  With ``q = 2^j`` the draw is the top ``F`` bits of ``(alpha rank) 2^(32 - j) ^
+  shared ^ (private & (2^(32 - j) - 1))``, all complemented for a negative element
+  (the private bits: the lane's :func:`lane_bits` under ``(k0, k1)``). Otherwise it
+  is ``floor(u 2^F / (q 2^16))`` of :func:`uniforms`' ``u = pi 2^16 + gamma``
+  (exact integer arithmetic), so each rank's draws stay in its stratum's ``1 / q``
+  of the range.
+  """
+  k0, k1, s0, s1 = keys
+  hstore = hash_store or (lambda v: v)
+  word = lane_bits(hstore(group_hash(k0, k1, group)), lane)
+  m = neg.astype(jnp.uint32)
+  field = _u32(field)
+  q = strata_count(ranks)
+  if q == 1:
+    return (word ^ m) >> (np.uint32(32) - field)
+  shared = lane_bits(hstore(group_hash(s0, s1, group)), lane)
+  ai = hstore(alpha_product((_u32(group) ^ _u32(s0)) * jnp.uint32(_ALPHA_MUL), rank, q,
+                            mulhi=mulhi))
+  if q & (q - 1) == 0:
+    j = q.bit_length() - 1
+    low = np.uint32((1 << (32 - j)) - 1)
+    u = (ai << np.uint32(32 - j)) ^ shared ^ m ^ (word & low)
+    return u >> (np.uint32(32) - field)
+  beta = mulhi(shared, q)
+  pi = ai + beta
+  pi = jnp.where(pi >= np.uint32(q), pi - np.uint32(q), pi)
+  u = (pi << np.uint32(UNIFORM_BITS)) | (word >> np.uint32(32 - UNIFORM_BITS))
+  c = field - np.uint32(UNIFORM_BITS)  # F >= 16
+  qq = np.uint32(q)
+  r = ((u // qq) << c) + (((u % qq) << c) // qq)
+  return r ^ (m & ((np.uint32(1) << field) - np.uint32(1)))
+
+
 def signed_draws(u, neg, q: int):
   """The draws of the signed-domain rounding, float32: ``u`` (uint32 on [0, q),
   :func:`uniforms`) where ``neg`` (the sign mask) is 0 and ``q - 1 - u``

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["load", "store", "asm", "approx_log2", "mulhi", "floor_int", "div_approx", "lt_mask",
-           "fma", "frac_mul", "byte", "pair16", "prmt"]
+           "fma", "mul_add_rounded", "or_unless", "frac_mul", "byte", "pair16", "prmt"]
 
 
 def load(ref, offsets, mask):
@@ -82,6 +82,19 @@ def lt_mask(a, b):
 def fma(a, b, c):
   """``a b + c`` by ``fma.rn.f32``."""
   return asm("fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", jnp.float32, a, b, c)
+
+
+def mul_add_rounded(a, b, c):
+  """``a b + c``, the product rounded first: ``mul.rn.f32`` then ``add.rn.f32`` (the
+  ``.rn`` forms, which ``ptxas`` never fuses into an ``fma``)."""
+  return asm("{ .reg .f32 t; mul.rn.f32 t, $1, $2; add.rn.f32 $0, t, $3; }", "=f,f,f,f",
+             jnp.float32, a, b, c)
+
+
+def or_unless(z, bits, neg):
+  """``z | (bits & ~neg)`` by one ``lop3.b32`` (uint32 ``z``, ``bits``; int32 ``neg``)."""
+  return asm("lop3.b32 $0, $1, $2, $3, 0xF2;", "=r,r,r,r", jnp.uint32, z,
+             jax.lax.bitcast_convert_type(neg, jnp.uint32), bits)
 
 
 def frac_mul(w, d):

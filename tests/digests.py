@@ -45,12 +45,18 @@ def _data(seed=0):
 def _codecs():
   from dynamiq_jax import codecs as C
   return {
-      # (the "_per_round" names are those recorded when DynamiQ had a second variant)
-      "dynamiq5_per_round": C.DynamiQ(bits=5),
-      "dynamiq4_per_round": C.DynamiQ(bits=4),
+      # (the "_per_round" names are those recorded when DynamiQ had a second variant, with
+      # the MEE levels that were then its only ones)
+      "dynamiq5_per_round": C.DynamiQ(bits=5, level_set="mee"),
+      "dynamiq4_per_round": C.DynamiQ(bits=4, level_set="mee"),
       "dynamiq6_per_round_indep_stoch": C.DynamiQ(bits=6, correlated=False,
-                                                  scale_rounding="stochastic"),
-      "dynamiq5_per_round_248": C.DynamiQ(bits=5, widths=(2, 4, 8)),
+                                                  scale_rounding="stochastic", level_set="mee"),
+      "dynamiq5_per_round_248": C.DynamiQ(bits=5, widths=(2, 4, 8), level_set="mee"),
+      # the lattice levels (the default level set)
+      "dynamiq5_lattice": C.DynamiQ(bits=5),
+      "dynamiq6_lattice_indep_stoch_248": C.DynamiQ(bits=6, correlated=False,
+                                                    scale_rounding="stochastic",
+                                                    widths=(2, 4, 8)),
       "bf16": C.Bf16(),
       "f32": C.F32(),
       "mxfp8": C.MX(element="e4m3"),

@@ -27,8 +27,12 @@ KERNELS = [f"dynamiq_units_{op}_p{pb}" for pb in (1, 2)
                       "decompress_accumulate_recompress")]
 
 
-def compile_kernels(block: int | None = None):
-  """Each unit kernel compiled alone for one H100 (runs in the child)."""
+MEE = {2: 0.23, 4: 0.18, 8: 0.10}  # the codec's default eps (level_set="mee")
+
+
+def compile_kernels(block: int | None = None, levels="lattice"):
+  """Each unit kernel compiled alone for one H100 (runs in the child), with the lattice
+  levels (the default) or ``levels`` (MEE eps: ``{width: eps}`` with str keys, JSON)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -41,10 +45,10 @@ def compile_kernels(block: int | None = None):
 
   [device] = T.h100_devices(1)
   sharding = jax.sharding.SingleDeviceSharding(device)
-  eps = {2: 0.23, 4: 0.18, 8: 0.10}
   keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
   s, units = 37, 150
   out = []
+  eps = levels if isinstance(levels, str) else {int(w): e for w, e in levels.items()}
   for pb, ws in ((1, (2, 3, 4, 5, 6, 8)), (2, (2, 4, 8))):
     geo = dict(eps=eps, plane_bits=pb, width_set=ws)
     x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
@@ -63,15 +67,16 @@ def compile_kernels(block: int | None = None):
   return out
 
 
-def check(block: int | None = None) -> dict:
+def check(block: int | None = None, levels="lattice") -> dict:
   """Compiles the unit kernels in a child process -> ``{kernel: {"registers",
   "spill_bytes", "instructions"}}`` (static SASS, sm_90a); raises AssertionError on spills.
 
   Args:
     block: super-groups per kernel program (None: the kernels' own).
+    levels: ``"lattice"`` or MEE's ``{width: eps}``.
   """
   with T.compile_in_child("test_gpu_compile_units:compile_kernels",
-                          kwargs={"block": block}) as build:
+                          kwargs={"block": block, "levels": levels}) as build:
     report = T.ptxas_report(build.ptx, prefix="dynamiq_units_", instructions=True)
   problems = [f"kernel {k} not found in the PTX XLA wrote" for k in KERNELS if k not in report]
   problems += [f"kernel {k} spills {v['spill_bytes']} bytes (ptxas -v, sm_90a)"
@@ -86,6 +91,11 @@ def units_report():
   return check()
 
 
+@pytest.fixture(scope="module")
+def units_report_mee():
+  return check(levels=MEE)
+
+
 @G.needs_compiler
 def test_unit_kernels_compile_for_h100_without_spills(units_report, record_property):
   record_property("gpu_compile_units", json.dumps(units_report))  # printed by tests/conftest.py
@@ -93,28 +103,44 @@ def test_unit_kernels_compile_for_h100_without_spills(units_report, record_prope
 
 
 SASS_PER_COORDINATE = {
-    "dynamiq_units_compress_p1": 59.0,
-    "dynamiq_units_decompress_accumulate_recompress_p1": 73.0,
+    "dynamiq_units_compress_p1": 34.0,
+    "dynamiq_units_decompress_accumulate_recompress_p1": 47.0,
     "dynamiq_units_decompress_p1": 17.0,
     "dynamiq_units_decompress_accumulate_p1": 19.0,
 }
-"""The most static SASS instructions per coordinate each kernel of the default width set
-(plane_bits 1, widths 2-8) may take at the kernels' default launch on an H100: today's
-counts, the larger of the two jax versions CI runs, rounded up (``python
-tools/sass_count.py``; jax 0.10.2: 58.1, 71.1, 16.6, 17.7; jax 0.12: 59.0, 72.1, 16.9,
-18.5), so that they cannot grow back unnoticed. The kernels are straight-line code, so
-each thread issues every static instruction once for its ``BLOCK * 256 / (32 *
-NUM_WARPS)`` coordinates."""
+"""The most static SASS instructions per coordinate each kernel of the default codec
+(lattice levels, plane_bits 1, widths 2-8) may take at the kernels' default launch on
+an H100: today's counts, the larger of the two jax versions CI runs, rounded up
+(``python tools/sass_count.py``; jax 0.10.2: 32.5, 45.8, 16.6, 17.7; jax 0.12: 33.5,
+46.9, 16.9, 18.5), so that they cannot grow back unnoticed. The kernels are
+straight-line code, so each thread issues every static instruction once for its
+``BLOCK * 256 / (32 * NUM_WARPS)`` coordinates."""
+
+SASS_PER_COORDINATE_MEE = dict(SASS_PER_COORDINATE, **{
+    "dynamiq_units_compress_p1": 59.0,
+    "dynamiq_units_decompress_accumulate_recompress_p1": 73.0})
+"""The same with ``level_set="mee"`` (jax 0.10.2: 57.2, 71.1; jax 0.12: 58.1, 72.1; the
+decodes are the lattice's)."""
+
+
+def _over_budget(report, budget):
+  from pallas_kernels import dynamiq_triton as K
+
+  per_thread = K.BLOCK * 256 // (32 * K.NUM_WARPS)  # coordinates (no TUNED entry: H100)
+  per = {k: report[k]["instructions"] / per_thread for k in budget}
+  return {k: round(v, 2) for k, v in per.items() if not 0 < v <= budget[k]}
 
 
 @G.needs_compiler
 def test_unit_kernels_stay_within_their_instruction_budget(units_report):
-  from pallas_kernels import dynamiq_triton as K
-
-  per_thread = K.BLOCK * 256 // (32 * K.NUM_WARPS)  # coordinates (no TUNED entry: H100)
-  per = {k: units_report[k]["instructions"] / per_thread for k in SASS_PER_COORDINATE}
-  over = {k: round(v, 2) for k, v in per.items() if not 0 < v <= SASS_PER_COORDINATE[k]}
+  over = _over_budget(units_report, SASS_PER_COORDINATE)
   assert not over, f"static SASS per coordinate over the budget {SASS_PER_COORDINATE}: {over}"
+
+
+@G.needs_compiler
+def test_mee_kernels_stay_within_their_instruction_budget(units_report_mee):
+  over = _over_budget(units_report_mee, SASS_PER_COORDINATE_MEE)
+  assert not over, f"MEE kernels over the budget {SASS_PER_COORDINATE_MEE}: {over}"
 
 
 @G.needs_compiler

@@ -13,6 +13,7 @@ import pytest
 import dynamiq_jax as dq
 from dynamiq_jax.codecs import DynamiQ
 from pallas_kernels import dispatch as D
+from pallas_kernels import dynamiq_block as B
 from pallas_kernels import dynamiq as K
 from pallas_kernels import dynamiq_reference as R
 from pallas_kernels import dynamiq_triton as T
@@ -22,6 +23,7 @@ import gpu_compile_tools as GT
 from _helpers import Jitted, lower_for, model_data, per_rank, rows_identical
 
 EPS = {2: 0.23, 4: 0.18, 8: 0.10}
+LATTICE = B.LATTICE
 WS6 = (2, 3, 4, 5, 6, 8)
 WS3 = (2, 4, 8)
 TRITON = "__gpu$xla.gpu.triton"
@@ -66,18 +68,29 @@ def _same(a, b):
 
 # (plane_bits, width_set, scale_rounding, strata, S, dtype, widths, room)
 SLOW = pytest.mark.slow  # .ci/run-slow: the default tier keeps one case per plane width
+# MEE levels (level_set="mee")
 CASES = [
     pytest.param((1, WS6, "up", 1, 11, jnp.float32, "mixed", 5), marks=SLOW),
-    (1, WS6, "stochastic", 8, 20, jnp.bfloat16, "mixed", 0),  # the default codec's
+    (1, WS6, "stochastic", 8, 20, jnp.bfloat16, "mixed", 0),
     pytest.param((1, WS6, "up", 8, 3, jnp.float32, "1", 2), marks=SLOW),  # all 3-bit
     pytest.param((1, WS3, "up", 8, 13, jnp.bfloat16, "mixed", 40), marks=SLOW),  # unused units
     pytest.param((1, WS3, "stochastic", 1, 9, jnp.float32, "max", 0), marks=SLOW),  # all 8-bit
     (2, WS3, "up", 8, 11, jnp.bfloat16, "mixed", 3),  # UNUSED below
     pytest.param((2, WS3, "stochastic", 1, 20, jnp.float32, "0", 1), marks=SLOW),  # all 2-bit
-    (2, WS3, "up", 1, 5, jnp.float32, "mixed", -3),  # too few units: truncated
+    pytest.param((2, WS3, "up", 1, 5, jnp.float32, "mixed", -3), marks=SLOW),  # truncated
     # the kernels' own transpositions for codes of at most 4 and of 5 bits
+    pytest.param((1, (2, 3, 4), "stochastic", 8, 12, jnp.bfloat16, "mixed", 1), marks=SLOW),
+    pytest.param((1, (3, 5), "up", 8, 9, jnp.float32, "mixed", -2), marks=SLOW),
+]
+# the lattice levels (the default level set)
+LATTICE_CASES = [
+    (1, WS6, "up", 8, 20, jnp.bfloat16, "mixed", 0),  # the default codec's
+    (1, WS6, "stochastic", 6, 11, jnp.float32, "mixed", 5),  # 7 strata: the prime path
+    (2, WS3, "up", 1, 5, jnp.float32, "mixed", -3),  # too few units: truncated
     (1, (2, 3, 4), "stochastic", 8, 12, jnp.bfloat16, "mixed", 1),
-    (1, (3, 5), "up", 8, 9, jnp.float32, "mixed", -2),  # and a truncated 1-bit-plane payload
+    (1, (3, 5), "up", 16, 9, jnp.float32, "mixed", -2),  # and a truncated payload
+    pytest.param((1, WS3, "up", 1, 9, jnp.float32, "max", 0), marks=SLOW),  # all 8-bit
+    pytest.param((2, WS3, "stochastic", 8, 20, jnp.float32, "0", 1), marks=SLOW),  # all 2-bit
 ]
 
 
@@ -108,8 +121,19 @@ def _case_id(c):
           f"-{kind}-room{room}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_all_four_kernels_equal_the_reference(case):
+def _with_levels(levels, name, cases):
+  """``(levels, case)`` parameters of ``cases`` (a case or a ``pytest.param`` of one),
+  keeping each one's marks."""
+  out = []
+  for c in cases:
+    case, marks = (c.values[0], c.marks) if hasattr(c, "values") else (c, ())
+    out.append(pytest.param(levels, case, marks=marks, id=f"{name}-{_case_id(case)}"))
+  return out
+
+
+@pytest.mark.parametrize("levels,case", _with_levels(EPS, "mee", CASES) +
+                         _with_levels(LATTICE, "lattice", LATTICE_CASES))
+def test_all_four_kernels_equal_the_reference(levels, case):
   """Bit for bit, and every payload byte is written: interpret mode starts an output
   buffer at zero, which would hide an unwritten byte (the unused units, or a truncated
   payload's last ones), so the payload kernels' buffer starts at 0xA5 here."""
@@ -117,7 +141,7 @@ def test_all_four_kernels_equal_the_reference(case):
   x = _x(s, s, dtype)
   widths = _widths(s, s, ws, kind)
   units = _units(widths, pb, room)
-  geo = dict(eps=EPS, plane_bits=pb, width_set=ws)
+  geo = dict(eps=levels, plane_bits=pb, width_set=ws)
   enc = dict(keys=_keys(1), rank=5, strata=strata, scale_rounding=sr)
   p_ref = RJ.compress_reference(x, widths, units, **enc, **geo)
   assert p_ref.shape == (R.payload_bytes(s, units, pb),)
@@ -158,8 +182,9 @@ def test_unused_units_are_zero_and_values_round_trip():
   assert rel < 1.0, rel  # a lossy but sane reconstruction (2..8 bits)
 
 
+@pytest.mark.parametrize("levels", [EPS, LATTICE], ids=["mee", "lattice"])
 @pytest.mark.parametrize("case", ["zeros", "nan", "inf", "1e30", "1e-30"])
-def test_edge_values_as_in_the_reference(case):
+def test_edge_values_as_in_the_reference(case, levels):
   s = 9
   x = np.array(_x(5, s))
   if case == "zeros":
@@ -173,7 +198,7 @@ def test_edge_values_as_in_the_reference(case):
   x = jnp.asarray(x)
   widths = _widths(5, s, WS6, "mixed")
   units = _units(widths, 1, 0)
-  geo = dict(eps=EPS, width_set=WS6)
+  geo = dict(eps=levels, width_set=WS6)
   p_ref = RJ.compress_reference(x, widths, units, keys=_keys(6), **geo)
   p_ker = T.compress_pallas(x, widths, units, keys=_keys(6), **geo, interpret=True)
   _same(p_ker, p_ref)
@@ -195,16 +220,17 @@ def test_float16_and_one_supergroup():
         RJ.decompress_accumulate_recompress_reference(p, x, widths, 5, **geo))
 
 
-def test_unbiased_through_the_kernels():
+@pytest.mark.parametrize("levels", [EPS, LATTICE], ids=["mee", "lattice"])
+def test_unbiased_through_the_kernels(levels):
   s, draws = 4, 512
   x = _x(7, s)
   widths = jnp.asarray([5, 4, 3, 2], jnp.int32)
   units = _units(widths, 1, 0)
 
   def one(seed):
-    p = T.compress_pallas(x, widths, units, eps=EPS, keys=_keys(seed), rank=2, strata=8,
+    p = T.compress_pallas(x, widths, units, eps=levels, keys=_keys(seed), rank=2, strata=8,
                           interpret=True)
-    return T.decompress_pallas(p, widths, units, eps=EPS, interpret=True)
+    return T.decompress_pallas(p, widths, units, eps=levels, interpret=True)
 
   y = np.asarray(jax.jit(jax.vmap(one))(jnp.arange(draws)), np.float64)
   xs = np.asarray(x, np.float64)

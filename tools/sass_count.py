@@ -54,11 +54,13 @@ OPS = ("compress", "decompress", "decompress_accumulate", "decompress_accumulate
 SHORT = {"compress": "compress", "decompress": "decompress",
          "decompress_accumulate": "decompress_accumulate",
          "decompress_accumulate_recompress": "dar"}
-CONFIGS = {  # name: (plane_bits, width set)
-    "default": (1, (2, 3, 4, 5, 6, 8)),  # the per-round codec's
-    "w4": (1, (4,)),
-    "w5": (1, (5,)),
-    "p2": (2, (2, 4, 8)),  # the 2-bit-plane layout (the paper's width set)
+MEE = {2: 0.23, 4: 0.18, 8: 0.10}  # the codec's default eps
+CONFIGS = {  # name: (plane_bits, width set, level set)
+    "default": (1, (2, 3, 4, 5, 6, 8), "lattice"),  # the per-round codec's
+    "default-mee": (1, (2, 3, 4, 5, 6, 8), MEE),  # the same with level_set="mee"
+    "w4": (1, (4,), "lattice"),
+    "w5": (1, (5,), "lattice"),
+    "p2": (2, (2, 4, 8), "lattice"),  # the 2-bit-plane layout (the paper's width set)
 }
 # Throughput model (the issue's): thread-instructions per second of an H100 SXM.
 SMS, SCHEDULERS, LANES, CLOCK_HZ = 132, 4, 32, 1.98e9
@@ -80,9 +82,9 @@ def compile_units(config: str, launch=None) -> list:
   sharding = jax.sharding.SingleDeviceSharding(device)
   keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
   s = 37
-  pb, ws = CONFIGS[config]
+  pb, ws, levels = CONFIGS[config]
   units = s * max(ws) // pb // 2  # about half the widest: every plane is live somewhere
-  geo = dict(eps={2: 0.23, 4: 0.18, 8: 0.10}, plane_bits=pb, width_set=ws,
+  geo = dict(eps=levels, plane_bits=pb, width_set=ws,
              launch=None if launch is None else tuple(launch))
   x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
   w = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=sharding)
@@ -156,7 +158,7 @@ def table(configs=None, launch=None) -> dict:
              "instructions_per_coord": round(per, 2),
              "static_bound_coords_per_s": INSTR_PER_S / per}
       if "recompress" in name:
-        width = {"default": 4, "w4": 4, "w5": 5, "p2": 4}[config]
+        width = {"default": 4, "default-mee": 4, "w4": 4, "w5": 5, "p2": 4}[config]
         bpc = _dar_bytes_per_coord(width)
         roof = HBM_BYTES_PER_S / bpc
         row.update(bytes_per_coord=round(bpc, 4), roofline_coords_per_s=roof,

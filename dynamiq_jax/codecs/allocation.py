@@ -71,6 +71,12 @@ def _level_error(width: int, eps: float) -> float:
   return _gaussian_error(lam, 16)
 
 
+@functools.lru_cache(maxsize=None)
+def lattice_error(width: int) -> float:
+  """:func:`level_error` of the lattice levels (``block.lattice_table``)."""
+  return _gaussian_error(block.lattice_table(int(width))[0].astype(np.float64), 16)
+
+
 def _gaussian_error(lam, groups: int, supergroups: int = 4096) -> float:
   x = np.random.default_rng(12345).standard_normal((supergroups, 256))  # one super-group each
   a = np.abs(x).reshape(supergroups, groups, -1)

@@ -114,8 +114,12 @@ class DynamiQ(Codec):
       format cannot meet it for a bucket.
     widths: allowed code widths, a non-empty subset of 2..8 (default
       :data:`DEFAULT_WIDTHS`; the paper's are (2, 4, 8)).
+    level_set: ``"lattice"`` (default): levels on a float lattice, rounded by one
+      integer addition to a float's bits (``pallas_kernels.dynamiq_block.lattice_table``);
+      ``"mee"``: the paper's MEE levels of ``eps``, rounded by a bracket search.
     eps: ``{width: eps}`` of the MEE levels (the authors' kernel values
-      0.23/0.18/0.10 by default); other widths are interpolated.
+      0.23/0.18/0.10 by default); other widths are interpolated. Used by
+      ``level_set="mee"`` only.
     correlated: stratified rounding across ranks (shared seed); otherwise
       independent rounding. Every single quantisation is unbiased either
       way, and with independent rounding so is the whole all-reduce. With
@@ -148,6 +152,7 @@ class DynamiQ(Codec):
 
   bits: float = 5.0
   widths: tuple[int, ...] = DEFAULT_WIDTHS
+  level_set: Literal["lattice", "mee"] = "lattice"
   eps: tuple[tuple[int, float], ...] = DEFAULT_EPS
   correlated: bool = True
   centre: bool = True
@@ -177,6 +182,8 @@ class DynamiQ(Codec):
       raise ValueError(f"widths={self.widths!r} must be a non-empty subset of 2..8")
     if self.scale_rounding not in ("up", "stochastic"):
       raise ValueError(f"scale_rounding={self.scale_rounding!r} must be 'up' or 'stochastic'")
+    if self.level_set not in ("lattice", "mee"):
+      raise ValueError(f"level_set={self.level_set!r} must be 'lattice' or 'mee'")
     eps = _as_pairs(self.eps, "eps")
     if not eps or any(not 0.0 < e < 1.0 for _, e in eps):
       raise ValueError(f"eps={self.eps!r} must give each width an eps in (0, 1)")
@@ -190,8 +197,16 @@ class DynamiQ(Codec):
 
   def width_errors(self) -> dict[int, float]:
     """``{width: relative MSE of one quantisation}`` for this configuration."""
+    if self.level_set == "lattice":
+      return {w: allocation.lattice_error(w) for w in self.widths}
     eps = dict(self.eps)
     return {w: allocation.level_error(w, block.eps_for(w, eps)) for w in self.widths}
+
+  @property
+  def level_spec(self):
+    """The kernels' level set: :data:`pallas_kernels.dynamiq_block.LATTICE` or MEE's eps
+    pairs."""
+    return block.LATTICE if self.level_set == "lattice" else self.eps
 
   def layout(self, d: int, n: int) -> DynamiQLayout:
     """Static sizes for a bucket of ``d`` coordinates over ``n`` ranks.
@@ -376,7 +391,7 @@ class DynamiQ(Codec):
     return DynamiQKeyTables((jnp.stack(rounding, axis=-1), jnp.stack(strata, axis=-1)), stats)
 
   def _geometry(self, aux, decode=False):
-    args = dict(eps=self.eps, plane_bits=aux.layout.plane_bits, width_set=self.widths,
+    args = dict(eps=self.level_spec, plane_bits=aux.layout.plane_bits, width_set=self.widths,
                 implementation=aux.implementation, ptab=aux.ptab)
     if not decode:
       args.update(strata=aux.layout.n if self.correlated else 1,
