@@ -116,7 +116,8 @@ class LevelTables:
       (``lam_(-1) = 0``, read by a guess of -1 and never used; ``lam_(R+1) =
       lam_R``).
     dec: float32, the signed level of each code: ``-lam_(R-c)`` for ``c <= R``,
-      ``lam_(c-R-1)`` above, from ``dbase``.
+      ``lam_(c-R-1)`` above, from ``dbase`` (lattice, sign-magnitude codes: ``-lam_c``
+      for ``c <= R``; every width 2..8 from ``2^w - 4``, whatever the set).
     r, c1, c2, k, c1k: per width ``R``, ``(1 + 2 eps^2)^R - 1``, ``1 /
       log2(1 + 2 eps^2)``, ``2^(-GUESS_OFFSET / c2)`` and ``c1 k`` (the first
       guess of :func:`round_levels`; ternary widths: 1).
@@ -151,10 +152,14 @@ class LevelTables:
     self.lbase = np.array(base, np.int32) + 1 + 2 * np.arange(len(tabs), dtype=np.int32)
     # the signed level of each code: MEE -lam_(R-c) for c <= R, lam_(c-R-1) above;
     # lattice (sign-magnitude) -lam_c for c <= R, lam_(c-R-1) above
-    dec = [np.concatenate([-t if self.lattice else -t[::-1], t]).astype(np.float32)
-           for t in tabs]
+    if self.lattice:  # every width 2..8 at 2^w - 4 (lattice_dbase), whatever the set
+      dec = [np.concatenate([-t, t]).astype(np.float32)
+             for t in (lattice_table(w)[0] for w in range(2, 9))]
+      self.dbase = np.array([(1 << w) - 4 for w in self.widths], np.int32)
+    else:
+      dec = [np.concatenate([-t[::-1], t]).astype(np.float32) for t in tabs]
+      self.dbase = np.cumsum([0] + [d.size for d in dec[:-1]]).astype(np.int32)
     self.dec = np.concatenate(dec)
-    self.dbase = np.cumsum([0] + [d.size for d in dec[:-1]]).astype(np.int32)
     self.base = np.array(base, np.int32)
     self.r = np.array(r, np.int32)
     self.c1 = np.array(c1, np.float32)
@@ -713,8 +718,11 @@ def decode_block(codes, scale, widths, tabs: LevelTables, *, lookup, addend=None
   ``fma(level, scale, addend)``; the product is exact (8 x 16 significant
   bits), so a fused ``fma`` gives the same sum as a multiply and an add,
   unless the product is subnormal."""
-  per = lambda v: _trailing(tabs.select(widths, v), codes.ndim)
-  lam = lookup(per(tabs.dbase) + codes.astype(jnp.int32))  # -lam s = -(lam s)
+  if tabs.lattice:  # each width's table at 2^w - 4
+    dbase = _trailing((1 << jnp.clip(widths, 2, 8)) - 4, codes.ndim)
+  else:
+    dbase = _trailing(tabs.select(widths, tabs.dbase), codes.ndim)
+  lam = lookup(dbase + codes.astype(jnp.int32))  # -lam s = -(lam s)
   if addend is None:
     return lam * _trailing(scale, codes.ndim)
   return fma(lam, _trailing(scale, codes.ndim), addend)
