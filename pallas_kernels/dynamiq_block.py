@@ -718,7 +718,7 @@ def decode_block(codes, scale, widths, tabs: LevelTables, *, lookup, addend=None
   ``fma(level, scale, addend)``; the product is exact (8 x 16 significant
   bits), so a fused ``fma`` gives the same sum as a multiply and an add,
   unless the product is subnormal."""
-  if tabs.lattice:  # each width's table at 2^w - 4
+  if tabs.lattice and len(tabs.widths) > 1:  # each width's table at 2^w - 4
     dbase = _trailing((1 << jnp.clip(widths, 2, 8)) - 4, codes.ndim)
   else:
     dbase = _trailing(tabs.select(widths, tabs.dbase), codes.ndim)

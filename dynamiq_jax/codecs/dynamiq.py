@@ -105,8 +105,9 @@ class DynamiQ(Codec):
   """DynamiQ's compressed multi-hop all-reduce codec.
 
   Defaults are the paper's configuration with its widths chosen every round
-  from a finer set: MEE levels, hierarchical 16/256 scales, correlated
-  rounding, a 5-bit budget counting all metadata.
+  from a finer set and cheaper levels: lattice levels (the paper's MEE levels
+  with ``level_set="mee"``), hierarchical 16/256 scales, correlated rounding, a
+  5-bit budget counting all metadata.
 
   Args:
     bits: all-in budget in bits per coordinate (payload, scales, statistics
