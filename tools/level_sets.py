@@ -22,16 +22,17 @@ import sys
 import time
 
 
-def main(argv=None):
+def main(argv=None) -> list[dict]:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--seeds", type=int, default=4, help="rounding seeds per family")
   p.add_argument("--cache", default=os.path.expanduser("~/.cache/dynamiq_jax"),
                  help="where the LMs' captured gradients are kept")
   p.add_argument("--json", default=None, help="write the results here")
+  p.add_argument("--tiny", action="store_true", help="smoke-test size (iid only, 2^14 "
+                 "coordinates, one small LM, one seed): the tests")
   args = p.parse_args(argv)
 
   import jax
-  jax.config.update("jax_num_cpu_devices", 8)
   import numpy as np
 
   from dynamiq_jax.bench import vnmse as V
@@ -39,16 +40,18 @@ def main(argv=None):
   from dynamiq_jax.codecs import DynamiQ
 
   codecs = {s: DynamiQ(bits=5, level_set=s) for s in ("mee", "lattice")}
+  d, seeds, kinds = ((1 << 14, (0,), ("iid",)) if args.tiny else
+                     (1 << 20, (0, 1), ("iid", "heavy")))
   families = [(f"{ds}/seed{seed}", lambda ds=ds, seed=seed: paper_model_gradients(
-      ds, 8, 1 << 20, seed)) for ds in ("iid", "heavy") for seed in (0, 1)]
-  grads, _, _ = V.lm_gradients(args.cache)
+      ds, 8, d, seed)) for ds in kinds for seed in seeds]
+  grads, _, _ = V.lm_gradients(args.cache or None, tiny=args.tiny)
   families += [(f"{tag}@{step}", lambda g=g: np.asarray(g)[:8])
                for (tag, step), g in sorted(grads.items())]
   rows = []
   start = time.time()
   for name, data in families:
     g = data()
-    v = {s: V.measure(c, g, seeds=args.seeds) for s, c in codecs.items()}
+    v = {s: V.measure(c, g, seeds=1 if args.tiny else args.seeds) for s, c in codecs.items()}
     rows.append(dict(family=name, mee=v["mee"], lattice=v["lattice"],
                      ratio=v["lattice"] / v["mee"]))
     print(f"{name:14s} mee {v['mee']:.4e}  lattice {v['lattice']:.4e}  "
@@ -60,7 +63,10 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(info, rows=rows), f, indent=1)
+  return rows
 
 
 if __name__ == "__main__":
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)  # the simulated ring of 8
   main()
