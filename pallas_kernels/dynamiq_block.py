@@ -262,10 +262,13 @@ def _lt_mask(a, b):
 
 
 def _mul_add_rounded(a, b, c):
-  """``a b + c`` with the product rounded first (two roundings), for ``a b >= 0``: the
-  maximum with 0 changes no value but keeps a compiler from fusing the product and
-  the sum into one ``fma`` (XLA:CPU does at its default optimisation level)."""
-  return jnp.maximum(a * b, np.float32(0.0)) + c
+  """``max(a b, 0) + c`` with the product rounded first (two roundings), where a NaN
+  product counts as 0 (IEEE maxNum, as the GPU's ``max.f32``), for ``a b >= 0``. The
+  maximum also keeps a compiler from fusing the product and the sum into one ``fma``
+  (XLA:CPU does at its default optimisation level), and a non-finite element (whose
+  super-group has ``rs = 0``: infinity times 0) gets the same code everywhere instead
+  of one made from a NaN's bits, which backends set differently."""
+  return jnp.fmax(a * b, np.float32(0.0)) + c
 
 
 def _or_unless(z, bits, neg):
@@ -508,6 +511,33 @@ _RECIPROCALS.setflags(write=False)
 _MANTISSA_AT = 256  # where reciprocal_tables() has RD(1 / (1 + f / 128))
 
 
+def reciprocal_of_index(i):
+  """``reciprocal_tables()[i]`` computed without a gather (a backend without one): ``RD(1
+  / k)`` for ``i = k < 256``, ``RD(128 / (128 + f))`` for ``i = 256 + f``, from the
+  quotient corrected by exact residuals (the divisor has at most 8 significant bits,
+  the quotient is split into two 12-bit halves: every product and difference exact)."""
+  i = jnp.asarray(i).astype(jnp.int32)
+  is_k = i < _MANTISSA_AT
+  n = jnp.where(is_k, np.float32(1.0), np.float32(128.0))
+  d = jnp.where(is_k, i, i - _MANTISSA_AT + 128).astype(jnp.float32)
+  d = jnp.where(d > 0, d, np.float32(1.0))
+  step = lambda q, by: jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(q, jnp.int32) + by, jnp.float32)
+
+  def residual(q):  # n - q d, exactly
+    hi = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(q, jnp.uint32) & np.uint32(0xFFFFF000), jnp.float32)
+    return (n - hi * d) - (q - hi) * d
+
+  q = n / d
+  for _ in range(2):
+    q = jnp.where(residual(q) < 0, step(q, -1), q)
+  for _ in range(2):
+    up = step(q, 1)
+    q = jnp.where(residual(up) >= 0, up, q)
+  return jnp.where(i > 0, q, np.float32(0.0))
+
+
 def _prev_float(v):
   """The float32 below ``v`` for ``v > 0`` (``v`` where it is 0)."""
   bits = jax.lax.bitcast_convert_type(v, jnp.int32)
@@ -560,10 +590,15 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
   """
   _, _, top = lattice_consts(widths)
   top_kmax = top * np.float32(_K_MAX)  # exact: 15 significant bits at most
+  # a super-group with a NaN or an infinity (its maximum is not below infinity) gets k =
+  # 0 and rs = 0 (k is made 0 before it becomes a table index: a NaN's integer is each
+  # backend's own); so does an all-zero one
+  amax = jnp.max(gmax, axis=-1)
+  live = lambda v: ((v > 0) & (amax < np.float32(np.inf)))[:, None]
   if scale_rounding == "up":
-    sg_scale = _ceil_div_bf16_by(jnp.max(gmax, axis=-1), top_kmax, div)
+    sg_scale = _ceil_div_bf16_by(amax, top_kmax, div)
     vt = (sg_scale * top)[:, None]  # exact
-    k = ceil_quotient(gmax, vt, _K_MAX, div)
+    k = jnp.where(live(sg_scale), ceil_quotient(gmax, vt, _K_MAX, div), 0.0)
     rs = lattice_reciprocal(k.astype(jnp.int32), jnp.broadcast_to(sg_scale[:, None], k.shape),
                             recip)
   else:
@@ -575,8 +610,8 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
     u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
     k = kf + ((u * vt < g - kf * vt) & (kf < _K_MAX)).astype(jnp.float32)
     rs = lattice_reciprocal(jnp.broadcast_to(top[:, None], g.shape), g, recip)
-  live = (sg_scale > 0)[:, None]
-  return jnp.where(live, k, 0.0), sg_scale, jnp.where(live & (gmax > 0), rs, 0.0)
+  ok = live(sg_scale)
+  return jnp.where(ok, k, 0.0), sg_scale, jnp.where(ok & (gmax > 0), rs, 0.0)
 
 
 def _ceil_div_bf16_by(v, c, div=None):

@@ -58,6 +58,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -116,17 +117,9 @@ def interpret_params(detect_races: bool = True):
 
 
 def _eps_key(eps):
-  """eps (a dict or ``(width, eps)`` pairs) as a hashable, sorted tuple of pairs.
-
-  Raises:
-    NotImplementedError: for the lattice levels (:data:`~pallas_kernels.dynamiq_block.LATTICE`),
-      which these kernels do not implement yet: the dispatch then takes the next backend."""
-  key = B.level_key(eps)
-  if key == B.LATTICE:
-    raise NotImplementedError(
-        "the Mosaic GPU kernels implement the MEE levels only (level_set='mee'), not the "
-        "lattice levels; use implementation=None (Triton's kernel, else the reference)")
-  return key
+  """The level set (:data:`~pallas_kernels.dynamiq_block.LATTICE`, or MEE eps: a dict or
+  ``(width, eps)`` pairs) as a hashable static argument."""
+  return B.level_key(eps)
 
 
 def _plane_table(widths, units: int):
@@ -198,8 +191,8 @@ def _decode_rows(u_s, k_s, sc_s, w_s, ptab_s, s0, *, tabs: B.LevelTables, planes
     r = 2 ** (w - 1) - 1
     levels = [float(v) for v in tabs.table[tabs.base[i]:tabs.base[i] + r + 1]]
     top = (codes >> jnp.uint32(w - 1)) & jnp.uint32(1)
-    m = codes & jnp.uint32(r)
-    mag = _select_tree(jnp.where(top == 1, m, jnp.uint32(r) - m), levels)
+    m = codes & jnp.uint32(r)  # the lattice's codes are sign and magnitude
+    mag = _select_tree(m if tabs.lattice else jnp.where(top == 1, m, jnp.uint32(r) - m), levels)
     val = jnp.where(top == 1, mag, -mag)
     lam = val if lam is None else jnp.where(wid == w, val, lam)
   return lam * scale
@@ -413,6 +406,11 @@ def _encode_rows(x, w_s, key_s, out_s, vs_s, s0, *, tabs: B.LevelTables, planes:
   rank = key_s[4].astype(jnp.int32)
   kmax = B._K_MAX  # pylint: disable=protected-access
   div_up = B._ceil_div_bf16  # pylint: disable=protected-access
+  if tabs.lattice:
+    _encode_rows_lattice(x, w_s, out_s, vs_s, (gl, gr), keys, rank, col=col, row_sg=row_sg,
+                         grow=grow, left=left, planes=planes, strata=strata,
+                         scale_rounding=scale_rounding)
+    return
   if scale_rounding == "up":
     v = div_up(_segment_max(jnp.maximum(gl, gr), vs_s, col), float(kmax))
     ks = [B.ceil_quotient(g, v, kmax, ceil=_ceil) for g in (gl, gr)]
@@ -451,6 +449,62 @@ def _encode_rows(x, w_s, key_s, out_s, vs_s, s0, *, tabs: B.LevelTables, planes:
                        levels=lambda i: _select_tree(i, lev))
   codes = (r + 1 + (lvl ^ neg)).astype(jnp.uint32)
 
+  for p in range(planes):
+    codes_s[p] = jnp.sum(((codes >> jnp.uint32(p)) & jnp.uint32(1)) << col, axis=1)
+  k_s[...] = (ks[0].astype(jnp.uint32) | (ks[1].astype(jnp.uint32) << jnp.uint32(8))).astype(
+      jnp.uint16)
+  v_s[...] = (lax.bitcast_convert_type(v, jnp.uint32) >> jnp.uint32(16)).astype(jnp.uint16)
+
+
+def _encode_rows_lattice(x, w_s, out_s, vs_s, gmax, keys, rank, *, col, row_sg, grow, left,
+                         planes: int, strata: int, scale_rounding: str):
+  """:func:`_encode_rows` with the lattice levels (``gmax``: each row's two group maxima):
+  the reference's :func:`~pallas_kernels.dynamiq_block.lattice_scales` arithmetic per row,
+  the reciprocals computed (:func:`~pallas_kernels.dynamiq_block.reciprocal_of_index`: no
+  gather), the draws and the rounding of the block arithmetic."""
+  codes_s, k_s, v_s = out_s
+  shape = x.shape
+  bcast = lambda v: lax.broadcast_in_dim(v, shape, (0,))
+  kmax = B._K_MAX  # pylint: disable=protected-access
+  w_row = _row_vector([w_s[i] for i in range(BLOCK)], row_sg, jnp.int32)
+  _, _, top = B.lattice_consts(w_row)
+  top_kmax = top * jnp.float32(kmax)
+  div_by = B._ceil_div_bf16_by  # pylint: disable=protected-access
+  recip = B.reciprocal_of_index
+  gl, gr = gmax
+  amax = _segment_max(jnp.maximum(gl, gr), vs_s, col)  # NaN or infinite: not live
+  if scale_rounding == "up":
+    v = div_by(amax, top_kmax)
+    vt = v * top  # exact
+    finite = (v > 0) & (amax < jnp.float32(jnp.inf))
+    ks = [jnp.where(finite, B.ceil_quotient(g, vt, kmax, ceil=_ceil), jnp.float32(0))
+          for g in (gl, gr)]
+    rss = [B.lattice_reciprocal(k.astype(jnp.int32), v, recip) for k in ks]
+  else:
+    gs = [B._ceil_div_bf16(g, 1.0) for g in (gl, gr)]  # pylint: disable=protected-access
+    v = div_by(_segment_max(jnp.maximum(*gs), vs_s, col), top_kmax)
+    vt = v * top
+    k0, k1 = keys[0], keys[1]
+    ks, rss = [], []
+    for h, g in enumerate(gs):
+      kf = B.floor_quotient(g, vt, kmax, floor=_floor)
+      group_idx = grow * jnp.uint32(2) + jnp.uint32(h)
+      u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1,
+                                       group_idx))
+      ks.append(kf + ((u * vt < g - kf * vt) & (kf < kmax)).astype(jnp.float32))
+      rss.append(B.lattice_reciprocal(top, g, recip))
+  live = (v > 0) & (amax < jnp.float32(jnp.inf))  # no NaN or infinity in the super-group
+  ks = [jnp.where(live, k, jnp.float32(0)) for k in ks]
+  rss = [jnp.where(live & (g > 0), rs, jnp.float32(0)) for rs, g in zip(rss, (gl, gr))]
+  rs = jnp.where(left, bcast(rss[0]), bcast(rss[1]))
+  field, sign_at, _ = (bcast(c) for c in B.lattice_consts(w_row))
+  neg = B.sign_mask(x)
+  idx = bcast(grow) * jnp.uint32(32) + col
+  draws = rng.lattice_draws(keys, rank, strata, group=idx >> jnp.uint32(4),
+                            lane=col & jnp.uint32(15), neg=neg, field=field)
+  y0 = np.float32(B.LATTICE_Y0)
+  codes = B.round_lattice(jnp.abs(x), rs, y0, y0.view(np.uint32), field, draws, MOSAIC_OPS,
+                          sign_at=sign_at, neg=neg)
   for p in range(planes):
     codes_s[p] = jnp.sum(((codes >> jnp.uint32(p)) & jnp.uint32(1)) << col, axis=1)
   k_s[...] = (ks[0].astype(jnp.uint32) | (ks[1].astype(jnp.uint32) << jnp.uint32(8))).astype(

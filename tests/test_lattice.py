@@ -55,6 +55,11 @@ def test_reciprocal_tables_are_rounded_down():
   assert t[0] == 0
 
 
+def test_the_reciprocals_without_a_gather_equal_the_tables():
+  got = np.asarray(jax.jit(B.reciprocal_of_index)(jnp.arange(384)))
+  np.testing.assert_array_equal(got.view(np.uint32), B.reciprocal_tables().view(np.uint32))
+
+
 def test_the_scale_reciprocal_is_below_and_close():
   """rs <= 1 / (k den) for every k (the "up" rounding) or rs <= num / den for a float
   numerator (the "stochastic" one), within 2^-21, for bf16 scales in [2^-126, 2^117]."""

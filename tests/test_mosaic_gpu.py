@@ -32,6 +32,7 @@ from _helpers import Jitted, lower_for
 RJ = Jitted(R)  # the references, each call one compiled program (not op by op)
 
 EPS = {2: 0.23, 4: 0.18, 8: 0.10}
+LATTICE = "lattice"  # the default level set
 WS6 = (2, 3, 4, 5, 6, 8)
 WS3 = (2, 4, 8)
 MOSAIC = re.compile(r"custom_call @mosaic_gpu")  # a Mosaic GPU kernel in StableHLO
@@ -150,19 +151,19 @@ def test_decode_kernels_equal_the_reference(case):
   _check_decode(case)
 
 
-def _check_decode(case):
+def _check_decode(case, eps=EPS):
   width_set, s, kind, room, dtype, payload = case
   x, widths = _chunk(s, s, width_set, kind, dtype)
   units = max(int(np.sum(np.asarray(widths))) + room, 0)
-  geo = dict(eps=EPS, width_set=width_set)
+  geo = dict(eps=eps, width_set=width_set)
   pay = _random_payload(s, s, units, edge=payload == "edge")
   if payload == "edge":
     x = x.at[3, 40].set(jnp.nan).at[4, 7].set(-jnp.inf)
   planar = P.to_planar(pay, s, units)
-  _same(M.decompress_planar(planar, widths, units, eps=EPS, width_set=width_set,
+  _same(M.decompress_planar(planar, widths, units, eps=eps, width_set=width_set,
                             interpret=True),
         RJ.decompress_reference(pay, widths, units, **geo))
-  _same(M.decompress_accumulate_planar(planar, x, widths, units, eps=EPS,
+  _same(M.decompress_accumulate_planar(planar, x, widths, units, eps=eps,
                                        width_set=width_set, interpret=True),
         RJ.decompress_accumulate_reference(pay, x, widths, units, **geo))
 
@@ -222,12 +223,12 @@ def test_encode_kernels_equal_the_reference(case):
   _check_encode(case)
 
 
-def _check_encode(case):
+def _check_encode(case, eps=EPS):
   width_set, s, dtype = case
   x, widths = _chunk(s, s, width_set, "mixed", dtype)
   x = x.at[3, 40].set(jnp.nan).at[4, 7].set(-jnp.inf)
   units = int(np.sum(np.asarray(widths))) + 3
-  geo = dict(eps=EPS, width_set=width_set)
+  geo = dict(eps=eps, width_set=width_set)
   enc = dict(keys=_keys(1), rank=5, strata=8, scale_rounding="stochastic", **geo)
   pay = RJ.compress_reference(x, widths, units, **enc)
   _same(P.from_planar(M.compress_planar(x, widths, units, **enc, interpret=True), s,
@@ -238,6 +239,14 @@ def _check_encode(case):
   _same(P.from_planar(M.decompress_accumulate_recompress_planar(
       P.to_planar(pay, s, units), y, widths, units, **hop, interpret=True), s, units),
         RJ.decompress_accumulate_recompress_reference(pay, y, widths, units, **hop))
+
+
+@needs_interpret
+def test_lattice_kernels_equal_the_reference():
+  """The lattice levels (the default): compress, the ring hop (8 and 3 strata, both scale
+  roundings) and the decodes, as the MEE cases above."""
+  _check_encode(ENCODE_CASES[0], eps=LATTICE)
+  _check_decode(next(c for c in CASES if not hasattr(c, "marks")), eps=LATTICE)
 
 
 def test_implementation_mosaic_forces_the_mosaic_kernels():
@@ -295,6 +304,7 @@ def test_kernels_lower_for_cuda():
   # (decompress_accumulate is decompress's body and an add: the ring hop covers both)
   fns = [(lambda p, w: M.decompress_planar(p, w, units, eps=eps), (p, w)),
          (lambda x, w: M.compress_planar(x, w, units, **enc), (x, w)),
+         (lambda x, w: M.compress_planar(x, w, units, **dict(enc, eps=LATTICE)), (x, w)),
          (lambda p, x, w: M.decompress_accumulate_recompress_planar(p, x, w, units, **enc),
           (p, x, w))]
   for f, args in fns:
