@@ -111,8 +111,8 @@ SASS_PER_COORDINATE = {
 """The most static SASS instructions per coordinate each kernel of the default codec
 (lattice levels, plane_bits 1, widths 2-8) may take at the kernels' default launch on
 an H100: today's counts, the larger of the two jax versions CI runs, rounded up
-(``python tools/sass_count.py``; jax 0.10.2: 33.8, 46.7, 15.9, 17.4; jax 0.12: 34.8,
-47.7, 16.2, 18.2), so that they cannot grow back unnoticed. The kernels are
+(``python tools/sass_count.py``; jax 0.10.2: 33.6, 46.4, 15.9, 17.4; jax 0.12: 34.6,
+47.4, 16.2, 18.2), so that they cannot grow back unnoticed. The kernels are
 straight-line code, so each thread issues every static instruction once for its
 ``BLOCK * 256 / (32 * NUM_WARPS)`` coordinates."""
 
