@@ -1,6 +1,6 @@
 """Error statistics of DynamiQ's rounding draws: what a change of the draws must keep.
 
-    python tools/draw_stats.py        # one JSON line; about 2 minutes on 2 cores
+    python tools/draw_stats.py [--level-set mee]   # one JSON line; about 2 minutes on 2 cores
 
 Run it before and after a change to the random draws (``pallas_kernels.rng``,
 ``dynamiq_block.uniforms``) and compare: DynamiQ 5b on the authors'
@@ -35,10 +35,20 @@ def _many_keys(codec, draws):
   return allreduce_over_keys(codec, paper_model_gradients("heavy", N, 1 << 14, 3), draws)
 
 
-def main():
+def main(argv=None):
+  import argparse
+
   import numpy as np
 
-  from dynamiq_jax.codecs import DynamiQ
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--level-set", default="lattice", choices=["lattice", "mee"],
+                 help="DynamiQ's level set (default: the codec's, lattice)")
+  level_set = p.parse_args(argv).level_set
+
+  import functools
+
+  from dynamiq_jax.codecs import DynamiQ as _DynamiQ
+  DynamiQ = functools.partial(_DynamiQ, level_set=level_set)
 
   out = {}
   seeds = (0, 1, 2, 3)
