@@ -418,15 +418,7 @@ def _encode_rows(x, w_s, key_s, out_s, vs_s, s0, *, tabs: B.LevelTables, planes:
   else:
     gs = [div_up(g, 1.0) for g in (gl, gr)]
     v = div_up(_segment_max(jnp.maximum(*gs), vs_s, col), float(kmax))
-    k0, k1 = keys[0], keys[1]
-    ks, ss = [], []
-    for h, g in enumerate(gs):
-      kf = B.floor_quotient(g, v, kmax, floor=_floor)
-      group_idx = grow * jnp.uint32(2) + jnp.uint32(h)
-      u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1,
-                                       group_idx))
-      ks.append(kf + ((u * v < g - kf * v) & (kf < kmax)).astype(jnp.float32))
-      ss.append(g)
+    ks, ss = _stochastic_ks(gs, v, grow, keys), gs
   live = v > 0
   ks = [jnp.where(live, k, jnp.float32(0)) for k in ks]
   s = jnp.where(left, bcast(ss[0]), bcast(ss[1]))
@@ -454,6 +446,21 @@ def _encode_rows(x, w_s, key_s, out_s, vs_s, s0, *, tabs: B.LevelTables, planes:
   k_s[...] = (ks[0].astype(jnp.uint32) | (ks[1].astype(jnp.uint32) << jnp.uint32(8))).astype(
       jnp.uint16)
   v_s[...] = (lax.bitcast_convert_type(v, jnp.uint32) >> jnp.uint32(16)).astype(jnp.uint16)
+
+
+def _stochastic_ks(gs, unit, grow, keys):
+  """Each row's two ``k`` (groups ``2 row + h``) rounded stochastically so that ``E[k unit]
+  = g`` (:func:`~pallas_kernels.dynamiq_block.scales`' ``"stochastic"`` rounding, exact
+  products), from the rows' bf16 group maxima ``gs``."""
+  kmax = B._K_MAX  # pylint: disable=protected-access
+  k0, k1 = keys[0], keys[1]
+  ks = []
+  for h, g in enumerate(gs):
+    kf = B.floor_quotient(g, unit, kmax, floor=_floor)
+    group_idx = grow * jnp.uint32(2) + jnp.uint32(h)
+    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
+    ks.append(kf + ((u * unit < g - kf * unit) & (kf < kmax)).astype(jnp.float32))
+  return ks
 
 
 def _encode_rows_lattice(x, w_s, out_s, vs_s, gmax, keys, rank, *, col, row_sg, grow, left,
@@ -484,15 +491,8 @@ def _encode_rows_lattice(x, w_s, out_s, vs_s, gmax, keys, rank, *, col, row_sg, 
     gs = [B._ceil_div_bf16(g, 1.0) for g in (gl, gr)]  # pylint: disable=protected-access
     v = div_by(_segment_max(jnp.maximum(*gs), vs_s, col), top_kmax)
     vt = v * top
-    k0, k1 = keys[0], keys[1]
-    ks, rss = [], []
-    for h, g in enumerate(gs):
-      kf = B.floor_quotient(g, vt, kmax, floor=_floor)
-      group_idx = grow * jnp.uint32(2) + jnp.uint32(h)
-      u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1,
-                                       group_idx))
-      ks.append(kf + ((u * vt < g - kf * vt) & (kf < kmax)).astype(jnp.float32))
-      rss.append(B.lattice_reciprocal(top, g, recip))
+    ks = _stochastic_ks(gs, vt, grow, keys)
+    rss = [B.lattice_reciprocal(top, g, recip) for g in gs]
   live = (v > 0) & (amax < jnp.float32(jnp.inf))  # no NaN or infinity in the super-group
   ks = [jnp.where(live, k, jnp.float32(0)) for k in ks]
   rss = [jnp.where(live & (g > 0), rs, jnp.float32(0)) for rs, g in zip(rss, (gl, gr))]
