@@ -152,5 +152,8 @@ def test_the_codec_takes_a_level_set():
   assert DynamiQ(level_set="mee").level_spec == DynamiQ().eps
   with pytest.raises(ValueError, match="level_set='uniform' must be 'lattice' or 'mee'"):
     DynamiQ(level_set="uniform")
+  with pytest.raises(ValueError, match="pass level_set='mee' with it"):
+    DynamiQ(eps={4: 0.2})  # silently unused otherwise
+  assert DynamiQ(eps={4: 0.2}, level_set="mee").level_spec == ((4, 0.2),)
   errs = DynamiQ().width_errors()
   assert all(errs[a] > errs[b] for a, b in zip(sorted(errs), sorted(errs)[1:]))

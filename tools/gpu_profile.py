@@ -35,7 +35,7 @@ def main(argv=None):
   import jax.numpy as jnp
   import numpy as np
 
-  from dynamiq_jax.codecs.dynamiq import DEFAULT_EPS
+  from dynamiq_jax.codecs.dynamiq import DynamiQ
   from pallas_kernels import dynamiq_mosaic as M
   from pallas_kernels import dynamiq_planar as P
   from pallas_kernels import dynamiq_reference as R
@@ -48,7 +48,7 @@ def main(argv=None):
   widths = jnp.full((s_count,), args.width, jnp.int32)
   x = jax.random.normal(jax.random.key(0), (s_count, 256), jnp.float32).astype(jnp.bfloat16)
   keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
-  geo = dict(eps=DEFAULT_EPS, plane_bits=R.PLANE_BITS, width_set=R.WIDTH_SET)
+  geo = dict(eps=DynamiQ().level_spec, plane_bits=R.PLANE_BITS, width_set=R.WIDTH_SET)
   payload = jax.block_until_ready(
       R.compress_reference(x, widths, units, keys=keys, strata=8, **geo))
   runs = []
@@ -66,7 +66,7 @@ def main(argv=None):
     ]
   if not args.no_mosaic:
     planar = jax.block_until_ready(P.to_planar(payload, s_count, units, R.PLANE_BITS))
-    mgeo = dict(eps=DEFAULT_EPS, width_set=R.WIDTH_SET)
+    mgeo = dict(eps=DynamiQ().level_spec, width_set=R.WIDTH_SET)
     runs += [
         ("mosaic compress", jax.jit(lambda x: M.compress_planar(
             x, widths, units, keys=keys, strata=8, **mgeo)), (x,)),

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--tiny", action="store_true", help="smoke-test sizes (CI)")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   p.add_argument("--gpu", action="store_true", help="fail unless a GPU runs the kernels")
+  p.add_argument("--level-set", default="lattice", choices=["lattice", "mee"],
+                 help="DynamiQ's levels (the codec's level_set; default: the codec's)")
   p.add_argument("--impls", default=",".join(IMPLS),
                  help="comma-separated implementations timed (mosaic ones on a GPU only)")
   p.add_argument("--sweep", action="store_true",
@@ -264,7 +266,7 @@ def main(argv=None):
   import jax.numpy as jnp
 
   from dynamiq_jax.bench import common
-  from dynamiq_jax.codecs.dynamiq import DEFAULT_EPS
+  from dynamiq_jax.codecs.dynamiq import DynamiQ
   from pallas_kernels import dynamiq as K
   from pallas_kernels import dynamiq_mosaic as M
   from pallas_kernels import dynamiq_planar as P
@@ -279,7 +281,8 @@ def main(argv=None):
              "without --gpu for an interpret-mode run (--tiny: a smoke test)")
   sizes, dtype, kind, timed, copy_gbs = _setup(args)
   print(f"{kind}: copy bandwidth {copy_gbs:.1f} GB/s", file=sys.stderr, flush=True)
-  geo = dict(eps=DEFAULT_EPS, plane_bits=R.PLANE_BITS, width_set=R.WIDTH_SET)
+  levels = DynamiQ(level_set=args.level_set).level_spec
+  geo = dict(eps=levels, plane_bits=R.PLANE_BITS, width_set=R.WIDTH_SET)
   interpret = None if on_gpu else True
 
   def keys_of(i):
@@ -295,6 +298,7 @@ def main(argv=None):
         "command": common.command_line(), "machine": common.machine(), "device_kind": kind,
         "backend": jax.default_backend(), "interpret": not on_gpu, "local_dtype": args.dtype,
         "width_set": list(R.WIDTH_SET), "plane_bits": R.PLANE_BITS, "strata": 8,
+        "level_set": args.level_set,
         "copy_gbs": copy_gbs, "reps": args.reps, "repeats": args.repeats,
         "complete": complete, **more, "results": rows}, strict=args.strict)
 
@@ -361,7 +365,7 @@ def main(argv=None):
         if "mosaic" in impls:  # Mosaic GPU's kernels, on planar payloads
           s_count = widths.shape[0]
           planar = P.to_planar(payload, s_count, units, R.PLANE_BITS)
-          mgeo = dict(eps=DEFAULT_EPS, width_set=R.WIDTH_SET)
+          mgeo = dict(eps=levels, width_set=R.WIDTH_SET)
           mosaic = {
               "compress": (lambda i, x: M.compress_planar(x, widths, units, keys=keys_of(i),
                                                           strata=8, **mgeo), (x,)),

@@ -188,6 +188,9 @@ class DynamiQ(Codec):
     eps = _as_pairs(self.eps, "eps")
     if not eps or any(not 0.0 < e < 1.0 for _, e in eps):
       raise ValueError(f"eps={self.eps!r} must give each width an eps in (0, 1)")
+    if self.level_set == "lattice" and eps != _as_pairs(DEFAULT_EPS, "eps"):
+      raise ValueError(f"eps={self.eps!r} sets the MEE levels, which level_set='lattice' "
+                       "does not use: pass level_set='mee' with it, or drop eps")
     set_("widths", widths)
     set_("eps", eps)
 
