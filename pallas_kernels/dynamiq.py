@@ -112,11 +112,6 @@ plane_table = T.plane_table
 (an allocation's counts, ascending widths): :func:`pallas_kernels.dynamiq_triton.plane_table`."""
 
 
-def _eps_key(eps):
-  """eps as a hashable, sorted tuple of (width, eps) pairs (a dict is converted)."""
-  return B.level_key(eps)
-
-
 def compress(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1, scale_rounding="up",
              plane_bits: int = R.PLANE_BITS, width_set=R.WIDTH_SET,
              ptab=None, implementation: D.Implementation = None, interpret: bool | None = None):
@@ -147,10 +142,10 @@ def compress(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1, scale
   """
   return D.dispatch("compress",
                     _kernels(T.compress_pallas, _without_ptab(M.compress_mosaic), x, False, True,
-                             eps=_eps_key(eps), strata=strata, scale_rounding=scale_rounding,
+                             eps=B.level_key(eps), strata=strata, scale_rounding=scale_rounding,
                              plane_bits=plane_bits, width_set=tuple(width_set)),
                     _without_ptab(R.compress_reference), implementation,
-                    interpret, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
+                    interpret, x, widths, units, eps=B.level_key(eps), keys=keys, rank=rank,
                     strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
                     width_set=tuple(width_set), ptab=ptab)
 
@@ -161,10 +156,10 @@ def decompress(payload, widths, units: int, *, eps, plane_bits: int = R.PLANE_BI
   """Decodes a chunk payload (see :func:`compress`) to float32 [S, 256]."""
   return D.dispatch("decompress",
                     _kernels(T.decompress_pallas, _without_ptab(M.decompress_mosaic), None, True,
-                             False, eps=_eps_key(eps), plane_bits=plane_bits,
+                             False, eps=B.level_key(eps), plane_bits=plane_bits,
                              width_set=tuple(width_set)),
                     _without_ptab(R.decompress_reference), implementation,
-                    interpret, payload, widths, units, eps=_eps_key(eps),
+                    interpret, payload, widths, units, eps=B.level_key(eps),
                     plane_bits=plane_bits, width_set=tuple(width_set), ptab=ptab)
 
 
@@ -175,10 +170,10 @@ def decompress_accumulate(payload, x, widths, units: int, *, eps, plane_bits: in
   return D.dispatch("decompress_accumulate",
                     _kernels(T.decompress_accumulate_pallas,
                              _without_ptab(M.decompress_accumulate_mosaic),
-                             x, True, False, eps=_eps_key(eps), plane_bits=plane_bits,
+                             x, True, False, eps=B.level_key(eps), plane_bits=plane_bits,
                              width_set=tuple(width_set)),
                     _without_ptab(R.decompress_accumulate_reference), implementation, interpret,
-                    payload, x, widths, units, eps=_eps_key(eps), plane_bits=plane_bits,
+                    payload, x, widths, units, eps=B.level_key(eps), plane_bits=plane_bits,
                     width_set=tuple(width_set), ptab=ptab)
 
 
@@ -192,11 +187,12 @@ def decompress_accumulate_recompress(payload, x, widths, units: int, *, eps, key
   return D.dispatch("decompress_accumulate_recompress",
                     _kernels(T.decompress_accumulate_recompress_pallas,
                              _without_ptab(M.decompress_accumulate_recompress_mosaic), x, True,
-                             True, eps=_eps_key(eps), strata=strata, scale_rounding=scale_rounding,
-                             plane_bits=plane_bits, width_set=tuple(width_set)),
+                             True, eps=B.level_key(eps), strata=strata,
+                             scale_rounding=scale_rounding, plane_bits=plane_bits,
+                             width_set=tuple(width_set)),
                     _without_ptab(R.decompress_accumulate_recompress_reference), implementation,
-                    interpret, payload, x, widths, units, eps=_eps_key(eps), keys=keys, rank=rank,
-                    strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
+                    interpret, payload, x, widths, units, eps=B.level_key(eps), keys=keys,
+                    rank=rank, strata=strata, scale_rounding=scale_rounding, plane_bits=plane_bits,
                     width_set=tuple(width_set), ptab=ptab)
 
 
@@ -236,7 +232,7 @@ def decompress_many(payloads, widths, units: int, *, eps, plane_bits: int = R.PL
   :func:`compress`) to float32 [n, S, 256]: one Triton launch whose grid covers every
   payload's super-groups (Mosaic GPU: one launch per payload; the reference: as
   :func:`decompress` of each). The same bits as :func:`decompress` of each payload."""
-  geo = dict(eps=_eps_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
+  geo = dict(eps=B.level_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
   return D.dispatch("decompress_many",
                     D.Kernels(T.decompress_many_pallas, _without_ptab(_many_mosaic),
                               functools.partial(_probe_many, False, **geo)),
@@ -264,7 +260,7 @@ def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
   a codec's finish in one Triton launch, the same bits as :func:`decompress` of each
   payload, then the gather and the sum
   (:func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`)."""
-  geo = dict(eps=_eps_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
+  geo = dict(eps=B.level_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
   return D.dispatch("decompress_rows",
                     D.Kernels(T.decompress_rows_pallas, _without_ptab(_rows_mosaic),
                               functools.partial(_probe_many, True, **geo)),
@@ -290,7 +286,7 @@ def decompress_sum(payloads, widths, units: int, *, eps, plane_bits: int = R.PLA
   in rank order: float32 [S, 256], one Triton launch that keeps the sum in registers
   (Mosaic GPU: a decode and ``n - 1`` decode-adds). The bits of :func:`decompress` of
   payload 0 followed by :func:`decompress_accumulate` of each next one."""
-  geo = dict(eps=_eps_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
+  geo = dict(eps=B.level_key(eps), plane_bits=plane_bits, width_set=tuple(width_set))
   return D.dispatch("decompress_sum",
                     D.Kernels(T.decompress_sum_pallas, _without_ptab(_sum_mosaic),
                               functools.partial(_probe_many, False, **geo)),

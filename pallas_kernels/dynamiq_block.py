@@ -53,7 +53,8 @@ from pallas_kernels import rng
 
 __all__ = [
     "SUPERGROUP", "GROUP", "GUESS_OFFSET", "level_table", "eps_for", "LevelTables",
-    "level_tables", "level_key", "LATTICE", "lattice_table", "BlockOps", "REFERENCE_OPS", "sign_mask", "ceil_quotient",
+    "level_tables", "level_key", "LATTICE", "lattice_table", "BlockOps", "REFERENCE_OPS",
+    "sign_mask", "ceil_quotient",
     "floor_quotient", "scales", "decoded_scale", "WidthConsts", "round_levels", "encode_block",
     "decode_block",
 ]

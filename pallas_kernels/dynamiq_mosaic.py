@@ -116,12 +116,6 @@ def interpret_params(detect_races: bool = True):
   return plgpu.InterpretGPUParams(detect_races=detect_races, out_of_bounds_reads="uninitialized")
 
 
-def _eps_key(eps):
-  """The level set (:data:`~pallas_kernels.dynamiq_block.LATTICE`, or MEE eps: a dict or
-  ``(width, eps)`` pairs) as a hashable static argument."""
-  return B.level_key(eps)
-
-
 def _plane_table(widths, units: int):
   """int32 [16]: ``off_p`` for p < 8, then the units used; each at most ``units``."""
   have = (widths[:, None] > jnp.arange(8, dtype=jnp.int32)[None, :]).astype(jnp.int32)
@@ -297,7 +291,7 @@ def decompress_planar(planar, widths, units: int, *, eps, plane_bits: int = R.PL
     :func:`~pallas_kernels.dynamiq_reference.decompress_reference` of the
     record payload.
   """
-  return _decode(planar, None, widths, units=units, eps=_eps_key(eps), plane_bits=plane_bits,
+  return _decode(planar, None, widths, units=units, eps=B.level_key(eps), plane_bits=plane_bits,
                  width_set=tuple(width_set), interpret=interpret)
 
 
@@ -306,7 +300,7 @@ def decompress_accumulate_planar(planar, x, widths, units: int, *, eps,
                                  interpret: bool = False):
   """``decompress_planar(planar) + x`` in float32 [S, 256]; ``x`` float32, bfloat16
   or float16 [S, 256] (see :func:`decompress_planar`)."""
-  return _decode(planar, x, widths, units=units, eps=_eps_key(eps), plane_bits=plane_bits,
+  return _decode(planar, x, widths, units=units, eps=B.level_key(eps), plane_bits=plane_bits,
                  width_set=tuple(width_set), interpret=interpret)
 
 
@@ -657,7 +651,7 @@ def compress_planar(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1
     uint8 ``[payload_bytes(S, units, plane_bits)]`` in the planar layout.
   """
   return _compress(x, widths, tuple(jnp.asarray(k, jnp.uint32) for k in keys),
-                   jnp.asarray(rank, jnp.int32), units=units, eps=_eps_key(eps), strata=strata,
+                   jnp.asarray(rank, jnp.int32), units=units, eps=B.level_key(eps), strata=strata,
                    scale_rounding=scale_rounding, plane_bits=plane_bits,
                    width_set=tuple(width_set), interpret=interpret)
 
@@ -676,7 +670,7 @@ def decompress_accumulate_recompress_planar(planar, x, widths, units: int, *, ep
     uint8 ``[payload_bytes(S, units, plane_bits)]`` in the planar layout.
   """
   return _dar(planar, x, widths, tuple(jnp.asarray(k, jnp.uint32) for k in keys),
-              jnp.asarray(rank, jnp.int32), units=units, eps=_eps_key(eps), strata=strata,
+              jnp.asarray(rank, jnp.int32), units=units, eps=B.level_key(eps), strata=strata,
               scale_rounding=scale_rounding, plane_bits=plane_bits, width_set=tuple(width_set),
               interpret=interpret)
 

@@ -329,10 +329,9 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
 
 
 def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
-                 s_count: int, units: int, strata: int, interpret: bool, hop: bool = False):
+                 s_count: int, units: int, strata: int, interpret: bool):
   """Encodes float32 [BLOCK, G, CB, P] (or its halves, :func:`_load_dense`);
-  stores its scale records, planes and its share of the unused units (zeros).
-  ``hop``: the DAR kernel (the k bytes' offsets hidden, :func:`_hidden_one`)."""
+  stores its scale records, planes and its share of the unused units (zeros)."""
   block = cfg.sg
   shape = cfg.block(block)
   group_idx = ((pl.program_id(0) * block + _iota(shape[:2], 0)) * _G
@@ -360,9 +359,9 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
       ops=B.REFERENCE_OPS if interpret else GPU_OPS, group_idx=group_idx,
       levels=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.levels_at + j], jnp.float32),
       recip=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.recip_at + j], jnp.float32))
-  # the k offsets hidden in the hop, not in compress: docs/results/kernels_sass.md
-  one = _hidden_one(ptab_ref, cfg)
-  k_off, k_ok, _, _ = _scale_offsets(cfg, s_count, one)
+  # the k offsets hidden from Triton (docs/results/kernels_sass.md: no layout conversion
+  # through shared memory for the reciprocals' gathers)
+  k_off, k_ok, _, _ = _scale_offsets(cfg, s_count, _hidden_one(ptab_ref, cfg))
   tt.store(out_ref, k_off, k, k_ok)
   # The super-group scale from the thread of each super-group's group 0, in
   # the groups' layout (from the [BLOCK] vector, Triton would convert the
@@ -440,7 +439,7 @@ def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, 
   acc = _read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
                     addend=_load_dense(x_ref, cfg), interpret=interpret)
   _write_chunk(out_ref, acc, widths, keys_ref, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
-               units=units, strata=strata, interpret=interpret, hop=True)
+               units=units, strata=strata, interpret=interpret)
 
 
 def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count, slots, mean,
