@@ -346,13 +346,8 @@ def stratum(h, rank, n: int, *, mulhi=mulhi):
   h = _u32(h)
   i = jnp.asarray(rank).astype(jnp.uint32)
   if q & (q - 1) == 0:
-    k = q.bit_length() - 1
-    alpha0 = mulhi(h, q - 1)  # alpha - 1
-    low = h if k <= 8 else mix32(h)  # beta = low & (q - 1)
-    if k <= 3 and jnp.ndim(i) == 0:  # the row of products with the scalar rank
-      row = _gf_row(i, k) >> jnp.uint32(k)  # field alpha - 1 holds alpha i
-      return (((row >> (alpha0 * jnp.uint32(k))) ^ low) & jnp.uint32(q - 1)).astype(jnp.int32)
-    prod = _gf_mul(alpha0 + jnp.uint32(1), jnp.broadcast_to(i, jnp.shape(h)), k)
+    low = h if q <= 1 << 8 else mix32(h)  # beta = low & (q - 1)
+    prod = alpha_product(h, rank, q, mulhi=mulhi)
     return (prod ^ (low & jnp.uint32(q - 1))).astype(jnp.int32)
   if q * (q - 1) < 1 << 16:
     w = mulhi(h, q * (q - 1))
