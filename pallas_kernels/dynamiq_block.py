@@ -54,7 +54,7 @@ from pallas_kernels import rng
 __all__ = [
     "SUPERGROUP", "GROUP", "GUESS_OFFSET", "level_table", "eps_for", "LevelTables",
     "level_tables", "level_key", "LATTICE", "lattice_table", "BlockOps", "REFERENCE_OPS",
-    "sign_mask", "ceil_quotient",
+    "sign_mask", "ceil_quotient", "stochastic_k",
     "floor_quotient", "scales", "decoded_scale", "WidthConsts", "round_levels", "encode_block",
     "decode_block",
 ]
@@ -121,7 +121,7 @@ class LevelTables:
       for ``c <= R``; every width 2..8 from ``2^w - 4``, whatever the set).
     r, c1, c2, k, c1k: per width ``R``, ``(1 + 2 eps^2)^R - 1``, ``1 /
       log2(1 + 2 eps^2)``, ``2^(-GUESS_OFFSET / c2)`` and ``c1 k`` (the first
-      guess of :func:`round_levels`; ternary widths: 1).
+      guess of :func:`round_levels`; ternary widths: 1; empty for the lattice).
   """
 
   def __init__(self, eps, widths):
@@ -130,18 +130,19 @@ class LevelTables:
     self.widths = tuple(sorted(widths))
     self.lattice = eps == LATTICE
     for w in self.widths:
-      e = 0.23 if self.lattice else eps_for(w, eps)
       rr = 2 ** (w - 1) - 1
-      t = lattice_table(w)[0] if self.lattice else level_table(w, e)
+      t = lattice_table(w)[0] if self.lattice else level_table(w, eps_for(w, eps))
       tabs.append(t)
       base.append(off)
       off += t.size
       r.append(rr)
+      if self.lattice:  # no first guess: the MEE constants stay empty
+        continue
       if rr == 1:  # ternary: j = 0 whatever the guess (clipped to r - 1 = 0)
         c1.append(1.0)
         c2.append(1.0)
       else:
-        qq = 1.0 + 2.0 * e**2
+        qq = 1.0 + 2.0 * eps_for(w, eps)**2
         c1.append(np.float32(qq**rr - 1.0))
         c2.append(np.float32(1.0 / np.log2(qq)))
     self.table = np.concatenate(tabs).astype(np.float32)
@@ -167,7 +168,6 @@ class LevelTables:
     self.c2 = np.array(c2, np.float32)
     self.k = np.exp2(-GUESS_OFFSET / self.c2.astype(np.float64)).astype(np.float32)
     self.c1k = (self.c1.astype(np.float64) * self.k).astype(np.float32)
-    self.top = np.array([t[-1] for t in tabs], np.float32)  # lam_R: 1 for MEE
 
   def select(self, widths, values):
     """Per-super-group constant ``values[index of width]`` (the smallest width's for a
@@ -382,15 +382,22 @@ def scales(a, scale_rounding: str, keys, group_idx, div=None, gmax=None):
     g = _ceil_div_bf16(gmax, float(top))  # bf16-exact, g top >= gmax
     sg_scale = _ceil_div_bf16(jnp.max(g, axis=-1), _K_MAX)
     live = sg_scale > 0
-    v1 = sg_scale[:, None]
-    kf = floor_quotient(g, v1, _K_MAX, div)
-    k0, k1, _, _ = keys
-    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
-    # P(k = kf + 1) = (g - kf V) / V, decided as u V < g - kf V (exact products)
-    k = kf + ((u * v1 < g - kf * v1) & (kf < _K_MAX)).astype(jnp.float32)
+    k = stochastic_k(g, sg_scale[:, None], keys, group_idx, div)
     s = g
   k = jnp.where(live[:, None], k, 0.0)
   return k, sg_scale, s
+
+
+def stochastic_k(g, unit, keys, group_idx, div=None, floor=jnp.floor):
+  """``k`` in [0, 255] rounded stochastically so that ``E[k unit] = g`` (``g`` and ``unit``
+  bf16-exact, ``unit`` with at most 16 significant bits): ``floor(g / unit)``, plus 1
+  with probability ``(g - kf unit) / unit``, decided as ``u unit < g - kf unit`` (exact
+  products; the draw: :data:`~pallas_kernels.rng.Stream.DYNAMIQ_SCALE` at ``group_idx``;
+  ``div``, ``floor`` as :func:`floor_quotient`'s)."""
+  kf = floor_quotient(g, unit, _K_MAX, div, floor=floor)
+  k0, k1 = keys[0], keys[1]
+  u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
+  return kf + ((u * unit < g - kf * unit) & (kf < _K_MAX)).astype(jnp.float32)
 
 
 def decoded_scale(k, sg_scale):
@@ -581,8 +588,8 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
   """The hierarchical scales of lattice levels -> (``k`` f32 [S, G], super-group scale
   ``V`` f32 [S], ``rs`` f32 [S, G]), from the group maxima ``gmax`` [S, G].
 
-  A group decodes as ``lam_l k V`` (``lam_R`` = :attr:`LevelTables.top` ``c``, not 1:
-  ``k V c`` covers the group). ``"up"``: ``V = ceil_bf16(max / (255 c))``, ``k =
+  A group decodes as ``lam_l k V`` (``lam_R`` = ``c``, :func:`lattice_consts`' top level,
+  not 1: ``k V c`` covers the group). ``"up"``: ``V = ceil_bf16(max / (255 c))``, ``k =
   ceil(gmax / (V c))`` (exact products: ``c`` has few bits), and the elements are
   mapped to ``a rs`` with ``rs <= 1 / (k V)`` (:func:`lattice_reciprocal`), so
   ``a rs <= c``. ``"stochastic"``: ``g = ceil_bf16(gmax)``, ``V =
@@ -595,24 +602,21 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
   # 0 and rs = 0 (k is made 0 before it becomes a table index: a NaN's integer is each
   # backend's own); so does an all-zero one
   amax = jnp.max(gmax, axis=-1)
-  live = lambda v: ((v > 0) & (amax < np.float32(np.inf)))[:, None]
   if scale_rounding == "up":
     sg_scale = _ceil_div_bf16_by(amax, top_kmax, div)
-    vt = (sg_scale * top)[:, None]  # exact
-    k = jnp.where(live(sg_scale), ceil_quotient(gmax, vt, _K_MAX, div), 0.0)
-    rs = lattice_reciprocal(k.astype(jnp.int32), jnp.broadcast_to(sg_scale[:, None], k.shape),
-                            recip)
   else:
     g = _ceil_div_bf16(gmax, 1.0)
     sg_scale = _ceil_div_bf16_by(jnp.max(g, axis=-1), top_kmax, div)
-    vt = (sg_scale * top)[:, None]
-    kf = floor_quotient(g, vt, _K_MAX, div)
-    k0, k1, _, _ = keys
-    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
-    k = kf + ((u * vt < g - kf * vt) & (kf < _K_MAX)).astype(jnp.float32)
+  live = ((sg_scale > 0) & (amax < np.float32(np.inf)))[:, None]
+  vt = (sg_scale * top)[:, None]  # exact
+  if scale_rounding == "up":
+    k = jnp.where(live, ceil_quotient(gmax, vt, _K_MAX, div), 0.0)
+    rs = lattice_reciprocal(k.astype(jnp.int32), jnp.broadcast_to(sg_scale[:, None], k.shape),
+                            recip)
+  else:
+    k = jnp.where(live, stochastic_k(g, vt, keys, group_idx, div), 0.0)
     rs = lattice_reciprocal(jnp.broadcast_to(top[:, None], g.shape), g, recip)
-  ok = live(sg_scale)
-  return jnp.where(ok, k, 0.0), sg_scale, jnp.where(ok & (gmax > 0), rs, 0.0)
+  return k, sg_scale, jnp.where(live & (gmax > 0), rs, 0.0)
 
 
 def _ceil_div_bf16_by(v, c, div=None):
@@ -709,17 +713,15 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
     codes = tuple(encode_block(v, widths, idx=i, draw_group=d, lane=l, **one)[0]
                   for v, i, d, l in zip(x, idx, draw_group, lane))
     return codes, found[0].astype(jnp.uint8), found[1]
+  if group_idx is None:
+    group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(GROUP)
   if tabs.lattice:
-    if group_idx is None:
-      group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(GROUP)
     return _encode_lattice(x, widths, tabs, keys=keys, rank=rank, strata=strata,
                            draw_group=draw_group, lane=lane, scale_rounding=scale_rounding,
                            ops=ops, recip=recip, group_idx=group_idx, group_store=group_store,
                            scales_=scales_)
   a = jnp.abs(x)
   a4 = _trailing(a, 4)  # the [S, G, CB, P] view (P = 1 for [S, G, 16])
-  if group_idx is None:
-    group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(GROUP)
   if scales_ is None:
     k, sg_scale, s = scales(a4, scale_rounding, keys, group_idx, ops.div)
   else:

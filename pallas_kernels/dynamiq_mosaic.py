@@ -383,7 +383,6 @@ def _encode_rows(x, w_s, key_s, out_s, vs_s, s0, *, tabs: B.LevelTables, planes:
   """Encodes the block x float32 [64, 32] into ``out_s``: plane words uint32 [planes,
   64], k words uint16 [64] (groups 2 j, 2 j + 1 of each row), bf16 scale bits uint16
   [64] (each row its super-group's)."""
-  codes_s, k_s, v_s = out_s
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   shape = (_ROWS, 32)
   col = plgpu.broadcasted_iota(jnp.uint32, shape, 1, layout=plgpu.Layout.WGMMA)
@@ -434,7 +433,13 @@ def _encode_rows(x, w_s, key_s, out_s, vs_s, s0, *, tabs: B.LevelTables, planes:
   lvl = B.round_levels(a, s, consts, u, frac, q, ops=MOSAIC_OPS,
                        levels=lambda i: _select_tree(i, lev))
   codes = (r + 1 + (lvl ^ neg)).astype(jnp.uint32)
+  _store_rows(codes, ks, v, out_s, col=col, planes=planes)
 
+
+def _store_rows(codes, ks, v, out_s, *, col, planes: int):
+  """The block's codes [64, 32] as plane words, each row's two ``k`` as one uint16 word and
+  its super-group scale's bf16 bits, into ``out_s`` (:func:`_encode_rows`)."""
+  codes_s, k_s, v_s = out_s
   for p in range(planes):
     codes_s[p] = jnp.sum(((codes >> jnp.uint32(p)) & jnp.uint32(1)) << col, axis=1)
   k_s[...] = (ks[0].astype(jnp.uint32) | (ks[1].astype(jnp.uint32) << jnp.uint32(8))).astype(
@@ -446,15 +451,8 @@ def _stochastic_ks(gs, unit, grow, keys):
   """Each row's two ``k`` (groups ``2 row + h``) rounded stochastically so that ``E[k unit]
   = g`` (:func:`~pallas_kernels.dynamiq_block.scales`' ``"stochastic"`` rounding, exact
   products), from the rows' bf16 group maxima ``gs``."""
-  kmax = B._K_MAX  # pylint: disable=protected-access
-  k0, k1 = keys[0], keys[1]
-  ks = []
-  for h, g in enumerate(gs):
-    kf = B.floor_quotient(g, unit, kmax, floor=_floor)
-    group_idx = grow * jnp.uint32(2) + jnp.uint32(h)
-    u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
-    ks.append(kf + ((u * unit < g - kf * unit) & (kf < kmax)).astype(jnp.float32))
-  return ks
+  return [B.stochastic_k(g, unit, keys, grow * jnp.uint32(2) + jnp.uint32(h), floor=_floor)
+          for h, g in enumerate(gs)]
 
 
 def _encode_rows_lattice(x, w_s, out_s, vs_s, gmax, keys, rank, *, col, row_sg, grow, left,
@@ -463,7 +461,6 @@ def _encode_rows_lattice(x, w_s, out_s, vs_s, gmax, keys, rank, *, col, row_sg, 
   the reference's :func:`~pallas_kernels.dynamiq_block.lattice_scales` arithmetic per row,
   the reciprocals computed (:func:`~pallas_kernels.dynamiq_block.reciprocal_of_index`: no
   gather), the draws and the rounding of the block arithmetic."""
-  codes_s, k_s, v_s = out_s
   shape = x.shape
   bcast = lambda v: lax.broadcast_in_dim(v, shape, (0,))
   kmax = B._K_MAX  # pylint: disable=protected-access
@@ -473,22 +470,21 @@ def _encode_rows_lattice(x, w_s, out_s, vs_s, gmax, keys, rank, *, col, row_sg, 
   div_by = B._ceil_div_bf16_by  # pylint: disable=protected-access
   recip = B.reciprocal_of_index
   gl, gr = gmax
-  amax = _segment_max(jnp.maximum(gl, gr), vs_s, col)  # NaN or infinite: not live
+  amax = _segment_max(jnp.maximum(gl, gr), vs_s, col)
   if scale_rounding == "up":
     v = div_by(amax, top_kmax)
-    vt = v * top  # exact
-    finite = (v > 0) & (amax < jnp.float32(jnp.inf))
-    ks = [jnp.where(finite, B.ceil_quotient(g, vt, kmax, ceil=_ceil), jnp.float32(0))
-          for g in (gl, gr)]
-    rss = [B.lattice_reciprocal(k.astype(jnp.int32), v, recip) for k in ks]
   else:
     gs = [B._ceil_div_bf16(g, 1.0) for g in (gl, gr)]  # pylint: disable=protected-access
     v = div_by(_segment_max(jnp.maximum(*gs), vs_s, col), top_kmax)
-    vt = v * top
-    ks = _stochastic_ks(gs, vt, grow, keys)
-    rss = [B.lattice_reciprocal(top, g, recip) for g in gs]
   live = (v > 0) & (amax < jnp.float32(jnp.inf))  # no NaN or infinity in the super-group
-  ks = [jnp.where(live, k, jnp.float32(0)) for k in ks]
+  vt = v * top  # exact
+  if scale_rounding == "up":  # k = 0 where not live before it indexes the reciprocals
+    ks = [jnp.where(live, B.ceil_quotient(g, vt, kmax, ceil=_ceil), jnp.float32(0))
+          for g in (gl, gr)]
+    rss = [B.lattice_reciprocal(k.astype(jnp.int32), v, recip) for k in ks]
+  else:
+    ks = [jnp.where(live, k, jnp.float32(0)) for k in _stochastic_ks(gs, vt, grow, keys)]
+    rss = [B.lattice_reciprocal(top, g, recip) for g in gs]
   rss = [jnp.where(live & (g > 0), rs, jnp.float32(0)) for rs, g in zip(rss, (gl, gr))]
   rs = jnp.where(left, bcast(rss[0]), bcast(rss[1]))
   field, sign_at, _ = (bcast(c) for c in B.lattice_consts(w_row))
@@ -499,11 +495,7 @@ def _encode_rows_lattice(x, w_s, out_s, vs_s, gmax, keys, rank, *, col, row_sg, 
   y0 = np.float32(B.LATTICE_Y0)
   codes = B.round_lattice(jnp.abs(x), rs, y0, y0.view(np.uint32), field, draws, MOSAIC_OPS,
                           sign_at=sign_at, neg=neg)
-  for p in range(planes):
-    codes_s[p] = jnp.sum(((codes >> jnp.uint32(p)) & jnp.uint32(1)) << col, axis=1)
-  k_s[...] = (ks[0].astype(jnp.uint32) | (ks[1].astype(jnp.uint32) << jnp.uint32(8))).astype(
-      jnp.uint16)
-  v_s[...] = (lax.bitcast_convert_type(v, jnp.uint32) >> jnp.uint32(16)).astype(jnp.uint16)
+  _store_rows(codes, ks, v, out_s, col=col, planes=planes)
 
 
 def _row_vector_of_width(w_row, tabs: B.LevelTables, values):
