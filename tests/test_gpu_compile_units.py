@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from dynamiq_jax.codecs.dynamiq import DEFAULT_EPS
+
 import gpu_compile_tools as T
 import test_gpu_compile as G
 
@@ -27,7 +29,7 @@ KERNELS = [f"dynamiq_units_{op}_p{pb}" for pb in (1, 2)
                       "decompress_accumulate_recompress")]
 
 
-MEE = {2: 0.23, 4: 0.18, 8: 0.10}  # the codec's default eps (level_set="mee")
+MEE = dict(DEFAULT_EPS)  # level_set="mee" with the codec's default eps
 
 
 def compile_kernels(block: int | None = None, levels="lattice"):

@@ -41,7 +41,8 @@ def main(argv=None):
   import numpy as np
 
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--level-set", default="lattice", choices=["lattice", "mee"],
+  from dynamiq_jax.codecs.dynamiq import LEVEL_SETS
+  p.add_argument("--level-set", default=LEVEL_SETS[0], choices=LEVEL_SETS,
                  help="DynamiQ's level set (default: the codec's, lattice)")
   level_set = p.parse_args(argv).level_set
 

@@ -47,6 +47,7 @@ import subprocess
 import sys
 
 from dynamiq_jax.bench import gpu_compile as G
+from dynamiq_jax.codecs.dynamiq import DEFAULT_EPS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,7 @@ OPS = ("compress", "decompress", "decompress_accumulate", "decompress_accumulate
 SHORT = {"compress": "compress", "decompress": "decompress",
          "decompress_accumulate": "decompress_accumulate",
          "decompress_accumulate_recompress": "dar"}
-MEE = {2: 0.23, 4: 0.18, 8: 0.10}  # the codec's default eps
+MEE = dict(DEFAULT_EPS)  # level_set="mee" with the codec's default eps
 CONFIGS = {  # name: (plane_bits, width set, level set)
     "default": (1, (2, 3, 4, 5, 6, 8), "lattice"),  # the per-round codec's
     "default-mee": (1, (2, 3, 4, 5, 6, 8), MEE),  # the same with level_set="mee"

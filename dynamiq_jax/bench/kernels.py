@@ -50,6 +50,8 @@ import statistics
 import sys
 import time
 
+from dynamiq_jax.codecs.dynamiq import LEVEL_SETS
+
 __all__ = ["main"]
 
 OPS = ("compress", "decompress_accumulate_recompress", "decompress")
@@ -77,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--tiny", action="store_true", help="smoke-test sizes (CI)")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   p.add_argument("--gpu", action="store_true", help="fail unless a GPU runs the kernels")
-  p.add_argument("--level-set", default="lattice", choices=["lattice", "mee"],
+  p.add_argument("--level-set", default=LEVEL_SETS[0], choices=LEVEL_SETS,
                  help="DynamiQ's levels (the codec's level_set; default: the codec's)")
   p.add_argument("--impls", default=",".join(IMPLS),
                  help="comma-separated implementations timed (mosaic ones on a GPU only)")

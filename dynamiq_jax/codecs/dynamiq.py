@@ -59,6 +59,9 @@ _NO_SCALE = 1 << 10  # a guard exponent that scales no float32 (metadata of a gu
 DEFAULT_EPS = ((2, 0.23), (4, 0.18), (8, 0.10))
 """MEE eps of the authors' kernel; widths between are interpolated linearly."""
 
+LEVEL_SETS = ("lattice", "mee")
+"""DynamiQ's level sets (``level_set=``), the default first."""
+
 DEFAULT_WIDTHS = (2, 3, 4, 5, 6, 8)
 """Default code widths (the paper's prototype uses 2, 4, 8)."""
 
@@ -183,7 +186,7 @@ class DynamiQ(Codec):
       raise ValueError(f"widths={self.widths!r} must be a non-empty subset of 2..8")
     if self.scale_rounding not in ("up", "stochastic"):
       raise ValueError(f"scale_rounding={self.scale_rounding!r} must be 'up' or 'stochastic'")
-    if self.level_set not in ("lattice", "mee"):
+    if self.level_set not in LEVEL_SETS:
       raise ValueError(f"level_set={self.level_set!r} must be 'lattice' or 'mee'")
     eps = _as_pairs(self.eps, "eps")
     if not eps or any(not 0.0 < e < 1.0 for _, e in eps):
