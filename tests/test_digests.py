@@ -20,7 +20,8 @@ import pytest
 from dynamiq_jax.bench import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = ["dynamiq5_per_round/ring/xla", "dynamiq5_per_round/hierarchical/xla", "mxfp4/ring/xla",
+CASES = ["dynamiq5_lattice/ring/xla", "dynamiq6_lattice_indep_stoch_248/butterfly/xla",
+         "dynamiq5_per_round/ring/xla", "dynamiq5_per_round/hierarchical/xla", "mxfp4/ring/xla",
          "omnireduce/error_feedback/xla", "thc16/butterfly/xla", "bf16/ring/xla"]
 
 

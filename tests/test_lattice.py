@@ -157,3 +157,33 @@ def test_the_codec_takes_a_level_set():
   assert DynamiQ(eps={4: 0.2}, level_set="mee").level_spec == ((4, 0.2),)
   errs = DynamiQ().width_errors()
   assert all(errs[a] > errs[b] for a, b in zip(sorted(errs), sorted(errs)[1:]))
+
+
+_CONTRACTION_CHECK = """
+import jax, numpy as np
+from pallas_kernels import dynamiq_block as B
+r = np.random.default_rng(0)
+a, b, c = (np.abs(r.standard_normal(1 << 18)).astype(np.float32) for _ in range(3))
+unfused = a * b + c  # numpy: the product rounded, then the sum
+kept = np.asarray(jax.jit(B._mul_add_rounded)(a, b, c))
+plain = np.asarray(jax.jit(lambda a, b, c: a * b + c)(a, b, c))
+print(int((kept != unfused).sum()), int((plain != unfused).sum()))
+"""
+
+
+def test_the_product_stays_rounded_as_a_users_job_compiles():
+  """The lattice's ``y = fl(fl(a rs) + Y0)`` (``_mul_add_rounded``) keeps its two roundings
+  where XLA:CPU fuses ``a b + c`` into an ``fma``: at the default optimisation level, in a
+  child without the tests' flags. The plain expression there is the negative control."""
+  import os
+  import subprocess
+  import sys
+
+  from test_digests import ROOT, user_xla_flags
+
+  env = dict(os.environ, XLA_FLAGS=user_xla_flags(), JAX_PLATFORMS="cpu")
+  res = subprocess.run([sys.executable, "-c", _CONTRACTION_CHECK], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=300, check=True)
+  kept, plain = (int(v) for v in res.stdout.split())
+  assert plain > 0, "the child did not fuse a b + c: the check would prove nothing"
+  assert kept == 0, f"{kept} of 2^18 products were fused into the sum"
