@@ -204,6 +204,12 @@ LATTICE = "lattice"
 LATTICE_Y0 = 1.25
 """Where every width's lattice starts (:func:`lattice_table`)."""
 
+ROUND_Y0 = np.float32(LATTICE_Y0 / 2)
+"""Where :func:`round_lattice` adds ``t / 2``: the rounding runs at half scale, ``y / 2 =
+Y0 / 2 + t / 2`` (the same fraction bits as ``Y0 + t``), so that ``t / 2 <= lam_R / 2 < 1``
+and one saturating product (``mul.rn.sat.f32``) both keeps it in range and maps a NaN
+to 0."""
+
 
 def _lattice_point(l, m: int) -> float:
   return 2.0 ** (l >> m) * (1 + (l & ((1 << m) - 1)) / 2**m)
@@ -263,13 +269,14 @@ def _lt_mask(a, b):
 
 
 def _mul_add_rounded(a, b, c):
-  """``max(a b, 0) + c`` with the product rounded first (two roundings), where a NaN
-  product counts as 0 (IEEE maxNum, as the GPU's ``max.f32``), for ``a b >= 0``. The
-  maximum also keeps a compiler from fusing the product and the sum into one ``fma``
-  (XLA:CPU does at its default optimisation level), and a non-finite element (whose
-  super-group has ``rs = 0``: infinity times 0) gets the same code everywhere instead
-  of one made from a NaN's bits, which backends set differently."""
-  return jnp.fmax(a * b, np.float32(0.0)) + c
+  """``sat(a b) + c`` with the product rounded first (two roundings), ``sat`` the
+  clamp to [0, 1] where a NaN product gives 0 (the GPU's ``mul.rn.sat.f32``; maxNum
+  with 0, then the minimum with 1). The clamp also keeps a compiler from fusing the
+  product and the sum into one ``fma`` (XLA:CPU does at its default optimisation
+  level), and a non-finite element (whose super-group has ``rs = 0``: infinity times
+  0) gets the same code everywhere instead of one made from a NaN's bits, which
+  backends set differently."""
+  return jnp.minimum(jnp.fmax(a * b, np.float32(0.0)), np.float32(1.0)) + c
 
 
 def _or_unless(z, bits, neg):
@@ -565,20 +572,21 @@ def lattice_consts(widths):
 
 
 def lattice_reciprocal(num, den, recip):
-  """A float32 ``rs <= num / den``, within 2^-21 of it, for a bf16-exact ``den`` in
+  """A float32 ``rs <= num / (2 den)`` (half scale, :data:`ROUND_Y0`), within 2^-21 of
+  it, for a bf16-exact ``den`` in
   [2^-126, 2^117] and ``num`` either a float32 or, as an int32 in [0, 256),
   an index of ``recip`` (``recip(i) -> reciprocal_tables()[i]``).
 
-  ``1 / den`` rounded down is ``RD(1 / (1 + f / 128))`` from the table times
-  ``2^(127 - e)`` (``den``'s biased exponent ``e`` and fraction ``f``: exact);
+  ``1 / (2 den)`` rounded down is ``RD(1 / (1 + f / 128))`` from the table times
+  ``2^(126 - e)`` (``den``'s biased exponent ``e`` and fraction ``f``: exact);
   its product with ``num`` is rounded to nearest, then stepped down one float,
   which puts it at or below the exact quotient. Only float products and
   integer operations: the same bits in every implementation."""
   bits = jax.lax.bitcast_convert_type(den, jnp.uint32)
   frac = ((bits >> np.uint32(16)) & np.uint32(0x7F)).astype(jnp.int32)
   scale = jax.lax.bitcast_convert_type(
-      (np.uint32(254 << 23) - (bits & np.uint32(0x7F800000))), jnp.float32)  # 2^(127 - e)
-  inv = recip(frac + _MANTISSA_AT) * scale  # RD(1 / den), exact
+      (np.uint32(253 << 23) - (bits & np.uint32(0x7F800000))), jnp.float32)  # 2^(126 - e)
+  inv = recip(frac + _MANTISSA_AT) * scale  # RD(1 / (2 den)), exact
   if jnp.issubdtype(num.dtype, jnp.integer):
     num = recip(num)
   return _prev_float(num * inv)
@@ -591,10 +599,10 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
   A group decodes as ``lam_l k V`` (``lam_R`` = ``c``, :func:`lattice_consts`' top level,
   not 1: ``k V c`` covers the group). ``"up"``: ``V = ceil_bf16(max / (255 c))``, ``k =
   ceil(gmax / (V c))`` (exact products: ``c`` has few bits), and the elements are
-  mapped to ``a rs`` with ``rs <= 1 / (k V)`` (:func:`lattice_reciprocal`), so
-  ``a rs <= c``. ``"stochastic"``: ``g = ceil_bf16(gmax)``, ``V =
+  mapped to ``a rs`` with ``rs <= 1 / (2 k V)`` (:func:`lattice_reciprocal`: half
+  scale), so ``a rs <= c / 2``. ``"stochastic"``: ``g = ceil_bf16(gmax)``, ``V =
   ceil_bf16(max g / (255 c))``, ``k`` rounded stochastically with ``E[k V c] = g``,
-  and ``rs <= c / g``. Both unbiased up to ``rs``'s rounding (relative 2^-21).
+  and ``rs <= c / (2 g)``. Both unbiased up to ``rs``'s rounding (relative 2^-21).
   """
   _, _, top = lattice_consts(widths)
   top_kmax = top * np.float32(_K_MAX)  # exact: 15 significant bits at most
@@ -629,18 +637,20 @@ def _ceil_div_bf16_by(v, c, div=None):
   return jnp.where(w * c < v, bf16.next_up(w), w)
 
 
-def round_lattice(a, rs, y0, ybase, field, draws, ops: BlockOps = REFERENCE_OPS, *,
-                  sign_at=None, neg=None):
-  """Level index in [0, R] of ``t = a rs`` (in [0, lam_R]) on the lattice of
-  :func:`lattice_table`: ``y = Y0 + t`` (product and sum each rounded once,
-  ``ops.mul_add_rounded``), plus the ``F``-bit ``draws`` in its low bits, less
-  ``bits(Y0)``, shifted right by ``F``: level ``j + 1`` with probability ``(y -
-  y_j) / (y_(j+1) - y_j)``, exactly (a draw of ``F`` bits), else ``j``.
+def round_lattice(a, rs, field, draws, ops: BlockOps = REFERENCE_OPS, *, sign_at=None,
+                  neg=None):
+  """Level index in [0, R] of ``t = 2 a rs`` (``a rs`` in [0, lam_R / 2]: half scale)
+  on the lattice of :func:`lattice_table`: ``y = Y0 / 2 + a rs`` (:data:`ROUND_Y0`;
+  product and sum each rounded once, ``ops.mul_add_rounded``), plus the ``F``-bit
+  ``draws`` in its low bits, less ``bits(Y0 / 2)``, shifted right by ``F``: level ``j
+  + 1`` with probability ``(y - y_j) / (y_(j+1) - y_j)``, exactly (a draw of ``F``
+  bits), else ``j``. (Halving ``Y0 + t`` keeps its fraction bits, so the levels are
+  those of ``Y0 + t``.)
 
   With ``sign_at`` (``2^(F + w - 1)``) and the sign mask ``neg``: the code instead
   (uint32), the level with bit ``w - 1`` set where the element is not negative."""
-  y = ops.mul_add_rounded(a, rs, y0)
-  z = jax.lax.bitcast_convert_type(y, jnp.uint32) + draws - ybase
+  y = ops.mul_add_rounded(a, rs, ROUND_Y0)
+  z = jax.lax.bitcast_convert_type(y, jnp.uint32) + draws - ROUND_Y0.view(np.uint32)
   if sign_at is None:
     return (z >> field).astype(jnp.int32)
   return ops.or_unless(z, sign_at, neg) >> field
@@ -659,9 +669,8 @@ def _encode_lattice(x, widths, tabs: LevelTables, *, keys, rank, strata, draw_gr
   neg = sign_mask(x)
   draws = rng.lattice_draws(keys, rank, strata, group=draw_group, lane=lane, neg=neg,
                             field=field, mulhi=ops.mulhi, hash_store=group_store)
-  y0 = np.float32(LATTICE_Y0)
-  codes = round_lattice(a, _trailing(gstore(rs), x.ndim), y0, y0.view(np.uint32), field, draws,
-                        ops, sign_at=sign_at, neg=neg)
+  codes = round_lattice(a, _trailing(gstore(rs), x.ndim), field, draws, ops, sign_at=sign_at,
+                        neg=neg)
   return codes, k.astype(jnp.uint8), sg_scale
 
 

@@ -492,9 +492,8 @@ def _encode_rows_lattice(x, w_s, out_s, vs_s, gmax, keys, rank, *, col, row_sg, 
   idx = bcast(grow) * jnp.uint32(32) + col
   draws = rng.lattice_draws(keys, rank, strata, group=idx >> jnp.uint32(4),
                             lane=col & jnp.uint32(15), neg=neg, field=field)
-  y0 = np.float32(B.LATTICE_Y0)
-  codes = B.round_lattice(jnp.abs(x), rs, y0, y0.view(np.uint32), field, draws, MOSAIC_OPS,
-                          sign_at=sign_at, neg=neg)
+  codes = B.round_lattice(jnp.abs(x), rs, field, draws, MOSAIC_OPS, sign_at=sign_at,
+                          neg=neg)
   _store_rows(codes, ks, v, out_s, col=col, planes=planes)
 
 

@@ -85,11 +85,11 @@ def fma(a, b, c):
 
 
 def mul_add_rounded(a, b, c):
-  """``max(a b, 0) + c``, the product rounded first: ``mul.rn.f32``, ``max.f32`` (a NaN
-  product gives 0) and ``add.rn.f32`` (the ``.rn`` forms, which ``ptxas`` never fuses
-  into an ``fma``): the reference's ``_mul_add_rounded``."""
-  return asm("{ .reg .f32 t; mul.rn.f32 t, $1, $2; max.f32 t, t, 0f00000000; "
-             "add.rn.f32 $0, t, $3; }", "=f,f,f,f", jnp.float32, a, b, c)
+  """``sat(a b) + c``, the product rounded first: ``mul.rn.sat.f32`` (clamped to [0, 1],
+  a NaN product gives 0) and ``add.rn.f32`` (the ``.rn`` forms, which ``ptxas`` never
+  fuses into an ``fma``): the reference's ``_mul_add_rounded``."""
+  return asm("{ .reg .f32 t; mul.rn.sat.f32 t, $1, $2; add.rn.f32 $0, t, $3; }",
+             "=f,f,f,f", jnp.float32, a, b, c)
 
 
 def or_unless(z, bits, neg):
