@@ -379,20 +379,18 @@ def scales(a, scale_rounding: str, keys, group_idx, div=None, gmax=None):
   top = np.float32(1.0)
   if gmax is None:
     gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
+  slots, gidx, out = _slots(gmax, group_idx)
   if scale_rounding == "up":
-    sg_scale = _ceil_div_bf16(jnp.max(gmax, axis=-1), float(top) * _K_MAX)
-    live = sg_scale > 0
+    sg_scale = _ceil_div_bf16(_supergroup_max(slots), float(top) * _K_MAX)
     vt = sg_scale[:, None] * top  # exact
-    k = ceil_quotient(gmax, vt, _K_MAX, div)
-    s = k * sg_scale[:, None]  # exact: 8 x 8 significant bits
+    ks = [ceil_quotient(gm, vt, _K_MAX, div) for gm in slots]
+    ss = [k * sg_scale[:, None] for k in ks]  # exact: 8 x 8 significant bits
   else:
-    g = _ceil_div_bf16(gmax, float(top))  # bf16-exact, g top >= gmax
-    sg_scale = _ceil_div_bf16(jnp.max(g, axis=-1), _K_MAX)
-    live = sg_scale > 0
-    k = stochastic_k(g, sg_scale[:, None], keys, group_idx, div)
-    s = g
-  k = jnp.where(live[:, None], k, 0.0)
-  return k, sg_scale, s
+    ss = [_ceil_div_bf16(gm, float(top)) for gm in slots]  # bf16-exact, g top >= gmax
+    sg_scale = _ceil_div_bf16(_supergroup_max(ss), _K_MAX)
+    ks = [stochastic_k(g, sg_scale[:, None], keys, gi, div) for g, gi in zip(ss, gidx)]
+  live = sg_scale > 0
+  return out([jnp.where(live[:, None], k, 0.0) for k in ks]), sg_scale, out(ss)
 
 
 def stochastic_k(g, unit, keys, group_idx, div=None, floor=jnp.floor):
@@ -606,25 +604,45 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
   """
   _, _, top = lattice_consts(widths)
   top_kmax = top * np.float32(_K_MAX)  # exact: 15 significant bits at most
+  slots, gidx, out = _slots(gmax, group_idx)
   # a super-group with a NaN or an infinity (its maximum is not below infinity) gets k =
   # 0 and rs = 0 (k is made 0 before it becomes a table index: a NaN's integer is each
   # backend's own); so does an all-zero one
-  amax = jnp.max(gmax, axis=-1)
+  amax = _supergroup_max(slots)
   if scale_rounding == "up":
     sg_scale = _ceil_div_bf16_by(amax, top_kmax, div)
   else:
-    g = _ceil_div_bf16(gmax, 1.0)
-    sg_scale = _ceil_div_bf16_by(jnp.max(g, axis=-1), top_kmax, div)
+    gs = [_ceil_div_bf16(g, 1.0) for g in slots]
+    sg_scale = _ceil_div_bf16_by(_supergroup_max(gs), top_kmax, div)
   live = ((sg_scale > 0) & (amax < np.float32(np.inf)))[:, None]
   vt = (sg_scale * top)[:, None]  # exact
-  if scale_rounding == "up":
-    k = jnp.where(live, ceil_quotient(gmax, vt, _K_MAX, div), 0.0)
-    rs = lattice_reciprocal(k.astype(jnp.int32), jnp.broadcast_to(sg_scale[:, None], k.shape),
-                            recip)
-  else:
-    k = jnp.where(live, stochastic_k(g, vt, keys, group_idx, div), 0.0)
-    rs = lattice_reciprocal(jnp.broadcast_to(top[:, None], g.shape), g, recip)
-  return k, sg_scale, jnp.where(live & (gmax > 0), rs, 0.0)
+  ks, rss = [], []
+  for i, gm in enumerate(slots):
+    if scale_rounding == "up":
+      k = jnp.where(live, ceil_quotient(gm, vt, _K_MAX, div), 0.0)
+      rs = lattice_reciprocal(k.astype(jnp.int32),
+                              jnp.broadcast_to(sg_scale[:, None], k.shape), recip)
+    else:
+      k = jnp.where(live, stochastic_k(gs[i], vt, keys, gidx[i], div), 0.0)
+      rs = lattice_reciprocal(jnp.broadcast_to(top[:, None], gs[i].shape), gs[i], recip)
+    ks.append(k)
+    rss.append(jnp.where(live & (gm > 0), rs, 0.0))
+  return out(ks), sg_scale, out(rss)
+
+
+def _slots(gmax, group_idx):
+  """The group maxima as a list of slots (``gmax`` [S, G] or a tuple of [S, G']: a
+  kernel's groups held in several arrays), their ``group_idx`` likewise, and how to
+  return per-slot results in ``gmax``'s form."""
+  if isinstance(gmax, tuple):
+    gidx = group_idx if isinstance(group_idx, tuple) else (group_idx,) * len(gmax)
+    return list(gmax), list(gidx), tuple
+  return [gmax], [group_idx], lambda v: v[0]
+
+
+def _supergroup_max(slots):
+  """float32 [S]: the maximum over every slot's groups."""
+  return functools.reduce(jnp.maximum, [jnp.max(g, axis=-1) for g in slots])
 
 
 def _ceil_div_bf16_by(v, c, div=None):
@@ -676,7 +694,8 @@ def _encode_lattice(x, widths, tabs: LevelTables, *, keys, rank, strata, draw_gr
 
 def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, draw_group,
                  lane, scale_rounding="up", ops: BlockOps = REFERENCE_OPS, pairs=None,
-                 levels=None, group_idx=None, group_store=None, scales_=None, recip=None):
+                 levels=None, group_idx=None, group_store=None, scales_=None, recip=None,
+                 slots=None):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
@@ -704,24 +723,36 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
       :func:`~pallas_kernels.dynamiq_reference.materialize`, so that the fused
       rounding loop reads them instead of recomputing them per coordinate.
     scales_: ``(k, sg_scale, s)`` already found (for the parts of a tuple ``x``).
+    slots: for a tuple ``x`` whose parts hold different groups, each part's group
+      slot (e.g. ``(0, 0, 1, 1)``: parts 0 and 1 hold the halves of the groups of
+      slot 0, [S, G'] each); ``group_idx`` is then a tuple per slot, and ``k`` is
+      returned as one. None: every part holds the same groups.
 
   Returns:
     ``(codes uint32 shaped as x in [0, 2^w - 1], k uint8 [S, G], super-group
     scale f32 [S])``.
   """
-  if isinstance(x, (tuple, list)):  # parts of each group: encoded one by one
-    parts = [jnp.abs(v) for v in x]
-    gmax = functools.reduce(jnp.maximum, [jnp.max(v, axis=-1) for v in parts])
+  if isinstance(x, (tuple, list)):  # parts of groups: encoded one by one
+    slot_of = slots or (0,) * len(x)
+    n = max(slot_of) + 1
+    gmax = [functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1)
+                                           for v, i in zip(x, slot_of) if i == j])
+            for j in range(n)]
+    gmax = tuple(gmax) if slots else gmax[0]
     if tabs.lattice:
       found = lattice_scales(gmax, widths, scale_rounding, keys, group_idx, recip, ops.div)
     else:
       found = scales(None, scale_rounding, keys, group_idx, ops.div, gmax=gmax)
+    pick = (lambda v, j: v[j]) if slots else (lambda v, j: v)
     one = dict(tabs=tabs, keys=keys, rank=rank, strata=strata, scale_rounding=scale_rounding,
-               ops=ops, pairs=pairs, levels=levels, group_idx=group_idx,
-               group_store=group_store, scales_=found, recip=recip)
-    codes = tuple(encode_block(v, widths, idx=i, draw_group=d, lane=l, **one)[0]
-                  for v, i, d, l in zip(x, idx, draw_group, lane))
-    return codes, found[0].astype(jnp.uint8), found[1]
+               ops=ops, pairs=pairs, levels=levels, group_store=group_store, recip=recip)
+    codes = tuple(encode_block(v, widths, idx=i, draw_group=d, lane=l,
+                               group_idx=pick(group_idx, j),
+                               scales_=(pick(found[0], j), found[1], pick(found[2], j)),
+                               **one)[0]
+                  for v, i, d, l, j in zip(x, idx, draw_group, lane, slot_of))
+    k = tuple(v.astype(jnp.uint8) for v in found[0]) if slots else found[0].astype(jnp.uint8)
+    return codes, k, found[1]
   if group_idx is None:
     group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(GROUP)
   if tabs.lattice:

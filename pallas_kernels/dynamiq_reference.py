@@ -273,21 +273,25 @@ def _nibble_exchange(lo, hi):
           ((lo >> np.uint32(4)) & np.uint32(0x0F0F0F0F)) | (hi & np.uint32(0xF0F0F0F0)))
 
 
-def codes_to_planes(codes, planes: int):
-  """uint32 codes [..., 8] (below 2^planes) -> ``planes`` plane bytes, uint32 [...] each."""
+def codes_to_plane_words(codes, planes: int):
+  """uint32 codes [..., 8] (below 2^planes) -> words (uint32 [...] each) whose byte ``p %
+  4`` of word ``p // 4`` is plane byte ``p`` (its other bytes are arbitrary past
+  ``planes``): what a kernel stores from, one ``prmt`` per two plane bytes."""
   lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, codes.ndim - 1)
   if planes <= 4:
-    w = _swaps(jnp.sum(codes << (lane % 4 * 8 + lane // 4 * 4), axis=-1))
-    return [(w >> np.uint32(8 * p)) & np.uint32(0xFF) for p in range(planes)]
+    return [_swaps(jnp.sum(codes << (lane % 4 * 8 + lane // 4 * 4), axis=-1))]
   lo, hi = (jnp.sum(jnp.where(lane // 4 == h, codes << (lane % 4 * 8), np.uint32(0)), axis=-1)
             for h in range(2))
   if planes == 5:  # planes 0-3 from the low nibbles, plane 4 by one multiply (_PLANE4)
-    w = _swaps(_nibble_exchange(lo, hi)[0])
     top = ((((lo >> np.uint32(4)) & np.uint32(0x01010101)) | (hi & np.uint32(0x10101010)))
            * np.uint32(_PLANE4)) >> np.uint32(21)
-    return [(w >> np.uint32(8 * p)) & np.uint32(0xFF) for p in range(4)] + [
-        top & np.uint32(0xFF)]
-  words = _nibble_exchange(_swaps(lo), _swaps(hi))
+    return [_swaps(_nibble_exchange(lo, hi)[0]), top]
+  return list(_nibble_exchange(_swaps(lo), _swaps(hi)))
+
+
+def codes_to_planes(codes, planes: int):
+  """uint32 codes [..., 8] (below 2^planes) -> ``planes`` plane bytes, uint32 [...] each."""
+  words = codes_to_plane_words(codes, planes)
   return [(words[p // 4] >> np.uint32(8 * (p % 4))) & np.uint32(0xFF) for p in range(planes)]
 
 

@@ -158,6 +158,16 @@ class _Config:
   def block(self, supergroups: int) -> tuple[int, int, int, int]:
     return (supergroups, _G, self.cb, self.per)
 
+  def dense(self, supergroups: int) -> tuple[int, ...]:
+    """A dense operand's shape: :meth:`block`, or with its groups as pairs ``[S, G / 2,
+    2, CB, P]`` when :attr:`split` (:func:`_load_dense`)."""
+    if self.split:
+      return (supergroups, _G // 2, 2, self.cb, self.per)
+    return self.block(supergroups)
+
+  def dense_spec(self):
+    return pl.BlockSpec(self.dense(self.sg), lambda i: (i,) + (0,) * (len(self.dense(1)) - 1))
+
 
 GPU_OPS = B.BlockOps(log2=tt.approx_log2, floor_int=tt.floor_int, fma=tt.fma,
                      lt_mask=tt.lt_mask, frac_mul=tt.frac_mul, div=tt.div_approx,
@@ -185,37 +195,38 @@ class _Rows(NamedTuple):
   ok: Any
 
 
-def _scale_offsets(cfg: _Config, s_count: int, one=1, rows: _Rows | None = None):
-  """Offsets of this program's scale records: k bytes [BLOCK, G], super-group
-  scale [BLOCK], masks (``rows``: each row's own position and payload)."""
+def _groups(cfg: _Config) -> tuple[int, int]:
+  """(groups per array, groups one offset covers): [BLOCK, G / 2] pairs when
+  :attr:`_Config.split` (:func:`_load_dense`), else [BLOCK, G]."""
+  return (_G // 2, 2) if cfg.split else (_G, 1)
+
+
+def _scale_offsets(cfg: _Config, s_count: int, rows: _Rows | None = None):
+  """Offsets of this program's scale records: k bytes [BLOCK, G] (the first of each pair
+  of k bytes, [BLOCK, G / 2], when :attr:`_Config.split`: even), super-group scale
+  [BLOCK], masks (``rows``: each row's own position and payload)."""
   block = cfg.sg
+  groups, step = _groups(cfg)
+  shape = (block, groups)
+  byte = _iota(shape, 1) * step
   if rows is not None:
-    j2 = jnp.broadcast_to(rows.j[:, None], (block, _G))
-    b2 = jnp.broadcast_to(rows.base[:, None], (block, _G))
-    return (b2 + j2 * R.SCALE_BYTES + _iota((block, _G), 1) * one,
-            jnp.broadcast_to(rows.ok[:, None], (block, _G)),
+    j2 = jnp.broadcast_to(rows.j[:, None], shape)
+    b2 = jnp.broadcast_to(rows.base[:, None], shape)
+    return (b2 + j2 * R.SCALE_BYTES + byte, jnp.broadcast_to(rows.ok[:, None], shape),
             rows.base + rows.j * R.SCALE_BYTES + _G, rows.ok)
   base = pl.program_id(0) * block
-  sg2 = base + _iota((block, _G), 0)
+  sg2 = base + _iota(shape, 0)
   sg1 = base + _iota((block,), 0)
-  return (sg2 * R.SCALE_BYTES + _iota((block, _G), 1) * one, sg2 < s_count,
-          sg1 * R.SCALE_BYTES + _G, sg1 < s_count)
-
-
-def _hidden_one(ptab_ref, cfg: _Config):
-  """1, as a value the compiler cannot see (``off_0 = 0 >= 0``) when :attr:`_Config.split`.
-
-  A group's ``k`` byte is one per thread there; with offsets it can see are
-  contiguous, Triton would give each thread two neighbouring bytes and
-  convert the layout through shared memory."""
-  return (ptab_ref[0] >= 0).astype(jnp.int32) if cfg.split else 1
+  return (sg2 * R.SCALE_BYTES + byte, sg2 < s_count, sg1 * R.SCALE_BYTES + _G, sg1 < s_count)
 
 
 def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False,
                    rows: _Rows | None = None):
   """Per plane p: (byte offsets [BLOCK, G, CB] of this program's plane-p bytes, mask);
   ``words``: offsets [BLOCK, G] of each group's 16-bit word of plane bytes
-  (``plane_bits=1``: one byte per half) in the payload's uint16 view.
+  (``plane_bits=1``: one byte per half) in the payload's uint16 view. When
+  :attr:`_Config.split`: of the first group of each pair, [BLOCK, G / 2, CB] and
+  [BLOCK, G / 2] (the second's are 2 bytes, one word, further).
 
   Plane p of super-group ``sg`` is unit ``off_p + sg`` where ``sg < count_p``,
   i.e. where that unit is below ``off_(p+1)`` (one comparison: with widths
@@ -225,8 +236,9 @@ def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False,
   widths, valid or not, reach outside it. ``rows``: each row's position, its
   payload's first byte (even) and whether it exists."""
   block = cfg.sg
-  shape = (block, _G) if words else (block, _G, cfg.cb)
-  byte = _iota(shape, 1) * cfg.cb + (0 if words else _iota(shape, 2))
+  groups, step = _groups(cfg)
+  shape = (block, groups) if words else (block, groups, cfg.cb)
+  byte = _iota(shape, 1) * (cfg.cb * step) + (0 if words else _iota(shape, 2))
   div = 2 if words else 1  # (plane_bits=1: the bytes g CB, CB = 2, are even)
   if rows is None:
     sg, start, ok = pl.program_id(0) * block + _iota(shape, 0), 0, True
@@ -245,16 +257,29 @@ def _keys(keys_ref):
   return (keys_ref[0], keys_ref[1], keys_ref[2], keys_ref[3]), keys_ref[4].astype(jnp.int32)
 
 
+_SLOTS = (0, 0, 1, 1)
+"""Each part's group slot (:func:`_load_dense`): part ``2 h + c`` is half ``c`` of the
+groups ``2 j + h``."""
+
+
 def _load_dense(ref, cfg: _Config):
-  """A dense block ``[BLOCK, G, CB, P]`` as float32: whole, or as the tuple of
-  its halves ``ref[:, :, c, :]`` when :attr:`_Config.split`.
+  """A dense block as float32: ``[BLOCK, G, CB, P]`` whole, or, when
+  :attr:`_Config.split` (``ref`` ``[BLOCK, G / 2, 2, CB, P]``, :meth:`_Config.dense`), the
+  tuple of its four parts ``ref[:, :, h, c, :]`` [BLOCK, G / 2, P]: half ``c`` of the
+  groups ``2 j + h`` (:data:`_SLOTS`).
 
   Loaded whole, Triton gives each thread 8 consecutive values, so a scale
   group spans two threads (a shuffle for its maximum, shared memory for its
-  plane bytes); as two halves one thread holds the whole group."""
+  plane bytes); as parts of equal shape, one thread holds two whole neighbouring
+  groups of one super-group: one super-group scale per thread, and the two groups'
+  plane bytes and k bytes at one address."""
   if not cfg.split:
     return ref[...].astype(jnp.float32)
-  return tuple(ref[:, :, c, :].astype(jnp.float32) for c in range(cfg.cb))
+  return tuple(ref[:, :, h, c, :].astype(jnp.float32) for h, c in _parts(cfg))
+
+
+def _parts(cfg: _Config):
+  return [(h, c) for h in range(2) for c in range(cfg.cb)]
 
 
 def _store_dense(ref, v, cfg: _Config):
@@ -263,8 +288,8 @@ def _store_dense(ref, v, cfg: _Config):
   if not cfg.split:
     ref[...] = v.astype(ref.dtype)
     return
-  for c, half in enumerate(v):
-    ref[:, :, c, :] = half.astype(ref.dtype)
+  for (h, c), part in zip(_parts(cfg), v):
+    ref[:, :, h, c, :] = part.astype(ref.dtype)
 
 
 def _u16_payload(payload):
@@ -287,37 +312,43 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
                 interpret: bool, addend=None, rows: _Rows | None = None):
   """Loads this program's scale records and planes (``pay16_ref``: the payload as
   uint16 words, :func:`_u16_payload`); decodes: float32 [BLOCK, G, CB, P],
-  or its two halves [BLOCK, G, P] when :attr:`_Config.split`. ``addend`` (as
-  :func:`_load_dense` gives): returns ``decode + addend``, each sum one
+  or its four parts [BLOCK, G / 2, P] when :attr:`_Config.split` (:func:`_load_dense`).
+  ``addend`` (as :func:`_load_dense` gives): returns ``decode + addend``, each sum one
   ``fma.rn.f32`` on a GPU. ``rows``: each row from its own position and payload
   (:class:`_Rows`) instead of this program's block of one chunk."""
   dec = functools.partial(B.decode_block, fma=B.REFERENCE_OPS.fma if interpret else tt.fma)
-  k_off, k_ok, v_off, v_ok = _scale_offsets(cfg, s_count, _hidden_one(ptab_ref, cfg), rows)
-  k = _load_u8(pay16_ref, k_off, k_ok)
+  k_off, k_ok, v_off, v_ok = _scale_offsets(cfg, s_count, rows)
   sg_scale = jax.lax.bitcast_convert_type(_load_u16(pay16_ref, v_off, v_ok) << np.uint32(16),
                                           jnp.float32)
   shape = cfg.block(cfg.sg)
   lookup = lambda j: jax.lax.bitcast_convert_type(tab_ref[j], jnp.float32)
-  scale = B.decoded_scale(k, sg_scale)
   if cfg.split:
-    # Per plane one 16-bit word per group: its byte c is half c's plane byte.
-    # Four planes' words make two words per half (byte p = plane p), which
-    # are transposed to the codes (planes_to_codes).
-    half_shape = (shape[0], shape[1], shape[3])
-    lane = jax.lax.broadcasted_iota(jnp.uint32, half_shape, 2)
-    pw = [tt.load(pay16_ref, off, ok) for off, ok in  # uint16
-          _plane_offsets(cfg, ptab_ref, s_count, words=True, rows=rows)]
-    pw += [None] * (-len(pw) % 4)
-    halves = [[], []]
-    for q in range(0, len(pw), 4):  # planes q..q+3
-      a = tt.pair16(pw[q], pw[q + 1], interpret)
-      b = tt.pair16(pw[q + 2], pw[q + 3], interpret)
-      halves[0].append(tt.prmt(a, b, 0x6420, interpret))
-      halves[1].append(tt.prmt(a, b, 0x7531, interpret))
+    # The k bytes of a pair of groups are one 16-bit word. Per plane one 16-bit word
+    # per group (the pair's two at one address): its byte c is half c's plane byte.
+    # Four planes' words make two words per half (byte p = plane p), which are
+    # transposed to the codes (planes_to_codes).
+    kw = _load_u16(pay16_ref, k_off, k_ok)
+    scales = [B.decoded_scale(k, sg_scale) for k in (kw & 0xFF, kw >> np.uint32(8))]
+    part_shape = (shape[0], _G // 2, shape[3])
+    lane = jax.lax.broadcasted_iota(jnp.uint32, part_shape, 2)
+    offsets = _plane_offsets(cfg, ptab_ref, s_count, words=True, rows=rows)
     byte = None if interpret else tt.byte
-    return tuple(dec(R.planes_to_codes(halves[c], lane, cfg.planes, byte), scale, widths,
-                     cfg.tabs, lookup=lookup, addend=None if addend is None else addend[c])
-                 for c in range(cfg.cb))
+    words = []  # per group of the pair, per half: the plane words
+    for h in range(2):
+      pw = [tt.load(pay16_ref, off + h, ok) for off, ok in offsets]  # uint16
+      pw += [None] * (-len(pw) % 4)
+      halves = [[], []]
+      for q in range(0, len(pw), 4):  # planes q..q+3
+        a = tt.pair16(pw[q], pw[q + 1], interpret)
+        b = tt.pair16(pw[q + 2], pw[q + 3], interpret)
+        halves[0].append(tt.prmt(a, b, 0x6420, interpret))
+        halves[1].append(tt.prmt(a, b, 0x7531, interpret))
+      words.append(halves)
+    return tuple(dec(R.planes_to_codes(words[h][c], lane, cfg.planes, byte), scales[h], widths,
+                     cfg.tabs, lookup=lookup, addend=None if addend is None else addend[i])
+                 for i, (h, c) in enumerate(_parts(cfg)))
+  k = _load_u8(pay16_ref, k_off, k_ok)
+  scale = B.decoded_scale(k, sg_scale)
   lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
   shifts = lane * np.uint32(cfg.plane_bits)
   mask = np.uint32((1 << cfg.plane_bits) - 1)
@@ -330,39 +361,42 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
 
 def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
                  s_count: int, units: int, strata: int, interpret: bool):
-  """Encodes float32 [BLOCK, G, CB, P] (or its halves, :func:`_load_dense`);
+  """Encodes float32 [BLOCK, G, CB, P] (or its four parts, :func:`_load_dense`);
   stores its scale records, planes and its share of the unused units (zeros)."""
   block = cfg.sg
   shape = cfg.block(block)
-  group_idx = ((pl.program_id(0) * block + _iota(shape[:2], 0)) * _G
-               + _iota(shape[:2], 1)).astype(jnp.uint32)
-  if cfg.split:  # halves [BLOCK, G, P]: half c holds the group's codes c P + [0, P)
-    half_shape = (shape[0], shape[1], shape[3])
-    p_iota = _iota(half_shape, 2)
-    idx = tuple((group_idx[..., None] * _G + c * shape[3] + p_iota).astype(jnp.uint32)
-                for c in range(cfg.cb))
-    # the draws' group (idx >> 4) is the scale group, held by one thread: one
-    # hash per key for both halves; lanes idx & 15 = c P + p, static
-    draw_group = (group_idx[..., None],) * cfg.cb
-    lane = tuple((p_iota + c * shape[3]).astype(jnp.uint32) for c in range(cfg.cb))
+  groups, step = _groups(cfg)
+  gshape = (block, groups)
+  first_group = ((pl.program_id(0) * block + _iota(gshape, 0)) * _G
+                 + _iota(gshape, 1) * step).astype(jnp.uint32)
+  if cfg.split:  # parts [BLOCK, G / 2, P]: part (h, c) holds codes c P + [0, P) of 2 j + h
+    group_idx = tuple(first_group + np.uint32(h) for h in range(2))
+    p_iota = _iota((block, groups, shape[3]), 2)
+    idx, draw_group, lane = [], [], []
+    for h, c in _parts(cfg):
+      idx.append((group_idx[h][..., None] * _G + c * shape[3] + p_iota).astype(jnp.uint32))
+      # the draws' group (idx >> 4) is the scale group, held by one thread: one hash
+      # per key for both halves; lanes idx & 15 = c P + p, static
+      draw_group.append(group_idx[h][..., None])
+      lane.append((p_iota + c * shape[3]).astype(jnp.uint32))
+    slots = _SLOTS
   else:
+    group_idx = first_group
     idx = ((pl.program_id(0) * block + _iota(shape, 0)) * B.SUPERGROUP + _iota(shape, 1) * _G
            + _iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
     # the draws' group (idx >> 4) is the scale group; each code's lane (idx & 15)
     # is its static position in the group
     draw_group = group_idx[..., None, None]
     lane = (_iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
+    slots = None
   keys, rank = _keys(keys_ref)
   codes, k, sg_scale = B.encode_block(
       x, widths, cfg.tabs, keys=keys, rank=rank, strata=strata, idx=idx, draw_group=draw_group,
       lane=lane, scale_rounding=cfg.scale_rounding,
-      ops=B.REFERENCE_OPS if interpret else GPU_OPS, group_idx=group_idx,
+      ops=B.REFERENCE_OPS if interpret else GPU_OPS, group_idx=group_idx, slots=slots,
       levels=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.levels_at + j], jnp.float32),
       recip=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.recip_at + j], jnp.float32))
-  # the k offsets hidden from Triton (docs/results/kernels_sass.md: no layout conversion
-  # through shared memory for the reciprocals' gathers)
-  k_off, k_ok, _, _ = _scale_offsets(cfg, s_count, _hidden_one(ptab_ref, cfg))
-  tt.store(out_ref, k_off, k, k_ok)
+  k_off, k_ok, _, _ = _scale_offsets(cfg, s_count)
   # The super-group scale from the thread of each super-group's group 0, in
   # the groups' layout (from the [BLOCK] vector, Triton would convert the
   # layout through shared memory). The other groups' (masked) offsets are
@@ -372,35 +406,51 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
                           k_off.shape)
   first = _iota(k_off.shape, 1) == 0
   v_ok = k_ok & first
-  for i in range(2):  # sg 18 + 16 + i
-    tt.store(out_ref, k_off + first.astype(jnp.int32) * (_G + i),
-                 ((bits >> (8 * i)) & 0xFF).astype(jnp.uint8), v_ok)
-  if cfg.split:  # 1-bit planes: bit transposition of each half's 8 codes
-    half_planes = [R.codes_to_planes(c, cfg.planes) for c in codes]
+  if cfg.split:  # the payload as uint16 words (every store pairs two bytes: even offsets)
+    # a pair's k bytes, then the scale's two, each one 16-bit store
+    k_word = k_off >> 1
+    tt.store(out_ref, k_word, (k[0].astype(jnp.uint32) | (k[1].astype(jnp.uint32) << 8))
+             .astype(jnp.uint16), k_ok)
+    tt.store(out_ref, k_word + first.astype(jnp.int32) * (_G // 2), bits.astype(jnp.uint16),
+             v_ok)
+    # 1-bit planes: bit transposition of each part's 8 codes, to words whose byte p % 4
+    # is plane p (codes_to_plane_words); a group's two plane-p bytes by one prmt
+    words = [R.codes_to_plane_words(c, cfg.planes) for c in codes]
+    offsets = _plane_offsets(cfg, ptab_ref, s_count, words=True)
+    for i, (h, c) in enumerate(_parts(cfg)):
+      if c:
+        continue
+      for p, (off, ok) in enumerate(offsets):  # (the pair's second group a word further)
+        q = p % 4
+        pair = tt.prmt(words[i][p // 4], words[i + 1][p // 4], q | (4 + q) << 4, interpret)
+        tt.store(out_ref, off + h, pair.astype(jnp.uint16), ok)
   else:
+    tt.store(out_ref, k_off, k, k_ok)
+    for i in range(2):  # sg 18 + 16 + i
+      tt.store(out_ref, k_off + first.astype(jnp.int32) * (_G + i),
+               ((bits >> (8 * i)) & 0xFF).astype(jnp.uint8), v_ok)
     # 2-bit planes: the 4 codes of a plane byte in one uint32 word (a byte
     # each); a plane's fields at bits 0, 8, 16, 24 times 0x01041040 land at
     # bits 24..31 (partial products at distinct bits, so no carries).
     lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, codes.ndim - 1)
     word = jnp.sum(codes << (lane * np.uint32(8)), axis=-1)
-  for p, (off, ok) in enumerate(_plane_offsets(cfg, ptab_ref, s_count)):
-    if cfg.split:  # one plane byte per half, stored together (16 bits)
-      byte = jax.lax.stack([h[p] for h in half_planes], axis=2)
-    else:
+    for p, (off, ok) in enumerate(_plane_offsets(cfg, ptab_ref, s_count)):
       byte = ((((word >> np.uint32(2 * p)) & np.uint32(0x03030303))
                * np.uint32(0x01041040)) >> np.uint32(24))
-    tt.store(out_ref, off, byte.astype(jnp.uint8), ok)
+      tt.store(out_ref, off, byte.astype(jnp.uint8), ok)
   # Unused units [used, units): program i zeroes [used + i T, used + (i + 1) T).
   share, chunk = _tail_share(units, pl.cdiv(s_count, block))
   if share:
     used = ptab_ref[_PTAB - 1]
-    rows = _iota((chunk, cfg.unit_bytes), 0)
-    cols = _iota((chunk, cfg.unit_bytes), 1)
-    zeros = jnp.zeros((chunk, cfg.unit_bytes), jnp.uint8)
+    per = 2 if cfg.split else 1  # bytes per element of out_ref
+    unit = cfg.unit_bytes // per
+    rows = _iota((chunk, unit), 0)
+    cols = _iota((chunk, unit), 1)
+    zeros = jnp.zeros((chunk, unit), out_ref.dtype)
     for c in range(0, share, chunk):
       unit_i = used + pl.program_id(0) * share + c + rows
-      tt.store(out_ref, s_count * R.SCALE_BYTES + unit_i * cfg.unit_bytes + cols, zeros,
-                   unit_i < units)
+      tt.store(out_ref, s_count * (R.SCALE_BYTES // per) + unit_i * unit + cols, zeros,
+               unit_i < units)
 
 
 def _tail_share(units: int, programs: int) -> tuple[int, int]:
@@ -475,7 +525,8 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
     m = tt.load(mean_ref, at, ok).astype(jnp.float32)
     shape = cfg.block(block)
     if cfg.split:
-      addend = (jnp.broadcast_to(m[:, None, None], (shape[0], shape[1], shape[3])),) * cfg.cb
+      addend = (jnp.broadcast_to(m[:, None, None], (shape[0], _G // 2, shape[3])),) * len(
+          _parts(cfg))
     else:
       addend = jnp.broadcast_to(m[:, None, None, None], shape)
   width = tt.load(w_ref, j, ok)
@@ -609,7 +660,7 @@ def _launch(payload, x, widths, karr, ptab, *, op, cfg, units, strata, interpret
   if writes:
     static.update(units=units, strata=strata)
   args = ([karr] if writes else []) + [ptab, tab, widths]
-  dense_spec = pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))
+  dense_spec = cfg.dense_spec()
   whole = lambda n: pl.BlockSpec((n,), lambda i: (0,))
   in_specs = ([whole(8)] if writes else []) + [
       whole(_PTAB), whole(tab.shape[0]), pl.BlockSpec((cfg.sg,), lambda i: (i,))]
@@ -617,21 +668,22 @@ def _launch(payload, x, widths, karr, ptab, *, op, cfg, units, strata, interpret
     args.append(_u16_payload(payload))
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
   if dense:
-    args.append(x.reshape(cfg.block(s_count)))
+    args.append(x.reshape(cfg.dense(s_count)))
     in_specs.append(dense_spec)
   kernel = functools.partial(body, **static)
-  if writes:
-    out_shape = jax.ShapeDtypeStruct((R.payload_bytes(s_count, units, cfg.plane_bits),),
-                                     jnp.uint8)
+  if writes:  # (split: written as uint16 words, _write_chunk)
+    size = R.payload_bytes(s_count, units, cfg.plane_bits)
+    out_shape = (jax.ShapeDtypeStruct((size // 2,), jnp.uint16) if cfg.split else
+                 jax.ShapeDtypeStruct((size,), jnp.uint8))
     out_spec = pl.BlockSpec(memory_space=pl.ANY)
   else:
-    out_shape = jax.ShapeDtypeStruct(cfg.block(s_count), jnp.float32)
+    out_shape = jax.ShapeDtypeStruct(cfg.dense(s_count), jnp.float32)
     out_spec = dense_spec
   aliases = {}
   if writes and fill is not None:
     n = len(args)
     kernel = lambda *refs, k=kernel: k(*refs[:n], refs[-1])
-    args.append(jnp.full(out_shape.shape, fill, jnp.uint8))
+    args.append(jnp.full(out_shape.shape, fill * (0x101 if cfg.split else 1), out_shape.dtype))
     in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
     aliases = {n: 0}
   out = pl.pallas_call(
@@ -639,7 +691,9 @@ def _launch(payload, x, widths, karr, ptab, *, op, cfg, units, strata, interpret
       in_specs=in_specs, out_specs=out_spec, input_output_aliases=aliases,
       compiler_params=_compiler_params(cfg, interpret), interpret=interpret,
       name=f"dynamiq_units_{op}_p{cfg.plane_bits}")(*args)
-  return out if writes else out.reshape(s_count, B.SUPERGROUP)
+  if writes:
+    return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(-1) if cfg.split else out
+  return out.reshape(s_count, B.SUPERGROUP)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret", "rotate", "dtype",
@@ -674,8 +728,8 @@ def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, 
                              mean=0 if mean is None else math.prod(mean.shape[1:]),
                              payload_bytes=size, interpret=bool(interpret), rotate=rotate,
                              row_sum=row_sum)
-  out_shape = [jax.ShapeDtypeStruct(cfg.block(count), dtype)]
-  out_specs = [pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))]
+  out_shape = [jax.ShapeDtypeStruct(cfg.dense(count), dtype)]
+  out_specs = [cfg.dense_spec()]
   programs = pl.cdiv(count, cfg.sg)
   if row_sum is not None:  # one partial sum per program
     out_shape.append(jax.ShapeDtypeStruct((programs,), jnp.float32))
@@ -698,13 +752,13 @@ def _launch_sum(payloads, widths, ptab, *, cfg, units, interpret):
   s_count = widths.shape[0]
   tab = jnp.asarray(cfg.table())
   whole = lambda k: pl.BlockSpec((k,), lambda i: (0,))
-  dense_spec = pl.BlockSpec(cfg.block(cfg.sg), lambda i: (i, 0, 0, 0))
+  dense_spec = cfg.dense_spec()
   args = [ptab, tab, widths, _u16_payload(payloads.reshape(-1))]
   in_specs = [whole(_PTAB), whole(tab.shape[0]), pl.BlockSpec((cfg.sg,), lambda i: (i,)),
               pl.BlockSpec(memory_space=pl.ANY)]
   kernel = functools.partial(_decode_sum_kernel, cfg=cfg, s_count=s_count, n=n,
                              payload_bytes=size, interpret=bool(interpret))
-  out_shape = jax.ShapeDtypeStruct(cfg.block(s_count), jnp.float32)
+  out_shape = jax.ShapeDtypeStruct(cfg.dense(s_count), jnp.float32)
   out = pl.pallas_call(
       kernel, out_shape=dispatch.typed_like(out_shape, args), grid=(pl.cdiv(s_count, cfg.sg),),
       in_specs=in_specs, out_specs=dense_spec, compiler_params=_compiler_params(cfg, interpret),
