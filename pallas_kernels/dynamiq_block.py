@@ -169,6 +169,23 @@ class LevelTables:
     self.k = np.exp2(-GUESS_OFFSET / self.c2.astype(np.float64)).astype(np.float32)
     self.c1k = (self.c1.astype(np.float64) * self.k).astype(np.float32)
 
+  def row(self, widths):
+    """int32 per super-group: the row of :meth:`dec_rows` its codes index (the width;
+    for a width outside the set the one whose table :attr:`dbase` would give it)."""
+    if self.lattice:
+      return jnp.clip(widths, 2, 8).astype(jnp.int32)
+    return self.select(widths, np.array(self.widths, np.int32))
+
+  def dec_rows(self) -> np.ndarray:
+    """float32 [9 * 256]: :attr:`dec` with each width's table at ``256 w`` (zeros between),
+    so that a code and its row make the index ``code | row << 8``."""
+    rows = np.zeros((9, 256), np.float32)
+    for w in range(9):
+      if (self.lattice and w >= 2) or w in self.widths:
+        b = (1 << w) - 4 if self.lattice else self.dbase[self.widths.index(w)]
+        rows[w, :1 << w] = self.dec[b:b + (1 << w)]
+    return rows.reshape(-1)
+
   def select(self, widths, values):
     """Per-super-group constant ``values[index of width]`` (the smallest width's for a
     width outside the set): a select chain over the static width set, not a
@@ -551,6 +568,14 @@ def reciprocal_of_index(i):
   return jnp.where(i > 0, q, np.float32(0.0))
 
 
+def small_int(v):
+  """int32 of float32 integers in [0, 2^23) (a scale's ``k``): the bits of ``v + 2^23``
+  less those of ``2^23``, exact, two instructions where a saturating conversion takes
+  three or four."""
+  two23 = np.float32(1 << 23)
+  return jax.lax.bitcast_convert_type(v + two23, jnp.int32) - two23.view(np.int32)
+
+
 def _prev_float(v):
   """The float32 below ``v`` for ``v > 0`` (``v`` where it is 0)."""
   bits = jax.lax.bitcast_convert_type(v, jnp.int32)
@@ -620,7 +645,7 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
   for i, gm in enumerate(slots):
     if scale_rounding == "up":
       k = jnp.where(live, ceil_quotient(gm, vt, _K_MAX, div), 0.0)
-      rs = lattice_reciprocal(k.astype(jnp.int32),
+      rs = lattice_reciprocal(small_int(k),
                               jnp.broadcast_to(sg_scale[:, None], k.shape), recip)
     else:
       k = jnp.where(live, stochastic_k(gs[i], vt, keys, gidx[i], div), 0.0)
@@ -689,7 +714,7 @@ def _encode_lattice(x, widths, tabs: LevelTables, *, keys, rank, strata, draw_gr
                             field=field, mulhi=ops.mulhi, hash_store=group_store)
   codes = round_lattice(a, _trailing(gstore(rs), x.ndim), field, draws, ops, sign_at=sign_at,
                         neg=neg)
-  return codes, k.astype(jnp.uint8), sg_scale
+  return codes, small_int(k).astype(jnp.uint8), sg_scale
 
 
 def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, draw_group,
@@ -751,7 +776,8 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
                                scales_=(pick(found[0], j), found[1], pick(found[2], j)),
                                **one)[0]
                   for v, i, d, l, j in zip(x, idx, draw_group, lane, slot_of))
-    k = tuple(v.astype(jnp.uint8) for v in found[0]) if slots else found[0].astype(jnp.uint8)
+    u8 = lambda v: small_int(v).astype(jnp.uint8)
+    k = tuple(u8(v) for v in found[0]) if slots else u8(found[0])
     return codes, k, found[1]
   if group_idx is None:
     group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(GROUP)
@@ -785,17 +811,25 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
                      pairs=pairs, levels=levels, group_store=group_store)
   # code R + 1 + lvl, or R - lvl where x has its sign bit (lvl ^ -1 = -lvl - 1): one xor
   codes = (r + 1 + (lvl ^ neg)).astype(jnp.uint32)
-  return codes, k.astype(jnp.uint8), sg_scale
+  return codes, small_int(k).astype(jnp.uint8), sg_scale
 
 
-def decode_block(codes, scale, widths, tabs: LevelTables, *, lookup, addend=None, fma=_fma):
+def decode_block(codes, scale, widths, tabs: LevelTables, *, lookup, addend=None, fma=_fma,
+                 rows=False):
   """codes uint32 [S, G, 16] (or [S, G, CB, P]), decoded group scale f32 [S, G]
-  -> float32 shaped as codes; ``lookup(i) -> tabs.dec[i]``.
+  -> float32 shaped as codes; ``lookup(i) -> tabs.dec[i]``. ``rows``: the codes are
+  already indices ``code | row << 8`` of :meth:`LevelTables.dec_rows`, which
+  ``lookup`` reads (``widths`` unused).
 
   ``addend`` (float32 shaped as codes): returns ``decode + addend`` as
   ``fma(level, scale, addend)``; the product is exact (8 x 16 significant
   bits), so a fused ``fma`` gives the same sum as a multiply and an add,
   unless the product is subnormal."""
+  if rows:
+    lam = lookup(codes.astype(jnp.int32))
+    if addend is None:
+      return lam * _trailing(scale, codes.ndim)
+    return fma(lam, _trailing(scale, codes.ndim), addend)
   if tabs.lattice and len(tabs.widths) > 1:  # each width's table at 2^w - 4
     dbase = _trailing((1 << jnp.clip(widths, 2, 8)) - 4, codes.ndim)
   else:

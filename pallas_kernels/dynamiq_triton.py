@@ -119,6 +119,7 @@ _PTAB = 16  # entries of the plane-offset input (off_p for p < 8, then the units
 _TAIL_CHUNK = 64  # most unused units one store zeroes
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _UNROLL_SUM = 8  # payloads the decode-sum kernel adds unrolled; more in a loop
+_DEC_ROWS = 9 * 256  # entries of LevelTables.dec_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,18 +142,20 @@ class _Config:
   unit_bytes = property(lambda self: R.unit_bytes(self.plane_bits))
   planes = property(lambda self: max(self.width_set) // self.plane_bits)
   split = property(lambda self: self.plane_bits == 1)
-  levels_at = property(lambda self: self.tabs.dec.size)  # where table() has the levels
-  recip_at = property(lambda self: self.tabs.dec.size + self.tabs.lev.size)  # reciprocals
+  levels_at = property(lambda self: _DEC_ROWS)  # where table() has the levels
+  recip_at = property(lambda self: _DEC_ROWS + self.tabs.lev.size)  # reciprocals
 
   @functools.cached_property
   def tabs(self):
     return B.level_tables(self.eps, self.width_set)
 
   def table(self) -> np.ndarray:
-    """int32: the signed decode table's float32 bits (``LevelTables.dec``), then
-    (at :attr:`levels_at`) the encode's float32 levels (``LevelTables.lev``),
-    zero-padded to a power of two (Triton)."""
-    t = np.concatenate([self.tabs.dec, self.tabs.lev, B.reciprocal_tables()]).view(np.int32)
+    """int32: the signed decode table's float32 bits by rows (``LevelTables.dec_rows``:
+    index ``code | width << 8``), then (at :attr:`levels_at`) the encode's float32
+    levels (``LevelTables.lev``) and the reciprocals, zero-padded to a power of two
+    (Triton)."""
+    t = np.concatenate([self.tabs.dec_rows(), self.tabs.lev, B.reciprocal_tables()]).view(
+        np.int32)
     return np.pad(t, (0, pl.next_power_of_2(t.size) - t.size))
 
   def block(self, supergroups: int) -> tuple[int, int, int, int]:
@@ -254,7 +257,10 @@ def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False,
 
 
 def _keys(keys_ref):
-  return (keys_ref[0], keys_ref[1], keys_ref[2], keys_ref[3]), keys_ref[4].astype(jnp.int32)
+  """The keys and the rank (:func:`~pallas_kernels.rng.key_operand`), its rows of GF
+  products read, not computed, in each program."""
+  return (keys_ref[0], keys_ref[1], keys_ref[2], keys_ref[3]), rng.Rank(
+      keys_ref[4].astype(jnp.int32), (keys_ref[5], keys_ref[6], keys_ref[7]))
 
 
 _SLOTS = (0, 0, 1, 1)
@@ -316,7 +322,11 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
   ``addend`` (as :func:`_load_dense` gives): returns ``decode + addend``, each sum one
   ``fma.rn.f32`` on a GPU. ``rows``: each row from its own position and payload
   (:class:`_Rows`) instead of this program's block of one chunk."""
-  dec = functools.partial(B.decode_block, fma=B.REFERENCE_OPS.fma if interpret else tt.fma)
+  # the codes become indices of the table's rows (code | width << 8): on a GPU the byte
+  # extraction inserts the row (tt.byte_over), so each lookup needs no addition
+  dec = functools.partial(B.decode_block, fma=B.REFERENCE_OPS.fma if interpret else tt.fma,
+                          rows=True)
+  row = cfg.tabs.row(widths).astype(jnp.uint32) << np.uint32(8)
   k_off, k_ok, v_off, v_ok = _scale_offsets(cfg, s_count, rows)
   sg_scale = jax.lax.bitcast_convert_type(_load_u16(pay16_ref, v_off, v_ok) << np.uint32(16),
                                           jnp.float32)
@@ -332,7 +342,6 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
     part_shape = (shape[0], _G // 2, shape[3])
     lane = jax.lax.broadcasted_iota(jnp.uint32, part_shape, 2)
     offsets = _plane_offsets(cfg, ptab_ref, s_count, words=True, rows=rows)
-    byte = None if interpret else tt.byte
     words = []  # per group of the pair, per half: the plane words
     for h in range(2):
       pw = [tt.load(pay16_ref, off + h, ok) for off, ok in offsets]  # uint16
@@ -344,8 +353,14 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
         halves[0].append(tt.prmt(a, b, 0x6420, interpret))
         halves[1].append(tt.prmt(a, b, 0x7531, interpret))
       words.append(halves)
-    return tuple(dec(R.planes_to_codes(words[h][c], lane, cfg.planes, byte), scales[h], widths,
-                     cfg.tabs, lookup=lookup, addend=None if addend is None else addend[i])
+    row = row[:, None, None]
+    if interpret:
+      index = lambda v: R.planes_to_codes(v, lane, cfg.planes) | row
+    else:
+      index = lambda v: R.planes_to_codes(v, lane, cfg.planes,
+                                          lambda w, i: tt.byte_over(w, i, row))
+    return tuple(dec(index(words[h][c]), scales[h], widths, cfg.tabs, lookup=lookup,
+                     addend=None if addend is None else addend[i])
                  for i, (h, c) in enumerate(_parts(cfg)))
   k = _load_u8(pay16_ref, k_off, k_ok)
   scale = B.decoded_scale(k, sg_scale)
@@ -356,7 +371,8 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
   for p, (off, ok) in enumerate(_plane_offsets(cfg, ptab_ref, s_count, rows=rows)):
     b = _load_u8(pay16_ref, off, ok)[..., None]
     codes = codes | (((b >> shifts) & mask) << np.uint32(cfg.plane_bits * p))
-  return dec(codes, scale, widths, cfg.tabs, lookup=lookup, addend=addend)
+  return dec(codes | row[:, None, None, None], scale, widths, cfg.tabs, lookup=lookup,
+             addend=addend)
 
 
 def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
@@ -390,6 +406,9 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
     lane = (_iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
     slots = None
   keys, rank = _keys(keys_ref)
+  # before any store: a hop's decode loaded the same plane table, and no store between
+  # lets the compiler reuse those loads
+  offsets = _plane_offsets(cfg, ptab_ref, s_count, words=cfg.split)
   codes, k, sg_scale = B.encode_block(
       x, widths, cfg.tabs, keys=keys, rank=rank, strata=strata, idx=idx, draw_group=draw_group,
       lane=lane, scale_rounding=cfg.scale_rounding,
@@ -416,7 +435,6 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
     # 1-bit planes: bit transposition of each part's 8 codes, to words whose byte p % 4
     # is plane p (codes_to_plane_words); a group's two plane-p bytes by one prmt
     words = [R.codes_to_plane_words(c, cfg.planes) for c in codes]
-    offsets = _plane_offsets(cfg, ptab_ref, s_count, words=True)
     for i, (h, c) in enumerate(_parts(cfg)):
       if c:
         continue
@@ -434,7 +452,7 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
     # bits 24..31 (partial products at distinct bits, so no carries).
     lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, codes.ndim - 1)
     word = jnp.sum(codes << (lane * np.uint32(8)), axis=-1)
-    for p, (off, ok) in enumerate(_plane_offsets(cfg, ptab_ref, s_count)):
+    for p, (off, ok) in enumerate(offsets):
       byte = ((((word >> np.uint32(2 * p)) & np.uint32(0x03030303))
                * np.uint32(0x01041040)) >> np.uint32(24))
       tt.store(out_ref, off, byte.astype(jnp.uint8), ok)

@@ -19,6 +19,7 @@ All functions take and return ``uint32`` arrays and wrap modulo 2**32.
 from __future__ import annotations
 
 import enum
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ __all__ = [
     "absorb",
     "finish_key",
     "key_operand",
+    "Rank",
     "hash_index",
     "group_hash",
     "uniform24",
@@ -147,11 +149,20 @@ def finish_key(state):
   return k0, mix32(k1 ^ (k0 >> 7))
 
 
+class Rank(NamedTuple):
+  """A scalar rank with its rows of GF(2^k) products (:func:`_gf_row`, ``k`` = 1, 2, 3),
+  computed once outside a kernel (:func:`key_operand`) instead of in every program."""
+
+  index: Any
+  rows: tuple
+
+
 def key_operand(keys, rank):
   """uint32 [8]: ``keys`` (four uint32 scalars, or their uint32 [4] array), ``rank``,
-  zeros: one small kernel operand holding a hop's random keys."""
+  then the rank's rows of GF(2^k) products for k = 1, 2, 3 (:class:`Rank`): one small
+  kernel operand holding a hop's random keys."""
   r = jnp.asarray(rank).astype(jnp.uint32)
-  rest = jnp.stack([r, jnp.uint32(0), jnp.uint32(0), jnp.uint32(0)])
+  rest = jnp.stack([r] + [_gf_row(r, k) for k in (1, 2, 3)])
   if isinstance(keys, (jax.Array, np.ndarray)) and np.shape(keys) == (4,):
     return jnp.concatenate([jnp.asarray(keys).astype(jnp.uint32), rest])
   return jnp.concatenate([jnp.stack([jnp.asarray(v).astype(jnp.uint32) for v in keys]), rest])
@@ -344,7 +355,7 @@ def stratum(h, rank, n: int, *, mulhi=mulhi):
   if q == 1:
     return jnp.zeros(jnp.shape(h), jnp.int32)
   h = _u32(h)
-  i = jnp.asarray(rank).astype(jnp.uint32)
+  i = jnp.asarray(rank.index if isinstance(rank, Rank) else rank).astype(jnp.uint32)
   if q & (q - 1) == 0:
     low = h if q <= 1 << 8 else mix32(h)  # beta = low & (q - 1)
     prod = alpha_product(h, rank, q, mulhi=mulhi)
@@ -419,13 +430,15 @@ def alpha_product(h, rank, q: int, *, mulhi=mulhi):
   """``alpha rank`` with ``alpha - 1 = mulhi(h, q - 1)``: in GF(q) for a power-of-two
   ``q``, modulo ``q`` for a prime one (uint32; ``rank`` an int32 scalar or array)."""
   h = _u32(h)
-  i = jnp.asarray(rank).astype(jnp.uint32)
+  rows = rank.rows if isinstance(rank, Rank) else None
+  i = jnp.asarray(rank.index if isinstance(rank, Rank) else rank).astype(jnp.uint32)
   alpha0 = mulhi(h, q - 1)  # alpha - 1
   if q & (q - 1):
     return ((alpha0 + jnp.uint32(1)) * i) % jnp.uint32(q)
   k = q.bit_length() - 1
   if k <= 3 and jnp.ndim(i) == 0:  # the row of products with the scalar rank
-    row = _gf_row(i, k) >> jnp.uint32(k)  # field alpha - 1 holds alpha i
+    row = (_gf_row(i, k) if rows is None else _u32(rows[k - 1])) >> jnp.uint32(k)
+    # (field alpha - 1 holds alpha i)
     return (row >> (alpha0 * jnp.uint32(k))) & jnp.uint32(q - 1)
   return _gf_mul(alpha0 + jnp.uint32(1), jnp.broadcast_to(i, jnp.shape(h)), k)
 

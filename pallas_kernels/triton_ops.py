@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["load", "store", "asm", "approx_log2", "mulhi", "floor_int", "div_approx", "lt_mask",
-           "fma", "mul_add_rounded", "or_unless", "frac_mul", "byte", "pair16", "prmt"]
+           "fma", "mul_add_rounded", "or_unless", "frac_mul", "byte", "byte_over", "pair16",
+           "prmt"]
 
 
 def load(ref, offsets, mask):
@@ -106,6 +107,12 @@ def frac_mul(w, d):
 def byte(w, i):
   """Byte ``i`` (uint32 array of 0..3) of ``w``, zero-extended: one ``prmt``."""
   return asm("prmt.b32 $0, $1, 0, $2;", "=r,r,r", jnp.uint32, w, i | np.uint32(0x4440))
+
+
+def byte_over(w, i, hi):
+  """Byte ``i`` (uint32 array of 0..3) of ``w`` in the low byte of ``hi`` (uint32 whose
+  low byte is 0): ``hi | byte(w, i)``, one ``prmt``."""
+  return asm("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", jnp.uint32, w, hi, i | np.uint32(0x7650))
 
 
 def pair16(lo, hi, interpret: bool):
