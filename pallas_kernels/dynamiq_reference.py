@@ -267,16 +267,23 @@ def _swaps(x):
   return _delta_swap(_delta_swap(x, *_SWAP_03), *_SWAP_14)
 
 
-def _nibble_exchange(lo, hi):
-  """Index bit 2 <-> 5 of the 64-bit word ``(lo, hi)``: lo's high nibbles with hi's low ones."""
-  return ((lo & np.uint32(0x0F0F0F0F)) | ((hi << np.uint32(4)) & np.uint32(0xF0F0F0F0)),
-          ((lo >> np.uint32(4)) & np.uint32(0x0F0F0F0F)) | (hi & np.uint32(0xF0F0F0F0)))
+def bit_select(mask: int, a, b):
+  """``(a & mask) | (b & ~mask)`` (uint32; a kernel's one ``lop3``)."""
+  return (a & np.uint32(mask)) | (b & np.uint32(~mask & 0xFFFFFFFF))
 
 
-def codes_to_plane_words(codes, planes: int):
+def _nibble_exchange(lo, hi, select=bit_select):
+  """Index bit 2 <-> 5 of the 64-bit word ``(lo, hi)``: lo's high nibbles with hi's low ones
+  (``select``: :func:`bit_select` or a kernel's instruction for it)."""
+  m = 0x0F0F0F0F
+  return select(m, lo, hi << np.uint32(4)), select(m, lo >> np.uint32(4), hi)
+
+
+def codes_to_plane_words(codes, planes: int, select=bit_select):
   """uint32 codes [..., 8] (below 2^planes) -> words (uint32 [...] each) whose byte ``p %
   4`` of word ``p // 4`` is plane byte ``p`` (its other bytes are arbitrary past
-  ``planes``): what a kernel stores from, one ``prmt`` per two plane bytes."""
+  ``planes``): what a kernel stores from, one ``prmt`` per two plane bytes. ``select``:
+  :func:`bit_select` or a kernel's instruction for it."""
   lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, codes.ndim - 1)
   if planes <= 4:
     return [_swaps(jnp.sum(codes << (lane % 4 * 8 + lane // 4 * 4), axis=-1))]
@@ -285,8 +292,8 @@ def codes_to_plane_words(codes, planes: int):
   if planes == 5:  # planes 0-3 from the low nibbles, plane 4 by one multiply (_PLANE4)
     top = ((((lo >> np.uint32(4)) & np.uint32(0x01010101)) | (hi & np.uint32(0x10101010)))
            * np.uint32(_PLANE4)) >> np.uint32(21)
-    return [_swaps(_nibble_exchange(lo, hi)[0]), top]
-  return list(_nibble_exchange(_swaps(lo), _swaps(hi)))
+    return [_swaps(_nibble_exchange(lo, hi, select)[0]), top]
+  return list(_nibble_exchange(_swaps(lo), _swaps(hi), select))
 
 
 def codes_to_planes(codes, planes: int):
@@ -304,7 +311,7 @@ def codes_to_planes(codes, planes: int):
 _PLANE4 = 0x00204081
 
 
-def planes_to_codes(words, lane, planes: int, byte=None):
+def planes_to_codes(words, lane, planes: int, byte=None, select=bit_select):
   """Inverse of :func:`codes_to_planes`: ``words[h]`` (uint32 [...]) holds planes
   ``4 h + [0, 4)`` (byte p % 4 = plane p, zero past ``planes``) -> codes uint32
   [..., 8]; ``lane`` the codes' iota along the last axis. Code i is then
@@ -318,7 +325,7 @@ def planes_to_codes(words, lane, planes: int, byte=None):
       lo = lo | (((b4 & np.uint32(0xF)) * np.uint32(_PLANE4 << 4)) & np.uint32(0x10101010))
       hi = hi | (((b4 >> np.uint32(4)) * np.uint32(_PLANE4 << 4)) & np.uint32(0x10101010))
   else:
-    lo, hi = _nibble_exchange(_swaps(words[0]), _swaps(words[1]))
+    lo, hi = _nibble_exchange(_swaps(words[0]), _swaps(words[1]), select)
   w = jnp.where(lane < 4, lo[..., None], hi[..., None])
   if byte is None:
     return (w >> ((lane % 4) * 8)) & np.uint32(0xFF)

@@ -358,7 +358,7 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
       index = lambda v: R.planes_to_codes(v, lane, cfg.planes) | row
     else:
       index = lambda v: R.planes_to_codes(v, lane, cfg.planes,
-                                          lambda w, i: tt.byte_over(w, i, row))
+                                          lambda w, i: tt.byte_over(w, i, row), tt.bit_select)
     return tuple(dec(index(words[h][c]), scales[h], widths, cfg.tabs, lookup=lookup,
                      addend=None if addend is None else addend[i])
                  for i, (h, c) in enumerate(_parts(cfg)))
@@ -434,7 +434,8 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
              v_ok)
     # 1-bit planes: bit transposition of each part's 8 codes, to words whose byte p % 4
     # is plane p (codes_to_plane_words); a group's two plane-p bytes by one prmt
-    words = [R.codes_to_plane_words(c, cfg.planes) for c in codes]
+    select = R.bit_select if interpret else tt.bit_select
+    words = [R.codes_to_plane_words(c, cfg.planes, select) for c in codes]
     for i, (h, c) in enumerate(_parts(cfg)):
       if c:
         continue

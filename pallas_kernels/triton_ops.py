@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["load", "store", "asm", "approx_log2", "mulhi", "floor_int", "div_approx", "lt_mask",
-           "fma", "mul_add_rounded", "or_unless", "frac_mul", "byte", "byte_over", "pair16",
+           "fma", "mul_add_rounded", "or_unless", "bit_select", "frac_mul", "byte", "byte_over",
+           "pair16",
            "prmt"]
 
 
@@ -91,6 +92,12 @@ def mul_add_rounded(a, b, c):
   fuses into an ``fma``): the reference's ``_mul_add_rounded``."""
   return asm("{ .reg .f32 t; mul.rn.sat.f32 t, $1, $2; add.rn.f32 $0, t, $3; }",
              "=f,f,f,f", jnp.float32, a, b, c)
+
+
+def bit_select(mask: int, a, b):
+  """``(a & mask) | (b & ~mask)`` by one ``lop3.b32`` (uint32; ``mask`` static)."""
+  return asm("lop3.b32 $0, $1, $2, $3, 0xE4;", "=r,r,r,r", jnp.uint32, a, b,
+             jnp.full(jnp.shape(a), mask, jnp.uint32))
 
 
 def or_unless(z, bits, neg):
