@@ -681,7 +681,7 @@ def _ceil_div_bf16_by(v, c, div=None):
 
 
 def round_lattice(a, rs, field, draws, ops: BlockOps = REFERENCE_OPS, *, sign_at=None,
-                  neg=None):
+                  neg=None, shift=True):
   """Level index in [0, R] of ``t = 2 a rs`` (``a rs`` in [0, lam_R / 2]: half scale)
   on the lattice of :func:`lattice_table`: ``y = Y0 / 2 + a rs`` (:data:`ROUND_Y0`;
   product and sum each rounded once, ``ops.mul_add_rounded``), plus the ``F``-bit
@@ -691,16 +691,18 @@ def round_lattice(a, rs, field, draws, ops: BlockOps = REFERENCE_OPS, *, sign_at
   those of ``Y0 + t``.)
 
   With ``sign_at`` (``2^(F + w - 1)``) and the sign mask ``neg``: the code instead
-  (uint32), the level with bit ``w - 1`` set where the element is not negative."""
+  (uint32), the level with bit ``w - 1`` set where the element is not negative; not
+  ``shift``: the code at bits ``[F, F + w)`` (below 2^24), draw bits below it."""
   y = ops.mul_add_rounded(a, rs, ROUND_Y0)
   z = jax.lax.bitcast_convert_type(y, jnp.uint32) + draws - ROUND_Y0.view(np.uint32)
   if sign_at is None:
     return (z >> field).astype(jnp.int32)
-  return ops.or_unless(z, sign_at, neg) >> field
+  z = ops.or_unless(z, sign_at, neg)
+  return z >> field if shift else z
 
 
 def _encode_lattice(x, widths, tabs: LevelTables, *, keys, rank, strata, draw_group, lane,
-                    scale_rounding, ops, recip, group_idx, group_store, scales_):
+                    scale_rounding, ops, recip, group_idx, group_store, scales_, raw):
   """:func:`encode_block` on lattice levels (one array ``x``)."""
   gstore = group_store or (lambda v: v)
   a = jnp.abs(x)
@@ -713,14 +715,14 @@ def _encode_lattice(x, widths, tabs: LevelTables, *, keys, rank, strata, draw_gr
   draws = rng.lattice_draws(keys, rank, strata, group=draw_group, lane=lane, neg=neg,
                             field=field, mulhi=ops.mulhi, hash_store=group_store)
   codes = round_lattice(a, _trailing(gstore(rs), x.ndim), field, draws, ops, sign_at=sign_at,
-                        neg=neg)
+                        neg=neg, shift=not raw)
   return codes, small_int(k).astype(jnp.uint8), sg_scale
 
 
 def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, draw_group,
                  lane, scale_rounding="up", ops: BlockOps = REFERENCE_OPS, pairs=None,
                  levels=None, group_idx=None, group_store=None, scales_=None, recip=None,
-                 slots=None):
+                 slots=None, raw_codes=False):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
@@ -752,6 +754,9 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
       slot (e.g. ``(0, 0, 1, 1)``: parts 0 and 1 hold the halves of the groups of
       slot 0, [S, G'] each); ``group_idx`` is then a tuple per slot, and ``k`` is
       returned as one. None: every part holds the same groups.
+    raw_codes: lattice levels only: each code left at bits ``[F, F + w)`` of its uint32
+      (``F``: :func:`lattice_consts`), the bits below it arbitrary (a kernel packs
+      the codes' third bytes and shifts the transposed planes instead).
 
   Returns:
     ``(codes uint32 shaped as x in [0, 2^w - 1], k uint8 [S, G], super-group
@@ -770,7 +775,8 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
       found = scales(None, scale_rounding, keys, group_idx, ops.div, gmax=gmax)
     pick = (lambda v, j: v[j]) if slots else (lambda v, j: v)
     one = dict(tabs=tabs, keys=keys, rank=rank, strata=strata, scale_rounding=scale_rounding,
-               ops=ops, pairs=pairs, levels=levels, group_store=group_store, recip=recip)
+               ops=ops, pairs=pairs, levels=levels, group_store=group_store, recip=recip,
+               raw_codes=raw_codes)
     codes = tuple(encode_block(v, widths, idx=i, draw_group=d, lane=l,
                                group_idx=pick(group_idx, j),
                                scales_=(pick(found[0], j), found[1], pick(found[2], j)),
@@ -785,7 +791,9 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
     return _encode_lattice(x, widths, tabs, keys=keys, rank=rank, strata=strata,
                            draw_group=draw_group, lane=lane, scale_rounding=scale_rounding,
                            ops=ops, recip=recip, group_idx=group_idx, group_store=group_store,
-                           scales_=scales_)
+                           scales_=scales_, raw=raw_codes)
+  if raw_codes:
+    raise ValueError("raw_codes: lattice levels only")
   a = jnp.abs(x)
   a4 = _trailing(a, 4)  # the [S, G, CB, P] view (P = 1 for [S, G, 16])
   if scales_ is None:

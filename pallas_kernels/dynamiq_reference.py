@@ -293,6 +293,13 @@ def codes_to_plane_words(codes, planes: int, select=bit_select):
     top = ((((lo >> np.uint32(4)) & np.uint32(0x01010101)) | (hi & np.uint32(0x10101010)))
            * np.uint32(_PLANE4)) >> np.uint32(21)
     return [_swaps(_nibble_exchange(lo, hi, select)[0]), top]
+  return byte_plane_words(lo, hi, select)
+
+
+def byte_plane_words(lo, hi, select=bit_select):
+  """The 8 x 8 bit transposition of 8 bytes (byte i of ``lo``: byte i, of ``hi``: byte 4 +
+  i) -> 2 words, byte ``t % 4`` of word ``t // 4`` holding bit ``t`` of the 8 bytes
+  (:func:`codes_to_plane_words` of codes below 2^8)."""
   return list(_nibble_exchange(_swaps(lo), _swaps(hi), select))
 
 

@@ -268,7 +268,7 @@ _SLOTS = (0, 0, 1, 1)
 groups ``2 j + h``."""
 
 
-def _load_dense(ref, cfg: _Config):
+def _load_dense(ref, cfg: _Config, interpret: bool):
   """A dense block as float32: ``[BLOCK, G, CB, P]`` whole, or, when
   :attr:`_Config.split` (``ref`` ``[BLOCK, G / 2, 2, CB, P]``, :meth:`_Config.dense`), the
   tuple of its four parts ``ref[:, :, h, c, :]`` [BLOCK, G / 2, P]: half ``c`` of the
@@ -281,7 +281,9 @@ def _load_dense(ref, cfg: _Config):
   plane bytes and k bytes at one address."""
   if not cfg.split:
     return ref[...].astype(jnp.float32)
-  return tuple(ref[:, :, h, c, :].astype(jnp.float32) for h, c in _parts(cfg))
+  f32 = (tt.bf16_to_f32 if ref.dtype == jnp.bfloat16 and not interpret else
+         lambda v: v.astype(jnp.float32))
+  return tuple(f32(ref[:, :, h, c, :]) for h, c in _parts(cfg))
 
 
 def _parts(cfg: _Config):
@@ -409,9 +411,12 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   # before any store: a hop's decode loaded the same plane table, and no store between
   # lets the compiler reuse those loads
   offsets = _plane_offsets(cfg, ptab_ref, s_count, words=cfg.split)
+  # lattice codes of up to 8 planes stay where the rounding leaves them (bits [F, F + w));
+  # their third bytes are transposed, and the planes shifted into place (_plane_words)
+  raw = cfg.split and cfg.tabs.lattice and cfg.planes > 5
   codes, k, sg_scale = B.encode_block(
       x, widths, cfg.tabs, keys=keys, rank=rank, strata=strata, idx=idx, draw_group=draw_group,
-      lane=lane, scale_rounding=cfg.scale_rounding,
+      lane=lane, scale_rounding=cfg.scale_rounding, raw_codes=raw,
       ops=B.REFERENCE_OPS if interpret else GPU_OPS, group_idx=group_idx, slots=slots,
       levels=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.levels_at + j], jnp.float32),
       recip=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.recip_at + j], jnp.float32))
@@ -434,8 +439,7 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
              v_ok)
     # 1-bit planes: bit transposition of each part's 8 codes, to words whose byte p % 4
     # is plane p (codes_to_plane_words); a group's two plane-p bytes by one prmt
-    select = R.bit_select if interpret else tt.bit_select
-    words = [R.codes_to_plane_words(c, cfg.planes, select) for c in codes]
+    words = _plane_words(codes, widths, cfg, raw, interpret)
     for i, (h, c) in enumerate(_parts(cfg)):
       if c:
         continue
@@ -472,6 +476,30 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
                unit_i < units)
 
 
+def _plane_words(codes, widths, cfg: _Config, raw: bool, interpret: bool):
+  """Per part, the words whose byte ``p % 4`` of word ``p // 4`` is its plane-``p`` byte
+  (:func:`~pallas_kernels.dynamiq_reference.codes_to_plane_words`).
+
+  ``raw`` codes (``encode_block(raw_codes=True)``) have the code at bits ``[F, F + w)``,
+  inside their third byte (``F >= 16``, ``F + w <= 24``): the third bytes are packed
+  (``prmt``) and transposed whole, and transposed plane ``F - 16 + p`` is the code's
+  plane ``p``, so one 64-bit shift of the two words by ``8 (F - 16)`` replaces a shift
+  per code."""
+  select = R.bit_select if interpret else tt.bit_select
+  if not raw:
+    return [R.codes_to_plane_words(c, cfg.planes, select) for c in codes]
+  field, _, _ = B.lattice_consts(widths)
+  by = ((field - np.uint32(16)) * np.uint32(8))[:, None]
+  out = []
+  for z in codes:  # [BLOCK, G / 2, 8]: one element per lane
+    lane = jax.lax.broadcasted_iota(jnp.uint32, z.shape, 2)
+    zs = [jnp.sum(jnp.where(lane == i, z, np.uint32(0)), axis=-1) for i in range(8)]
+    lo, hi = (tt.third_bytes(*zs[4 * j:4 * j + 4], interpret) for j in range(2))
+    w0, w1 = R.byte_plane_words(lo, hi, select)
+    out.append(list(tt.shift_right64(w0, w1, by, interpret)))
+  return out
+
+
 def _tail_share(units: int, programs: int) -> tuple[int, int]:
   """(unused units each program zeroes, units per store): static, covering ``units``."""
   if units == 0:
@@ -486,7 +514,7 @@ def _tail_share(units: int, programs: int) -> tuple[int, int]:
 
 def _compress_kernel(keys_ref, ptab_ref, tab_ref, w_ref, x_ref, out_ref, *, cfg, s_count, units,
                      strata, interpret):
-  _write_chunk(out_ref, _load_dense(x_ref, cfg), w_ref[...], keys_ref, ptab_ref, tab_ref,
+  _write_chunk(out_ref, _load_dense(x_ref, cfg, interpret), w_ref[...], keys_ref, ptab_ref, tab_ref,
                cfg=cfg, s_count=s_count, units=units, strata=strata, interpret=interpret)
 
 
@@ -498,7 +526,7 @@ def _decompress_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_cou
 def _decompress_accumulate_kernel(ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, cfg,
                                   s_count, interpret):
   _store_dense(out_ref, _read_chunk(pay_ref, w_ref[...], ptab_ref, tab_ref, cfg=cfg,
-                                    s_count=s_count, addend=_load_dense(x_ref, cfg),
+                                    s_count=s_count, addend=_load_dense(x_ref, cfg, interpret),
                                     interpret=interpret), cfg)
 
 
@@ -506,7 +534,7 @@ def _dar_kernel(keys_ref, ptab_ref, tab_ref, w_ref, pay_ref, x_ref, out_ref, *, 
                 units, strata, interpret):
   widths = w_ref[...]
   acc = _read_chunk(pay_ref, widths, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
-                    addend=_load_dense(x_ref, cfg), interpret=interpret)
+                    addend=_load_dense(x_ref, cfg, interpret), interpret=interpret)
   _write_chunk(out_ref, acc, widths, keys_ref, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
                units=units, strata=strata, interpret=interpret)
 

@@ -12,13 +12,15 @@ interpret mode. :func:`pair16` and :func:`prmt` carry their jnp twins
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["load", "store", "asm", "approx_log2", "mulhi", "floor_int", "div_approx", "lt_mask",
            "fma", "mul_add_rounded", "or_unless", "bit_select", "frac_mul", "byte", "byte_over",
-           "pair16",
+           "third_bytes", "shift_right64", "pair16",
            "prmt"]
 
 
@@ -120,6 +122,43 @@ def byte_over(w, i, hi):
   """Byte ``i`` (uint32 array of 0..3) of ``w`` in the low byte of ``hi`` (uint32 whose
   low byte is 0): ``hi | byte(w, i)``, one ``prmt``."""
   return asm("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", jnp.uint32, w, hi, i | np.uint32(0x7650))
+
+
+def third_bytes(z0, z1, z2, z3, interpret: bool):
+  """uint32 whose byte i is byte 2 of ``z_i``: three ``prmt``."""
+  if interpret:
+    return functools.reduce(jnp.bitwise_or, [((z >> np.uint32(16)) & np.uint32(0xFF))
+                                             << np.uint32(8 * i)
+                                             for i, z in enumerate((z0, z1, z2, z3))])
+  return asm("{ .reg .b32 t, u; prmt.b32 t, $1, $2, 0x62; prmt.b32 u, $3, $4, 0x62; "
+             "prmt.b32 $0, t, u, 0x5410; }", "=r,r,r,r,r", jnp.uint32, z0, z1, z2, z3)
+
+
+def shift_right64(lo, hi, k, interpret: bool):
+  """``(hi:lo) >> k`` as (low word, high word), ``k`` (uint32) in [0, 64): a ``shr.b64``
+  and a ``shr.b32``."""
+  if interpret:
+    k = k.astype(jnp.uint32)
+    big = k >= np.uint32(32)
+    small = jnp.where(big, np.uint32(0), k)
+    up = jnp.where(small == 0, np.uint32(0), hi << ((np.uint32(32) - small) & np.uint32(31)))
+    return (jnp.where(big, hi >> (k - np.uint32(32)), (lo >> small) | up),
+            jnp.where(big, np.uint32(0), hi >> small))
+  low = asm("{ .reg .b64 t; mov.b64 t, {$1, $2}; shr.b64 t, t, $3; mov.b64 {$0, _}, t; }",
+            "=r,r,r,r", jnp.uint32, lo, hi, k)
+  return low, asm("shr.b32 $0, $1, $2;", "=r,r,r", jnp.uint32, hi, k)  # (0 for k >= 32)
+
+
+def bf16_to_f32(x):
+  """bfloat16 -> float32, two values per instruction pair: each 32-bit register of two
+  values gives the low one by a ``prmt`` (its bits to the high half) and the high one
+  by another (the low half zeroed), where the conversion would extract, then shift."""
+  from jax.experimental.pallas import triton as pltr
+  [out] = pltr.elementwise_inline_asm(
+      "prmt.b32 $0, $2, 0, 0x1044; prmt.b32 $1, $2, 0, 0x3244;", args=[x],
+      constraints="=r,=r,r", pack=2,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.int32)])
+  return jax.lax.bitcast_convert_type(out, jnp.float32)
 
 
 def pair16(lo, hi, interpret: bool):
