@@ -670,6 +670,21 @@ def _supergroup_max(slots):
   return functools.reduce(jnp.maximum, [jnp.max(g, axis=-1) for g in slots])
 
 
+def lattice_level(codes, widths):
+  """The signed lattice level of sign-magnitude ``codes`` (uint32, any shape) of
+  ``widths`` (int32, broadcastable; clipped to [2, 8]) by arithmetic, no table:
+  magnitude ``m`` (the low ``w - 1`` bits) gives ``lam_m = fl(Y0 + m 2^F) - Y0`` (the
+  float ``m`` steps of ``2^F`` in its bits above ``Y0``: exact, as ``Y0 <= y < 2 Y0``),
+  negated where bit ``w - 1`` is clear. Equal to ``LevelTables.dec`` at ``2^w - 4 +
+  code`` for every code below ``2^w``: for a backend without a gather."""
+  field, _, _ = lattice_consts(widths)
+  w = jnp.clip(widths, 2, 8).astype(jnp.uint32)
+  m = codes & ((np.uint32(1) << (w - np.uint32(1))) - np.uint32(1))
+  y0 = np.float32(LATTICE_Y0)
+  lam = jax.lax.bitcast_convert_type(y0.view(np.uint32) + (m << field), jnp.float32) - y0
+  return jnp.where(((codes >> (w - np.uint32(1))) & np.uint32(1)) == 1, lam, -lam)
+
+
 def _ceil_div_bf16_by(v, c, div=None):
   """:func:`_ceil_div_bf16` by a per-element ``c`` (at most 16 significant bits): a guess
   from ``div`` (None: exact ``/``) within one bf16 step, then corrected both ways by

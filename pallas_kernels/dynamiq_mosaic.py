@@ -36,7 +36,9 @@ did not change the kernels' time: they are bound by their arithmetic,
 docs/results.md, "Kernels on a GPU".)
 
 Level lookups have no gather: the magnitude index ``l`` of a code and its
-sign come from its top bit, and ``lam[l]`` is a chain of selects over
+sign come from its top bit. The lattice's ``lam[l]`` is arithmetic on the
+float bits (:func:`~pallas_kernels.dynamiq_block.lattice_level`: a shift, an
+add, a subtraction, one path for every width); MEE's is a chain of selects over
 the width's constant levels (``R`` selects, one partial result live: a
 balanced tree spilled, :func:`_select_tree`), one chain per width of the set,
 chosen per row by the super-group's width. The arithmetic is the
@@ -180,6 +182,8 @@ def _decode_rows(u_s, k_s, sc_s, w_s, ptab_s, s0, *, tabs: B.LevelTables, planes
   scale = k.astype(jnp.float32) * bcast(v_row)
 
   wid = bcast(w_row)
+  if tabs.lattice:  # the levels by arithmetic (B.lattice_level), one path for every width
+    return B.lattice_level(codes, wid) * scale
   lam = None
   for i, w in enumerate(tabs.widths):  # the smallest width's levels for widths outside the set
     r = 2 ** (w - 1) - 1

@@ -189,3 +189,18 @@ def test_the_product_stays_rounded_as_a_users_job_compiles():
   kept, plain = (int(v) for v in res.stdout.split())
   assert plain > 0, "the child did not fuse a b + c: the check would prove nothing"
   assert kept == 0, f"{kept} of 2^18 products were fused into the sum"
+
+
+@pytest.mark.parametrize("w", [2, 3, 4, 5, 6, 7, 8])
+def test_the_arithmetic_decode_equals_the_table(w):
+  """lattice_level (a backend without a gather) gives LevelTables.dec's level of every
+  code of every width, bit for bit, and a width outside [2, 8] that of its clipped one."""
+  tabs = B.level_tables(B.LATTICE, (2, 3, 4, 5, 6, 8))
+  codes = jnp.arange(1 << w, dtype=jnp.uint32)
+  got = np.asarray(B.lattice_level(codes, jnp.full(codes.shape, w, jnp.int32)))
+  want = tabs.dec[(1 << w) - 4:(1 << w) - 4 + (1 << w)]
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+  if w in (2, 8):
+    out = np.asarray(B.lattice_level(codes, jnp.full(codes.shape, 1 if w == 2 else 11,
+                                                     jnp.int32)))
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
