@@ -30,23 +30,25 @@ operands are viewed as ``[S, G, CB, P]`` with ``P = 8 / plane_bits`` codes
 per plane byte and ``CB = 16 / P`` plane bytes per scale group, so byte ``g
 CB + cb`` of a plane holds codes ``(g CB + cb) P + [0, P)``: a plane byte is
 the plane's bits of the ``P`` codes along the last axis, packed and unpacked
-without a reshape. With ``plane_bits=1`` the kernels load and store the two
-halves ``[:, :, cb, :]`` apart (:func:`_load_dense`), so that one thread
-holds a whole scale group. The payload stays flat in global memory
-(``memory_space=ANY``): uint8 where it is written, its uint16 view where it
-is read (:func:`_u16_payload`: one 16-bit load per plane and scale group);
-each program loads / stores with computed offsets and masks: the 16 ``k``
-bytes and 2 scale bytes of each scale record, and for each plane ``p`` (up
-to the widest of ``width_set``) its plane bytes at unit ``off_p + s`` where
-that unit is below ``off_(p+1)`` (:func:`_plane_offsets`). A plane byte's 8
-codes and the plane bytes are bit transposes of each other
-(:func:`~pallas_kernels.dynamiq_reference.codes_to_planes`). The widths come
+without a reshape. With ``plane_bits=1`` the dense operands are viewed as
+``[S, G / 2, 2, CB, P]`` and the kernels load and store four parts ``[:, :, h,
+cb, :]`` apart (:func:`_load_dense`), so that one thread holds two whole
+neighbouring scale groups of one super-group. The payload stays flat in global
+memory (``memory_space=ANY``), as uint16 words there (every ``plane_bits=1``
+store pairs two bytes at an even offset; uint8 for ``plane_bits=2``): each
+program loads / stores with computed offsets and masks the ``k`` bytes and 2
+scale bytes of each scale record, and for each plane ``p`` (up to the widest
+of ``width_set``) its plane bytes at unit ``off_p + s`` where that unit is
+below ``off_(p+1)`` (:func:`_plane_offsets`). A plane byte's 8 codes and the
+plane bytes are bit transposes of each other
+(:func:`~pallas_kernels.dynamiq_reference.codes_to_plane_words`). The widths come
 in as a ``[BLOCK]`` block, the plane offsets as a small int32 input
 (``off_p``, then the units used, each at most ``units``). Compress also
 zeroes the unused units ``[used, units)``: program ``i`` zeroes its own
 static share of them, so every payload byte is written exactly once. The
-concatenated level table (padded to a power of two) is a small input
-gathered by level index.
+level tables (the decode table by rows, ``code | width << 8``, then the
+encode's levels and the reciprocals, padded to a power of two) are a small
+input gathered by index.
 
 jax >= 0.11 deprecates the Triton backend and warns at every Triton
 lowering; the four entry points filter that DeprecationWarning, and only it,
@@ -127,8 +129,8 @@ class _Config:
   """Static description of a chunk's coding (hashable: a jit static argument).
 
   ``per`` codes per plane byte, ``cb`` plane bytes per scale group, ``planes``
-  of the widest code; ``split``: the kernels hold a block as its ``CB = 2``
-  halves ``[BLOCK, G, P]`` (``plane_bits=1``; see :func:`_load_dense`)."""
+  of the widest code; ``split``: the kernels hold a block as four parts ``[BLOCK, G /
+  2, P]`` (``plane_bits=1``; see :func:`_load_dense`)."""
 
   eps: tuple
   width_set: tuple
