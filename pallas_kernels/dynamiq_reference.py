@@ -280,14 +280,25 @@ def _nibble_exchange(lo, hi, select=bit_select):
 
 
 def codes_to_plane_words(codes, planes: int, select=bit_select):
-  """uint32 codes [..., 8] (below 2^planes) -> words (uint32 [...] each) whose byte ``p %
-  4`` of word ``p // 4`` is plane byte ``p`` (its other bytes are arbitrary past
-  ``planes``): what a kernel stores from, one ``prmt`` per two plane bytes. ``select``:
-  :func:`bit_select` or a kernel's instruction for it."""
-  lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, codes.ndim - 1)
+  """uint32 codes [..., 8] (below 2^planes), or a list of pieces whose last axes make the
+  8 in turn (a kernel's parts) -> words (uint32 [...] each) whose byte ``p % 4`` of word
+  ``p // 4`` is plane byte ``p`` (its other bytes are arbitrary past ``planes``): what a
+  kernel stores from, one ``prmt`` per two plane bytes. ``select``: :func:`bit_select`
+  or a kernel's instruction for it."""
+  pieces = list(codes) if isinstance(codes, (list, tuple)) else [codes]
+
+  def packed(shift, keep=lambda lane: True):  # the codes at bits shift(lane), summed
+    total, start = None, 0
+    for c in pieces:
+      lane = jax.lax.broadcasted_iota(jnp.uint32, c.shape, c.ndim - 1) + np.uint32(start)
+      start += c.shape[-1]
+      term = jnp.sum(jnp.where(keep(lane), c << shift(lane), np.uint32(0)), axis=-1)
+      total = term if total is None else total + term
+    return total
+
   if planes <= 4:
-    return [_swaps(jnp.sum(codes << (lane % 4 * 8 + lane // 4 * 4), axis=-1))]
-  lo, hi = (jnp.sum(jnp.where(lane // 4 == h, codes << (lane % 4 * 8), np.uint32(0)), axis=-1)
+    return [_swaps(packed(lambda lane: lane % 4 * 8 + lane // 4 * 4))]
+  lo, hi = (packed(lambda lane: lane % 4 * 8, lambda lane, h=h: lane // 4 == h)
             for h in range(2))
   if planes == 5:  # planes 0-3 from the low nibbles, plane 4 by one multiply (_PLANE4)
     top = ((((lo >> np.uint32(4)) & np.uint32(0x01010101)) | (hi & np.uint32(0x10101010)))

@@ -138,14 +138,17 @@ class _Config:
   scale_rounding: str
   sg: int  # super-groups per program (the launch's ``block``, :func:`launch_config`)
   num_warps: int
+  pieces: int = 1  # pieces per half group (:func:`_parts`): 2 for 32-bit dense values
 
   per = property(lambda self: 8 // self.plane_bits)
   cb = property(lambda self: _G // self.per)
   unit_bytes = property(lambda self: R.unit_bytes(self.plane_bits))
   planes = property(lambda self: max(self.width_set) // self.plane_bits)
   split = property(lambda self: self.plane_bits == 1)
+  piece = property(lambda self: self.per // self.pieces)  # values per part and thread
   levels_at = property(lambda self: _DEC_ROWS)  # where table() has the levels
   recip_at = property(lambda self: _DEC_ROWS + self.tabs.lev.size)  # reciprocals
+  gf_at = property(lambda self: self.recip_at + B.reciprocal_tables().size)  # GF rows
 
   @functools.cached_property
   def tabs(self):
@@ -154,10 +157,11 @@ class _Config:
   def table(self) -> np.ndarray:
     """int32: the signed decode table's float32 bits by rows (``LevelTables.dec_rows``:
     index ``code | width << 8``), then (at :attr:`levels_at`) the encode's float32
-    levels (``LevelTables.lev``) and the reciprocals, zero-padded to a power of two
-    (Triton)."""
-    t = np.concatenate([self.tabs.dec_rows(), self.tabs.lev, B.reciprocal_tables()]).view(
-        np.int32)
+    levels (``LevelTables.lev``), the reciprocals and (at :attr:`gf_at`) the GF rows of the
+    ranks below 8 (``rng.gf_rows_table``), zero-padded to a power of two (Triton)."""
+    t = np.concatenate([self.tabs.dec_rows().view(np.int32), self.tabs.lev.view(np.int32),
+                        B.reciprocal_tables().view(np.int32),
+                        rng.gf_rows_table().reshape(-1).view(np.int32)])
     return np.pad(t, (0, pl.next_power_of_2(t.size) - t.size))
 
   def block(self, supergroups: int) -> tuple[int, int, int, int]:
@@ -258,23 +262,19 @@ def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False,
   return out
 
 
-def _keys(keys_ref):
+def _keys(keys_ref, tab_ref, cfg: _Config):
   """The keys and the rank (:func:`~pallas_kernels.rng.key_operand`), its rows of GF
-  products read, not computed, in each program."""
-  return (keys_ref[0], keys_ref[1], keys_ref[2], keys_ref[3]), rng.Rank(
-      keys_ref[4].astype(jnp.int32), (keys_ref[5], keys_ref[6], keys_ref[7]))
-
-
-_SLOTS = (0, 0, 1, 1)
-"""Each part's group slot (:func:`_load_dense`): part ``2 h + c`` is half ``c`` of the
-groups ``2 j + h``."""
+  products read from the table (:attr:`_Config.gf_at`), not computed, in each program."""
+  rank = keys_ref[4].astype(jnp.int32)
+  at = cfg.gf_at + (rank & 7) * 3
+  rows = tuple(jax.lax.bitcast_convert_type(tab_ref[at + k], jnp.uint32) for k in range(3))
+  return (keys_ref[0], keys_ref[1], keys_ref[2], keys_ref[3]), rng.Rank(rank, rows)
 
 
 def _load_dense(ref, cfg: _Config, interpret: bool):
   """A dense block as float32: ``[BLOCK, G, CB, P]`` whole, or, when
   :attr:`_Config.split` (``ref`` ``[BLOCK, G / 2, 2, CB, P]``, :meth:`_Config.dense`), the
-  tuple of its four parts ``ref[:, :, h, c, :]`` [BLOCK, G / 2, P]: half ``c`` of the
-  groups ``2 j + h`` (:data:`_SLOTS`).
+  tuple of its parts (:func:`_parts`) ``[BLOCK, G / 2, piece]``.
 
   Loaded whole, Triton gives each thread 8 consecutive values, so a scale
   group spans two threads (a shuffle for its maximum, shared memory for its
@@ -285,11 +285,25 @@ def _load_dense(ref, cfg: _Config, interpret: bool):
     return ref[...].astype(jnp.float32)
   f32 = (tt.bf16_to_f32 if ref.dtype == jnp.bfloat16 and not interpret else
          lambda v: v.astype(jnp.float32))
-  return tuple(f32(ref[:, :, h, c, :]) for h, c in _parts(cfg))
+  return tuple(f32(ref[:, :, h, c, _piece(cfg, q)]) for h, c, q in _parts(cfg))
 
 
 def _parts(cfg: _Config):
-  return [(h, c) for h in range(2) for c in range(cfg.cb)]
+  """``(h, c, q)`` of each part: piece ``q`` (of :attr:`_Config.pieces`) of half ``c`` of
+  the groups ``2 j + h``. A thread holds one part of each, 16 bytes of values: a whole
+  half (8 values) of 16-bit values, a half's half (4) of 32-bit ones."""
+  return [(h, c, q) for h in range(2) for c in range(cfg.cb) for q in range(cfg.pieces)]
+
+
+def _piece(cfg: _Config, q: int):
+  return slice(None) if cfg.pieces == 1 else pl.ds(q * cfg.piece, cfg.piece)
+
+
+def _pieces_for(cfg: _Config, *dtypes) -> _Config:
+  """``cfg`` with 2 pieces per half where a dense operand has 32-bit values (a thread's
+  accesses stay 16 bytes, so Triton keeps one thread per group pair)."""
+  wide = cfg.split and any(jnp.dtype(d).itemsize == 4 for d in dtypes)
+  return dataclasses.replace(cfg, pieces=2 if wide else 1)
 
 
 def _store_dense(ref, v, cfg: _Config):
@@ -298,8 +312,8 @@ def _store_dense(ref, v, cfg: _Config):
   if not cfg.split:
     ref[...] = v.astype(ref.dtype)
     return
-  for (h, c), part in zip(_parts(cfg), v):
-    ref[:, :, h, c, :] = part.astype(ref.dtype)
+  for (h, c, q), part in zip(_parts(cfg), v):
+    ref[:, :, h, c, _piece(cfg, q)] = part.astype(ref.dtype)
 
 
 def _u16_payload(payload):
@@ -343,7 +357,7 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
     # transposed to the codes (planes_to_codes).
     kw = _load_u16(pay16_ref, k_off, k_ok)
     scales = [B.decoded_scale(k, sg_scale) for k in (kw & 0xFF, kw >> np.uint32(8))]
-    part_shape = (shape[0], _G // 2, shape[3])
+    part_shape = (shape[0], _G // 2, cfg.piece)
     lane = jax.lax.broadcasted_iota(jnp.uint32, part_shape, 2)
     offsets = _plane_offsets(cfg, ptab_ref, s_count, words=True, rows=rows)
     words = []  # per group of the pair, per half: the plane words
@@ -359,13 +373,14 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
       words.append(halves)
     row = row[:, None, None]
     if interpret:
-      index = lambda v: R.planes_to_codes(v, lane, cfg.planes) | row
+      index = lambda v, ln: R.planes_to_codes(v, ln, cfg.planes) | row
     else:
-      index = lambda v: R.planes_to_codes(v, lane, cfg.planes,
-                                          lambda w, i: tt.byte_over(w, i, row), tt.bit_select)
-    return tuple(dec(index(words[h][c]), scales[h], widths, cfg.tabs, lookup=lookup,
-                     addend=None if addend is None else addend[i])
-                 for i, (h, c) in enumerate(_parts(cfg)))
+      index = lambda v, ln: R.planes_to_codes(v, ln, cfg.planes,
+                                              lambda w, i: tt.byte_over(w, i, row),
+                                              tt.bit_select)
+    return tuple(dec(index(words[h][c], lane + np.uint32(q * cfg.piece)), scales[h], widths,
+                     cfg.tabs, lookup=lookup, addend=None if addend is None else addend[i])
+                 for i, (h, c, q) in enumerate(_parts(cfg)))
   k = _load_u8(pay16_ref, k_off, k_ok)
   scale = B.decoded_scale(k, sg_scale)
   lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
@@ -389,17 +404,19 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   gshape = (block, groups)
   first_group = ((pl.program_id(0) * block + _iota(gshape, 0)) * _G
                  + _iota(gshape, 1) * step).astype(jnp.uint32)
-  if cfg.split:  # parts [BLOCK, G / 2, P]: part (h, c) holds codes c P + [0, P) of 2 j + h
+  if cfg.split:  # parts [BLOCK, G / 2, piece]: (h, c, q) holds codes c P + q piece + [0,
+    # piece) of the groups 2 j + h
     group_idx = tuple(first_group + np.uint32(h) for h in range(2))
-    p_iota = _iota((block, groups, shape[3]), 2)
+    p_iota = _iota((block, groups, cfg.piece), 2)
     idx, draw_group, lane = [], [], []
-    for h, c in _parts(cfg):
-      idx.append((group_idx[h][..., None] * _G + c * shape[3] + p_iota).astype(jnp.uint32))
+    for h, c, q in _parts(cfg):
+      at = c * shape[3] + q * cfg.piece
+      idx.append((group_idx[h][..., None] * _G + at + p_iota).astype(jnp.uint32))
       # the draws' group (idx >> 4) is the scale group, held by one thread: one hash
-      # per key for both halves; lanes idx & 15 = c P + p, static
+      # per key for every part; lanes idx & 15 = c P + q piece + p, static
       draw_group.append(group_idx[h][..., None])
-      lane.append((p_iota + c * shape[3]).astype(jnp.uint32))
-    slots = _SLOTS
+      lane.append((p_iota + at).astype(jnp.uint32))
+    slots = tuple(h for h, _, _ in _parts(cfg))
   else:
     group_idx = first_group
     idx = ((pl.program_id(0) * block + _iota(shape, 0)) * B.SUPERGROUP + _iota(shape, 1) * _G
@@ -409,7 +426,7 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
     draw_group = group_idx[..., None, None]
     lane = (_iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
     slots = None
-  keys, rank = _keys(keys_ref)
+  keys, rank = _keys(keys_ref, tab_ref, cfg)
   # before any store: a hop's decode loaded the same plane table, and no store between
   # lets the compiler reuse those loads
   offsets = _plane_offsets(cfg, ptab_ref, s_count, words=cfg.split)
@@ -441,13 +458,14 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
              v_ok)
     # 1-bit planes: bit transposition of each part's 8 codes, to words whose byte p % 4
     # is plane p (codes_to_plane_words); a group's two plane-p bytes by one prmt
-    words = _plane_words(codes, widths, cfg, raw, interpret)
-    for i, (h, c) in enumerate(_parts(cfg)):
-      if c:
-        continue
+    halves = {}
+    for (h, c, _), v in zip(_parts(cfg), codes):
+      halves.setdefault((h, c), []).append(v)
+    words = {hc: _plane_words(v, widths, cfg, raw, interpret) for hc, v in halves.items()}
+    for h in range(2):
       for p, (off, ok) in enumerate(offsets):  # (the pair's second group a word further)
         q = p % 4
-        pair = tt.prmt(words[i][p // 4], words[i + 1][p // 4], q | (4 + q) << 4, interpret)
+        pair = tt.prmt(words[h, 0][p // 4], words[h, 1][p // 4], q | (4 + q) << 4, interpret)
         tt.store(out_ref, off + h, pair.astype(jnp.uint16), ok)
   else:
     tt.store(out_ref, k_off, k, k_ok)
@@ -478,9 +496,10 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
                unit_i < units)
 
 
-def _plane_words(codes, widths, cfg: _Config, raw: bool, interpret: bool):
-  """Per part, the words whose byte ``p % 4`` of word ``p // 4`` is its plane-``p`` byte
-  (:func:`~pallas_kernels.dynamiq_reference.codes_to_plane_words`).
+def _plane_words(pieces, widths, cfg: _Config, raw: bool, interpret: bool):
+  """A half group's words whose byte ``p % 4`` of word ``p // 4`` is its plane-``p`` byte
+  (:func:`~pallas_kernels.dynamiq_reference.codes_to_plane_words`), from its codes in
+  :attr:`_Config.pieces` pieces.
 
   ``raw`` codes (``encode_block(raw_codes=True)``) have the code at bits ``[F, F + w)``,
   inside their third byte (``F >= 16``, ``F + w <= 24``): the third bytes are packed
@@ -489,17 +508,15 @@ def _plane_words(codes, widths, cfg: _Config, raw: bool, interpret: bool):
   per code."""
   select = R.bit_select if interpret else tt.bit_select
   if not raw:
-    return [R.codes_to_plane_words(c, cfg.planes, select) for c in codes]
+    return R.codes_to_plane_words(pieces, cfg.planes, select)
   field, _, _ = B.lattice_consts(widths)
   by = ((field - np.uint32(16)) * np.uint32(8))[:, None]
-  out = []
-  for z in codes:  # [BLOCK, G / 2, 8]: one element per lane
-    lane = jax.lax.broadcasted_iota(jnp.uint32, z.shape, 2)
-    zs = [jnp.sum(jnp.where(lane == i, z, np.uint32(0)), axis=-1) for i in range(8)]
-    lo, hi = (tt.third_bytes(*zs[4 * j:4 * j + 4], interpret) for j in range(2))
-    w0, w1 = R.byte_plane_words(lo, hi, select)
-    out.append(list(tt.shift_right64(w0, w1, by, interpret)))
-  return out
+  lane = jax.lax.broadcasted_iota(jnp.uint32, pieces[0].shape, 2)
+  zs = [jnp.sum(jnp.where(lane == i % cfg.piece, pieces[i // cfg.piece], np.uint32(0)),
+                axis=-1) for i in range(8)]  # one element per lane
+  lo, hi = (tt.third_bytes(*zs[4 * j:4 * j + 4], interpret) for j in range(2))
+  w0, w1 = R.byte_plane_words(lo, hi, select)
+  return list(tt.shift_right64(w0, w1, by, interpret))
 
 
 def _tail_share(units: int, programs: int) -> tuple[int, int]:
@@ -574,7 +591,7 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
     m = tt.load(mean_ref, at, ok).astype(jnp.float32)
     shape = cfg.block(block)
     if cfg.split:
-      addend = (jnp.broadcast_to(m[:, None, None], (shape[0], _G // 2, shape[3])),) * len(
+      addend = (jnp.broadcast_to(m[:, None, None], (shape[0], _G // 2, cfg.piece)),) * len(
           _parts(cfg))
     else:
       addend = jnp.broadcast_to(m[:, None, None, None], shape)
@@ -704,6 +721,8 @@ def _launch(payload, x, widths, karr, ptab, *, op, cfg, units, strata, interpret
   initial byte (None: uninitialized), to check that every byte is written."""
   body, reads, dense, writes = _KERNELS[op]
   s_count = widths.shape[0]
+  # (the dense output, when there is one, is float32)
+  cfg = _pieces_for(cfg, *([x.dtype] if dense else []), *([] if writes else [jnp.float32]))
   tab = jnp.asarray(cfg.table())
   static = dict(cfg=cfg, s_count=s_count, interpret=bool(interpret))
   if writes:
@@ -754,6 +773,7 @@ def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, 
   (chunk c: payload ``(c + rotate) % n``). ``row_sum``: -> (rows, the float32 sum of its
   programs' sums)."""
   n, size = payloads.shape
+  cfg = _pieces_for(cfg, dtype)
   s_count = widths.shape[0]
   count = n * s_count if slots is None else slots.shape[0]
   tab = jnp.asarray(cfg.table())
@@ -798,6 +818,7 @@ def _launch_sum(payloads, widths, ptab, *, cfg, units, interpret):
   """One launch summing the decodes of all ``n`` payloads [n, bytes] in rank order
   (:func:`_decode_sum_kernel`) over ``cdiv(S, BLOCK)`` programs."""
   n, size = payloads.shape
+  cfg = _pieces_for(cfg, jnp.float32)
   s_count = widths.shape[0]
   tab = jnp.asarray(cfg.table())
   whole = lambda k: pl.BlockSpec((k,), lambda i: (0,))

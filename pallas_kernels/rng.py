@@ -19,6 +19,7 @@ All functions take and return ``uint32`` arrays and wrap modulo 2**32.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -151,18 +152,38 @@ def finish_key(state):
 
 class Rank(NamedTuple):
   """A scalar rank with its rows of GF(2^k) products (:func:`_gf_row`, ``k`` = 1, 2, 3),
-  computed once outside a kernel (:func:`key_operand`) instead of in every program."""
+  read from a table (:func:`gf_rows_table`) instead of computed in every program."""
 
   index: Any
   rows: tuple
 
 
+@functools.lru_cache(maxsize=None)
+def gf_rows_table() -> np.ndarray:
+  """uint32 [8, 3]: :func:`_gf_row` of ``i`` for k = 1, 2, 3, for every ``i < 8`` (Python
+  integers, the same bits: every value stays below 2^31). A row is read only for ``q = 2^k
+  <= 8`` strata, whose ranks are below 8 (:class:`Rank`)."""
+  out = np.zeros((8, 3), np.uint32)
+  for i in range(8):
+    for k in (1, 2, 3):
+      m = [i]
+      for _ in range(k - 1):
+        a = m[-1] << 1
+        m.append(a ^ _GF_POLY[k] if a & (1 << k) else a)
+      prod, row = [0], 0
+      for alpha in range(1, 1 << k):
+        prod.append(prod[alpha & (alpha - 1)] ^ m[((alpha & -alpha).bit_length() - 1)])
+        row |= prod[alpha] << (k * alpha)
+      out[i, k - 1] = row
+  out.setflags(write=False)
+  return out
+
+
 def key_operand(keys, rank):
   """uint32 [8]: ``keys`` (four uint32 scalars, or their uint32 [4] array), ``rank``,
-  then the rank's rows of GF(2^k) products for k = 1, 2, 3 (:class:`Rank`): one small
-  kernel operand holding a hop's random keys."""
+  zeros: one small kernel operand holding a hop's random keys."""
   r = jnp.asarray(rank).astype(jnp.uint32)
-  rest = jnp.stack([r] + [_gf_row(r, k) for k in (1, 2, 3)])
+  rest = jnp.stack([r, jnp.uint32(0), jnp.uint32(0), jnp.uint32(0)])
   if isinstance(keys, (jax.Array, np.ndarray)) and np.shape(keys) == (4,):
     return jnp.concatenate([jnp.asarray(keys).astype(jnp.uint32), rest])
   return jnp.concatenate([jnp.stack([jnp.asarray(v).astype(jnp.uint32) for v in keys]), rest])

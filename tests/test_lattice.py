@@ -204,3 +204,12 @@ def test_the_arithmetic_decode_equals_the_table(w):
     out = np.asarray(B.lattice_level(codes, jnp.full(codes.shape, 1 if w == 2 else 11,
                                                      jnp.int32)))
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+def test_the_gf_rows_table_is_each_ranks_gf_row():
+  """rng.gf_rows_table (which the Triton kernels read instead of computing the rows in
+  every program) holds _gf_row of every rank below 8 for k = 1, 2, 3."""
+  t = rng.gf_rows_table()
+  for r in range(8):
+    for k in (1, 2, 3):
+      assert t[r, k - 1] == int(rng._gf_row(jnp.uint32(r), k)), (r, k)

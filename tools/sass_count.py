@@ -6,7 +6,7 @@
 For each configuration (``plane_bits`` and width set) a child process
 compiles the four kernels of :mod:`pallas_kernels.dynamiq_triton`
 alone for one H100 (the recipe of ``tests/test_gpu_compile_units.py``: a
-compile-only topology (:mod:`dynamiq_jax.bench.gpu_compile`), bf16 local
+compile-only topology (:mod:`dynamiq_jax.bench.gpu_compile`), bf16 (``default-f32``: float32) local
 values, a chunk of 37 super-groups, ``strata=8`` as on an 8-rank ring,
 ``XLA_FLAGS=--xla_dump_to ... --xla_dump_emitter_re=ptx``, which XLA 0.12
 needs to write the PTX; lowered inside the abstract mesh of that device,
@@ -56,8 +56,9 @@ SHORT = {"compress": "compress", "decompress": "decompress",
          "decompress_accumulate": "decompress_accumulate",
          "decompress_accumulate_recompress": "dar"}
 MEE = dict(DEFAULT_EPS)  # level_set="mee" with the codec's default eps
-CONFIGS = {  # name: (plane_bits, width set, level set)
+CONFIGS = {  # name: (plane_bits, width set, level set[, local values' dtype: bf16])
     "default": (1, (2, 3, 4, 5, 6, 8), "lattice"),  # the per-round codec's
+    "default-f32": (1, (2, 3, 4, 5, 6, 8), "lattice", "float32"),  # float32 gradients
     "default-mee": (1, (2, 3, 4, 5, 6, 8), MEE),  # the same with level_set="mee"
     "w4": (1, (4,), "lattice"),
     "w5": (1, (5,), "lattice"),
@@ -83,11 +84,12 @@ def compile_units(config: str, launch=None) -> list:
   sharding = jax.sharding.SingleDeviceSharding(device)
   keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
   s = 37
-  pb, ws, levels = CONFIGS[config]
+  pb, ws, levels, *dtype = CONFIGS[config]
   units = s * max(ws) // pb // 2  # about half the widest: every plane is live somewhere
   geo = dict(eps=levels, plane_bits=pb, width_set=ws,
              launch=None if launch is None else tuple(launch))
-  x = jax.ShapeDtypeStruct((s, 256), jnp.bfloat16, sharding=sharding)
+  x = jax.ShapeDtypeStruct((s, 256), jnp.dtype(dtype[0] if dtype else "bfloat16"),
+                           sharding=sharding)
   w = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=sharding)
   p = jax.ShapeDtypeStruct((R.payload_bytes(s, units, pb),), jnp.uint8, sharding=sharding)
   fns = [(lambda x, w: T.compress_pallas(x, w, units, keys=keys, strata=8, **geo), (x, w)),
@@ -159,8 +161,8 @@ def table(configs=None, launch=None) -> dict:
              "instructions_per_coord": round(per, 2),
              "static_bound_coords_per_s": INSTR_PER_S / per}
       if "recompress" in name:
-        width = {"default": 4, "default-mee": 4, "w4": 4, "w5": 5, "p2": 4}[config]
-        bpc = _dar_bytes_per_coord(width)
+        width = {"w5": 5}.get(config, 4)
+        bpc = _dar_bytes_per_coord(width, 4 if config.endswith("f32") else 2)
         roof = HBM_BYTES_PER_S / bpc
         row.update(bytes_per_coord=round(bpc, 4), roofline_coords_per_s=roof,
                    fraction_of_roofline=round(INSTR_PER_S / per / roof, 3))
