@@ -45,7 +45,7 @@ import pytest
 import gpu_compile_tools as T
 
 DEVICES = 8
-OVERSIZED_BLOCK = 64  # super-groups per program, 4x the unit kernels' BLOCK: spills on sm_90a
+OVERSIZED_BLOCK = 128  # super-groups per program, 8x the unit kernels' BLOCK: spills on sm_90a
 OVERSIZED_MOSAIC_BLOCK = 64  # 8x the Mosaic GPU kernels' BLOCK: 512-row copies, over TMA's 256
 
 
