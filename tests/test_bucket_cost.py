@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(gpu_compile.missing(need_ptxas=False) is not Non
                                 reason=str(gpu_compile.missing(need_ptxas=False)))
 
 INSTRUCTIONS_PER_BUCKET = 360
-"""The most HLO instructions one bucket of 2^16 may add (350 on jax 0.10.2 and 340 on 0.12:
-a hop's key words two slices; 367 / 373 before, the allocation kernel making the hops'
+"""The most HLO instructions one bucket of 2^16 may add (357 on jax 0.10.2 and 347 on 0.12:
+the payloads written through a uint16 view, a bitcast each; 350 / 340 before, a hop's key
+words two slices; 367 / 373 before, the allocation kernel making the hops'
 plane table and reading the gathered statistics in place, as the finish's kernel does;
 390 / 396 before that, the hops' plane table made from the allocation's counts; 403 / 409
 before, 473 / 478 before the statistics' sum was encoded in its kernel, 2,228 before the
