@@ -848,16 +848,14 @@ def decode_block(codes, scale, widths, tabs: LevelTables, *, lookup, addend=None
   ``fma(level, scale, addend)``; the product is exact (8 x 16 significant
   bits), so a fused ``fma`` gives the same sum as a multiply and an add,
   unless the product is subnormal."""
-  if rows:
-    lam = lookup(codes.astype(jnp.int32))
-    if addend is None:
-      return lam * _trailing(scale, codes.ndim)
-    return fma(lam, _trailing(scale, codes.ndim), addend)
-  if tabs.lattice and len(tabs.widths) > 1:  # each width's table at 2^w - 4
-    dbase = _trailing((1 << jnp.clip(widths, 2, 8)) - 4, codes.ndim)
-  else:
-    dbase = _trailing(tabs.select(widths, tabs.dbase), codes.ndim)
-  lam = lookup(dbase + codes.astype(jnp.int32))  # -lam s = -(lam s)
+  index = codes.astype(jnp.int32)
+  if not rows:  # the width's table: the lattice's every width at 2^w - 4, else at dbase
+    if tabs.lattice and len(tabs.widths) > 1:
+      dbase = (1 << jnp.clip(widths, 2, 8)) - 4
+    else:
+      dbase = tabs.select(widths, tabs.dbase)
+    index = _trailing(dbase, codes.ndim) + index
+  lam = lookup(index)  # -lam s = -(lam s)
   if addend is None:
     return lam * _trailing(scale, codes.ndim)
   return fma(lam, _trailing(scale, codes.ndim), addend)

@@ -31,9 +31,9 @@ per plane byte and ``CB = 16 / P`` plane bytes per scale group, so byte ``g
 CB + cb`` of a plane holds codes ``(g CB + cb) P + [0, P)``: a plane byte is
 the plane's bits of the ``P`` codes along the last axis, packed and unpacked
 without a reshape. With ``plane_bits=1`` the dense operands are viewed as
-``[S, G / 2, 2, CB, P]`` and the kernels load and store four parts ``[:, :, h,
-cb, :]`` apart (:func:`_load_dense`), so that one thread holds two whole
-neighbouring scale groups of one super-group. The payload stays flat in global
+``[S, G / 2, 2, CB, P]`` and the kernels load and store parts ``[:, :, h, cb,
+piece]`` apart (:func:`_parts`: two pieces of a half for 32-bit values), so that one
+thread holds two whole neighbouring scale groups of one super-group. The payload stays flat in global
 memory (``memory_space=ANY``), as uint16 words there (every ``plane_bits=1``
 store pairs two bytes at an even offset; uint8 for ``plane_bits=2``): each
 program loads / stores with computed offsets and masks the ``k`` bytes and 2
@@ -129,8 +129,8 @@ class _Config:
   """Static description of a chunk's coding (hashable: a jit static argument).
 
   ``per`` codes per plane byte, ``cb`` plane bytes per scale group, ``planes``
-  of the widest code; ``split``: the kernels hold a block as four parts ``[BLOCK, G /
-  2, P]`` (``plane_bits=1``; see :func:`_load_dense`)."""
+  of the widest code; ``split``: the kernels hold a block as parts ``[BLOCK, G / 2,
+  piece]`` (``plane_bits=1``; :func:`_parts`, :func:`_load_dense`)."""
 
   eps: tuple
   width_set: tuple
@@ -336,7 +336,7 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
                 interpret: bool, addend=None, rows: _Rows | None = None):
   """Loads this program's scale records and planes (``pay16_ref``: the payload as
   uint16 words, :func:`_u16_payload`); decodes: float32 [BLOCK, G, CB, P],
-  or its four parts [BLOCK, G / 2, P] when :attr:`_Config.split` (:func:`_load_dense`).
+  or its parts [BLOCK, G / 2, piece] when :attr:`_Config.split` (:func:`_parts`).
   ``addend`` (as :func:`_load_dense` gives): returns ``decode + addend``, each sum one
   ``fma.rn.f32`` on a GPU. ``rows``: each row from its own position and payload
   (:class:`_Rows`) instead of this program's block of one chunk."""
@@ -396,7 +396,7 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
 
 def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
                  s_count: int, units: int, strata: int, interpret: bool):
-  """Encodes float32 [BLOCK, G, CB, P] (or its four parts, :func:`_load_dense`);
+  """Encodes float32 [BLOCK, G, CB, P] (or its parts, :func:`_load_dense`);
   stores its scale records, planes and its share of the unused units (zeros)."""
   block = cfg.sg
   shape = cfg.block(block)
@@ -533,8 +533,9 @@ def _tail_share(units: int, programs: int) -> tuple[int, int]:
 
 def _compress_kernel(keys_ref, ptab_ref, tab_ref, w_ref, x_ref, out_ref, *, cfg, s_count, units,
                      strata, interpret):
-  _write_chunk(out_ref, _load_dense(x_ref, cfg, interpret), w_ref[...], keys_ref, ptab_ref, tab_ref,
-               cfg=cfg, s_count=s_count, units=units, strata=strata, interpret=interpret)
+  _write_chunk(out_ref, _load_dense(x_ref, cfg, interpret), w_ref[...], keys_ref, ptab_ref,
+               tab_ref, cfg=cfg, s_count=s_count, units=units, strata=strata,
+               interpret=interpret)
 
 
 def _decompress_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, interpret):

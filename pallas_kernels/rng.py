@@ -160,21 +160,12 @@ class Rank(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def gf_rows_table() -> np.ndarray:
-  """uint32 [8, 3]: :func:`_gf_row` of ``i`` for k = 1, 2, 3, for every ``i < 8`` (Python
-  integers, the same bits: every value stays below 2^31). A row is read only for ``q = 2^k
-  <= 8`` strata, whose ranks are below 8 (:class:`Rank`)."""
-  out = np.zeros((8, 3), np.uint32)
-  for i in range(8):
-    for k in (1, 2, 3):
-      m = [i]
-      for _ in range(k - 1):
-        a = m[-1] << 1
-        m.append(a ^ _GF_POLY[k] if a & (1 << k) else a)
-      prod, row = [0], 0
-      for alpha in range(1, 1 << k):
-        prod.append(prod[alpha & (alpha - 1)] ^ m[((alpha & -alpha).bit_length() - 1)])
-        row |= prod[alpha] << (k * alpha)
-      out[i, k - 1] = row
+  """uint32 [8, 3]: :func:`_gf_row` of ``i`` for k = 1, 2, 3, for every ``i < 8``, computed
+  once (eagerly, also when first asked for inside a trace). A row is read only for ``q =
+  2^k <= 8`` strata, whose ranks are below 8 (:class:`Rank`)."""
+  with jax.ensure_compile_time_eval():
+    i = jnp.arange(8, dtype=jnp.uint32)
+    out = np.stack([np.asarray(_gf_row(i, k)) for k in (1, 2, 3)], axis=1).astype(np.uint32)
   out.setflags(write=False)
   return out
 

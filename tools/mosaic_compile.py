@@ -187,10 +187,7 @@ def main(argv=None):
       for kernel, k in r["ptxas"].items():
         print(f"  {kernel:<52} {k['registers']:>4} registers, {k['spill_bytes']:>5} spill bytes")
   if args.json:
-    command = " ".join(["python tools/mosaic_compile.py", *(argv or sys.argv[1:])])
-    path = common.write_json(args.json, {"command": command,
-                                         "machine": common.machine(), **report})
-    print(f"wrote {path}")
+    common.write_tool_json(args.json, "tools/mosaic_compile.py", argv or None, report)
   return report
 
 

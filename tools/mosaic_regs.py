@@ -105,10 +105,7 @@ def main(argv=None):
     print(f"{name:<18} " + " ".join(
         f"{r[op]['registers']!s:>18} / {r[op]['spill_bytes']!s:>5}" for op in _OPS))
   if args.json:
-    command = " ".join(["python tools/mosaic_regs.py", *(argv or sys.argv[1:])])
-    path = common.write_json(args.json, {"command": command, "machine": common.machine(),
-                                         **report})
-    print(f"wrote {path}")
+    common.write_tool_json(args.json, "tools/mosaic_regs.py", argv or None, report)
   return report
 
 

@@ -220,10 +220,7 @@ def main(argv=None):
   print(format_table(report))
   if args.json:
     from dynamiq_jax.bench import common
-    command = " ".join(["python tools/mosaic_sass.py", *(argv or sys.argv[1:])])
-    path = common.write_json(args.json, {"command": command, "machine": common.machine(),
-                                         **report})
-    print(f"wrote {path}")
+    common.write_tool_json(args.json, "tools/mosaic_sass.py", argv or None, report)
   return report
 
 

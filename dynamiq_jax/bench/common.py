@@ -12,8 +12,8 @@ import subprocess
 import sys
 import time
 
-__all__ = ["machine", "command_line", "write_json", "write_results", "results_dir",
-           "add_data_flags", "add_process_flags", "add_load_flags", "load_watch",
+__all__ = ["machine", "command_line", "write_json", "write_tool_json", "write_results",
+           "results_dir", "add_data_flags", "add_process_flags", "add_load_flags", "load_watch",
            "load_record", "BUSY_CORES", "xla_flags_less"]
 
 
@@ -119,6 +119,16 @@ def write_json(path: str, payload: dict, *, strict: bool = False) -> str:
   with open(path, "w") as f:
     json.dump(payload, f, indent=1, sort_keys=False)
     f.write("\n")
+  return path
+
+
+def write_tool_json(path: str, script: str, argv, report: dict) -> str:
+  """Writes a tool's ``report`` (:func:`write_json`) with the command that made it
+  (``python <script> <argv>``; ``argv`` None: this process's arguments) and the machine;
+  prints and returns the path."""
+  command = " ".join([f"python {script}", *(sys.argv[1:] if argv is None else argv)])
+  path = write_json(path, {"command": command, "machine": machine(), **report})
+  print(f"wrote {path}")
   return path
 
 
