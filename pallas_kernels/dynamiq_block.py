@@ -301,6 +301,16 @@ def _or_unless(z, bits, neg):
   return z | (bits & ~neg.astype(jnp.uint32))
 
 
+def _max_last(a):
+  """The maximum of float32 ``a >= 0`` (or NaN) over its last axis, NaN if any is NaN: taken
+  on the float bits as integers (their order for non-negative floats, NaN's above
+  infinity's). XLA:CPU reduces a float maximum over an axis that is not the minor one
+  with a library kernel that drops NaN (a kernel's ``interpret=True`` view of its
+  registers), so a float reduction would not give every backend the same result."""
+  m = jnp.max(jax.lax.bitcast_convert_type(a, jnp.int32), axis=-1)
+  return jax.lax.bitcast_convert_type(m, jnp.float32)
+
+
 class BlockOps(NamedTuple):
   """The operations of the block arithmetic that a kernel may implement by one GPU
   instruction each (:data:`REFERENCE_OPS`: the jnp ones).
@@ -310,7 +320,9 @@ class BlockOps(NamedTuple):
   feeds has an exact product, except the first guess); ``log2`` and ``div``
   feed only first guesses, so any approximation within 2^-20 (``log2``) or a
   few ulp for divisors in [2^-126, 2^126] (``div``; None: exact ``/``, whose
-  operands are then not rescaled) gives the same codes.
+  operands are then not rescaled) gives the same codes. ``max_last``: the maximum of
+  non-negative floats (or NaN) over the last axis, NaN if any is (a GPU's float
+  maximum propagates NaN).
   """
 
   log2: Callable = jnp.log2
@@ -322,6 +334,7 @@ class BlockOps(NamedTuple):
   mulhi: Callable = rng.mulhi
   mul_add_rounded: Callable = _mul_add_rounded
   or_unless: Callable = _or_unless
+  max_last: Callable = _max_last
 
 
 REFERENCE_OPS = BlockOps()
@@ -383,7 +396,8 @@ def floor_quotient(v, d, kmax, div=None, floor=jnp.floor):
 
 
 def scales(a, scale_rounding: str, keys, group_idx, div=None, gmax=None):
-  """a = |x| [S, G, ...] -> (k f32 [S, G], super-group scale f32 [S], element scale s [S, G]).
+  """a = |x| [S, G, ...] -> (k f32 [S, G], super-group scale f32 [S], element scale s [S, G]);
+  the groups may span several axes after the first (``gmax`` [S, G', ...]).
 
   ``"up"``: ``k = ceil(gmax / V)``; elements are normalised by the decoded
   scale ``s = k V`` (so ``a <= s``). ``"stochastic"``: the group max rounded
@@ -395,19 +409,17 @@ def scales(a, scale_rounding: str, keys, group_idx, div=None, gmax=None):
   """
   top = np.float32(1.0)
   if gmax is None:
-    gmax = jnp.max(jnp.max(a, axis=-1), axis=-1)
-  slots, gidx, out = _slots(gmax, group_idx)
+    gmax = group_max(a, 2)
+  sg = lambda v: _trailing(v, gmax.ndim)
   if scale_rounding == "up":
-    sg_scale = _ceil_div_bf16(_supergroup_max(slots), float(top) * _K_MAX)
-    vt = sg_scale[:, None] * top  # exact
-    ks = [ceil_quotient(gm, vt, _K_MAX, div) for gm in slots]
-    ss = [k * sg_scale[:, None] for k in ks]  # exact: 8 x 8 significant bits
+    sg_scale = _ceil_div_bf16(_supergroup_max(gmax), float(top) * _K_MAX)
+    k = ceil_quotient(gmax, sg(sg_scale) * top, _K_MAX, div)  # (the product exact)
+    s = k * sg(sg_scale)  # exact: 8 x 8 significant bits
   else:
-    ss = [_ceil_div_bf16(gm, float(top)) for gm in slots]  # bf16-exact, g top >= gmax
-    sg_scale = _ceil_div_bf16(_supergroup_max(ss), _K_MAX)
-    ks = [stochastic_k(g, sg_scale[:, None], keys, gi, div) for g, gi in zip(ss, gidx)]
-  live = sg_scale > 0
-  return out([jnp.where(live[:, None], k, 0.0) for k in ks]), sg_scale, out(ss)
+    s = _ceil_div_bf16(gmax, float(top))  # bf16-exact, g top >= gmax
+    sg_scale = _ceil_div_bf16(_supergroup_max(s), _K_MAX)
+    k = stochastic_k(s, sg(sg_scale), keys, group_idx, div)
+  return jnp.where(sg(sg_scale > 0), k, 0.0), sg_scale, s
 
 
 def stochastic_k(g, unit, keys, group_idx, div=None, floor=jnp.floor):
@@ -424,7 +436,7 @@ def stochastic_k(g, unit, keys, group_idx, div=None, floor=jnp.floor):
 
 def decoded_scale(k, sg_scale):
   """Decoded group scale ``k V`` [S, G] (exact)."""
-  return k.astype(jnp.float32) * sg_scale[:, None]
+  return k.astype(jnp.float32) * _trailing(sg_scale, k.ndim)
 
 
 # ----------------------------------------------------------------------------
@@ -617,7 +629,8 @@ def lattice_reciprocal(num, den, recip):
 
 def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, div=None):
   """The hierarchical scales of lattice levels -> (``k`` f32 [S, G], super-group scale
-  ``V`` f32 [S], ``rs`` f32 [S, G]), from the group maxima ``gmax`` [S, G].
+  ``V`` f32 [S], ``rs`` f32 [S, G]), from the group maxima ``gmax`` [S, G] (or [S, G',
+  ...]: groups along several axes).
 
   A group decodes as ``lam_l k V`` (``lam_R`` = ``c``, :func:`lattice_consts`' top level,
   not 1: ``k V c`` covers the group). ``"up"``: ``V = ceil_bf16(max / (255 c))``, ``k =
@@ -629,45 +642,39 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
   """
   _, _, top = lattice_consts(widths)
   top_kmax = top * np.float32(_K_MAX)  # exact: 15 significant bits at most
-  slots, gidx, out = _slots(gmax, group_idx)
+  sg = lambda v: _trailing(v, gmax.ndim)
   # a super-group with a NaN or an infinity (its maximum is not below infinity) gets k =
   # 0 and rs = 0 (k is made 0 before it becomes a table index: a NaN's integer is each
   # backend's own); so does an all-zero one
-  amax = _supergroup_max(slots)
+  amax = _supergroup_max(gmax)
   if scale_rounding == "up":
     sg_scale = _ceil_div_bf16_by(amax, top_kmax, div)
   else:
-    gs = [_ceil_div_bf16(g, 1.0) for g in slots]
+    gs = _ceil_div_bf16(gmax, 1.0)
     sg_scale = _ceil_div_bf16_by(_supergroup_max(gs), top_kmax, div)
-  live = ((sg_scale > 0) & (amax < np.float32(np.inf)))[:, None]
-  vt = (sg_scale * top)[:, None]  # exact
-  ks, rss = [], []
-  for i, gm in enumerate(slots):
-    if scale_rounding == "up":
-      k = jnp.where(live, ceil_quotient(gm, vt, _K_MAX, div), 0.0)
-      rs = lattice_reciprocal(small_int(k),
-                              jnp.broadcast_to(sg_scale[:, None], k.shape), recip)
-    else:
-      k = jnp.where(live, stochastic_k(gs[i], vt, keys, gidx[i], div), 0.0)
-      rs = lattice_reciprocal(jnp.broadcast_to(top[:, None], gs[i].shape), gs[i], recip)
-    ks.append(k)
-    rss.append(jnp.where(live & (gm > 0), rs, 0.0))
-  return out(ks), sg_scale, out(rss)
+  live = sg((sg_scale > 0) & (amax < np.float32(np.inf)))
+  vt = sg(sg_scale * top)  # exact
+  if scale_rounding == "up":
+    k = jnp.where(live, ceil_quotient(gmax, vt, _K_MAX, div), 0.0)
+    rs = lattice_reciprocal(small_int(k), jnp.broadcast_to(sg(sg_scale), k.shape), recip)
+  else:
+    k = jnp.where(live, stochastic_k(gs, vt, keys, group_idx, div), 0.0)
+    rs = lattice_reciprocal(jnp.broadcast_to(sg(top), gs.shape), gs, recip)
+  return k, sg_scale, jnp.where(live & (gmax > 0), rs, 0.0)
 
 
-def _slots(gmax, group_idx):
-  """The group maxima as a list of slots (``gmax`` [S, G] or a tuple of [S, G']: a
-  kernel's groups held in several arrays), their ``group_idx`` likewise, and how to
-  return per-slot results in ``gmax``'s form."""
-  if isinstance(gmax, tuple):
-    gidx = group_idx if isinstance(group_idx, tuple) else (group_idx,) * len(gmax)
-    return list(gmax), list(gidx), tuple
-  return [gmax], [group_idx], lambda v: v[0]
+def group_max(a, gdims: int, max_last=_max_last):
+  """The maximum of float32 ``a >= 0`` (or NaN) over the axes past the first ``gdims`` (a
+  block's groups), one axis at a time (a Triton reduction takes one), NaN if any is NaN
+  (``max_last``: :attr:`BlockOps.max_last`)."""
+  while a.ndim > gdims:
+    a = max_last(a)
+  return a
 
 
-def _supergroup_max(slots):
-  """float32 [S]: the maximum over every slot's groups."""
-  return functools.reduce(jnp.maximum, [jnp.max(g, axis=-1) for g in slots])
+def _supergroup_max(gmax):
+  """float32 [S]: the maximum over each super-group's groups (every axis past the first)."""
+  return group_max(gmax, 1)
 
 
 def lattice_level(codes, widths):
@@ -717,14 +724,12 @@ def round_lattice(a, rs, field, draws, ops: BlockOps = REFERENCE_OPS, *, sign_at
 
 
 def _encode_lattice(x, widths, tabs: LevelTables, *, keys, rank, strata, draw_group, lane,
-                    scale_rounding, ops, recip, group_idx, group_store, scales_, raw):
+                    scale_rounding, ops, recip, group_idx, group_store, raw):
   """:func:`encode_block` on lattice levels (one array ``x``)."""
   gstore = group_store or (lambda v: v)
   a = jnp.abs(x)
-  if scales_ is None:
-    gmax = jnp.max(jnp.max(_trailing(a, 4), axis=-1), axis=-1)
-    scales_ = lattice_scales(gmax, widths, scale_rounding, keys, group_idx, recip, ops.div)
-  k, sg_scale, rs = scales_
+  k, sg_scale, rs = lattice_scales(group_max(a, group_idx.ndim, ops.max_last), widths,
+                                   scale_rounding, keys, group_idx, recip, ops.div)
   field, sign_at, _ = (_trailing(gstore(v), x.ndim) for v in lattice_consts(widths))
   neg = sign_mask(x)
   draws = rng.lattice_draws(keys, rank, strata, group=draw_group, lane=lane, neg=neg,
@@ -736,15 +741,14 @@ def _encode_lattice(x, widths, tabs: LevelTables, *, keys, rank, strata, draw_gr
 
 def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, draw_group,
                  lane, scale_rounding="up", ops: BlockOps = REFERENCE_OPS, pairs=None,
-                 levels=None, group_idx=None, group_store=None, scales_=None, recip=None,
-                 slots=None, raw_codes=False):
+                 levels=None, group_idx=None, group_store=None, recip=None, raw_codes=False):
   """Quantises a block of super-groups, each at its own width.
 
   Args:
     x: float32 [S, G, 16] values (G = 16 scale groups), or the same as [S, G,
-      CB, P] (a kernel's view, P codes per plane byte), or a tuple of parts
-      [S, G, P] (part c: ``x[:, :, c]``; ``idx``, ``draw_group`` and ``lane``
-      are then tuples too, and so are the codes).
+      CB, P] (a kernel's view, P codes per plane byte), or any [S, G', ..., E...]
+      whose leading axes (``group_idx``'s) are the scale groups and the rest a
+      group's 16 elements (a kernel's group pairs held in registers).
     widths: int32 [S].
     tabs: the width set's tables.
     keys: ``(k0, k1, s0, s1)`` uint32 scalars.
@@ -758,63 +762,33 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
     ops: the instructions (:class:`BlockOps`).
     pairs, levels: ``pairs(i) -> tabs.pairs[i]`` or ``levels(i) -> tabs.lev[i]``
       for int32 arrays ``i``: the table :func:`round_levels` brackets with.
-    group_idx: ``idx >> 4`` per scale group (uint32 [S, G]), when given.
+    group_idx: ``idx >> 4`` per scale group (uint32 [S, G], or the group axes of
+      ``x``), when given; required when the groups span more than one axis.
     group_store: identity on values, applied to the per-group and
       per-super-group values (scales, width constants, the first guess's
       factors, the draws' hashes); the XLA reference passes
       :func:`~pallas_kernels.dynamiq_reference.materialize`, so that the fused
       rounding loop reads them instead of recomputing them per coordinate.
-    scales_: ``(k, sg_scale, s)`` already found (for the parts of a tuple ``x``).
-    slots: for a tuple ``x`` whose parts hold different groups, each part's group
-      slot (e.g. ``(0, 0, 1, 1)``: parts 0 and 1 hold the halves of the groups of
-      slot 0, [S, G'] each); ``group_idx`` is then a tuple per slot, and ``k`` is
-      returned as one. None: every part holds the same groups.
     raw_codes: lattice levels only: each code left at bits ``[F, F + w)`` of its uint32
       (``F``: :func:`lattice_consts`), the bits below it arbitrary (a kernel packs
       the codes' third bytes and shifts the transposed planes instead).
 
   Returns:
-    ``(codes uint32 shaped as x in [0, 2^w - 1], k uint8 [S, G], super-group
-    scale f32 [S])``.
+    ``(codes uint32 shaped as x in [0, 2^w - 1], k uint8 shaped as ``group_idx``,
+    super-group scale f32 [S])``.
   """
-  if isinstance(x, (tuple, list)):  # parts of groups: encoded one by one
-    slot_of = slots or (0,) * len(x)
-    n = max(slot_of) + 1
-    gmax = [functools.reduce(jnp.maximum, [jnp.max(jnp.abs(v), axis=-1)
-                                           for v, i in zip(x, slot_of) if i == j])
-            for j in range(n)]
-    gmax = tuple(gmax) if slots else gmax[0]
-    if tabs.lattice:
-      found = lattice_scales(gmax, widths, scale_rounding, keys, group_idx, recip, ops.div)
-    else:
-      found = scales(None, scale_rounding, keys, group_idx, ops.div, gmax=gmax)
-    pick = (lambda v, j: v[j]) if slots else (lambda v, j: v)
-    one = dict(tabs=tabs, keys=keys, rank=rank, strata=strata, scale_rounding=scale_rounding,
-               ops=ops, pairs=pairs, levels=levels, group_store=group_store, recip=recip,
-               raw_codes=raw_codes)
-    codes = tuple(encode_block(v, widths, idx=i, draw_group=d, lane=l,
-                               group_idx=pick(group_idx, j),
-                               scales_=(pick(found[0], j), found[1], pick(found[2], j)),
-                               **one)[0]
-                  for v, i, d, l, j in zip(x, idx, draw_group, lane, slot_of))
-    u8 = lambda v: small_int(v).astype(jnp.uint8)
-    k = tuple(u8(v) for v in found[0]) if slots else u8(found[0])
-    return codes, k, found[1]
   if group_idx is None:
     group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(GROUP)
   if tabs.lattice:
     return _encode_lattice(x, widths, tabs, keys=keys, rank=rank, strata=strata,
                            draw_group=draw_group, lane=lane, scale_rounding=scale_rounding,
                            ops=ops, recip=recip, group_idx=group_idx, group_store=group_store,
-                           scales_=scales_, raw=raw_codes)
+                           raw=raw_codes)
   if raw_codes:
     raise ValueError("raw_codes: lattice levels only")
   a = jnp.abs(x)
-  a4 = _trailing(a, 4)  # the [S, G, CB, P] view (P = 1 for [S, G, 16])
-  if scales_ is None:
-    k, sg_scale, s = scales(a4, scale_rounding, keys, group_idx, ops.div)
-  else:
-    k, sg_scale, s = scales_
+  k, sg_scale, s = scales(None, scale_rounding, keys, group_idx, ops.div,
+                          gmax=group_max(a, group_idx.ndim, ops.max_last))
   q = rng.strata_count(strata) * 2**rng.UNIFORM_BITS  # u is uniform on [0, q)
   neg = sign_mask(x)
   draws = functools.partial(rng.uniforms, keys, rank, strata, group=draw_group, lane=lane,

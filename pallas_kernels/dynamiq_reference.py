@@ -279,21 +279,18 @@ def _nibble_exchange(lo, hi, select=bit_select):
   return select(m, lo, hi << np.uint32(4)), select(m, lo >> np.uint32(4), hi)
 
 
-def codes_to_plane_words(codes, planes: int, select=bit_select):
-  """uint32 codes [..., 8] (below 2^planes), or a list of pieces whose last axes make the
-  8 in turn (a kernel's parts) -> words (uint32 [...] each) whose byte ``p % 4`` of word
-  ``p // 4`` is plane byte ``p`` (its other bytes are arbitrary past ``planes``): what a
-  kernel stores from, one ``prmt`` per two plane bytes. ``select``: :func:`bit_select`
-  or a kernel's instruction for it."""
-  pieces = list(codes) if isinstance(codes, (list, tuple)) else [codes]
+def codes_to_plane_words(codes, planes: int, select=bit_select, lane_axes: int = 1):
+  """uint32 codes [..., 8] (below 2^planes), or [..., Q, 8 / Q] (``lane_axes=2``: a
+  kernel's pieces, code ``q 8 / Q + i``) -> words (uint32 [...] each) whose byte ``p % 4``
+  of word ``p // 4`` is plane byte ``p`` (its other bytes are arbitrary past ``planes``):
+  what a kernel stores from, one ``prmt`` per two plane bytes. ``select``:
+  :func:`bit_select` or a kernel's instruction for it."""
+  lane = code_lanes(codes.shape, lane_axes)
 
   def packed(shift, keep=lambda lane: True):  # the codes at bits shift(lane), summed
-    total, start = None, 0
-    for c in pieces:
-      lane = jax.lax.broadcasted_iota(jnp.uint32, c.shape, c.ndim - 1) + np.uint32(start)
-      start += c.shape[-1]
-      term = jnp.sum(jnp.where(keep(lane), c << shift(lane), np.uint32(0)), axis=-1)
-      total = term if total is None else total + term
+    total = jnp.where(keep(lane), codes << shift(lane), np.uint32(0))
+    for _ in range(lane_axes):
+      total = jnp.sum(total, axis=-1)
     return total
 
   if planes <= 4:
@@ -329,10 +326,22 @@ def codes_to_planes(codes, planes: int):
 _PLANE4 = 0x00204081
 
 
+def code_lanes(shape, lane_axes: int = 1):
+  """uint32 iota of shape ``shape``: each code's index in its 8 (the last ``lane_axes``
+  axes, row-major)."""
+  lane, step = None, 1
+  for ax in range(len(shape) - 1, len(shape) - 1 - lane_axes, -1):
+    term = jax.lax.broadcasted_iota(jnp.uint32, shape, ax) * np.uint32(step)
+    lane = term if lane is None else lane + term
+    step *= shape[ax]
+  return lane
+
+
 def planes_to_codes(words, lane, planes: int, byte=None, select=bit_select):
   """Inverse of :func:`codes_to_planes`: ``words[h]`` (uint32 [...]) holds planes
   ``4 h + [0, 4)`` (byte p % 4 = plane p, zero past ``planes``) -> codes uint32
-  [..., 8]; ``lane`` the codes' iota along the last axis. Code i is then
+  [..., 8] (``lane`` the codes' iota along the last axis), or shaped as ``lane`` (the
+  words' axes, then the code axes: :func:`code_lanes`). Code i is then
   ``byte(w, i % 4)`` of the codes' word lo (i < 4) or hi: byte ``i % 4``
   zero-extended (None: by shifts; a kernel passes its one-instruction form)."""
   if planes <= 5:
@@ -344,7 +353,7 @@ def planes_to_codes(words, lane, planes: int, byte=None, select=bit_select):
       hi = hi | (((b4 >> np.uint32(4)) * np.uint32(_PLANE4 << 4)) & np.uint32(0x10101010))
   else:
     lo, hi = _nibble_exchange(_swaps(words[0]), _swaps(words[1]), select)
-  w = jnp.where(lane < 4, lo[..., None], hi[..., None])
+  w = jnp.where(lane < 4, *(v[(...,) + (None,) * max(lane.ndim - v.ndim, 1)] for v in (lo, hi)))
   if byte is None:
     return (w >> ((lane % 4) * 8)) & np.uint32(0xFF)
   return byte(w, lane % 4)

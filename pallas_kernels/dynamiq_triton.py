@@ -33,7 +33,11 @@ the plane's bits of the ``P`` codes along the last axis, packed and unpacked
 without a reshape. With ``plane_bits=1`` the dense operands are viewed as
 ``[S, G / 2, 2, CB, P]`` and the kernels load and store parts ``[:, :, h, cb,
 piece]`` apart (:func:`_parts`: two pieces of a half for 32-bit values), so that one
-thread holds two whole neighbouring scale groups of one super-group. The payload stays flat in global
+thread holds two whole neighbouring scale groups of one super-group, and hold them
+joined as one array (:func:`_joined`: the part axes in each thread's registers), so that
+the block arithmetic is one copy in the IR, not one per part: Triton's coalescing pass
+walks the whole IR from every memory access, so a kernel's compile time grows with the
+square of its size (``docs/results/kernels_sass.md``). The payload stays flat in global
 memory (``memory_space=ANY``), as uint16 words there (every ``plane_bits=1``
 store pairs two bytes at an even offset; uint8 for ``plane_bits=2``): each
 program loads / stores with computed offsets and masks the ``k`` bytes and 2
@@ -181,7 +185,7 @@ class _Config:
 GPU_OPS = B.BlockOps(log2=tt.approx_log2, floor_int=tt.floor_int, fma=tt.fma,
                      lt_mask=tt.lt_mask, frac_mul=tt.frac_mul, div=tt.div_approx,
                      mulhi=tt.mulhi, mul_add_rounded=tt.mul_add_rounded,
-                     or_unless=tt.or_unless)
+                     or_unless=tt.or_unless, max_last=lambda a: jnp.max(a, axis=-1))
 """The block arithmetic's instructions on a GPU (a
 :class:`~pallas_kernels.dynamiq_block.BlockOps`)."""
 
@@ -273,19 +277,22 @@ def _keys(keys_ref, tab_ref, cfg: _Config):
 
 def _load_dense(ref, cfg: _Config, interpret: bool):
   """A dense block as float32: ``[BLOCK, G, CB, P]`` whole, or, when
-  :attr:`_Config.split` (``ref`` ``[BLOCK, G / 2, 2, CB, P]``, :meth:`_Config.dense`), the
-  tuple of its parts (:func:`_parts`) ``[BLOCK, G / 2, piece]``.
+  :attr:`_Config.split` (``ref`` ``[BLOCK, G / 2, 2, CB, P]``, :meth:`_Config.dense`),
+  loaded as its parts (:func:`_parts`) and held as :func:`_joined` ``[BLOCK, G / 2, 2,
+  CB, Q, piece]``.
 
   Loaded whole, Triton gives each thread 8 consecutive values, so a scale
   group spans two threads (a shuffle for its maximum, shared memory for its
   plane bytes); as parts of equal shape, one thread holds two whole neighbouring
   groups of one super-group: one super-group scale per thread, and the two groups'
-  plane bytes and k bytes at one address."""
+  plane bytes and k bytes at one address. Joined, the parts are one array whose part
+  axes are each thread's registers: the block arithmetic is written once for all of
+  them (Triton's passes, some quadratic in the operations, see one copy, not 4 or 8)."""
   if not cfg.split:
     return ref[...].astype(jnp.float32)
   f32 = (tt.bf16_to_f32 if ref.dtype == jnp.bfloat16 and not interpret else
          lambda v: v.astype(jnp.float32))
-  return tuple(f32(ref[:, :, h, c, _piece(cfg, q)]) for h, c, q in _parts(cfg))
+  return _joined([f32(ref[:, :, h, c, _piece(cfg, q)]) for h, c, q in _parts(cfg)], cfg)
 
 
 def _parts(cfg: _Config):
@@ -293,6 +300,60 @@ def _parts(cfg: _Config):
   the groups ``2 j + h``. A thread holds one part of each, 16 bytes of values: a whole
   half (8 values) of 16-bit values, a half's half (4) of 32-bit ones."""
   return [(h, c, q) for h in range(2) for c in range(cfg.cb) for q in range(cfg.pieces)]
+
+
+def _joined_shape(cfg: _Config) -> tuple[int, ...]:
+  """``[BLOCK, G / 2, 2, CB(, Q), piece]``: group pair ``j``, group ``2 j + h``, half ``c``,
+  (piece ``q``, when :attr:`_Config.pieces` is 2,) value: value ``c P + q piece + i`` of
+  group ``2 j + h``."""
+  return (cfg.sg, _G // 2, 2, cfg.cb) + ((cfg.pieces,) if cfg.pieces > 1 else ()) + (cfg.piece,)
+
+
+def _lane_axes(cfg: _Config) -> int:
+  """The trailing axes of :func:`_joined_shape` that index a value within its half."""
+  return 2 if cfg.pieces > 1 else 1
+
+
+def _stack2(vs):
+  """Two arrays stacked on a new last axis (Triton's ``join``: the new axis in each
+  thread's registers, the fastest of them)."""
+  return jnp.stack(vs, axis=-1)
+
+
+def _unstack2(v):
+  """Inverse of :func:`_stack2` (Triton's ``split``)."""
+  return tuple(jnp.unstack(v, axis=-1))
+
+
+def _pair_major(v):
+  """``[..., C, H]`` <-> ``[..., H, C]`` (a transposition of the last two axes): built or
+  taken apart by :func:`_stack2` / :func:`_unstack2`, the group axis ``h`` is the last,
+  held in :func:`_joined`'s register order (``h`` the fastest), so that no layout
+  conversion moves the values."""
+  return jnp.swapaxes(v, -1, -2)
+
+
+def _reversed_parts(ndim: int) -> tuple[int, ...]:
+  """The permutation reversing the axes after the first two (an involution)."""
+  return (0, 1) + tuple(range(ndim - 1, 1, -1))
+
+
+def _joined(parts, cfg: _Config):
+  """The parts ``[BLOCK, G / 2, piece]`` (in :func:`_parts`' order) as one array
+  :func:`_joined_shape`: stacked on new last axes (q, then c, then h), then those axes
+  moved before the values' (a relabelling of registers: no data moves)."""
+  at = dict(zip(_parts(cfg), parts))
+  piece = lambda h, c: (_stack2([at[h, c, q] for q in range(cfg.pieces)]) if cfg.pieces > 1
+                        else at[h, c, 0])
+  v = _stack2([_stack2([piece(h, c) for c in range(cfg.cb)]) for h in range(2)])
+  return jnp.transpose(v, _reversed_parts(v.ndim))
+
+
+def _split(v, cfg: _Config):
+  """Inverse of :func:`_joined`: the parts in :func:`_parts`' order."""
+  pieces = (lambda cv: _unstack2(cv)) if cfg.pieces > 1 else (lambda cv: (cv,))
+  return [q for hv in _unstack2(jnp.transpose(v, _reversed_parts(v.ndim)))
+          for cv in _unstack2(hv) for q in pieces(cv)]
 
 
 def _piece(cfg: _Config, q: int):
@@ -312,8 +373,22 @@ def _store_dense(ref, v, cfg: _Config):
   if not cfg.split:
     ref[...] = v.astype(ref.dtype)
     return
-  for (h, c, q), part in zip(_parts(cfg), v):
+  for (h, c, q), part in zip(_parts(cfg), _split(v, cfg)):
     ref[:, :, h, c, _piece(cfg, q)] = part.astype(ref.dtype)
+
+
+def _table_f32(tab_ref, cfg: _Config, at: int, j):
+  """float32 entries ``at + j`` of the table input. A :func:`_joined` index is gathered by
+  parts and a group pair's ``[BLOCK, G / 2, 2]`` by group: each gather then has the shape
+  of the block's dense accesses (``[BLOCK, G / 2, piece]``) or of its scale records (``[BLOCK,
+  G / 2]``), whose register layout Triton gives it; gathered whole, it would get one of its
+  own, and the values would be moved between threads to and from it."""
+  get = lambda i: jax.lax.bitcast_convert_type(tab_ref[i + at if at else i], jnp.float32)
+  if not cfg.split or j.ndim < 3:
+    return get(j)
+  if j.shape == _joined_shape(cfg):
+    return _joined([get(i) for i in _split(j, cfg)], cfg)
+  return _stack2([get(i) for i in _unstack2(j)])
 
 
 def _u16_payload(payload):
@@ -349,18 +424,17 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
   sg_scale = jax.lax.bitcast_convert_type(_load_u16(pay16_ref, v_off, v_ok) << np.uint32(16),
                                           jnp.float32)
   shape = cfg.block(cfg.sg)
-  lookup = lambda j: jax.lax.bitcast_convert_type(tab_ref[j], jnp.float32)
+  lookup = functools.partial(_table_f32, tab_ref, cfg, 0)
   if cfg.split:
     # The k bytes of a pair of groups are one 16-bit word. Per plane one 16-bit word
     # per group (the pair's two at one address): its byte c is half c's plane byte.
     # Four planes' words make two words per half (byte p = plane p), which are
-    # transposed to the codes (planes_to_codes).
+    # transposed to the codes (planes_to_codes). Held [BLOCK, G / 2, 2(, CB)]: the
+    # group h of each pair, then the half c, in each thread's registers (_joined).
     kw = _load_u16(pay16_ref, k_off, k_ok)
-    scales = [B.decoded_scale(k, sg_scale) for k in (kw & 0xFF, kw >> np.uint32(8))]
-    part_shape = (shape[0], _G // 2, cfg.piece)
-    lane = jax.lax.broadcasted_iota(jnp.uint32, part_shape, 2)
+    scale = B.decoded_scale(_stack2([kw & 0xFF, kw >> np.uint32(8)]), sg_scale)
     offsets = _plane_offsets(cfg, ptab_ref, s_count, words=True, rows=rows)
-    words = []  # per group of the pair, per half: the plane words
+    words = []  # per group h of the pair, per half c: the plane words [BLOCK, G / 2]
     for h in range(2):
       pw = [tt.load(pay16_ref, off + h, ok) for off, ok in offsets]  # uint16
       pw += [None] * (-len(pw) % 4)
@@ -371,6 +445,10 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
         halves[0].append(tt.prmt(a, b, 0x6420, interpret))
         halves[1].append(tt.prmt(a, b, 0x7531, interpret))
       words.append(halves)
+    # the codes by part (each [BLOCK, G / 2, piece], the layout of the block's dense
+    # accesses), then joined: built from [BLOCK, G / 2] words in the joined shape, Triton
+    # would give them a layout of their own and move them between threads
+    lane = jax.lax.broadcasted_iota(jnp.uint32, (cfg.sg, _G // 2, cfg.piece), 2)
     row = row[:, None, None]
     if interpret:
       index = lambda v, ln: R.planes_to_codes(v, ln, cfg.planes) | row
@@ -378,9 +456,9 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
       index = lambda v, ln: R.planes_to_codes(v, ln, cfg.planes,
                                               lambda w, i: tt.byte_over(w, i, row),
                                               tt.bit_select)
-    return tuple(dec(index(words[h][c], lane + np.uint32(q * cfg.piece)), scales[h], widths,
-                     cfg.tabs, lookup=lookup, addend=None if addend is None else addend[i])
-                 for i, (h, c, q) in enumerate(_parts(cfg)))
+    codes = _joined([index(words[h][c], lane + np.uint32(q * cfg.piece))
+                     for h, c, q in _parts(cfg)], cfg)
+    return dec(codes, scale, widths, cfg.tabs, lookup=lookup, addend=addend)
   k = _load_u8(pay16_ref, k_off, k_ok)
   scale = B.decoded_scale(k, sg_scale)
   lane = jax.lax.broadcasted_iota(jnp.uint32, shape, 3)
@@ -400,32 +478,25 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   stores its scale records, planes and its share of the unused units (zeros)."""
   block = cfg.sg
   shape = cfg.block(block)
-  groups, step = _groups(cfg)
-  gshape = (block, groups)
-  first_group = ((pl.program_id(0) * block + _iota(gshape, 0)) * _G
-                 + _iota(gshape, 1) * step).astype(jnp.uint32)
-  if cfg.split:  # parts [BLOCK, G / 2, piece]: (h, c, q) holds codes c P + q piece + [0,
-    # piece) of the groups 2 j + h
-    group_idx = tuple(first_group + np.uint32(h) for h in range(2))
-    p_iota = _iota((block, groups, cfg.piece), 2)
-    idx, draw_group, lane = [], [], []
-    for h, c, q in _parts(cfg):
-      at = c * shape[3] + q * cfg.piece
-      idx.append((group_idx[h][..., None] * _G + at + p_iota).astype(jnp.uint32))
-      # the draws' group (idx >> 4) is the scale group, held by one thread: one hash
-      # per key for every part; lanes idx & 15 = c P + q piece + p, static
-      draw_group.append(group_idx[h][..., None])
-      lane.append((p_iota + at).astype(jnp.uint32))
-    slots = tuple(h for h, _, _ in _parts(cfg))
+  if cfg.split:  # joined [BLOCK, G / 2, 2, CB, Q, piece] (_joined_shape): group 2 j + h
+    jshape = _joined_shape(cfg)
+    g3 = jshape[:3]
+    group_idx = ((pl.program_id(0) * block + _iota(g3, 0)) * _G + _iota(g3, 1) * 2
+                 + _iota(g3, 2)).astype(jnp.uint32)
+    # the draws' group (idx >> 4) is the scale group, held by one thread: one hash per
+    # key for every value; lanes idx & 15 = c P + q piece + i, static
+    lane = R.code_lanes(jshape, 1 + _lane_axes(cfg))
+    draw_group = B._trailing(group_idx, len(jshape))  # pylint: disable=protected-access
+    idx = draw_group * np.uint32(_G) + lane
   else:
-    group_idx = first_group
+    group_idx = ((pl.program_id(0) * block + _iota(shape[:2], 0)) * _G
+                 + _iota(shape[:2], 1)).astype(jnp.uint32)
     idx = ((pl.program_id(0) * block + _iota(shape, 0)) * B.SUPERGROUP + _iota(shape, 1) * _G
            + _iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
     # the draws' group (idx >> 4) is the scale group; each code's lane (idx & 15)
     # is its static position in the group
     draw_group = group_idx[..., None, None]
     lane = (_iota(shape, 2) * shape[3] + _iota(shape, 3)).astype(jnp.uint32)
-    slots = None
   keys, rank = _keys(keys_ref, tab_ref, cfg)
   # before any store: a hop's decode loaded the same plane table, and no store between
   # lets the compiler reuse those loads
@@ -436,9 +507,9 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   codes, k, sg_scale = B.encode_block(
       x, widths, cfg.tabs, keys=keys, rank=rank, strata=strata, idx=idx, draw_group=draw_group,
       lane=lane, scale_rounding=cfg.scale_rounding, raw_codes=raw,
-      ops=B.REFERENCE_OPS if interpret else GPU_OPS, group_idx=group_idx, slots=slots,
-      levels=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.levels_at + j], jnp.float32),
-      recip=lambda j: jax.lax.bitcast_convert_type(tab_ref[cfg.recip_at + j], jnp.float32))
+      ops=B.REFERENCE_OPS if interpret else GPU_OPS, group_idx=group_idx,
+      levels=functools.partial(_table_f32, tab_ref, cfg, cfg.levels_at),
+      recip=functools.partial(_table_f32, tab_ref, cfg, cfg.recip_at))
   k_off, k_ok, _, _ = _scale_offsets(cfg, s_count)
   # The super-group scale from the thread of each super-group's group 0, in
   # the groups' layout (from the [BLOCK] vector, Triton would convert the
@@ -452,20 +523,19 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
   if cfg.split:  # the payload as uint16 words (every store pairs two bytes: even offsets)
     # a pair's k bytes, then the scale's two, each one 16-bit store
     k_word = k_off >> 1
-    tt.store(out_ref, k_word, (k[0].astype(jnp.uint32) | (k[1].astype(jnp.uint32) << 8))
-             .astype(jnp.uint16), k_ok)
+    k0, k1 = (v.astype(jnp.uint32) for v in _unstack2(k))
+    tt.store(out_ref, k_word, (k0 | (k1 << 8)).astype(jnp.uint16), k_ok)
     tt.store(out_ref, k_word + first.astype(jnp.int32) * (_G // 2), bits.astype(jnp.uint16),
              v_ok)
-    # 1-bit planes: bit transposition of each part's 8 codes, to words whose byte p % 4
-    # is plane p (codes_to_plane_words); a group's two plane-p bytes by one prmt
-    halves = {}
-    for (h, c, _), v in zip(_parts(cfg), codes):
-      halves.setdefault((h, c), []).append(v)
-    words = {hc: _plane_words(v, widths, cfg, raw, interpret) for hc, v in halves.items()}
-    for h in range(2):
-      for p, (off, ok) in enumerate(offsets):  # (the pair's second group a word further)
-        q = p % 4
-        pair = tt.prmt(words[h, 0][p // 4], words[h, 1][p // 4], q | (4 + q) << 4, interpret)
+    # 1-bit planes: bit transposition of each half's 8 codes, to words whose byte p % 4
+    # is plane p (codes_to_plane_words); a group's two plane-p bytes (its halves) by one
+    # prmt, stored per group h of the pair (the second a word further)
+    halves = [[_unstack2(wh) for wh in _unstack2(_pair_major(w))]  # [h][c]
+              for w in _plane_words(codes, widths, cfg, raw, interpret)]
+    for p, (off, ok) in enumerate(offsets):
+      q = p % 4
+      for h in range(2):
+        pair = tt.prmt(*halves[p // 4][h], q | (4 + q) << 4, interpret)
         tt.store(out_ref, off + h, pair.astype(jnp.uint16), ok)
   else:
     tt.store(out_ref, k_off, k, k_ok)
@@ -496,10 +566,11 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
                unit_i < units)
 
 
-def _plane_words(pieces, widths, cfg: _Config, raw: bool, interpret: bool):
-  """A half group's words whose byte ``p % 4`` of word ``p // 4`` is its plane-``p`` byte
-  (:func:`~pallas_kernels.dynamiq_reference.codes_to_plane_words`), from its codes in
-  :attr:`_Config.pieces` pieces.
+def _plane_words(codes, widths, cfg: _Config, raw: bool, interpret: bool):
+  """Each half group's words ``[BLOCK, G / 2, 2, CB]`` whose byte ``p % 4`` of word ``p //
+  4`` is its plane-``p`` byte
+  (:func:`~pallas_kernels.dynamiq_reference.codes_to_plane_words`), from its codes
+  (:func:`_joined_shape`).
 
   ``raw`` codes (``encode_block(raw_codes=True)``) have the code at bits ``[F, F + w)``,
   inside their third byte (``F >= 16``, ``F + w <= 24``): the third bytes are packed
@@ -508,12 +579,18 @@ def _plane_words(pieces, widths, cfg: _Config, raw: bool, interpret: bool):
   per code."""
   select = R.bit_select if interpret else tt.bit_select
   if not raw:
-    return R.codes_to_plane_words(pieces, cfg.planes, select)
+    return R.codes_to_plane_words(codes, cfg.planes, select, lane_axes=_lane_axes(cfg))
   field, _, _ = B.lattice_consts(widths)
-  by = ((field - np.uint32(16)) * np.uint32(8))[:, None]
-  lane = jax.lax.broadcasted_iota(jnp.uint32, pieces[0].shape, 2)
-  zs = [jnp.sum(jnp.where(lane == i % cfg.piece, pieces[i // cfg.piece], np.uint32(0)),
-                axis=-1) for i in range(8)]  # one element per lane
+  by = B._trailing((field - np.uint32(16)) * np.uint32(8), 4)  # pylint: disable=protected-access
+  lane = R.code_lanes(codes.shape, _lane_axes(cfg))
+
+  def code(i):  # one element per lane: code i of each half
+    v = jnp.where(lane == i, codes, np.uint32(0))
+    for _ in range(_lane_axes(cfg)):
+      v = jnp.sum(v, axis=-1)
+    return v
+
+  zs = [code(i) for i in range(8)]
   lo, hi = (tt.third_bytes(*zs[4 * j:4 * j + 4], interpret) for j in range(2))
   w0, w1 = R.byte_plane_words(lo, hi, select)
   return list(tt.shift_right64(w0, w1, by, interpret))
@@ -592,10 +669,8 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
     m = tt.load(mean_ref, at, ok).astype(jnp.float32)
     shape = cfg.block(block)
     if cfg.split:
-      addend = (jnp.broadcast_to(m[:, None, None], (shape[0], _G // 2, cfg.piece)),) * len(
-          _parts(cfg))
-    else:
-      addend = jnp.broadcast_to(m[:, None, None, None], shape)
+      shape = _joined_shape(cfg)
+    addend = jnp.broadcast_to(B._trailing(m, len(shape)), shape)  # pylint: disable=protected-access
   width = tt.load(w_ref, j, ok)
   val = _read_chunk(pay_ref, width, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
                     interpret=interpret, addend=addend, rows=rows)
@@ -613,16 +688,12 @@ def _row_sq(val, addend, cfg: _Config):
   ``addend`` as :func:`_read_chunk` takes and gives them; None: no addend), one axis at a
   time (a Triton reduction takes one): the compiler's order, so the last bits may differ
   from the reference's sum."""
-  halves = val if cfg.split else (val,)
-  addends = (None,) * len(halves) if addend is None else (addend if cfg.split else (addend,))
-  total = None
-  for v, a in zip(halves, addends):
-    r = v if a is None else v - a
-    sq = r * r
-    while sq.ndim > 1:
-      sq = jnp.sum(sq, axis=sq.ndim - 1)
-    total = sq if total is None else total + sq
-  return total
+  del cfg
+  r = val if addend is None else val - addend
+  sq = r * r
+  while sq.ndim > 1:
+    sq = jnp.sum(sq, axis=sq.ndim - 1)
+  return sq
 
 
 def _decode_sum_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, n,

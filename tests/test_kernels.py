@@ -491,3 +491,27 @@ def test_plane_table_checks_its_input():
     T.decompress_pallas(jnp.zeros(R.payload_bytes(1, 8, 1), jnp.uint8),
                         jnp.full((1,), 8, jnp.int32), 8, eps=EPS, width_set=WS6,
                         ptab=jnp.zeros(8, jnp.int32), interpret=True)
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_joined_parts_are_the_dense_block(pieces):
+  """The Triton kernels' one array of a block's parts (``_joined``) is the dense
+  ``[S, G / 2, 2, CB, P]`` view with its pieces split out, and ``_split`` undoes it."""
+  cfg = T._Config(eps=(), width_set=(2, 8), plane_bits=1, scale_rounding="up", sg=3,
+                  num_warps=4, pieces=pieces)
+  dense = jnp.arange(3 * 256, dtype=jnp.int32).reshape(cfg.dense(3))
+  parts = [dense[:, :, h, c, q * cfg.piece:(q + 1) * cfg.piece] for h, c, q in T._parts(cfg)]
+  joined = T._joined(parts, cfg)
+  np.testing.assert_array_equal(joined, dense.reshape(T._joined_shape(cfg)))
+  for got, want in zip(T._split(joined, cfg), parts, strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_group_max_keeps_nan_across_a_transposed_block():
+  """The group maximum is NaN where a group holds a NaN, also when XLA:CPU reduces an axis
+  that is not the minor one (a joined block in interpret mode): its float reduction there
+  drops NaN, so the block arithmetic takes it on the float bits."""
+  x = np.zeros((16, 8, 8, 1, 2, 2), np.float32)  # a bf16 block stacked: [S, G / 2, P, 1, C, H]
+  x[2, 1, 3, 0, 1, 0] = np.nan
+  gmax = jax.jit(lambda v: B.group_max(jnp.transpose(v, (0, 1, 5, 4, 3, 2)), 3))(x)
+  assert np.isnan(gmax[2, 1, 0]) and np.isnan(gmax).sum() == 1
