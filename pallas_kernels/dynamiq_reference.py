@@ -340,10 +340,16 @@ def code_lanes(shape, lane_axes: int = 1):
 def planes_to_codes(words, lane, planes: int, byte=None, select=bit_select):
   """Inverse of :func:`codes_to_planes`: ``words[h]`` (uint32 [...]) holds planes
   ``4 h + [0, 4)`` (byte p % 4 = plane p, zero past ``planes``) -> codes uint32
-  [..., 8] (``lane`` the codes' iota along the last axis), or shaped as ``lane`` (the
-  words' axes, then the code axes: :func:`code_lanes`). Code i is then
-  ``byte(w, i % 4)`` of the codes' word lo (i < 4) or hi: byte ``i % 4``
-  zero-extended (None: by shifts; a kernel passes its one-instruction form)."""
+  [..., 8]; ``lane`` the codes' iota along the last axis. Code i is then
+  ``byte(w, i % 4)`` of the codes' word lo (i < 4) or hi (:func:`plane_code_words`):
+  byte ``i % 4`` zero-extended (None: by shifts; a kernel passes its one-instruction
+  form)."""
+  return codes_of_words(*plane_code_words(words, planes, select), lane, byte)
+
+
+def plane_code_words(words, planes: int, select=bit_select):
+  """The transposition of :func:`planes_to_codes` on whole words: ``words`` as there ->
+  ``(lo, hi)`` (uint32 [...]), byte ``i`` of ``lo`` code ``i``, of ``hi`` code ``4 + i``."""
   if planes <= 5:
     w = _swaps(words[0])
     lo, hi = w & np.uint32(0x0F0F0F0F), (w >> np.uint32(4)) & np.uint32(0x0F0F0F0F)
@@ -351,9 +357,14 @@ def planes_to_codes(words, lane, planes: int, byte=None, select=bit_select):
       b4 = words[1]
       lo = lo | (((b4 & np.uint32(0xF)) * np.uint32(_PLANE4 << 4)) & np.uint32(0x10101010))
       hi = hi | (((b4 >> np.uint32(4)) * np.uint32(_PLANE4 << 4)) & np.uint32(0x10101010))
-  else:
-    lo, hi = _nibble_exchange(_swaps(words[0]), _swaps(words[1]), select)
-  w = jnp.where(lane < 4, *(v[(...,) + (None,) * max(lane.ndim - v.ndim, 1)] for v in (lo, hi)))
+    return lo, hi
+  return _nibble_exchange(_swaps(words[0]), _swaps(words[1]), select)
+
+
+def codes_of_words(lo, hi, lane, byte=None):
+  """Codes uint32 [..., L] from :func:`plane_code_words`' ``(lo, hi)`` [...]: code
+  ``lane`` (``lane``: uint32 iota [..., L], values in [0, 8))."""
+  w = jnp.where(lane < 4, lo[..., None], hi[..., None])
   if byte is None:
     return (w >> ((lane % 4) * 8)) & np.uint32(0xFF)
   return byte(w, lane % 4)

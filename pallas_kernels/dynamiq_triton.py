@@ -433,31 +433,30 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
     # group h of each pair, then the half c, in each thread's registers (_joined).
     kw = _load_u16(pay16_ref, k_off, k_ok)
     scale = B.decoded_scale(_stack2([kw & 0xFF, kw >> np.uint32(8)]), sg_scale)
-    offsets = _plane_offsets(cfg, ptab_ref, s_count, words=True, rows=rows)
-    words = []  # per group h of the pair, per half c: the plane words [BLOCK, G / 2]
-    for h in range(2):
-      pw = [tt.load(pay16_ref, off + h, ok) for off, ok in offsets]  # uint16
-      pw += [None] * (-len(pw) % 4)
-      halves = [[], []]
-      for q in range(0, len(pw), 4):  # planes q..q+3
-        a = tt.pair16(pw[q], pw[q + 1], interpret)
-        b = tt.pair16(pw[q + 2], pw[q + 3], interpret)
-        halves[0].append(tt.prmt(a, b, 0x6420, interpret))
-        halves[1].append(tt.prmt(a, b, 0x7531, interpret))
-      words.append(halves)
-    # the codes by part (each [BLOCK, G / 2, piece], the layout of the block's dense
-    # accesses), then joined: built from [BLOCK, G / 2] words in the joined shape, Triton
-    # would give them a layout of their own and move them between threads
+    # the pair's plane words [BLOCK, G / 2, 2] (group h), transposed whole, then taken
+    # apart by group h and half c (each part's codes then in the layout of the block's
+    # dense accesses: built from whole words in the joined shape, Triton would give them
+    # a layout of their own and move them between threads)
+    pw = [_stack2([tt.load(pay16_ref, off + h, ok) for h in range(2)])  # uint16
+          for off, ok in _plane_offsets(cfg, ptab_ref, s_count, words=True, rows=rows)]
+    pw += [None] * (-len(pw) % 4)
+    words = []
+    for q in range(0, len(pw), 4):  # planes q..q+3: [BLOCK, G / 2, 2, CB]
+      a = tt.pair16(pw[q], pw[q + 1], interpret)
+      b = tt.pair16(pw[q + 2], pw[q + 3], interpret)
+      words.append(_stack2([tt.prmt(a, b, sel, interpret) for sel in (0x6420, 0x7531)]))
+    lo, hi = ([_unstack2(vc) for vc in _unstack2(v)]  # [c][h]
+              for v in R.plane_code_words(words, cfg.planes,
+                                          R.bit_select if interpret else tt.bit_select))
     lane = jax.lax.broadcasted_iota(jnp.uint32, (cfg.sg, _G // 2, cfg.piece), 2)
     row = row[:, None, None]
     if interpret:
-      index = lambda v, ln: R.planes_to_codes(v, ln, cfg.planes) | row
+      index = lambda h, c, ln: R.codes_of_words(lo[c][h], hi[c][h], ln) | row
     else:
-      index = lambda v, ln: R.planes_to_codes(v, ln, cfg.planes,
-                                              lambda w, i: tt.byte_over(w, i, row),
-                                              tt.bit_select)
-    codes = _joined([index(words[h][c], lane + np.uint32(q * cfg.piece))
-                     for h, c, q in _parts(cfg)], cfg)
+      index = lambda h, c, ln: R.codes_of_words(lo[c][h], hi[c][h], ln,
+                                                lambda w, i: tt.byte_over(w, i, row))
+    codes = _joined([index(h, c, lane + np.uint32(q * cfg.piece)) for h, c, q in _parts(cfg)],
+                    cfg)
     return dec(codes, scale, widths, cfg.tabs, lookup=lookup, addend=addend)
   k = _load_u8(pay16_ref, k_off, k_ok)
   scale = B.decoded_scale(k, sg_scale)
