@@ -133,8 +133,8 @@ class _Config:
   """Static description of a chunk's coding (hashable: a jit static argument).
 
   ``per`` codes per plane byte, ``cb`` plane bytes per scale group, ``planes``
-  of the widest code; ``split``: the kernels hold a block as parts ``[BLOCK, G / 2,
-  piece]`` (``plane_bits=1``; :func:`_parts`, :func:`_load_dense`)."""
+  of the widest code; ``split``: the kernels access a block by parts ``[BLOCK, G / 2,
+  piece]`` and hold it joined (``plane_bits=1``; :func:`_parts`, :func:`_load_dense`)."""
 
   eps: tuple
   width_set: tuple
@@ -411,7 +411,7 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
                 interpret: bool, addend=None, rows: _Rows | None = None):
   """Loads this program's scale records and planes (``pay16_ref``: the payload as
   uint16 words, :func:`_u16_payload`); decodes: float32 [BLOCK, G, CB, P],
-  or its parts [BLOCK, G / 2, piece] when :attr:`_Config.split` (:func:`_parts`).
+  or :func:`_joined_shape` when :attr:`_Config.split` (:func:`_load_dense`).
   ``addend`` (as :func:`_load_dense` gives): returns ``decode + addend``, each sum one
   ``fma.rn.f32`` on a GPU. ``rows``: each row from its own position and payload
   (:class:`_Rows`) instead of this program's block of one chunk."""
@@ -473,7 +473,7 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
 
 def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Config,
                  s_count: int, units: int, strata: int, interpret: bool):
-  """Encodes float32 [BLOCK, G, CB, P] (or its parts, :func:`_load_dense`);
+  """Encodes float32 [BLOCK, G, CB, P] (or :func:`_joined_shape`, :func:`_load_dense`);
   stores its scale records, planes and its share of the unused units (zeros)."""
   block = cfg.sg
   shape = cfg.block(block)
@@ -678,16 +678,15 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
     norm = None
     if mean >= 2:  # the statistics' next column: the row's norm
       norm = tt.load(mean_ref, at + 1, ok).astype(jnp.float32)
-    term = row_sum(_row_sq(val, addend, cfg), norm, width)
+    term = row_sum(_row_sq(val, addend), norm, width)
     refs[2][0] = jnp.sum(jnp.where(ok, term, 0.0))
 
 
-def _row_sq(val, addend, cfg: _Config):
+def _row_sq(val, addend):
   """float32 [BLOCK]: each row's sum of ``(val - addend)^2`` over its 256 values (``val``,
   ``addend`` as :func:`_read_chunk` takes and gives them; None: no addend), one axis at a
   time (a Triton reduction takes one): the compiler's order, so the last bits may differ
   from the reference's sum."""
-  del cfg
   r = val if addend is None else val - addend
   sq = r * r
   while sq.ndim > 1:
