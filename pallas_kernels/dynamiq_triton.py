@@ -251,8 +251,10 @@ def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False,
   block = cfg.sg
   groups, step = _groups(cfg)
   shape = (block, groups) if words else (block, groups, cfg.cb)
-  byte = _iota(shape, 1) * (cfg.cb * step) + (0 if words else _iota(shape, 2))
   div = 2 if words else 1  # (plane_bits=1: the bytes g CB, CB = 2, are even)
+  # in units of ``div`` bytes, without a division (whose floor rounding would hide from
+  # Triton that the offsets are even)
+  byte = _iota(shape, 1) * (cfg.cb * step // div) + (0 if words else _iota(shape, 2))
   if rows is None:
     sg, start, ok = pl.program_id(0) * block + _iota(shape, 0), 0, True
   else:
@@ -262,8 +264,41 @@ def _plane_offsets(cfg: _Config, ptab_ref, s_count: int, words: bool = False,
   for p in range(cfg.planes):
     unit = ptab_ref[p] + sg
     out.append((start + s_count * (R.SCALE_BYTES // div) + unit * (cfg.unit_bytes // div)
-                + byte // div, (unit < ptab_ref[p + 1]) & ok))
+                + byte, (unit < ptab_ref[p + 1]) & ok))
   return out
+
+
+def _paired(s_count: int) -> bool:
+  """Whether every group pair's two plane words (at ``off`` and ``off + 1``,
+  :func:`_plane_offsets`) start at an even word: the planes start at word ``9 s_count``
+  of a payload, and (gathering rows) the payloads are ``payload_bytes`` apart, a multiple
+  of 4 bytes, so where ``s_count`` is even."""
+  return s_count % 2 == 0
+
+
+def _pair_offsets(off, ok):
+  h = jax.lax.broadcasted_iota(jnp.int32, off.shape + (2,), off.ndim)
+  return off[..., None] + h, jnp.broadcast_to(ok[..., None], h.shape)
+
+
+def _load_pairs(ref16, off, ok, s_count: int):
+  """uint16 ``[BLOCK, G / 2, 2]``: each group pair's two plane words, the pair's axis last.
+  One access where :func:`_paired` (Triton makes it one 32-bit load per pair, in the
+  pairs' register layout), else one per word, stacked. Fewer accesses also make Triton's
+  coalescing pass, which walks the whole kernel from each of them, cheaper."""
+  if _paired(s_count):
+    return tt.load(ref16, *_pair_offsets(off, ok))
+  return _stack2([tt.load(ref16, off + h, ok) for h in range(2)])
+
+
+def _store_pairs(ref16, off, words, ok, s_count: int):
+  """Stores uint16 ``words`` ``[BLOCK, G / 2, 2]`` where :func:`_load_pairs` loads them."""
+  if _paired(s_count):
+    o, m = _pair_offsets(off, ok)
+    tt.store(ref16, o, words, m)
+    return
+  for h, v in enumerate(_unstack2(words)):
+    tt.store(ref16, off + h, v, ok)
 
 
 def _keys(keys_ref, tab_ref, cfg: _Config):
@@ -437,7 +472,7 @@ def _read_chunk(pay16_ref, widths, ptab_ref, tab_ref, *, cfg: _Config, s_count: 
     # apart by group h and half c (each part's codes then in the layout of the block's
     # dense accesses: built from whole words in the joined shape, Triton would give them
     # a layout of their own and move them between threads)
-    pw = [_stack2([tt.load(pay16_ref, off + h, ok) for h in range(2)])  # uint16
+    pw = [_load_pairs(pay16_ref, off, ok, s_count)  # uint16
           for off, ok in _plane_offsets(cfg, ptab_ref, s_count, words=True, rows=rows)]
     pw += [None] * (-len(pw) % 4)
     words = []
@@ -533,9 +568,9 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
               for w in _plane_words(codes, widths, cfg, raw, interpret)]
     for p, (off, ok) in enumerate(offsets):
       q = p % 4
-      for h in range(2):
-        pair = tt.prmt(*halves[p // 4][h], q | (4 + q) << 4, interpret)
-        tt.store(out_ref, off + h, pair.astype(jnp.uint16), ok)
+      pair = _stack2([tt.prmt(*halves[p // 4][h], q | (4 + q) << 4, interpret)
+                      for h in range(2)]).astype(jnp.uint16)
+      _store_pairs(out_ref, off, pair, ok, s_count)
   else:
     tt.store(out_ref, k_off, k, k_ok)
     for i in range(2):  # sg 18 + 16 + i

@@ -7,7 +7,7 @@ For each configuration (``plane_bits`` and width set) a child process
 compiles the four kernels of :mod:`pallas_kernels.dynamiq_triton`
 alone for one H100 (the recipe of ``tests/test_gpu_compile_units.py``: a
 compile-only topology (:mod:`dynamiq_jax.bench.gpu_compile`), bf16 (``default-f32``: float32) local
-values, a chunk of 37 super-groups, ``strata=8`` as on an 8-rank ring,
+values, a chunk of 37 super-groups (``--supergroups``), ``strata=8`` as on an 8-rank ring,
 ``XLA_FLAGS=--xla_dump_to ... --xla_dump_emitter_re=ptx``, which XLA 0.12
 needs to write the PTX; lowered inside the abstract mesh of that device,
 which jax >= 0.11 reads the GPU from). This script then assembles each dumped PTX
@@ -70,9 +70,15 @@ INSTR_PER_S = SMS * SCHEDULERS * LANES * CLOCK_HZ
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3
 
 
-def compile_units(config: str, launch=None) -> list:
+SUPERGROUPS = 37
+"""The chunk's super-groups by default: odd, so the plane words of a group pair are two
+16-bit accesses (``--supergroups 36``: one 32-bit access, as in a step's large buckets)."""
+
+
+def compile_units(config: str, launch=None, supergroups: int = SUPERGROUPS) -> list:
   """Compiles the four unit kernels of ``config`` alone for one H100 (in the child), at
-  ``launch`` (``(block, num_warps)``; None: the kernels' default)."""
+  ``launch`` (``(block, num_warps)``; None: the kernels' default), for a chunk of
+  ``supergroups``."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -83,7 +89,7 @@ def compile_units(config: str, launch=None) -> list:
   [device] = G.h100_devices(1)
   sharding = jax.sharding.SingleDeviceSharding(device)
   keys = tuple(np.uint32(v) for v in (1, 2, 3, 4))
-  s = 37
+  s = supergroups
   pb, ws, levels, *dtype = CONFIGS[config]
   units = s * max(ws) // pb // 2  # about half the widest: every plane is live somewhere
   geo = dict(eps=levels, plane_bits=pb, width_set=ws,
@@ -120,11 +126,12 @@ def _has_backward_branch(ptx: str, kernel: str) -> bool:
   return False
 
 
-def measure(config: str, launch=None) -> dict[str, dict]:
+def measure(config: str, launch=None, supergroups: int = SUPERGROUPS) -> dict[str, dict]:
   """Compiles ``config``'s kernels (at ``launch``) in a child and returns ``{kernel: report}``
   (:func:`dynamiq_jax.bench.gpu_compile.ptxas_report` with instructions, and whether
   the PTX loops)."""
-  with G.compile_in_child(f"{__file__}:compile_units", kwargs={"config": config, "launch": launch},
+  with G.compile_in_child(f"{__file__}:compile_units",
+                          kwargs={"config": config, "launch": launch, "supergroups": supergroups},
                           path=(ROOT,), cwd=ROOT, ptx=True, strict_warnings=False) as build:
     out = {}
     for path in build.ptx:
@@ -145,7 +152,7 @@ def _dar_bytes_per_coord(width: int, local_bytes: int = 2) -> float:
   return 2 * payload + local_bytes + 4 / 256
 
 
-def table(configs=None, launch=None) -> dict:
+def table(configs=None, launch=None, supergroups: int = SUPERGROUPS) -> dict:
   """Measures every configuration (at ``launch``: ``(block, num_warps)``, None: the
   default); returns the JSON-able report."""
   from pallas_kernels import dynamiq_triton as T
@@ -155,7 +162,7 @@ def table(configs=None, launch=None) -> dict:
   cpt = block * 256 // (32 * warps)  # coordinates per thread
   rows = []
   for config in configs:
-    for name, r in sorted(measure(config, launch).items()):
+    for name, r in sorted(measure(config, launch, supergroups).items()):
       per = r["instructions"] / cpt
       row = {"config": config, "kernel": name, **r, "coords_per_thread": cpt,
              "instructions_per_coord": round(per, 2),
@@ -170,6 +177,7 @@ def table(configs=None, launch=None) -> dict:
   rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                        capture_output=True, text=True).stdout.strip()
   return {"command": "python tools/sass_count.py " + " ".join(sys.argv[1:]), "source": rev,
+          "supergroups": supergroups,
           "block_supergroups": block, "num_warps": warps, "coords_per_thread": cpt,
           "model": {"thread_instructions_per_s": INSTR_PER_S,
                     "terms": f"{SMS} SMs x {SCHEDULERS} schedulers x {LANES} lanes x "
@@ -221,6 +229,9 @@ def main(argv=None):
   p.add_argument("--json", default=None, help="write the report here")
   p.add_argument("--launch", default=None,
                  help="(block)x(num_warps) of the kernels, e.g. 32x8 (default: theirs)")
+  p.add_argument("--supergroups", type=int, default=SUPERGROUPS,
+                 help="the chunk's super-groups: odd (the default) or even, where the plane "
+                      "words of a group pair are one 32-bit access")
   p.add_argument("--before", default=None,
                  help="a report written earlier: print a before / after table against it")
   args = p.parse_args(argv)
@@ -228,7 +239,7 @@ def main(argv=None):
   if missing:
     sys.exit(f"cannot run: {missing}")
   launch = [int(v) for v in args.launch.split("x")] if args.launch else None
-  report = table(args.configs.split(",") if args.configs else None, launch)
+  report = table(args.configs.split(",") if args.configs else None, launch, args.supergroups)
   if any(r["loops"] for r in report["rows"]):
     print("warning: a kernel has a loop; its static count is not its per-coordinate cost")
   print(format_table(report))
