@@ -56,7 +56,7 @@ __all__ = [
     "level_tables", "level_key", "LATTICE", "lattice_table", "BlockOps", "REFERENCE_OPS",
     "sign_mask", "ceil_quotient", "stochastic_k",
     "floor_quotient", "scales", "decoded_scale", "WidthConsts", "round_levels", "encode_block",
-    "decode_block",
+    "decode_block", "trailing", "reduce_trailing", "sum_last", "group_max",
 ]
 
 SUPERGROUP = 256
@@ -257,9 +257,22 @@ def lattice_table(bits: int):
   return lam, np.float32(y[0]), 23 - m
 
 
-def _trailing(v, ndim: int):
+def trailing(v, ndim: int):
   """``v`` with unit axes appended up to ``ndim`` (broadcasts against a block)."""
   return v[(...,) + (None,) * (ndim - v.ndim)]
+
+
+def reduce_trailing(v, ndim: int, last):
+  """``v`` reduced by ``last`` (a reduction of the last axis) until it has ``ndim`` axes,
+  one axis at a time (a Triton reduction takes one)."""
+  while v.ndim > ndim:
+    v = last(v)
+  return v
+
+
+def sum_last(v):
+  """The sum over the last axis (:func:`reduce_trailing`'s ``last`` for sums)."""
+  return jnp.sum(v, axis=-1)
 
 
 # ----------------------------------------------------------------------------
@@ -395,22 +408,19 @@ def floor_quotient(v, d, kmax, div=None, floor=jnp.floor):
   return jnp.where((k < kmax) & ((k + 1) * d <= v), k + 1, k)
 
 
-def scales(a, scale_rounding: str, keys, group_idx, div=None, gmax=None):
-  """a = |x| [S, G, ...] -> (k f32 [S, G], super-group scale f32 [S], element scale s [S, G]);
-  the groups may span several axes after the first (``gmax`` [S, G', ...]).
+def scales(gmax, scale_rounding: str, keys, group_idx, div=None):
+  """The group maxima ``gmax`` [S, G] (of ``|x|``; or [S, G', ...]: groups along several
+  axes) -> (k f32 [S, G], super-group scale f32 [S], element scale s [S, G]).
 
   ``"up"``: ``k = ceil(gmax / V)``; elements are normalised by the decoded
   scale ``s = k V`` (so ``a <= s``). ``"stochastic"``: the group max rounded
   up to bf16, ``g``, normalises the elements and ``k`` is rounded
   stochastically with ``E[k V] = g`` (its draw: :data:`~pallas_kernels.rng.Stream.DYNAMIQ_SCALE`
   at ``group_idx``). Both unbiased. ``div``: an approximate division for the
-  quotients' first guesses (the same results). ``gmax``: the group maxima
-  [S, G] when the caller has them (``a`` is then not read).
+  quotients' first guesses (the same results).
   """
   top = np.float32(1.0)
-  if gmax is None:
-    gmax = group_max(a, 2)
-  sg = lambda v: _trailing(v, gmax.ndim)
+  sg = lambda v: trailing(v, gmax.ndim)
   if scale_rounding == "up":
     sg_scale = _ceil_div_bf16(_supergroup_max(gmax), float(top) * _K_MAX)
     k = ceil_quotient(gmax, sg(sg_scale) * top, _K_MAX, div)  # (the product exact)
@@ -436,7 +446,7 @@ def stochastic_k(g, unit, keys, group_idx, div=None, floor=jnp.floor):
 
 def decoded_scale(k, sg_scale):
   """Decoded group scale ``k V`` [S, G] (exact)."""
-  return k.astype(jnp.float32) * _trailing(sg_scale, k.ndim)
+  return k.astype(jnp.float32) * trailing(sg_scale, k.ndim)
 
 
 # ----------------------------------------------------------------------------
@@ -642,7 +652,7 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
   """
   _, _, top = lattice_consts(widths)
   top_kmax = top * np.float32(_K_MAX)  # exact: 15 significant bits at most
-  sg = lambda v: _trailing(v, gmax.ndim)
+  sg = lambda v: trailing(v, gmax.ndim)
   # a super-group with a NaN or an infinity (its maximum is not below infinity) gets k =
   # 0 and rs = 0 (k is made 0 before it becomes a table index: a NaN's integer is each
   # backend's own); so does an all-zero one
@@ -665,11 +675,8 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
 
 def group_max(a, gdims: int, max_last=_max_last):
   """The maximum of float32 ``a >= 0`` (or NaN) over the axes past the first ``gdims`` (a
-  block's groups), one axis at a time (a Triton reduction takes one), NaN if any is NaN
-  (``max_last``: :attr:`BlockOps.max_last`)."""
-  while a.ndim > gdims:
-    a = max_last(a)
-  return a
+  block's groups), NaN if any is NaN (``max_last``: :attr:`BlockOps.max_last`)."""
+  return reduce_trailing(a, gdims, max_last)
 
 
 def _supergroup_max(gmax):
@@ -730,11 +737,11 @@ def _encode_lattice(x, widths, tabs: LevelTables, *, keys, rank, strata, draw_gr
   a = jnp.abs(x)
   k, sg_scale, rs = lattice_scales(group_max(a, group_idx.ndim, ops.max_last), widths,
                                    scale_rounding, keys, group_idx, recip, ops.div)
-  field, sign_at, _ = (_trailing(gstore(v), x.ndim) for v in lattice_consts(widths))
+  field, sign_at, _ = (trailing(gstore(v), x.ndim) for v in lattice_consts(widths))
   neg = sign_mask(x)
   draws = rng.lattice_draws(keys, rank, strata, group=draw_group, lane=lane, neg=neg,
                             field=field, mulhi=ops.mulhi, hash_store=group_store)
-  codes = round_lattice(a, _trailing(gstore(rs), x.ndim), field, draws, ops, sign_at=sign_at,
+  codes = round_lattice(a, trailing(gstore(rs), x.ndim), field, draws, ops, sign_at=sign_at,
                         neg=neg, shift=not raw)
   return codes, small_int(k).astype(jnp.uint8), sg_scale
 
@@ -778,7 +785,7 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
     super-group scale f32 [S])``.
   """
   if group_idx is None:
-    group_idx = jnp.min(jnp.min(_trailing(idx, 4), axis=-1), axis=-1) // np.uint32(GROUP)
+    group_idx = jnp.min(jnp.min(trailing(idx, 4), axis=-1), axis=-1) // np.uint32(GROUP)
   if tabs.lattice:
     return _encode_lattice(x, widths, tabs, keys=keys, rank=rank, strata=strata,
                            draw_group=draw_group, lane=lane, scale_rounding=scale_rounding,
@@ -787,8 +794,8 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
   if raw_codes:
     raise ValueError("raw_codes: lattice levels only")
   a = jnp.abs(x)
-  k, sg_scale, s = scales(None, scale_rounding, keys, group_idx, ops.div,
-                          gmax=group_max(a, group_idx.ndim, ops.max_last))
+  k, sg_scale, s = scales(group_max(a, group_idx.ndim, ops.max_last), scale_rounding, keys,
+                          group_idx, ops.div)
   q = rng.strata_count(strata) * 2**rng.UNIFORM_BITS  # u is uniform on [0, q)
   neg = sign_mask(x)
   draws = functools.partial(rng.uniforms, keys, rank, strata, group=draw_group, lane=lane,
@@ -798,9 +805,9 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
   else:
     u, frac = rng.signed_draws(draws(), neg, q), None
   gstore = group_store or (lambda v: v)
-  per = lambda v: _trailing(gstore(tabs.select(widths, v)), x.ndim)
+  per = lambda v: trailing(gstore(tabs.select(widths, v)), x.ndim)
   r = per(tabs.r)
-  s = _trailing(gstore(s), x.ndim)
+  s = trailing(gstore(s), x.ndim)
   pbase = per(tabs.pbase) if levels is None else None
   c1k, k_guess, c2 = per(tabs.c1k), per(tabs.k), per(tabs.c2)
   base = pbase if levels is None else per(tabs.lbase)
@@ -828,8 +835,8 @@ def decode_block(codes, scale, widths, tabs: LevelTables, *, lookup, addend=None
       dbase = (1 << jnp.clip(widths, 2, 8)) - 4
     else:
       dbase = tabs.select(widths, tabs.dbase)
-    index = _trailing(dbase, codes.ndim) + index
+    index = trailing(dbase, codes.ndim) + index
   lam = lookup(index)  # -lam s = -(lam s)
   if addend is None:
-    return lam * _trailing(scale, codes.ndim)
-  return fma(lam, _trailing(scale, codes.ndim), addend)
+    return lam * trailing(scale, codes.ndim)
+  return fma(lam, trailing(scale, codes.ndim), addend)

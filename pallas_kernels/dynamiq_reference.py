@@ -288,10 +288,8 @@ def codes_to_plane_words(codes, planes: int, select=bit_select, lane_axes: int =
   lane = code_lanes(codes.shape, lane_axes)
 
   def packed(shift, keep=lambda lane: True):  # the codes at bits shift(lane), summed
-    total = jnp.where(keep(lane), codes << shift(lane), np.uint32(0))
-    for _ in range(lane_axes):
-      total = jnp.sum(total, axis=-1)
-    return total
+    return B.reduce_trailing(jnp.where(keep(lane), codes << shift(lane), np.uint32(0)),
+                             codes.ndim - lane_axes, B.sum_last)
 
   if planes <= 4:
     return [_swaps(packed(lambda lane: lane % 4 * 8 + lane // 4 * 4))]

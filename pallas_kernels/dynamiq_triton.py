@@ -386,7 +386,7 @@ def _joined(parts, cfg: _Config):
 
 def _split(v, cfg: _Config):
   """Inverse of :func:`_joined`: the parts in :func:`_parts`' order."""
-  pieces = (lambda cv: _unstack2(cv)) if cfg.pieces > 1 else (lambda cv: (cv,))
+  pieces = _unstack2 if cfg.pieces > 1 else (lambda cv: (cv,))
   return [q for hv in _unstack2(jnp.transpose(v, _reversed_parts(v.ndim)))
           for cv in _unstack2(hv) for q in pieces(cv)]
 
@@ -418,7 +418,7 @@ def _table_f32(tab_ref, cfg: _Config, at: int, j):
   of the block's dense accesses (``[BLOCK, G / 2, piece]``) or of its scale records (``[BLOCK,
   G / 2]``), whose register layout Triton gives it; gathered whole, it would get one of its
   own, and the values would be moved between threads to and from it."""
-  get = lambda i: jax.lax.bitcast_convert_type(tab_ref[i + at if at else i], jnp.float32)
+  get = lambda i: jax.lax.bitcast_convert_type(tab_ref[i + at], jnp.float32)
   if not cfg.split or j.ndim < 3:
     return get(j)
   if j.shape == _joined_shape(cfg):
@@ -520,7 +520,7 @@ def _write_chunk(out_ref, x, widths, keys_ref, ptab_ref, tab_ref, *, cfg: _Confi
     # the draws' group (idx >> 4) is the scale group, held by one thread: one hash per
     # key for every value; lanes idx & 15 = c P + q piece + i, static
     lane = R.code_lanes(jshape, 1 + _lane_axes(cfg))
-    draw_group = B._trailing(group_idx, len(jshape))  # pylint: disable=protected-access
+    draw_group = B.trailing(group_idx, len(jshape))
     idx = draw_group * np.uint32(_G) + lane
   else:
     group_idx = ((pl.program_id(0) * block + _iota(shape[:2], 0)) * _G
@@ -615,16 +615,12 @@ def _plane_words(codes, widths, cfg: _Config, raw: bool, interpret: bool):
   if not raw:
     return R.codes_to_plane_words(codes, cfg.planes, select, lane_axes=_lane_axes(cfg))
   field, _, _ = B.lattice_consts(widths)
-  by = B._trailing((field - np.uint32(16)) * np.uint32(8), 4)  # pylint: disable=protected-access
+  by = B.trailing((field - np.uint32(16)) * np.uint32(8), 4)
   lane = R.code_lanes(codes.shape, _lane_axes(cfg))
 
-  def code(i):  # one element per lane: code i of each half
-    v = jnp.where(lane == i, codes, np.uint32(0))
-    for _ in range(_lane_axes(cfg)):
-      v = jnp.sum(v, axis=-1)
-    return v
-
-  zs = [code(i) for i in range(8)]
+  # one element per lane: code i of each half
+  zs = [B.reduce_trailing(jnp.where(lane == i, codes, np.uint32(0)),
+                          codes.ndim - _lane_axes(cfg), B.sum_last) for i in range(8)]
   lo, hi = (tt.third_bytes(*zs[4 * j:4 * j + 4], interpret) for j in range(2))
   w0, w1 = R.byte_plane_words(lo, hi, select)
   return list(tt.shift_right64(w0, w1, by, interpret))
@@ -704,7 +700,7 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
     shape = cfg.block(block)
     if cfg.split:
       shape = _joined_shape(cfg)
-    addend = jnp.broadcast_to(B._trailing(m, len(shape)), shape)  # pylint: disable=protected-access
+    addend = jnp.broadcast_to(B.trailing(m, len(shape)), shape)
   width = tt.load(w_ref, j, ok)
   val = _read_chunk(pay_ref, width, ptab_ref, tab_ref, cfg=cfg, s_count=s_count,
                     interpret=interpret, addend=addend, rows=rows)
@@ -723,10 +719,7 @@ def _row_sq(val, addend):
   time (a Triton reduction takes one): the compiler's order, so the last bits may differ
   from the reference's sum."""
   r = val if addend is None else val - addend
-  sq = r * r
-  while sq.ndim > 1:
-    sq = jnp.sum(sq, axis=sq.ndim - 1)
-  return sq
+  return B.reduce_trailing(r * r, 1, B.sum_last)
 
 
 def _decode_sum_kernel(ptab_ref, tab_ref, w_ref, pay_ref, out_ref, *, cfg, s_count, n,
