@@ -5,9 +5,8 @@ Written once for every reduction of the library (:func:`dynamiq_jax.allreduce`,
 the wire accounting); :mod:`dynamiq_jax.engine` reduces the buckets.
 
 * **Layout** (:func:`bucket_layout`): the leaves in the order the backward pass
-  produces them, end to end, cut into buckets of at most two sizes (the first
-  few a quarter of the rest, the last padded with zeros), so that XLA compiles
-  one program and one set of kernels for all the buckets of one size.
+  produces them, end to end, cut into buckets of one size (the last padded with
+  zeros), so that XLA compiles one program and one set of kernels for them all.
 * **Packing** (:func:`pack`, :func:`unpack`): a bucket's pieces of leaves as
   one flat float32 vector, and back into leaves of their shapes and dtypes.
 * **Checks** of what a user passes, each naming the value and the fix.
@@ -30,7 +29,7 @@ from dynamiq_jax.schedules.context import AxisContext, axis_names, varying_axes
 from dynamiq_jax.schedules.plan import ring_bytes_per_rank
 
 __all__ = [
-    "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "FIRST_BUCKET_FRACTION", "ALIGN",
+    "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "MIN_BUCKETS", "SMALLEST_BUCKET_FRACTION", "ALIGN",
     "ALIGN_FROM", "AllReduceStats",
     "Segment", "PADDING", "Layout", "resolve_leaf_order", "bucket_layout", "pack_layout",
     "bucket_sizes", "layout_coords", "runtime_offsets", "pack", "unpack", "check_codec",
@@ -47,8 +46,13 @@ bits per coordinate). Chosen by measurement and a step-time model: docs/design.m
 DEFAULT_MAX_BUCKETS = 32
 """The most buckets one all-reduce makes; larger gradients get larger buckets."""
 
-FIRST_BUCKET_FRACTION = 4
-"""The first ``bucket_size`` is cut in buckets of ``bucket_size // FIRST_BUCKET_FRACTION``."""
+MIN_BUCKETS = 8
+"""A gradient is cut into at least this many buckets where they hold at least
+``bucket_size // SMALLEST_BUCKET_FRACTION`` coordinates each."""
+
+SMALLEST_BUCKET_FRACTION = 4
+"""No bucket is cut smaller than ``bucket_size // SMALLEST_BUCKET_FRACTION`` (but a
+gradient smaller than that is one bucket)."""
 
 ALIGN = 1 << 14
 """Buckets of :data:`ALIGN_FROM` coordinates or more are cut at multiples of this (and of
@@ -142,18 +146,18 @@ def bucket_layout(tree, *, codec=None, bucket_size: int = DEFAULT_BUCKET_SIZE,
 
   Leaves are taken in ``leaf_order`` (default: reverse leaf order, the order
   the backward pass produces them) and laid end to end, and that sequence is
-  cut into buckets of two sizes: first four quarters of ``bucket_size``
-  (:data:`FIRST_BUCKET_FRACTION`; as PyTorch DDP's first bucket is small, so
-  that the wire starts early in the backward pass), then the fewest buckets
-  of at most ``bucket_size`` that hold the rest, all of one size (a multiple
-  of the codec's block; from :data:`ALIGN_FROM` coordinates on, of :data:`ALIGN`,
-  so that DynamiQ splits a large bucket into ``n`` chunks of whole super-groups
-  with no copy for every ``n`` dividing 64). A gradient of at most ``bucket_size``
-  coordinates is cut into the fewest equal buckets of at most a quarter. The last bucket is
+  cut into equal buckets (a multiple of the codec's block; from
+  :data:`ALIGN_FROM` coordinates on, of :data:`ALIGN`, so that DynamiQ splits a
+  large bucket into ``n`` chunks of whole super-groups with no copy for every
+  ``n`` dividing 64): the fewest of at most a quarter of ``bucket_size``
+  (:data:`SMALLEST_BUCKET_FRACTION`) where those are at most
+  :data:`MIN_BUCKETS`, otherwise :data:`MIN_BUCKETS` of them, or the fewest of
+  at most ``bucket_size`` where those are more. So the wire starts after the
+  first eighth of a large gradient (as PyTorch DDP's first bucket is small),
+  and every bucket is the same program: a bucket of another size would compile
+  every kernel again (about 5 CPU s of a deviceless H100 compile). The last bucket is
   padded with zeros (a :class:`Segment` of leaf :data:`PADDING`, less than one
-  block per bucket of its size) to the size of the others, so that every
-  bucket of a size is the same program: XLA compiles one set of kernels for
-  each of the two sizes (each size compiles every kernel again). A leaf may
+  block per bucket) to the size of the others. A leaf may
   so end in one bucket and go on in the next, and a large leaf spans several.
   Empty leaves take no place. Where the cut makes more than ``max_buckets``
   buckets, the bucket size grows (in multiples of the codec's block) until it
@@ -176,8 +180,8 @@ def bucket_layout(tree, *, codec=None, bucket_size: int = DEFAULT_BUCKET_SIZE,
     >>> import jax, dynamiq_jax as dq
     >>> tree = {"a": jax.ShapeDtypeStruct((300,), "float32"),
     ...         "b": jax.ShapeDtypeStruct((600,), "float32")}
-    >>> [[tuple(s) for s in b] for b in dq.bucket_layout(tree, bucket_size=512)]
-    [[(1, 0, 128)], [(1, 128, 256)], [(1, 256, 384)], [(1, 384, 512)], [(1, 512, 600), (0, 0, 300)]]
+    >>> [[tuple(s) for s in b] for b in dq.bucket_layout(tree, bucket_size=1024)]
+    [[(1, 0, 225)], [(1, 225, 450)], [(1, 450, 600), (0, 0, 75)], [(0, 75, 300)]]
   """
   unit = 1 if codec is None else codec.granularity
   if codec is not None:
@@ -206,14 +210,8 @@ def pack_layout(sizes, order, bucket_size: int, unit: int) -> Layout:
   total = sum(sizes[leaf] for leaf in order)
   if total == 0:
     return ()
-  first = max(unit, min(bucket_size // FIRST_BUCKET_FRACTION // unit * unit, bucket_size))
-  step = _step(first, unit)
-  first = max(first // step * step, unit)
-  if total <= FIRST_BUCKET_FRACTION * first:
-    shapes = _equal_cut(total, first, unit)
-  else:
-    shapes = [first] * FIRST_BUCKET_FRACTION + _equal_cut(
-        total - FIRST_BUCKET_FRACTION * first, bucket_size, unit)
+  least = max(unit, bucket_size // SMALLEST_BUCKET_FRACTION)
+  shapes = _equal_cut(total, bucket_size, unit, count=min(MIN_BUCKETS, ceil_div(total, least)))
   buckets, current, fill = [], [], 0
   bounds = iter(np.cumsum(shapes).tolist())
   end = next(bounds)
@@ -237,15 +235,15 @@ def _step(size: int, unit: int) -> int:
   return int(np.lcm(unit, ALIGN)) if size >= ALIGN_FROM else unit
 
 
-def _equal_cut(total: int, most: int, unit: int) -> list[int]:
-  """The fewest bucket sizes of at most ``most`` coordinates that hold ``total``, all
-  equal (a multiple of ``unit``, and of :data:`ALIGN` where :func:`_step` says); their
-  sum passes ``total`` by less than one step per bucket (the last bucket's padding). One
-  bucket is ``total`` itself where it is not that large."""
-  if total <= most:
+def _equal_cut(total: int, most: int, unit: int, count: int = 1) -> list[int]:
+  """The fewest bucket sizes, at least ``count``, of at most ``most`` coordinates that hold
+  ``total``, all equal (a multiple of ``unit``, and of :data:`ALIGN` where :func:`_step`
+  says); their sum passes ``total`` by less than one step per bucket (the last bucket's
+  padding). One bucket is ``total`` itself where it is not that large."""
+  if total <= most and count <= 1:
     whole = round_up(total, _step(total, unit))
     return [whole if total >= ALIGN_FROM and whole <= most else total]
-  count = ceil_div(total, most)
+  count = max(count, ceil_div(total, most))
   while True:  # (a count more where rounding up to the step passes ``most``)
     size = ceil_div(total, count)
     size = round_up(size, _step(size, unit))

@@ -112,34 +112,46 @@ def _shapes(*sizes):
 
 
 def test_layout_lays_leaves_end_to_end_in_reverse_order():
-  # leaves 0..3 of 300, 500, 200, 100 coordinates; buckets of 1200: 1100 coordinates fit
-  # in the quarters (300), so the fewest equal quarters, 4 of 275, the last no padding
+  # leaves 0..3 of 300, 500, 200, 100 coordinates; buckets of 1200: 1100 coordinates are
+  # fewer than 8 quarters (300), so the fewest equal buckets of at most a quarter, 4 of 275,
+  # the last no padding
   assert _layout(_shapes(300, 500, 200, 100), bucket_size=1200) == [
       [(3, 0, 100), (2, 0, 175)], [(2, 175, 200), (1, 0, 250)],
       [(1, 250, 500), (0, 0, 25)], [(0, 25, 300)]]
 
 
-def test_layout_cuts_buckets_of_two_sizes_and_pads_the_last():
+def test_layout_cuts_buckets_of_one_size_and_pads_the_last():
+  """One bucket size, so that XLA compiles every kernel of the bucket program once: at
+  least MIN_BUCKETS buckets (for the overlap) where each holds a quarter of bucket_size,
+  at most bucket_size each; the last padded to the size of the others."""
+  assert dq.buckets.MIN_BUCKETS == 8 and dq.buckets.SMALLEST_BUCKET_FRACTION == 4
+  # 1450 coordinates, bucket_size 512: 8 buckets of ceil(1450 / 8) = 182 (>= 512 // 4)
   assert _layout(_shapes(100, 1300, 50), bucket_size=512) == [
-      [(2, 0, 50), (1, 0, 78)],  # the first bucket: 512 // 4, leaf 1 goes on in the next
-      [(1, 78, 206)], [(1, 206, 334)], [(1, 334, 462)],  # up to 512 in quarters (one shape)
-      [(1, 462, 931)], [(1, 931, 1300), (0, 0, 100)]]  # the rest, 938: two of 469
-  assert _layout(_shapes(100, 1300, 51), bucket_size=512) == [
-      [(2, 0, 51), (1, 0, 77)], [(1, 77, 205)], [(1, 205, 333)], [(1, 333, 461)],
-      [(1, 461, 931)], [(1, 931, 1300), (0, 0, 100), (dq.buckets.PADDING, 0, 1)]]  # 939: 470, 469 + 1
+      [(2, 0, 50), (1, 0, 132)],  # leaf 1 goes on in the next bucket
+      [(1, 132, 314)], [(1, 314, 496)], [(1, 496, 678)], [(1, 678, 860)], [(1, 860, 1042)],
+      [(1, 1042, 1224)], [(1, 1224, 1300), (0, 0, 100), (dq.buckets.PADDING, 0, 6)]]
+  # 5150: 8 buckets would pass 512, so the fewest of at most 512: 11 of 469 (5159)
+  assert _layout(_shapes(100, 5000, 50), bucket_size=512)[-1] == [
+      (1, 4640, 5000), (0, 0, 100), (dq.buckets.PADDING, 0, 9)]
+  assert len(_layout(_shapes(100, 5000, 50), bucket_size=512)) == 11
+  # 500: fewer than 8 quarters of 512, so the fewest equal buckets of at most 128: 4 of 125
+  assert dq.buckets.bucket_sizes(dq.bucket_layout(_shapes(500), bucket_size=512)) == [125] * 4
   codec = DynamiQ()
   for total in (1000, 3 * (1 << 16) + 17, 5 * (1 << 20) + 4099, 40 * (1 << 20) + 1):
     for bucket_size in (1 << 18, 1 << 20):
       layout = dq.bucket_layout(_shapes(total), codec=codec, bucket_size=bucket_size,
                                 max_buckets=None)
       sizes = dq.buckets.bucket_sizes(layout)
-      assert len(set(sizes)) <= 2 and max(sizes) <= bucket_size, (total, bucket_size, sizes)
+      assert len(set(sizes)) == 1 and max(sizes) <= bucket_size, (total, bucket_size, sizes)
       assert dq.buckets.layout_coords(layout) == total
-      if len(layout) > 1:  # the last one as large as the one before it, by its padding
-        assert sizes[-1] == sizes[-2]
+      if total >= dq.buckets.MIN_BUCKETS * bucket_size // 4:
+        assert len(layout) >= dq.buckets.MIN_BUCKETS, (total, bucket_size, sizes)
+      else:  # the fewest buckets of at most a quarter
+        assert len(layout) == -(-total // (bucket_size // 4)), (total, bucket_size, sizes)
+      if len(layout) > 1:
         assert sum(s.stop - s.start for s in layout[-1] if s.leaf == dq.buckets.PADDING) < (
             codec.granularity * len(layout))
-      assert all(d % codec.granularity == 0 for d in sizes[:-1] if len(layout) > 1)
+        assert sizes[0] % codec.granularity == 0
 
 
 def test_pieces_are_cut_at_runtime_offsets_and_round_trip():
@@ -175,9 +187,9 @@ def test_layout_orders_and_their_errors():
   tree = _shapes(10, 20, 30)
   assert _layout(tree, bucket_size=1000, leaf_order="forward") == [
       [(0, 0, 10), (1, 0, 20), (2, 0, 30)]]
-  assert _layout(tree, bucket_size=24, leaf_order=[1, 2, 0]) == [
-      [(1, 0, 6)], [(1, 6, 12)], [(1, 12, 18)], [(1, 18, 20), (2, 0, 4)], [(2, 4, 22)],
-      [(2, 22, 30), (0, 0, 10)]]
+  assert _layout(tree, bucket_size=24, leaf_order=[1, 2, 0]) == [  # 8 of 60 / 8 -> 8
+      [(1, 0, 8)], [(1, 8, 16)], [(1, 16, 20), (2, 0, 4)], [(2, 4, 12)], [(2, 12, 20)],
+      [(2, 20, 28)], [(2, 28, 30), (0, 0, 6)], [(0, 6, 10), (dq.buckets.PADDING, 0, 4)]]
   for bad in ([0, 1], [0, 1, 1], [0, 1, 3], "backward", 3):
     with pytest.raises(ValueError, match=r"leaf_order=.*Fix: pass a permutation of range\(3\)"):
       dq.bucket_layout(tree, leaf_order=bad)
@@ -195,11 +207,11 @@ def test_layout_skips_empty_leaves_and_round_trips_them():
 def test_each_bucket_depends_only_on_its_own_leaves():
   """Changing a leaf of one bucket leaves every other bucket's result bit for bit."""
   rng = np.random.default_rng(3)
-  tree = {f"w{i}": jnp.asarray(rng.standard_normal((N, (2048, 2048, 1536, 512)[i])), jnp.float32)
-          for i in range(4)}  # reverse order: w3 (the first bucket), w2 (quarters), w1, w0
+  tree = {f"w{i}": jnp.asarray(rng.standard_normal((N, 1536)), jnp.float32)
+          for i in range(4)}  # 8 buckets of 768, in reverse order: two of each leaf
   kw = dict(codec=DynamiQ(bits=5), bucket_size=2048)
   layout = dq.bucket_layout(jax.tree.map(lambda x: x[0], tree), **kw)
-  assert [[s.leaf for s in b] for b in layout] == [[3], [2], [2], [2], [1], [0]]
+  assert [[s.leaf for s in b] for b in layout] == [[3], [3], [2], [2], [1], [1], [0], [0]]
   base = dq.simulate(tree, **kw)
   changed = dict(tree, w1=tree["w1"] * 3.0 + 1.0)
   out = dq.simulate(changed, **kw)
@@ -223,17 +235,17 @@ def test_wire_stats_and_codec_state_follow_the_layout():
   codec = dq.codecs.mxfp8()
   layout = dq.bucket_layout(tree, codec=codec, bucket_size=4096)
   state = dq.init_codec_state(tree, codec=codec, n=N, bucket_size=4096)
-  assert len(state) == len(layout) == 5
+  assert len(state) == len(layout) == dq.buckets.MIN_BUCKETS
   stats = dq.wire_stats(tree, codec=codec, n=N, bucket_size=4096)
   sizes = [sum(s.stop - s.start for s in b) for b in layout]
-  assert sizes == [1024] * 4 + [3904]  # b in quarters, a's start (to 4096), a's rest
+  assert sizes == [1024] * 8  # 8000 in MIN_BUCKETS, of whole blocks: b, then a, padded
   bits = sum(codec.wire_bits(d, N) for d in sizes)
   assert stats.bits_per_coord == pytest.approx(bits / 8000)
 
 
 def test_max_buckets_grows_the_buckets():
   tree = _shapes(*([1000] * 40))
-  assert len(dq.bucket_layout(tree, bucket_size=1024, max_buckets=None)) == 43
+  assert len(dq.bucket_layout(tree, bucket_size=1024, max_buckets=None)) == 40
   layout = dq.bucket_layout(tree, bucket_size=1024, max_buckets=8)
   assert len(layout) <= 8
   covered = collections.Counter()
@@ -302,6 +314,5 @@ def test_large_buckets_hold_whole_super_groups_for_every_n_dividing_64():
       for n in (2, 4, 8, 16, 32, 64):
         assert codec.layout(d, n).padded_supergroups * 256 == d, (d, n)
   small = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in (3000, 700)]
-  # 3,700 coordinates: four quarters of 256, then the rest in 3 equal buckets of whole blocks
-  assert B.bucket_sizes(dq.bucket_layout(small, codec=codec, bucket_size=1024)) == [256] * 4 + [
-      1024] * 3
+  # 3,700 coordinates: MIN_BUCKETS equal buckets of whole blocks (3,700 / 8 -> 512)
+  assert B.bucket_sizes(dq.bucket_layout(small, codec=codec, bucket_size=1024)) == [512] * 8

@@ -146,8 +146,7 @@ class TestEdgeValues:
 
   # Two buckets of one size, one per leaf ("b", the last leaf, is reduced first): a
   # gradient of at most bucket_size coordinates is cut in the fewest equal buckets of at
-  # most a quarter of it. (Buckets of two sizes compile every kernel twice: 2.7x the
-  # compile time.)
+  # most a quarter of it. (A bucket of another size would compile every kernel again.)
   BUCKET = 4 * 512 * 256
 
   def _tree(self, rng):

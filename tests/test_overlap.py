@@ -24,7 +24,7 @@ from dynamiq_jax.bench.gpu_compile import missing
 from dynamiq_jax.bench.overlap import compile_step, schedule_counts
 
 MODEL = {"layers": 12, "width": 2048, "batch": 2048}
-ONE_BUCKET = 1 << 28  # its first bucket (a quarter) holds all of the model's 50 M coordinates
+ONE_BUCKET = 1 << 28  # a quarter of it holds all of the model's 50 M coordinates: one bucket
 
 needs_compiler = pytest.mark.skipif(missing(need_ptxas=False) is not None,
                                     reason=str(missing(need_ptxas=False)))

@@ -59,7 +59,7 @@ def test_tiny_benchmark_compares_the_same_step(tiny):
   assert pmean["backward_gemms"] == default["backward_gemms"] > 0
   assert set(pmean["collectives"]) == {"all-reduce"}
   assert default["collectives"]["collective-permute"] > 0
-  # one bucket program per bucket of the layout (the first bucket_size in quarters)
+  # one bucket program per bucket of the layout (all of one size)
   layout = dq.bucket_layout(scale.model_shapes(**scale.TINY), codec=dq.codecs.DynamiQ(),
                             bucket_size=scale.TINY_BUCKET)
   assert default["scopes"]["buckets"] == len(layout) > 4

@@ -627,8 +627,8 @@ def test_reduce_scatter_reduces_the_last_leaf_first(schedule):
   start while the backward pass still runs. (Fixed: the scattered leaves, already in
   that order, were reversed once more.)"""
   n = 8
-  # per-rank widths 512 (leaf a) and 1536 (leaf b); the first bucket (a quarter of 6144
-  # per rank) fits b alone
+  # per-rank widths 512 (leaf a) and 1536 (leaf b): 2048 per rank, cut in the fewest equal
+  # buckets of at most a quarter of 6144, two of 1024: the first holds b alone
   tree = [jnp.ones((n * 512,), jnp.float32), jnp.ones((n * 1536,), jnp.float32)]
   axis = ("host", "local") if schedule == "hierarchical" else "data"
 

@@ -344,7 +344,7 @@ def main(argv=None) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads the machine
   from dynamiq_jax.bench.common import command_line, machine, write_results
 
-  if args.tiny:  # two layers of 65536 coordinates in two buckets (the first is a quarter)
+  if args.tiny:  # two layers of 65536 coordinates in two buckets (each a quarter of 2^18)
     args.layers, args.width, args.batch = 2, 256, 256
     args.bucket_sizes = str(1 << 18)
   shape = {"layers": args.layers, "width": args.width, "batch": args.batch}
