@@ -65,18 +65,22 @@ def guarded(x, finite, amax, bad):
 def guard_metadata(x, codec: Codec, bucket: Bucket, keys: Keys, ctx: AxisContext, after=None):
   """:func:`guard` and the codec's local metadata of the guarded bucket in one pass over
   ``x``, where the codec has the hook ``guard_statistics(x, bucket, keys, *,
-  safe_exponent)`` (DynamiQ: its votes, pmax-ed as :func:`guard`'s, and ``finish(amax)``,
-  its metadata of the bucket as guarded) -> (any rank non-finite, guarded x, scale, local
-  metadata, or None without the hook: ``codec.metadata`` of the guarded x, as before)."""
+  safe_exponent)`` (DynamiQ: its votes ``[2, P]``, maximised over P and pmax-ed as
+  :func:`guard`'s, and ``finish(scale)``, its metadata of the bucket as guarded) -> (any
+  rank non-finite, guarded x, scale, local metadata, or None without the hook:
+  ``codec.metadata`` of the guarded x, as before)."""
   hook = getattr(codec, "guard_statistics", None)
   found = None if hook is None else hook(x, bucket, keys, safe_exponent=SAFE_EXPONENT)
   with jax.named_scope("guard"):  # (the hook's pass is the codec's own scope's)
     if found is None:
       return (*guard(x, ctx, after), None)
-    flag = [] if after is None else [jnp.isfinite(after).astype(jnp.float32)]
-    agreed = ctx.pmax(jnp.stack([*found[0], *flag]))
-    guarded_x = guarded(x, jnp.isfinite(x), agreed[0], agreed[1])
-  return (*guarded_x, found[1](agreed[0]))
+    votes = found[0]  # [2, P]: P parts' votes, with the chain's flag maximised at once
+    if after is not None:
+      flag = jnp.isfinite(after).astype(jnp.float32)
+      votes = jnp.concatenate([votes, jnp.broadcast_to(flag, (1, votes.shape[-1]))])
+    agreed = ctx.pmax(jnp.max(votes, axis=-1))
+    nonfinite, guarded_x, scale = guarded(x, jnp.isfinite(x), agreed[0], agreed[1])
+  return nonfinite, guarded_x, scale, found[1](scale)
 
 
 def unguard(out, nonfinite, scale, dtype=None):

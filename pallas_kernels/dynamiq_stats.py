@@ -190,17 +190,19 @@ def guard_exponent(amax, safe_exponent: int):
   return _row_shift(amax, safe_exponent)
 
 
-def rescale(found, scale_exponent, *, safe_exponent: int):
+def rescale(found, scale_exponent=None, *, safe_exponent: int, scale=None):
   """:func:`guard_stats`' row statistics (a :class:`GuardStats`) -> those of the guarded
   bucket: ``(stats, centre)``, ``[S, 2]`` bfloat16 (mean, norm: the means already
   stochastically rounded) and float32 ``[S]`` the centring means (:func:`row_mean` of the
   guarded rows, bit for bit barring subnormals: module docstring), ``scale_exponent``
-  (int32) the bucket's guard exponent (:func:`guard_exponent`). Each row times
-  ``2^scale_exponent 2^-shift`` (``found.unshift``; exact: a power of two in [2^-64, 1]).
+  (int32) the bucket's guard exponent (:func:`guard_exponent`), or ``scale`` its factor
+  ``2^scale_exponent`` (float32; the guard's own, so that no program computes it twice).
+  Each row times ``2^scale_exponent 2^-shift`` (``found.unshift``; exact: a power of two in
+  [2^-64, 1]).
   """
   if safe_exponent >= 127:  # nothing is scaled
     return jnp.stack([found.mean, found.norm], axis=-1).astype(jnp.bfloat16), found.centre
-  f = _pow2(scale_exponent) * found.unshift  # (both powers of two: exact)
+  f = (_pow2(scale_exponent) if scale is None else scale) * found.unshift  # (exact)
   return (jnp.stack([found.mean * f, found.norm * f], axis=-1).astype(jnp.bfloat16),
           found.centre * f)
 
@@ -236,15 +238,17 @@ def _chunk_keys(k0, k1, hop, c, stride: int):
 
 
 class GuardStats(NamedTuple):
-  """What :func:`guard_stats` returns: float32 [S] per row, float32 scalars the votes.
+  """What :func:`guard_stats` returns: float32 [S] per row, float32 [2, P] the votes.
 
   Attributes:
     mean: the row-scaled local mean, rounded to bf16 stochastically (the statistics'
       first encode).
     norm: the row-scaled norm of the centred residual, rounded to bf16.
     rows_amax: each row's largest finite magnitude.
-    amax: the guard's vote, the largest finite magnitude.
-    bad: the guard's vote, 1.0 if a value is not finite.
+    votes: ``[2, P]``, the guard's votes of the rows' P parts of :data:`BLOCK` rows (the
+      kernel's programs): the largest finite magnitude, and 1.0 if a value is not
+      finite. The bucket's votes are their maxima over P (:attr:`amax`, :attr:`bad`);
+      left apart, the caller's maximum can take in votes of its own in one operation.
     centre: the row-scaled local mean in float32 (:func:`rescale` finishes it).
     unshift: ``2^-shift``, the inverse of each row's own guard factor (:func:`rescale`).
   """
@@ -252,10 +256,19 @@ class GuardStats(NamedTuple):
   mean: jax.Array
   norm: jax.Array
   rows_amax: jax.Array
-  amax: jax.Array
-  bad: jax.Array
+  votes: jax.Array
   centre: jax.Array
   unshift: jax.Array
+
+  @property
+  def amax(self):
+    """The bucket's vote: its largest finite magnitude."""
+    return jnp.max(self.votes[..., 0, :], axis=-1)
+
+  @property
+  def bad(self):
+    """The bucket's vote: 1.0 if a value is not finite."""
+    return jnp.max(self.votes[..., 1, :], axis=-1)
 
 
 def guard_stats_reference(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: int = 1):
@@ -266,7 +279,10 @@ def guard_stats_reference(x, k0, k1, hop=0, *, s: int, safe_exponent: int, strid
   hop = jnp.asarray(hop, jnp.int32).reshape(())
   mean, norm, amax, bad, mid, unshift = row_stats_block(
       x, row % s, *_chunk_keys(k0, k1, hop, row // s, stride), safe_exponent=safe_exponent)
-  return GuardStats(mean, norm, amax, jnp.max(amax), jnp.max(bad), mid, unshift)
+  parts = -(-x.shape[0] // BLOCK)  # the kernel's programs: votes of BLOCK rows each
+  votes = jnp.pad(jnp.stack([amax, bad]), ((0, 0), (0, parts * BLOCK - x.shape[0])))
+  return GuardStats(mean, norm, amax, jnp.max(votes.reshape(2, parts, BLOCK), axis=-1), mid,
+                    unshift)
 
 
 def _guard_stats_kernel(keys_ref, hop_ref, x_ref, out_ref, votes_ref, *, block: int, s: int,
@@ -331,10 +347,9 @@ def guard_stats_pallas(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: 
   hop = jnp.asarray(hop, jnp.int32).reshape(1)
   launch = functools.partial(_guard_stats_launch, s=s, stride=stride,
                              safe_exponent=safe_exponent, interpret=interpret, block=block)
-  out, programs = D.map_over_batch(launch, x, _flat_keys(k0, k1), hop)  # [..., 6, S]
-  votes = jnp.max(programs, axis=-1)  # [..., 2]: over the programs' votes
-  return GuardStats(out[..., 0, :], out[..., 1, :], out[..., 2, :], votes[..., 0],
-                    votes[..., 1], out[..., 4, :], out[..., 5, :])
+  out, votes = D.map_over_batch(launch, x, _flat_keys(k0, k1), hop)  # [..., 6, S], [..., 2, P]
+  return GuardStats(out[..., 0, :], out[..., 1, :], out[..., 2, :], votes, out[..., 4, :],
+                    out[..., 5, :])
 
 
 def guard_stats(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: int = 1,
@@ -357,8 +372,8 @@ def guard_stats(x, k0, k1, hop=0, *, s: int, safe_exponent: int, stride: int = 1
     a :class:`GuardStats`: float32 [S] the row-scaled statistics (the mean rounded
     to bf16 stochastically, the norm to bf16), each row's largest finite magnitude,
     the row-scaled centring mean and the inverse row factor (:func:`rescale` takes
-    it all); float32 scalars the guard's votes: the largest finite magnitude and the
-    non-finite flag.
+    it all); float32 [2, P] the guard's votes of P parts of the rows (the largest
+    finite magnitude and the non-finite flag; their maxima over P are the bucket's).
   """
   n = np.size(k0) // stride
   if s < 1 or x.ndim != 2 or x.shape[0] != s * n:

@@ -6,7 +6,8 @@
     python -m dynamiq_jax.bench.bucket_cost --estimate       # with the error estimate kept
 
 No GPU is needed. The default compressed all-reduce of ``k`` equal leaves
-(one bucket each, after the first bucket's quarter-size piece) is compiled
+(one bucket each: ``bucket_size`` is four times a leaf, so that the layout cuts
+``k <= 8`` buckets of a leaf each, :func:`dynamiq_jax.bucket_layout`) is compiled
 in a child process (:func:`~dynamiq_jax.bench.gpu_compile.compile_in_child`)
 by XLA's GPU pipeline for a compile-only 8 x H100 host, for ``k = 3`` and
 ``k = 4``; the difference is what one bucket costs. The bare all-reduce's
@@ -64,6 +65,7 @@ def step_in_child(buckets: int, size: int, schedule: str = "ring", estimate: boo
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import dynamiq_jax as dq
+  from dynamiq_jax import buckets as buckets_lib
 
   mesh = topologies.make_mesh(gpu_compile.h100_topology(DEVICES), (DEVICES,), ("data",))
   tree = [jax.ShapeDtypeStruct((size * DEVICES,), jnp.float32,
@@ -71,7 +73,8 @@ def step_in_child(buckets: int, size: int, schedule: str = "ring", estimate: boo
 
   def local(xs):
     out, stats = dq.allreduce(xs, axis_name="data", codec=dq.codecs.DynamiQ(),
-                              schedule=schedule, key=jax.random.key(0), bucket_size=size)
+                              schedule=schedule, key=jax.random.key(0),
+                              bucket_size=size * buckets_lib.SMALLEST_BUCKET_FRACTION)
     return (out, stats.error_estimate) if estimate else out
 
   out_specs = (P("data"), P()) if estimate else P("data")

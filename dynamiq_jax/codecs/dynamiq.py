@@ -284,15 +284,16 @@ class DynamiQ(Codec):
                         combine=SupergroupStats(implementation=bucket.implementation),
                         kept=mean if self.centre else None)
       votes, finish = self._statistics_pass(x, bucket, keys, safe_exponent=_NO_SCALE)
-      return finish(votes[0])  # (_NO_SCALE scales nothing)
+      return finish(jnp.float32(1))  # (_NO_SCALE scales nothing)
 
   def guard_statistics(self, x, bucket, keys, *, safe_exponent: int):
     """The guard's votes and the local statistics in one pass over the bucket (the hook of
     :func:`dynamiq_jax.engine.guard_metadata`).
 
-    Returns ``(votes, finish)``: ``votes`` this rank's ``[largest finite
-    magnitude, 1.0 if a value is not finite]``, to be combined by a maximum
-    over the ranks; ``finish(amax)`` with the ranks' largest magnitude gives
+    Returns ``(votes, finish)``: ``votes`` float32 ``[2, P]``, this rank's largest
+    finite magnitude and non-finite flag (1.0) of P parts of the bucket, to be combined
+    by a maximum over P and over the ranks; ``finish(scale)`` with the guard's factor
+    (:func:`dynamiq_jax.guard.guarded`'s, from the ranks' largest magnitude) gives
     :meth:`metadata` of the guarded bucket (its rows scaled as the guard scales
     them: :mod:`pallas_kernels.dynamiq_stats` says where that is exact). None with
     ``centre=False`` (whose statistics are those of the raw values): the engine's guard.
@@ -313,12 +314,11 @@ class DynamiQ(Codec):
       found = stats_kernels.guard_stats(
           xs, k0, k1, hop, s=total // n, safe_exponent=safe_exponent, stride=stride,
           implementation=bucket.implementation)
-    votes = [found.amax, found.bad]
+    votes = found.votes
 
-    def finish(agreed_amax):
+    def finish(scale):
       with jax.named_scope("dynamiq/stats"):
-        shift = stats_kernels.guard_exponent(agreed_amax, safe_exponent)
-        stats, centre = stats_kernels.rescale(found, shift, safe_exponent=safe_exponent)
+        stats, centre = stats_kernels.rescale(found, safe_exponent=safe_exponent, scale=scale)
       return Metadata(stats.reshape(n, -1, 2),
                       combine=SupergroupStats(implementation=bucket.implementation),
                       kept=centre)
