@@ -29,8 +29,8 @@ from dynamiq_jax.schedules.context import AxisContext, axis_names, varying_axes
 from dynamiq_jax.schedules.plan import ring_bytes_per_rank
 
 __all__ = [
-    "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "MIN_BUCKETS", "SMALLEST_BUCKET_FRACTION", "ALIGN",
-    "ALIGN_FROM", "AllReduceStats",
+    "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "MIN_BUCKETS", "SMALLEST_BUCKET_FRACTION",
+    "ALIGN", "ALIGN_FROM", "AllReduceStats",
     "Segment", "PADDING", "Layout", "resolve_leaf_order", "bucket_layout", "pack_layout",
     "bucket_sizes", "layout_coords", "runtime_offsets", "pack", "unpack", "check_codec",
     "check_leaves", "check_varying", "flat_specs", "bucket_codec",
@@ -47,12 +47,12 @@ DEFAULT_MAX_BUCKETS = 32
 """The most buckets one all-reduce makes; larger gradients get larger buckets."""
 
 MIN_BUCKETS = 8
-"""A gradient is cut into at least this many buckets where they hold at least
-``bucket_size // SMALLEST_BUCKET_FRACTION`` coordinates each."""
+"""A gradient is cut into at least this many buckets where each then holds
+``bucket_size // SMALLEST_BUCKET_FRACTION`` coordinates or more (:func:`bucket_layout`)."""
 
 SMALLEST_BUCKET_FRACTION = 4
-"""No bucket is cut smaller than ``bucket_size // SMALLEST_BUCKET_FRACTION`` (but a
-gradient smaller than that is one bucket)."""
+"""A gradient too small for :data:`MIN_BUCKETS` such buckets is cut into the fewest equal
+buckets of at most ``bucket_size // SMALLEST_BUCKET_FRACTION`` coordinates."""
 
 ALIGN = 1 << 14
 """Buckets of :data:`ALIGN_FROM` coordinates or more are cut at multiples of this (and of
