@@ -279,7 +279,7 @@ def guard_stats_reference(x, k0, k1, hop=0, *, s: int, safe_exponent: int, strid
   hop = jnp.asarray(hop, jnp.int32).reshape(())
   mean, norm, amax, bad, mid, unshift = row_stats_block(
       x, row % s, *_chunk_keys(k0, k1, hop, row // s, stride), safe_exponent=safe_exponent)
-  parts = -(-x.shape[0] // BLOCK)  # the kernel's programs: votes of BLOCK rows each
+  parts = pl.cdiv(x.shape[0], BLOCK)  # the kernel's programs: votes of BLOCK rows each
   votes = jnp.pad(jnp.stack([amax, bad]), ((0, 0), (0, parts * BLOCK - x.shape[0])))
   return GuardStats(mean, norm, amax, jnp.max(votes.reshape(2, parts, BLOCK), axis=-1), mid,
                     unshift)
