@@ -14,9 +14,9 @@ reduces them one after another, each by a *bucket program*:
   fast axis (without it, HSDP's reduce-scatter).
 
 One bucket, in order: :func:`guard` (one small all-reduce agreeing on
-non-finite values and a power-of-two scale, carrying a value of the previous
-bucket's last collective so that the buckets' collectives run one after
-another: :func:`one_after_another`), then :func:`codec_pass`: ``codec.metadata``
+non-finite values and a power-of-two scale, of data that exists once the
+previous bucket's last collective has arrived, so that the buckets'
+collectives run one after another: :func:`one_after_another`), then :func:`codec_pass`: ``codec.metadata``
 combined across ranks (:func:`combine_metadata`: a ``pmax``, or a sum in two
 collectives, :func:`~dynamiq_jax.schedules.executor.two_step`),
 ``codec.plan``, the schedule executor calling the codec's hop functions
@@ -73,14 +73,16 @@ def one_after_another(xs, reduce_one):
   """``[reduce_one(b, x, after) for b, x in enumerate(xs)]``: each bucket's collectives
   after the previous bucket's.
 
-  ``reduce_one(b, x, after)`` returns a tuple whose last element is a value
-  of bucket b's last collective (``sent``); ``after`` is bucket b-1's (None
-  for the first), which bucket b's first collective (its guard) carries
-  along: so bucket b's all-reduce starts once bucket b-1's is off the wire,
-  and XLA cannot combine collectives of different buckets. Its combiners would
-  otherwise merge, say, every bucket's guard into one all-reduce that waits
-  for the whole gradient, and no bucket would start before the backward
-  pass ends.
+  ``reduce_one(b, x, after)`` returns a tuple whose last element is an array
+  of bucket b's last collective (``sent``: its gathered payloads, as they
+  arrived); ``after`` is bucket b-1's (None for the first), which bucket b's
+  data passes an ``optimization_barrier`` with (:func:`reduce_buckets`): so
+  bucket b's first collective (its guard, which reads that data) starts once
+  bucket b-1's last is off the wire, and XLA cannot combine collectives of
+  different buckets. Its combiners would otherwise merge, say, every bucket's
+  guard into one all-reduce that waits for the whole gradient, and no bucket
+  would start before the backward pass ends. The barrier computes nothing:
+  the chain costs no operation.
   """
   results = []
   for b, x in enumerate(xs):
@@ -195,7 +197,7 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
   """One guarded bucket through the codec: metadata pass, payload pass, finish -> (out, new
   state, own, estimated squared error: NaN where the codec makes no estimate, sent).
 
-  ``sent`` is a float32 value of the gathered payloads: what the next bucket
+  ``sent`` is the gathered payloads' first array: what the next bucket
   chains to (:func:`one_after_another`), so that it waits for this bucket's
   collectives only, and this bucket's decode and finish can run later, beside
   the optimizer that reads them, while the next buckets are on the wire: what
@@ -204,13 +206,13 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
   """
   payloads, aux, own = wire_pass(x, codec, bucket, state, keys, plan, ctx, return_own, loss,
                                  local)
-  sent = jax.tree.leaves(payloads)[0].reshape(-1)[0].astype(jnp.float32)
+  sent = jax.tree.leaves(payloads)[0]
   out, new_state, err = decode_pass(payloads, aux, codec, bucket, state, plan, dtype)
   return out, new_state, own, err, sent
 
 
 # ----------------------------------------------------------------------------
-# Bucket programs: static configuration, called as program(x, after, keys, index, state).
+# Bucket programs: static configuration, called as program(x, words, index, state).
 
 
 def program_keys(words, index, ctx: AxisContext, codec: Codec | None = None) -> Keys:
@@ -231,9 +233,9 @@ def program_keys(words, index, ctx: AxisContext, codec: Codec | None = None) -> 
 class AllReduce:
   """One bucket's all-reduce on a flat schedule.
 
-  ``program(x, after, words, index, state) -> (out, new state, own or None, err, sent)``:
-  ``x`` the bucket's flat float32 data, ``after`` the chained value
-  (:func:`one_after_another`), ``words`` its key words, ``state`` the codec's state.
+  ``program(x, words, index, state) -> (out, new state, own or None, err, sent)``:
+  ``x`` the bucket's flat float32 data, ``words`` its key words, ``state`` the codec's
+  state; ``sent`` what the next bucket chains to (:func:`one_after_another`).
   ``loss``: the reduce step's packet loss (two-step schedule), or None.
   """
 
@@ -244,14 +246,14 @@ class AllReduce:
   return_own: bool
   loss: Any = None
 
-  def __call__(self, x, after, words, index, state):
+  def __call__(self, x, words, index, state):
     ctx = axis_context(self.axis_name)
     plan = get_plan(self.schedule, ctx.n)
     d = x.shape[0]
     used = bucket_codec(self.codec, d, ctx.n)
     bucket = Bucket(index, d, ctx.n, self.implementation)
     keys = program_keys(words, index, ctx, self.codec)
-    nonfinite, x, scale, local = guard_metadata(x, used, bucket, keys, ctx, after)
+    nonfinite, x, scale, local = guard_metadata(x, used, bucket, keys, ctx)
     out, new_state, own, err, sent = codec_pass(
         x, used, bucket, state, keys, plan, ctx, self.return_own, self.loss, local,
         used.result_dtype)
@@ -286,7 +288,7 @@ class AllReduce:
 class ReduceScatter:
   """One bucket's reduce-scatter on a flat schedule.
 
-  ``program(rows, after, words, index, state) -> (this rank's row, own rows or None,
+  ``program(rows, words, index, state) -> (this rank's row, own rows or None,
   sent)``: ``rows`` [n, m], row r the slice that rank r keeps. ``loss``: as
   :class:`AllReduce`'s.
   """
@@ -298,7 +300,7 @@ class ReduceScatter:
   return_own: bool
   loss: Any = None
 
-  def __call__(self, rows, after, words, index, state):
+  def __call__(self, rows, words, index, state):
     del state
     ctx = axis_context(self.axis_name)
     n = ctx.n
@@ -308,13 +310,13 @@ class ReduceScatter:
     x = jnp.roll(rows, -plan.root, axis=0).reshape(-1)  # chunk c: rank (c + root) % n's row
     if n == 1:
       with jax.named_scope("guard"):
-        nonfinite, x, scale = guard(x, ctx, after)
+        nonfinite, x, scale = guard(x, ctx)
       out = unguard(x, nonfinite, scale)
-      return out, (x / scale)[None] if self.return_own else None, out[0]
+      return out, (x / scale)[None] if self.return_own else None, out
     used = bucket_codec(self.codec, d, n)
     bucket = Bucket(index, d, n, self.implementation, scatter=True)
     keys = program_keys(words, index, ctx, self.codec)
-    nonfinite, x, scale, meta = guard_metadata(x, used, bucket, keys, ctx, after)
+    nonfinite, x, scale, meta = guard_metadata(x, used, bucket, keys, ctx)
     meta = meta if meta is not None else used.metadata(x, bucket, None, keys)
     p = plan_bucket(x, meta, used, bucket, None, keys, ctx)
     with jax.named_scope("reduce_scatter"):
@@ -331,7 +333,7 @@ class ReduceScatter:
       own = jnp.roll((used.contribution(x, p.aux, bucket) / scale).reshape(n, m), plan.root,
                      axis=0)
     piece = unguard(piece, nonfinite, scale, used.result_dtype)
-    return piece, own, piece[0]
+    return piece, own, piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +343,7 @@ class Hierarchical:
   The fast axis reduce-scatters the bucket exactly, each fast rank reduces
   its share with the codec over the slow axis (on ``inner``, a flat
   schedule), and with ``gather`` the fast axis all-gathers the shares:
-  ``program(x, after, words, index, state) -> (out, err, ref, sent)`` (``err``,
+  ``program(x, words, index, state) -> (out, err, ref, sent)`` (``err``,
   ``ref``: the share's estimated squared error and squared norm). Without
   ``gather`` (HSDP's reduce-scatter) ``x`` is ``rows`` [L, m], row r the
   slice fast rank r keeps, and the result is ``(this rank's row, None, sent)``.
@@ -354,7 +356,7 @@ class Hierarchical:
   implementation: str | None
   gather: bool = True
 
-  def __call__(self, x, after, words, index, state):
+  def __call__(self, x, words, index, state):
     del state
     fast, slow = axis_context(self.fast), axis_context(self.slow)
     both = axis_context((self.slow, self.fast))
@@ -362,7 +364,7 @@ class Hierarchical:
     rows = None if self.gather else x
     flat = x if self.gather else x.reshape(-1)
     with jax.named_scope("guard"):  # over both axes: the fast reduce-scatter is guarded too
-      nonfinite, flat, scale = guard(flat, both, after)
+      nonfinite, flat, scale = guard(flat, both)
     with jax.named_scope("fast_reduce_scatter"):
       if self.gather:  # this rank owns share (r + 1) % size
         shares = hierarchical.split_shares(flat, fast.n, unit)
@@ -383,13 +385,13 @@ class Hierarchical:
           False)
     if not self.gather:
       mine = unguard(reduced, nonfinite, scale, dtype)
-      return mine, None, mine[0]
+      return mine, None, mine
     with jax.named_scope("fast_all_gather"):
       out = hierarchical.join_shares(hierarchical.all_gather_shares(fast, reduced),
                                      flat.shape[0], unit)
     unit_sq = scale * scale
     out = unguard(out, nonfinite, scale, dtype)
-    return out, err / unit_sq, jnp.sum(reduced * reduced) / unit_sq, out[0]
+    return out, err / unit_sq, jnp.sum(reduced * reduced) / unit_sq, out
 
 
 def run_program(inputs, *, program):
@@ -418,12 +420,12 @@ def bucket_keys(key, count: int):
 def reduce_buckets(xs, program, *, key, states=None):
   """Reduces buckets ``xs`` one after another, each by the bucket program ``program``.
 
-  Each program gets its bucket's data, the chained value of the previous
-  bucket (``sent``: its last collective's), its key words and index, and
-  ``states[b]`` (None by default), all through an ``optimization_barrier``:
-  the program then holds no value of another bucket's and no constant of its
-  own, so XLA compiles it once per shape. Returns the programs' outputs, in
-  bucket order (``sent`` last).
+  Each program gets its bucket's data (after an ``optimization_barrier`` with the
+  previous bucket's ``sent``, :func:`one_after_another`), its key words and index,
+  and ``states[b]`` (None by default), all through ``optimization_barrier`` s: the
+  program then holds no value of another bucket's and no constant of its own, so
+  XLA compiles it once per shape. Returns the programs' outputs, in bucket order
+  (``sent`` last).
   """
   k0, k1, (s0, s1) = bucket_keys(key, len(xs))
   states = states if states is not None else (None,) * len(xs)
@@ -433,16 +435,15 @@ def reduce_buckets(xs, program, *, key, states=None):
     rows = None if rows is None else jax.lax.optimization_barrier(rows)
 
   def reduce_one(b, x, after):
-    # the first bucket chains to a finite 0: every bucket runs the same program
-    chained = jnp.float32(0) if after is None else after
-    x, chained = jax.lax.optimization_barrier((x, chained))
+    if after is not None:  # the chain: x exists once bucket b-1's payloads have arrived
+      x, _ = jax.lax.optimization_barrier((x, after))
     # (a barrier's outputs vary over every mesh axis any of its inputs does: the rank-
     # invariant key words, index and codec state pass one of their own)
     # (the whole key rows: a program reads its own in place, where a row sliced for the
     # barrier would be one more launch per bucket)
     words = (k0, k1, s0[b], s1[b]) if rows is None else (k0, k1, rows)
     words, index, state = jax.lax.optimization_barrier((words, jnp.int32(b), states[b]))
-    return run_program((x, chained, words, index, state), program=program)
+    return run_program((x, words, index, state), program=program)
 
   return one_after_another(xs, reduce_one)
 
@@ -510,7 +511,7 @@ def decode_loop(wired, rebuild, program, size: int):
     (payloads, arrays, guarded, index), at = inputs
     o, e = program.decode(payloads, rebuild(arrays), guarded, size, index)
     return (jax.lax.dynamic_update_index_in_dim(out, o, at, 0),
-            jax.lax.dynamic_update_index_in_dim(err, e, at, 0)), None
+            jax.lax.dynamic_update_index_in_dim(err, jnp.sum(e), at, 0)), None
 
   init = (zeros_after((k, size), jnp.float32, wired[0]),
           zeros_after((k,), jnp.float32, wired[0]))

@@ -119,7 +119,7 @@ def moshpit_report(sizes, codec, plan: MoshpitPlan, coords: int | None = None
 class MoshpitRounds:
   """One bucket's Moshpit averaging: every round of ``plan`` in turn.
 
-  ``program(x, after, words, index, present) -> (out, sent)``: ``x`` the bucket's
+  ``program(x, words, index, present) -> (out, sent)``: ``x`` the bucket's
   float32 data, ``present`` this rank's presence per round (float32 ``[rounds]``:
   :func:`presence`), ``out`` its value after the last round.
   """
@@ -129,7 +129,7 @@ class MoshpitRounds:
   axis_name: Any
   implementation: str | None
 
-  def __call__(self, x, after, words, index, present):
+  def __call__(self, x, words, index, present):
     n = axis_context(self.axis_name).n
     rank = jax.lax.axis_index(self.axis_name)
     k0, k1, s0, s1 = words
@@ -140,15 +140,15 @@ class MoshpitRounds:
       keys = Keys(k0, k1, index, ctx.rank(), (s0, s1)).prefix(jnp.uint32(t), stream)
       share = held / self.plan.held(t) if self.plan.weighted else jnp.float32(1)
       with jax.named_scope(f"round{t}"):
-        x, total, after = self._round(x, after, present[t], share, ctx, keys, index)
+        x, total, sent = self._round(x, present[t], share, ctx, keys, index)
       held = jnp.where(present[t] > 0, total * self.plan.held(t), held)
-    return x, after
+    return x, sent  # (the last round's payloads: what the next bucket chains to)
 
-  def _round(self, x, after, present, share, ctx, keys, index):
+  def _round(self, x, present, share, ctx, keys, index):
     here = present > 0
     mine = jnp.where(here, x * share, 0.0)  # an absent rank sends nothing of its own
     with jax.named_scope("guard"):  # one small collective: the guard's votes and the count
-      finite, votes = engine.guard_votes(mine, after)
+      finite, votes = engine.guard_votes(mine)
       agreed = ctx.all_gather(jnp.stack(votes + [present * share]))
       # the members' shares (small integers with everyone present: exact in any order),
       # summed in group order on every member
