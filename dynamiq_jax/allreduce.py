@@ -39,6 +39,7 @@ from dynamiq_jax.buckets import bucket_layout
 from dynamiq_jax.buckets import bucket_sizes
 from dynamiq_jax.buckets import check_leaves
 from dynamiq_jax.buckets import check_varying
+from dynamiq_jax.buckets import error_total
 from dynamiq_jax.buckets import flat_specs
 from dynamiq_jax.buckets import layout_coords
 from dynamiq_jax.buckets import pack
@@ -322,7 +323,7 @@ def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_si
     owns = [o * np.float32(ctx.n) for o in owns] if average else owns
     own = unpack(owns, layout, arrays, treedef, cast=False)
   stats = stats._replace(own=own, codec_state=tuple(new_states) if codec.stateful else None)
-  return (unpack(outs, layout, arrays, treedef), stats, sum(errs),
+  return (unpack(outs, layout, arrays, treedef), stats, error_total(errs),
           sum(jnp.sum(o * o) for o in outs))
 
 
@@ -388,7 +389,7 @@ def _hierarchical(arrays, treedef, layout, *, codec, schedule, axis_name, key, a
   key = jax.random.fold_in(key, jax.lax.axis_index(fast))  # fresh rounding per fast rank
   outs, errs, refs, _ = zip(*engine.reduce_buckets(xs, program, key=key))
   # each fast rank's shares have their own estimate: weigh them by the shares' norms
-  err, ref = fast_ctx.psum((sum(errs), sum(refs)))
+  err, ref = fast_ctx.psum((error_total(errs), sum(refs)))
   # the slow axis's cost: every fast rank sends its shares at the codec's bits per
   # coordinate (the exact float32 traffic inside the fast axis is not counted)
   shares = [hierarchical_share(d, codec, fast_ctx.n) for d in bucket_sizes(layout)]

@@ -34,7 +34,7 @@ __all__ = [
     "Segment", "PADDING", "Layout", "resolve_leaf_order", "bucket_layout", "pack_layout",
     "bucket_sizes", "layout_coords", "runtime_offsets", "pack", "unpack", "check_codec",
     "check_leaves", "check_varying", "flat_specs", "bucket_codec",
-    "report", "scatter_report", "sum_stats", "relative", "group_keys", "group_order",
+    "report", "scatter_report", "sum_stats", "error_total", "relative", "group_keys", "group_order",
     "key_data",
 ]
 
@@ -411,6 +411,15 @@ def sum_stats(parts) -> AllReduceStats:
       jnp.float32(sum(jnp.float32(p.bytes_per_rank) for p in parts)), jnp.int32(coords),
       uncompressed=jnp.int32(sum(p.uncompressed for p in parts)),
       error_estimate=jnp.float32(err))
+
+
+def error_total(errs):
+  """The buckets' estimated squared errors, each a float32 scalar or an array of terms
+  (:meth:`~dynamiq_jax.codecs.Codec.error_estimate`), summed in two operations for the
+  whole gradient rather than one per bucket: the terms joined, then one reduction (the
+  barrier keeps XLA from rewriting the sum of the joined terms as one sum per bucket)."""
+  terms = jnp.concatenate([jnp.ravel(jnp.asarray(e, jnp.float32)) for e in errs])
+  return jnp.sum(jax.lax.optimization_barrier(terms))
 
 
 def relative(err, ref):

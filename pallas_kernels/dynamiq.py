@@ -211,7 +211,7 @@ def _rows_mosaic(payloads, widths, units: int, slots, mean=None, *, rotate=0, dt
                    width_set=geo["width_set"], slots=slots, mean=mean, rotate=rotate)
   rows = R.rows_of_decoded(_many_mosaic(payloads, widths, units, interpret=interpret, **geo),
                            slots, mean, rotate)
-  return R.rows_and_total(rows, mean, widths, slots, payloads.shape[0], dtype, row_sum)
+  return R.rows_and_terms(rows, mean, widths, slots, payloads.shape[0], dtype, row_sum)
 
 
 def _probe_many(gather: bool, **static):
@@ -247,11 +247,12 @@ def decompress_rows(payloads, widths, units: int, slots, mean=None, *, eps,
   """Rows of ``n`` decoded chunk payloads, each from its slot, plus a mean: [R, 256] of
   ``dtype`` (float32 by default; another float dtype: the float32 rows rounded to it as
   they are stored, so that no float32 copy is written). ``row_sum`` (a static callable):
-  ``(rows, total)``, ``total`` the float32 sum over the rows of ``row_sum(sq, norm,
-  width)`` (:func:`~pallas_kernels.dynamiq_reference.row_total`: each float32 row's
-  squares less its mean, the statistics' next column, its position's width), summed in the
-  kernel's programs and then over them (the last bits may differ from the reference's):
-  an error estimate made without reading the rows again.
+  ``(rows, terms)``, ``terms`` float32 [R] each row's ``row_sum(sq, norm, width)``
+  (:func:`~pallas_kernels.dynamiq_reference.row_terms`: the float32 row's squares less
+  its mean, summed in the kernel's order, so the last bits may differ from the
+  reference's; the statistics' next column; its position's width): the terms of an error
+  estimate made without reading the rows again, left for the caller to sum (with other
+  buckets' in one operation).
 
   Row r is slot ``slots[r]`` (int32 [R]) of the decoded chunks interleaved by position
   (slot ``j n + c``: position j of chunk c, which is payload ``(c + rotate) % n``: the

@@ -38,7 +38,7 @@ from pallas_kernels import rng
 
 __all__ = [
     "SCALE_BYTES", "WIDTH_SET", "PLANE_BITS", "unit_bytes", "payload_bytes", "check_chunk",
-    "position_widths", "plane_table_of_counts", "row_means", "row_squares", "row_total",
+    "position_widths", "plane_table_of_counts", "row_means", "row_squares", "row_terms",
     "plane_bytes", "codes_of_planes", "codes_to_planes", "planes_to_codes", "take_in_range",
     "materialize", "compress_reference", "decompress_reference",
     "decompress_accumulate_reference", "decompress_accumulate_recompress_reference",
@@ -515,7 +515,7 @@ def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *,
                                 rotate: int = 0, dtype=jnp.float32, row_sum=None):
   """Rows of the ``n`` decoded payloads, gathered, plus a mean: [R, 256] of ``dtype``
   (computed in float32, then rounded to ``dtype``); with ``row_sum``, ``(rows,``
-  :func:`row_total` ``of the float32 rows)``.
+  :func:`row_terms` ``of the float32 rows)``.
 
   Row r is slot ``slots[r]`` of the decoded chunks interleaved by position (slot ``j n
   + c``: position j of chunk c; an out-of-range slot reads the nearest one), plus
@@ -540,7 +540,7 @@ def decompress_rows_reference(payloads, widths, units: int, slots, mean=None, *,
   dec = decompress_many_reference(payloads, widths, units, eps=eps, plane_bits=plane_bits,
                                   width_set=width_set)
   rows = rows_of_decoded(dec, slots, mean, rotate)
-  return rows_and_total(rows, mean, widths, slots, dec.shape[0], dtype, row_sum)
+  return rows_and_terms(rows, mean, widths, slots, dec.shape[0], dtype, row_sum)
 
 
 def row_squares(rows, mean=None):
@@ -557,8 +557,8 @@ def row_means(mean):
   return (mean if mean.ndim == 1 else mean[:, 0]).astype(jnp.float32)
 
 
-def row_total(rows, mean, widths, slots, n: int, row_sum):
-  """float32: the sum over the float32 ``rows`` (of ``slots``, n payloads of ``widths``) of
+def row_terms(rows, mean, widths, slots, n: int, row_sum):
+  """float32 [R]: each of the float32 ``rows``' (of ``slots``, n payloads of ``widths``)
   ``row_sum(sq, norm, width)``: ``sq`` their :func:`row_squares`, ``norm`` column 1 of
   ``mean`` statistics ``[R, k >= 2]`` (None otherwise), ``width`` the width of the row's
   position (slot // n): a codec's error estimate from what its finish has in hand."""
@@ -567,14 +567,14 @@ def row_total(rows, mean, widths, slots, n: int, row_sum):
   # floor division of int32 adds ~17 instructions of sign handling)
   slot = jnp.clip(slots, 0, n * widths.shape[0] - 1).astype(jnp.uint32)
   width = take_in_range(widths, jax.lax.div(slot, np.uint32(n)))
-  return jnp.sum(row_sum(row_squares(rows, mean), norm, width))
+  return row_sum(row_squares(rows, mean), norm, width)
 
 
-def rows_and_total(rows, mean, widths, slots, n: int, dtype, row_sum):
+def rows_and_terms(rows, mean, widths, slots, n: int, dtype, row_sum):
   """The float32 ``rows`` rounded to ``dtype``, and with ``row_sum`` their
-  :func:`row_total` beside them."""
+  :func:`row_terms` beside them."""
   out = rows.astype(dtype)
-  return out if row_sum is None else (out, row_total(rows, mean, widths, slots, n, row_sum))
+  return out if row_sum is None else (out, row_terms(rows, mean, widths, slots, n, row_sum))
 
 
 def rows_of_decoded(dec, slots, mean=None, rotate: int = 0):

@@ -673,10 +673,10 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
   of payload ``r // S``, or (``slots``) slot ``slot_ref[r]``, clamped to ``[0, n S)``:
   position ``slot // n`` of chunk ``slot % n``, which is payload ``(slot % n + rotate)
   % n``; plus ``mean_ref[r mean]`` (``mean``: the stride of the flat means, 0 without),
-  by the same ``fma`` as :func:`_decompress_accumulate_kernel`. ``row_sum``: also this
-  program's sum of ``row_sum(sq, norm, width)`` over its rows (``sq`` each float32 row's
-  squares less its mean, :func:`_row_sq`; ``norm`` the entry after its mean, or None;
-  ``width`` its position's)."""
+  by the same ``fma`` as :func:`_decompress_accumulate_kernel`. ``row_sum``: also each
+  row's ``row_sum(sq, norm, width)`` (``sq`` the float32 row's squares less its mean,
+  :func:`_row_sq`; ``norm`` the entry after its mean, or None; ``width`` its
+  position's)."""
   refs = list(refs)
   slot_ref = refs.pop(0) if slots else None
   mean_ref = refs.pop(0) if mean else None
@@ -709,8 +709,7 @@ def _decode_rows_kernel(ptab_ref, tab_ref, w_ref, *refs, cfg, s_count, n, count,
     norm = None
     if mean >= 2:  # the statistics' next column: the row's norm
       norm = tt.load(mean_ref, at + 1, ok).astype(jnp.float32)
-    term = row_sum(_row_sq(val, addend), norm, width)
-    refs[2][0] = jnp.sum(jnp.where(ok, term, 0.0))
+    refs[2][...] = row_sum(_row_sq(val, addend), norm, width)
 
 
 def _row_sq(val, addend):
@@ -868,8 +867,8 @@ def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, 
                  dtype=jnp.float32, row_sum=None):
   """One launch decoding rows of all ``n`` payloads [n, bytes] (:func:`_decode_rows_kernel`)
   over ``cdiv(rows, BLOCK)`` programs: ``n S`` rows in chunk order, or one per slot
-  (chunk c: payload ``(c + rotate) % n``). ``row_sum``: -> (rows, the float32 sum of its
-  programs' sums)."""
+  (chunk c: payload ``(c + rotate) % n``). ``row_sum``: -> (rows, float32 [rows] each
+  row's term)."""
   n, size = payloads.shape
   cfg = _pieces_for(cfg, dtype)
   s_count = widths.shape[0]
@@ -898,9 +897,9 @@ def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, 
   out_shape = [jax.ShapeDtypeStruct(cfg.dense(count), dtype)]
   out_specs = [cfg.dense_spec()]
   programs = pl.cdiv(count, cfg.sg)
-  if row_sum is not None:  # one partial sum per program
-    out_shape.append(jax.ShapeDtypeStruct((programs,), jnp.float32))
-    out_specs.append(pl.BlockSpec((1,), lambda i: (i,)))
+  if row_sum is not None:  # one term per row
+    out_shape.append(jax.ShapeDtypeStruct((count,), jnp.float32))
+    out_specs.append(pl.BlockSpec((cfg.sg,), lambda i: (i,)))
   name = "decompress_rows" if slots is not None else "decompress_many"
   out = pl.pallas_call(
       kernel, out_shape=[dispatch.typed_like(o, args) for o in out_shape],
@@ -908,7 +907,7 @@ def _launch_rows(payloads, widths, slots, mean, ptab, *, cfg, units, interpret, 
       compiler_params=_compiler_params(cfg, interpret), interpret=interpret,
       name=f"dynamiq_units_{name}_p{cfg.plane_bits}")(*args)
   rows = out[0].reshape(count, B.SUPERGROUP)
-  return (rows, jnp.sum(out[1])) if row_sum is not None else rows
+  return (rows, out[1]) if row_sum is not None else rows
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "units", "interpret"))
@@ -1114,8 +1113,8 @@ def decompress_rows_pallas(payloads, widths, units: int, slots, mean=None, *, ep
   """Kernel version of
   :func:`~pallas_kernels.dynamiq_reference.decompress_rows_reference`: each output
   row decoded from its slot of the ``n`` payloads (plus its mean) by one launch, stored
-  as ``dtype``; with ``row_sum``, also the sum of a term per row (each program sums its
-  rows' in the compiler's order: the last bits may differ from the reference's)."""
+  as ``dtype``; with ``row_sum``, also a term per row (each row's squares summed in the
+  compiler's order: the last bits may differ from the reference's)."""
   return _run_rows("decompress_rows", payloads, widths, units, slots, mean, eps=eps,
                    plane_bits=plane_bits, width_set=width_set, interpret=interpret,
                    launch=launch, rotate=rotate, dtype=dtype, ptab=ptab, row_sum=row_sum)

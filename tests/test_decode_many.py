@@ -117,29 +117,31 @@ def test_batched_kernels_equal_the_reference(case):
   _same(RJ.decompress_rows_reference(pays, widths, units, slots, stats, **geo), want)
   _same(T.decompress_rows_pallas(pays, widths, units, slots, stats, **geo, interpret=True),
         want)
-  # with row_sum: the same rows, and the sum of a term of each float32 row's squares less
-  # its mean, its norm (the statistics' column 1) and its width (the kernel sums in its
-  # programs' order: equal but for the last bits)
-  rows, total = T.decompress_rows_pallas(rolled, widths, units, slots, stats, rotate=k, **geo,
+  # with row_sum: the same rows, and a term of each float32 row's squares less its mean,
+  # its norm (the statistics' column 1) and its width (the kernel sums a row's squares in
+  # its own order: equal but for the last bits)
+  rows, terms = T.decompress_rows_pallas(rolled, widths, units, slots, stats, rotate=k, **geo,
                                          dtype=jnp.bfloat16, row_sum=_term, interpret=True)
   _same(rows, RJ.decompress_rows_reference(rolled, widths, units, slots, stats, rotate=k,
                                            dtype=jnp.bfloat16, **geo))
-  ref_rows, ref_total = RJ.decompress_rows_reference(rolled, widths, units, slots, stats,
+  ref_rows, ref_terms = RJ.decompress_rows_reference(rolled, widths, units, slots, stats,
                                                      rotate=k, dtype=jnp.bfloat16,
                                                      row_sum=_term, **geo)
   _same(ref_rows, rows)
-  np.testing.assert_allclose(float(ref_total), _term_numpy(want, stats, widths, slots, n),
-                             rtol=1e-5)
-  np.testing.assert_allclose(float(total), float(ref_total), rtol=1e-5)
+  assert terms.shape == ref_terms.shape == slots.shape and terms.dtype == jnp.float32
+  np.testing.assert_allclose(float(jnp.sum(ref_terms)),
+                             _term_numpy(want, stats, widths, slots, n), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(terms), np.asarray(ref_terms), rtol=1e-5)
   # fewer rows than slots exist (a partial last program), repeated slots, no mean
   few = jnp.concatenate([slots[:5], slots[:2]])
   _same(T.decompress_rows_pallas(pays, widths, units, few, **geo, interpret=True),
         RJ.decompress_rows_reference(pays, widths, units, few, **geo))
-  few_rows, few_total = T.decompress_rows_pallas(pays, widths, units, few, **geo,
+  few_rows, few_terms = T.decompress_rows_pallas(pays, widths, units, few, **geo,
                                                  row_sum=_term, interpret=True)
   _same(few_rows, RJ.decompress_rows_reference(pays, widths, units, few, **geo))
-  np.testing.assert_allclose(float(few_total), _term_numpy(few_rows, None, widths, few, n),
-                             rtol=1e-5)
+  assert few_terms.shape == few.shape
+  np.testing.assert_allclose(float(jnp.sum(few_terms)),
+                             _term_numpy(few_rows, None, widths, few, n), rtol=1e-5)
 
 
 def _term(sq, norm, width):
@@ -207,13 +209,13 @@ def test_under_vmap_each_element_is_its_own_batch():
   got = jax.jit(jax.vmap(ker))(pays, ws, slots, means)
   _same(got, jax.jit(jax.vmap(ref))(pays, ws, slots, means))
   _same(got[1], RJ.decompress_rows_reference(pays[1], ws[1], units, slots[1], means[1], **geo))
-  # two outputs (rows, row sum) mapped alike
-  rows, total = jax.jit(jax.vmap(lambda p, w, sl, m: T.decompress_rows_pallas(
+  # two outputs (rows, row terms) mapped alike
+  rows, terms = jax.jit(jax.vmap(lambda p, w, sl, m: T.decompress_rows_pallas(
       p, w, units, sl, m, **geo, row_sum=_term, interpret=True)))(pays, ws, slots, means)
   _same(rows, got)
-  want = jax.jit(jax.vmap(lambda r, m, w, sl: R.row_total(r, m, w, sl, n, _term)))(
+  want = jax.jit(jax.vmap(lambda r, m, w, sl: R.row_terms(r, m, w, sl, n, _term)))(
       got, means, ws, slots)
-  np.testing.assert_allclose(np.asarray(total), np.asarray(want), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(terms), np.asarray(want), rtol=1e-5)
   _same(jax.jit(jax.vmap(lambda p, w: T.decompress_many_pallas(p, w, units, **geo,
                                                                interpret=True)))(pays, ws),
         jax.jit(jax.vmap(lambda p, w: R.decompress_many_reference(p, w, units, **geo)))(
@@ -379,9 +381,9 @@ def test_dynamiq_hooks_give_the_bits_of_decode_and_finish(implementation):
 
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
 def test_dynamiq_finish_makes_the_error_estimate_of_its_result(implementation):
-  """With ``partials``, DynamiQ's one-launch finish also gives the error estimate: the
-  estimate of its result (``error_estimate``) but for the order of each row's sum, and the
-  same output bits as without it."""
+  """With ``partials``, DynamiQ's one-launch finish also gives the error estimate's terms,
+  one per super-group: those of its result (``error_estimate``) but for the order of each
+  row's sum, and the same output bits as without it."""
   partials = dq.schedules.ring_plan(4).partials()
 
   def run():
@@ -393,8 +395,9 @@ def test_dynamiq_finish_makes_the_error_estimate_of_its_result(implementation):
 
   out, plain, err, want = jax.jit(run)()
   _same(out, plain)
-  assert np.isfinite(float(err)) and float(err) > 0
-  np.testing.assert_allclose(float(err), float(want), rtol=1e-5)
+  assert err.shape == want.shape == (24,)  # one per super-group: 4 chunks of 6
+  assert np.isfinite(float(jnp.sum(err))) and float(jnp.sum(err)) > 0
+  np.testing.assert_allclose(np.asarray(err), np.asarray(want), rtol=1e-5)
 
 
 def test_executor_and_engine_use_a_codec_s_own_hooks():

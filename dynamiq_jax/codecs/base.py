@@ -441,7 +441,9 @@ class Codec(abc.ABC):
 
   def error_estimate(self, out, aux, bucket: Bucket, partials: tuple[int, ...]):
     """The expected squared error ``||out - exact sum||^2`` this bucket's
-    all-reduce added (float32 scalar, the units of ``x``), or None.
+    all-reduce added (the units of ``x``), or None: a float32 scalar, or an array
+    of terms whose sum it is (DynamiQ: one per super-group), which the engine
+    sums with the other buckets' in one operation (:func:`dynamiq_jax.buckets.error_total`).
 
     Computed from what the codec already has (its aux, the reduced ``out``);
     ``partials`` (:meth:`TreePlan.partials`) says how many ranks' data each

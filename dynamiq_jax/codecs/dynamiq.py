@@ -455,8 +455,8 @@ class DynamiQ(Codec):
     its slot ``aux.dest`` straight into its place, its reduced mean added, and stored
     rounded to ``dtype`` (None: float32). The same bits as :meth:`finish` of
     :meth:`decode_many`, then rounded. With ``partials``, the same launch sums the error
-    estimate's terms (:class:`RowError`) over the float32 rows (padding included), so
-    that nothing reads the result again."""
+    estimate's terms (:class:`RowError`) of the float32 rows (padding included, one per
+    row), so that nothing reads the result again."""
     del state
     term = None if partials is None else self._row_error(bucket.n, partials)
     found = kernels.decompress_rows(payloads, aux.widths, aux.layout.units, aux.dest,
@@ -488,8 +488,8 @@ class DynamiQ(Codec):
     """
     total = aux.layout.padded_supergroups
     rows = pad_to(out.astype(jnp.float32), total * SUPERGROUP).reshape(total, SUPERGROUP)
-    # (the reference's sum of the finish kernel's terms, over the rows of slots aux.dest)
-    return payload_lib.row_total(rows, aux.stats, aux.widths, aux.dest, bucket.n,
+    # (the finish kernel's terms, by the reference, for the rows of slots aux.dest)
+    return payload_lib.row_terms(rows, aux.stats, aux.widths, aux.dest, bucket.n,
                                  self._row_error(bucket.n, partials))
 
   def _row_error(self, n: int, partials) -> "RowError":
