@@ -316,14 +316,15 @@ def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_si
     return unpack(xs, layout, arrays, treedef), stats, jnp.float32(0), None
   get_plan(schedule, ctx.n)  # validates the schedule's name before tracing any bucket
   program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own, loss)
-  outs, new_states, owns, errs, _ = zip(*engine.reduce_buckets(
-      xs, program, key=key, states=states))
+  results = engine.reduce_buckets(xs, program, key=key, states=states)
+  outs = [r.out for r in results]
   own = None
   if return_own:
-    owns = [o * np.float32(ctx.n) for o in owns] if average else owns
+    owns = [r.own * np.float32(ctx.n) if average else r.own for r in results]
     own = unpack(owns, layout, arrays, treedef, cast=False)
-  stats = stats._replace(own=own, codec_state=tuple(new_states) if codec.stateful else None)
-  return (unpack(outs, layout, arrays, treedef), stats, error_total(errs),
+  stats = stats._replace(own=own,
+                         codec_state=tuple(r.state for r in results) if codec.stateful else None)
+  return (unpack(outs, layout, arrays, treedef), stats, error_total(r.err for r in results),
           sum(jnp.sum(o * o) for o in outs))
 
 
@@ -387,9 +388,10 @@ def _hierarchical(arrays, treedef, layout, *, codec, schedule, axis_name, key, a
   xs = [pack(arrays, segs, both_n if average else None) for segs in layout]
   program = engine.Hierarchical(codec, HIERARCHICAL[schedule], slow, fast, implementation)
   key = jax.random.fold_in(key, jax.lax.axis_index(fast))  # fresh rounding per fast rank
-  outs, errs, refs, _ = zip(*engine.reduce_buckets(xs, program, key=key))
+  results = engine.reduce_buckets(xs, program, key=key)
+  outs = [r.out for r in results]
   # each fast rank's shares have their own estimate: weigh them by the shares' norms
-  err, ref = fast_ctx.psum((error_total(errs), sum(refs)))
+  err, ref = fast_ctx.psum((error_total(r.err for r in results), sum(r.ref for r in results)))
   # the slow axis's cost: every fast rank sends its shares at the codec's bits per
   # coordinate (the exact float32 traffic inside the fast axis is not counted)
   shares = [hierarchical_share(d, codec, fast_ctx.n) for d in bucket_sizes(layout)]
@@ -414,7 +416,7 @@ def _moshpit(arrays, treedef, layout, *, codec, schedule, axis_name, key, averag
   plan = as_moshpit(schedule).plan(ctx.n)
   here = moshpit.presence(plan, schedule, key, absent, ctx.rank())
   program = moshpit.MoshpitRounds(codec, plan, axis_name, implementation)
-  outs, _ = zip(*engine.reduce_buckets(xs, program, key=key, states=(here,) * len(xs)))
+  outs = [r.out for r in engine.reduce_buckets(xs, program, key=key, states=(here,) * len(xs))]
   if not average:
     outs = [o * np.float32(ctx.n) for o in outs]
   rep = moshpit.moshpit_report(bucket_sizes(layout), codec, plan, coords=layout_coords(layout))

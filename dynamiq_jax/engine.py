@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,19 +62,43 @@ from dynamiq_jax.schedules.local import run_on_local_shards, sharding_groups
 from dynamiq_jax.schedules.plan import TreePlan, get_plan
 
 __all__ = [
-    "SAFE_EXPONENT", "guard", "guard_votes", "guarded", "guard_metadata", "unguard",
+    "BucketResult", "SAFE_EXPONENT", "guard", "guard_votes", "guarded", "guard_metadata", "unguard",
     "one_after_another",
     "hop_ops", "combine_metadata", "plan_bucket", "lossy_receive", "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
     "reduce_buckets", "program_keys", "wire_pass", "decode_pass", "wire_loop", "zeros_after", "decode_loop",
     "run_sharded",
 ]
 
+class BucketResult(NamedTuple):
+  """What a bucket program (and :func:`codec_pass`) returns; None where a program has no
+  such value.
+
+  Attributes:
+    out: the reduced bucket (a reduce-scatter's: this rank's row).
+    sent: an array of the bucket's last collective (its gathered payloads, as they
+      arrived), which the next bucket chains to (:func:`one_after_another`).
+    state: the codec's new state (:class:`AllReduce`; the state it was given where the
+      bucket was sent with another codec).
+    own: this rank's contribution as the codec represented it (``return_own``).
+    err: the estimated squared error: a float32 scalar or terms whose sum it is
+      (:func:`~dynamiq_jax.buckets.error_total`), NaN where the codec makes none.
+    ref: the squared norm of the reduced share (:class:`Hierarchical`).
+  """
+
+  out: Any
+  sent: Any
+  state: Any = None
+  own: Any = None
+  err: Any = None
+  ref: Any = None
+
+
 def one_after_another(xs, reduce_one):
   """``[reduce_one(b, x, after) for b, x in enumerate(xs)]``: each bucket's collectives
   after the previous bucket's.
 
-  ``reduce_one(b, x, after)`` returns a tuple whose last element is an array
-  of bucket b's last collective (``sent``: its gathered payloads, as they
+  ``reduce_one(b, x, after)`` returns a :class:`BucketResult`, whose ``sent`` is an
+  array of bucket b's last collective (its gathered payloads, as they
   arrived); ``after`` is bucket b-1's (None for the first), which bucket b's
   data passes an ``optimization_barrier`` with (:func:`reduce_buckets`): so
   bucket b's first collective (its guard, which reads that data) starts once
@@ -86,7 +110,7 @@ def one_after_another(xs, reduce_one):
   """
   results = []
   for b, x in enumerate(xs):
-    after = results[-1][-1] if results else None
+    after = results[-1].sent if results else None
     with jax.named_scope(f"allreduce/bucket{b}"):
       results.append(reduce_one(b, x, after))
   return results
@@ -194,8 +218,8 @@ def decode_pass(payloads, aux, codec: Codec, bucket: Bucket, state, plan: TreePl
 
 def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePlan,
                ctx: AxisContext, return_own: bool, loss=None, local=None, dtype=None):
-  """One guarded bucket through the codec: metadata pass, payload pass, finish -> (out, new
-  state, own, estimated squared error: NaN where the codec makes no estimate, sent).
+  """One guarded bucket through the codec: metadata pass, payload pass, finish -> a
+  :class:`BucketResult` (``out``, ``state``, ``own``, ``err``, ``sent``).
 
   ``sent`` is the gathered payloads' first array: what the next bucket
   chains to (:func:`one_after_another`), so that it waits for this bucket's
@@ -208,7 +232,7 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
                                  local)
   sent = jax.tree.leaves(payloads)[0]
   out, new_state, err = decode_pass(payloads, aux, codec, bucket, state, plan, dtype)
-  return out, new_state, own, err, sent
+  return BucketResult(out, sent, state=new_state, own=own, err=err)
 
 
 # ----------------------------------------------------------------------------
@@ -233,9 +257,9 @@ def program_keys(words, index, ctx: AxisContext, codec: Codec | None = None) -> 
 class AllReduce:
   """One bucket's all-reduce on a flat schedule.
 
-  ``program(x, words, index, state) -> (out, new state, own or None, err, sent)``:
-  ``x`` the bucket's flat float32 data, ``words`` its key words, ``state`` the codec's
-  state; ``sent`` what the next bucket chains to (:func:`one_after_another`).
+  ``program(x, words, index, state) ->`` :class:`BucketResult` (``out``, ``state``,
+  ``own`` or None, ``err``, ``sent``): ``x`` the bucket's flat float32 data, ``words`` its
+  key words, ``state`` the codec's state.
   ``loss``: the reduce step's packet loss (two-step schedule), or None.
   """
 
@@ -254,12 +278,12 @@ class AllReduce:
     bucket = Bucket(index, d, ctx.n, self.implementation)
     keys = program_keys(words, index, ctx, self.codec)
     nonfinite, x, scale, local = guard_metadata(x, used, bucket, keys, ctx)
-    out, new_state, own, err, sent = codec_pass(
-        x, used, bucket, state, keys, plan, ctx, self.return_own, self.loss, local,
-        used.result_dtype)
-    own = own / scale if self.return_own else None
-    return (unguard(out, nonfinite, scale, used.result_dtype),
-            state if used is not self.codec else new_state, own, err / (scale * scale), sent)
+    r = codec_pass(x, used, bucket, state, keys, plan, ctx, self.return_own, self.loss, local,
+                   used.result_dtype)
+    return BucketResult(unguard(r.out, nonfinite, scale, used.result_dtype), r.sent,
+                        state=state if used is not self.codec else r.state,
+                        own=r.own / scale if self.return_own else None,
+                        err=r.err / (scale * scale))
 
   def wire(self, x, words, index):
     """The collectives of a stateless bucket -> (payloads, aux, (non-finite, scale), own or
@@ -288,8 +312,8 @@ class AllReduce:
 class ReduceScatter:
   """One bucket's reduce-scatter on a flat schedule.
 
-  ``program(rows, words, index, state) -> (this rank's row, own rows or None,
-  sent)``: ``rows`` [n, m], row r the slice that rank r keeps. ``loss``: as
+  ``program(rows, words, index, state) ->`` :class:`BucketResult` (``out`` this rank's
+  row, ``own`` rows or None, ``sent``): ``rows`` [n, m], row r the slice that rank r keeps. ``loss``: as
   :class:`AllReduce`'s.
   """
 
@@ -312,7 +336,7 @@ class ReduceScatter:
       with jax.named_scope("guard"):
         nonfinite, x, scale = guard(x, ctx)
       out = unguard(x, nonfinite, scale)
-      return out, (x / scale)[None] if self.return_own else None, out
+      return BucketResult(out, out, own=(x / scale)[None] if self.return_own else None)
     used = bucket_codec(self.codec, d, n)
     bucket = Bucket(index, d, n, self.implementation, scatter=True)
     keys = program_keys(words, index, ctx, self.codec)
@@ -333,7 +357,7 @@ class ReduceScatter:
       own = jnp.roll((used.contribution(x, p.aux, bucket) / scale).reshape(n, m), plan.root,
                      axis=0)
     piece = unguard(piece, nonfinite, scale, used.result_dtype)
-    return piece, own, piece
+    return BucketResult(piece, piece, own=own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,10 +367,10 @@ class Hierarchical:
   The fast axis reduce-scatters the bucket exactly, each fast rank reduces
   its share with the codec over the slow axis (on ``inner``, a flat
   schedule), and with ``gather`` the fast axis all-gathers the shares:
-  ``program(x, words, index, state) -> (out, err, ref, sent)`` (``err``,
-  ``ref``: the share's estimated squared error and squared norm). Without
+  ``program(x, words, index, state) ->`` :class:`BucketResult` (``out``, ``err``,
+  ``ref``: the share's estimated squared error and squared norm, ``sent``). Without
   ``gather`` (HSDP's reduce-scatter) ``x`` is ``rows`` [L, m], row r the
-  slice fast rank r keeps, and the result is ``(this rank's row, None, sent)``.
+  slice fast rank r keeps, and ``out`` is this rank's row (no ``err`` nor ``ref``).
   """
 
   codec: Codec
@@ -378,20 +402,19 @@ class Hierarchical:
       k0, k1, s0, s1 = words
       used = bucket_codec(self.codec, m, slow.n)
       dtype = used.result_dtype
-      reduced, _, _, err, _ = codec_pass(
-          owned, used,
-          Bucket(index, m, slow.n, self.implementation), None,
-          Keys(k0, k1, index, slow.rank(), (s0, s1)), get_plan(self.inner, slow.n), slow,
-          False)
+      r = codec_pass(owned, used, Bucket(index, m, slow.n, self.implementation), None,
+                     Keys(k0, k1, index, slow.rank(), (s0, s1)), get_plan(self.inner, slow.n),
+                     slow, False)
+      reduced, err = r.out, r.err
     if not self.gather:
       mine = unguard(reduced, nonfinite, scale, dtype)
-      return mine, None, mine
+      return BucketResult(mine, mine)
     with jax.named_scope("fast_all_gather"):
       out = hierarchical.join_shares(hierarchical.all_gather_shares(fast, reduced),
                                      flat.shape[0], unit)
     unit_sq = scale * scale
     out = unguard(out, nonfinite, scale, dtype)
-    return out, err / unit_sq, jnp.sum(reduced * reduced) / unit_sq, out
+    return BucketResult(out, out, err=err / unit_sq, ref=jnp.sum(reduced * reduced) / unit_sq)
 
 
 def run_program(inputs, *, program):

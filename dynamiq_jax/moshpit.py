@@ -119,7 +119,8 @@ def moshpit_report(sizes, codec, plan: MoshpitPlan, coords: int | None = None
 class MoshpitRounds:
   """One bucket's Moshpit averaging: every round of ``plan`` in turn.
 
-  ``program(x, words, index, present) -> (out, sent)``: ``x`` the bucket's
+  ``program(x, words, index, present) ->`` :class:`~dynamiq_jax.engine.BucketResult`
+  (``out``, ``sent``): ``x`` the bucket's
   float32 data, ``present`` this rank's presence per round (float32 ``[rounds]``:
   :func:`presence`), ``out`` its value after the last round.
   """
@@ -142,7 +143,7 @@ class MoshpitRounds:
       with jax.named_scope(f"round{t}"):
         x, total, sent = self._round(x, present[t], share, ctx, keys, index)
       held = jnp.where(present[t] > 0, total * self.plan.held(t), held)
-    return x, sent  # (the last round's payloads: what the next bucket chains to)
+    return engine.BucketResult(x, sent)  # (sent: the last round's payloads)
 
   def _round(self, x, present, share, ctx, keys, index):
     here = present > 0
@@ -157,11 +158,10 @@ class MoshpitRounds:
                                               jnp.max(agreed[:, 1]))
     d = x.shape[0]
     used = bucket_codec(self.codec, d, ctx.n)
-    total, _, _, _, sent = engine.codec_pass(
-        mine, used, Bucket(index, d, ctx.n, self.implementation), None, keys,
-        get_plan(self.plan.inner, ctx.n), ctx, False)
-    mean = engine.unguard(total, nonfinite, scale) / jnp.where(count > 0, count, 1.0)
-    return jnp.where(here, mean, x), count, sent
+    r = engine.codec_pass(mine, used, Bucket(index, d, ctx.n, self.implementation), None, keys,
+                          get_plan(self.plan.inner, ctx.n), ctx, False)
+    mean = engine.unguard(r.out, nonfinite, scale) / jnp.where(count > 0, count, 1.0)
+    return jnp.where(here, mean, x), count, r.sent
 
 
 # ---------------------------------------------------------------------------

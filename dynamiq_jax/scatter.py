@@ -336,7 +336,8 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
     results = engine.reduce_buckets(buckets, program, key=bucket_key)
     mine = {i: [] for i in scat}
     own_rows = {i: [] for i in scat}
-    for segs, width, (piece, own, _) in zip(layout, widths, results):
+    for segs, width, result in zip(layout, widths, results):
+      piece, own = result.out, result.own
       off = 0
       for s in segs:
         if s.leaf == PADDING:

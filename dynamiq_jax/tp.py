@@ -195,7 +195,7 @@ class TensorParallelSum:
     bucket = Bucket(jnp.int32(0), flat.shape[0], ctx.n, self.implementation)
     plan = get_plan(self.schedule, ctx.n)
     if used.self_scaled:
-      out = engine.codec_pass(flat, used, bucket, None, keys, plan, ctx, False)[0]
+      out = engine.codec_pass(flat, used, bucket, None, keys, plan, ctx, False).out
     else:
       with jax.named_scope("guard"):
         nonfinite, guarded, scale = engine.guard(flat, ctx)
