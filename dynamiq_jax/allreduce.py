@@ -20,8 +20,6 @@ gloo) or on whether the code runs under ``shard_map``, ``pmap`` or ``vmap``.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,18 +46,18 @@ from dynamiq_jax.buckets import resolve_leaf_order
 from dynamiq_jax.buckets import report
 from dynamiq_jax.buckets import unpack
 from dynamiq_jax.codec_names import resolve_codec
+from dynamiq_jax.options import ReduceOptions
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import axis_context, axis_names
-from dynamiq_jax.schedules.loss import PacketLoss
 from dynamiq_jax.schedules.local import local_specs, model_axes
 from dynamiq_jax.schedules.moshpit import as_moshpit, is_moshpit
-from dynamiq_jax.schedules.names import FLAT_SCHEDULES, SCHEDULES, check_schedule
+from dynamiq_jax.schedules.names import SCHEDULES, check_schedule
 from dynamiq_jax.schedules.plan import get_plan
 
 __all__ = [
-    "allreduce", "allreduce_local", "AllReduceStats", "wire_stats", "init_codec_state",
-    "bucket_layout", "Segment", "DEFAULT_BUCKET_SIZE", "DEFAULT_MAX_BUCKETS", "HIERARCHICAL",
-    "hierarchical_axes", "hierarchical_share", "check_loss",
+    "allreduce", "run_allreduce", "allreduce_local", "AllReduceStats", "wire_stats",
+    "init_codec_state", "bucket_layout", "Segment", "DEFAULT_BUCKET_SIZE",
+    "DEFAULT_MAX_BUCKETS", "HIERARCHICAL", "hierarchical_share",
 ]
 
 HIERARCHICAL = hierarchical.HIERARCHICAL
@@ -223,76 +221,66 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key=None, seed:
     >>> bool(jnp.allclose(out[0], g.mean(0)))
     True
   """
-  codec = resolve_codec(codec, what="allreduce")
   loss = renamed(packet_loss, loss, new="packet_loss", old="loss", where="allreduce")
-  check_schedule(schedule, SCHEDULES, what="allreduce")
-  key = jax.random.key(seed) if key is None else key
-  check_loss(loss, schedule, stacked)
-  hier = schedule in HIERARCHICAL
-  if hier:
-    hierarchical_axes(axis_name, codec, codec_state, return_own)
-  if is_moshpit(schedule):
-    moshpit.check_moshpit(schedule, axis_name, codec, codec_state, return_own)
-    if stacked is not None:
-      raise ValueError(f"stacked= runs the flat schedules {FLAT_SCHEDULES}, not "
-                       f"schedule={schedule!r}. Fix: leave stacked=None")
-  elif absent is not None:
-    raise ValueError(f"absent= is a mask of Moshpit averaging's rounds; schedule={schedule!r} "
-                     f"has none. Fix: schedule='moshpit' (or dq.Moshpit(...)), or absent=None")
-  if return_own and not codec.reports_contribution:
-    raise ValueError(
-        f"{type(codec).__name__} cannot report a rank's own contribution "
-        f"(reports_contribution=False), which error feedback needs; use a codec that "
-        f"does, or error_feedback=False")
+  opts = ReduceOptions.build(
+      "allreduce", codec=codec, axis_name=axis_name, schedule=schedule, average=average,
+      bucket_size=bucket_size, max_buckets=max_buckets, leaf_order=leaf_order,
+      implementation=implementation, return_own=return_own, stacked=stacked, loss=loss)
+  return run_allreduce(tree, opts, key=jax.random.key(seed) if key is None else key,
+                       codec_state=codec_state, specs=specs, absent=absent)
+
+
+def run_allreduce(tree, opts: ReduceOptions, *, key, codec_state=None, specs=None,
+                  absent=None):
+  """:func:`allreduce` with its options built (:class:`ReduceOptions`, once, by the caller:
+  the transforms build theirs when they are made) -> ``(tree, stats)``."""
+  opts.check_state(codec_state)
+  if absent is not None and not opts.moshpit:
+    raise ValueError(f"absent= is a mask of Moshpit averaging's rounds; "
+                     f"schedule={opts.schedule!r} has none. Fix: schedule='moshpit' (or "
+                     f"dq.Moshpit(...)), or absent=None")
   leaves, treedef = check_leaves(tree)
-  loops.check_stateless(stacked, codec, codec_state)
-  flags = loops.stacked_flags(leaves, stacked)
-  ctx = axis_context(tuple(axis_names(axis_name)) if hier else axis_name)
+  flags = loops.stacked_flags(leaves, opts.stacked)
+  ctx = axis_context(tuple(axis_names(opts.axis_name)) if opts.hierarchical
+                     else opts.axis_name)
   check_varying(leaves, ctx)
   local = local_specs(leaves, flat_specs(specs, treedef), what="allreduce")
-  reduce_local = functools.partial(
-      allreduce_local, axis_name=axis_name, codec=codec, schedule=schedule,
-      average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-      implementation=implementation, codec_state=codec_state, return_own=return_own,
-      absent=absent, loss=loss)
   if local is None:
-    out, stats, err, ref = reduce_local(tree, key=key, leaf_order=leaf_order, stacked=flags)
+    out, stats, err, ref = allreduce_local(tree, opts, key=key, leaf_order=opts.leaf_order,
+                                           codec_state=codec_state, stacked=flags,
+                                           absent=absent)
     return out, stats._replace(error_estimate=err if ref is None else relative(err, ref))
-  _check_sharded_codec(codec, codec_state)
+  _check_sharded_codec(opts.codec, codec_state)
   return engine.run_sharded(
-      lambda leaves, idx, **kw: reduce_local(
-          leaves, stacked=None if flags is None else [flags[i] for i in idx], **kw),
-      tree, treedef, local, key, leaf_order=leaf_order, return_own=return_own,
-      no_estimate=np.nan if is_moshpit(schedule) else 0.0)
+      lambda leaves, idx, **kw: allreduce_local(
+          leaves, opts, codec_state=codec_state, absent=absent,
+          stacked=None if flags is None else [flags[i] for i in idx], **kw),
+      tree, treedef, local, key, leaf_order=opts.leaf_order, return_own=opts.return_own,
+      no_estimate=np.nan if opts.moshpit else 0.0)
 
 
-def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_size,
-                    max_buckets, leaf_order, implementation, codec_state, return_own,
-                    stacked=None, absent=None, loss=None):
+def allreduce_local(tree, opts: ReduceOptions, *, key, leaf_order, codec_state=None,
+                    stacked=None, absent=None):
   """:func:`allreduce` of local arrays -> ``(tree, stats, err, ref)``: the estimated
   squared error and the squared norm of the result, or ``(estimate, None)`` where the
-  estimate is final (one rank, or an empty tree). ``stacked``: None, or which leaves are
-  stacked (a flag per leaf): the loops of :mod:`dynamiq_jax.stacked`."""
+  estimate is final (one rank, or an empty tree). ``leaf_order``: the options' (or, for
+  a group of the leaves, theirs); ``stacked``: None, or which leaves are stacked (a flag
+  per leaf): the loops of :mod:`dynamiq_jax.stacked`."""
+  codec, bucket_size, max_buckets = opts.codec, opts.bucket_size, opts.max_buckets
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   arrays = [jnp.asarray(leaf) for leaf in leaves]
   if stacked is not None:
     resolve_leaf_order(len(arrays), leaf_order)  # still validated
-    return _looped(arrays, treedef, stacked, codec=codec, schedule=schedule,
-                   axis_name=axis_name, key=key, average=average, bucket_size=bucket_size,
-                   implementation=implementation, return_own=return_own)
+    return _looped(arrays, treedef, stacked, opts, key=key)
   layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
                          leaf_order=leaf_order)
   if not layout:
     return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0)), jnp.float32(0), None
-  if schedule in HIERARCHICAL:
-    return _hierarchical(arrays, treedef, layout, codec=codec, schedule=schedule,
-                         axis_name=axis_name, key=key, average=average,
-                         implementation=implementation)
-  if is_moshpit(schedule):
-    return _moshpit(arrays, treedef, layout, codec=codec, schedule=schedule,
-                    axis_name=axis_name, key=key, average=average,
-                    implementation=implementation, absent=absent)
-  ctx = axis_context(axis_name)
+  if opts.hierarchical:
+    return _hierarchical(arrays, treedef, layout, opts, key=key)
+  if opts.moshpit:
+    return _moshpit(arrays, treedef, layout, opts, key=key, absent=absent)
+  ctx = axis_context(opts.axis_name)
   sizes = bucket_sizes(layout)
   states = codec_state
   if states is None:
@@ -304,23 +292,23 @@ def allreduce_local(tree, *, axis_name, codec, schedule, key, average, bucket_si
         f"codec_state holds {len(states)} buckets, the tree needs {len(layout)} (with "
         f"bucket_size={bucket_size}, max_buckets={max_buckets}, leaf_order={leaf_order!r}): "
         f"pass the state that the previous call with the same tree and bucketing returned")
-  xs = [pack(arrays, segs, ctx.n if average else None) for segs in layout]
+  xs = [pack(arrays, segs, ctx.n if opts.average else None) for segs in layout]
   rep = report(sizes, codec, ctx.n, coords=layout_coords(layout))
   stats = AllReduceStats(
       jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank), jnp.int32(rep.coords),
       uncompressed=jnp.int32(rep.uncompressed))
   if ctx.n == 1:  # one rank: the mean is the input, bit for bit, whatever the codec
-    get_plan(schedule, 1)  # still validates the schedule's name
-    own = unpack(xs, layout, arrays, treedef, cast=False) if return_own else None
+    own = unpack(xs, layout, arrays, treedef, cast=False) if opts.return_own else None
     stats = stats._replace(codec_state=tuple(states) if codec.stateful else None, own=own)
     return unpack(xs, layout, arrays, treedef), stats, jnp.float32(0), None
-  get_plan(schedule, ctx.n)  # validates the schedule's name before tracing any bucket
-  program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own, loss)
+  get_plan(opts.schedule, ctx.n)  # its size fits the schedule, before tracing any bucket
+  program = engine.AllReduce(codec, opts.schedule, opts.axis_name, opts.implementation,
+                             opts.return_own, opts.loss)
   results = engine.reduce_buckets(xs, program, key=key, states=states)
   outs = [r.out for r in results]
   own = None
-  if return_own:
-    owns = [r.own * np.float32(ctx.n) if average else r.own for r in results]
+  if opts.return_own:
+    owns = [r.own * np.float32(ctx.n) if opts.average else r.own for r in results]
     own = unpack(owns, layout, arrays, treedef, cast=False)
   stats = stats._replace(own=own,
                          codec_state=tuple(r.state for r in results) if codec.stateful else None)
@@ -339,17 +327,12 @@ def loop_stats(shapes, flags, codec, n: int, bucket_size: int) -> AllReduceStats
   return rep._replace(bits_per_coord=rep.bits_per_coord * sum(sizes) / coords, coords=coords)
 
 
-def _looped(arrays, treedef, flags, *, codec, schedule, axis_name, key, average, bucket_size,
-            implementation, return_own):
+def _looped(arrays, treedef, flags, opts: ReduceOptions, *, key):
   """:func:`allreduce_local` with ``stacked``: every group of leaves in loops
   (:mod:`dynamiq_jax.stacked`)."""
-  if schedule in HIERARCHICAL:
-    raise ValueError(
-        f"stacked= reduces in loops on the flat schedules {FLAT_SCHEDULES}, not on "
-        f"schedule={schedule!r}. Fix: leave stacked=None for the hierarchical schedule, or "
-        f"use a flat schedule over one axis")
-  n = axis_context(axis_name).n
-  get_plan(schedule, n)  # validates the schedule's name before tracing any bucket
+  codec, bucket_size, return_own = opts.codec, opts.bucket_size, opts.return_own
+  n = axis_context(opts.axis_name).n
+  get_plan(opts.schedule, n)  # its size fits the schedule, before tracing any bucket
   shapes = [a.shape for a in arrays]
   rep = loop_stats(shapes, flags, codec, n, bucket_size)
   stats = AllReduceStats(jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank),
@@ -360,14 +343,15 @@ def _looped(arrays, treedef, flags, *, codec, schedule, axis_name, key, average,
       own = jax.tree_util.tree_unflatten(treedef, [a.astype(jnp.float32) for a in arrays])
     return (jax.tree_util.tree_unflatten(treedef, arrays), stats._replace(own=own),
             jnp.float32(0), None)
-  program = engine.AllReduce(codec, schedule, axis_name, implementation, return_own)
+  program = engine.AllReduce(codec, opts.schedule, opts.axis_name, opts.implementation,
+                             return_own)
   size = loops.loop_bucket(shapes, flags, bucket_size, codec.granularity * n)
   outs, owns, err, ref = loops.reduce_stacked(arrays, flags, program, key=key, size=size,
-                                              n_divide=n if average else None)
+                                              n_divide=n if opts.average else None)
   own = None
   if return_own:
     own = jax.tree_util.tree_unflatten(
-        treedef, [o * np.float32(n) for o in owns] if average else owns)
+        treedef, [o * np.float32(n) for o in owns] if opts.average else owns)
   return jax.tree_util.tree_unflatten(treedef, outs), stats._replace(own=own), err, ref
 
 
@@ -378,15 +362,16 @@ def hierarchical_share(d: int, codec, fast: int) -> int:
   return ceil_div(d, unit * fast) * unit
 
 
-def _hierarchical(arrays, treedef, layout, *, codec, schedule, axis_name, key, average,
-                  implementation):
+def _hierarchical(arrays, treedef, layout, opts: ReduceOptions, *, key):
   """``schedule="hierarchical"`` (see :mod:`dynamiq_jax.schedules.hierarchical`), bucket by
   bucket (:class:`dynamiq_jax.engine.Hierarchical`)."""
-  slow, fast = axis_names(axis_name)
+  codec = opts.codec
+  slow, fast = axis_names(opts.axis_name)
   fast_ctx, slow_ctx = axis_context(fast), axis_context(slow)
   both_n = fast_ctx.n * slow_ctx.n
-  xs = [pack(arrays, segs, both_n if average else None) for segs in layout]
-  program = engine.Hierarchical(codec, HIERARCHICAL[schedule], slow, fast, implementation)
+  xs = [pack(arrays, segs, both_n if opts.average else None) for segs in layout]
+  program = engine.Hierarchical(codec, HIERARCHICAL[opts.schedule], slow, fast,
+                                opts.implementation)
   key = jax.random.fold_in(key, jax.lax.axis_index(fast))  # fresh rounding per fast rank
   results = engine.reduce_buckets(xs, program, key=key)
   outs = [r.out for r in results]
@@ -403,11 +388,11 @@ def _hierarchical(arrays, treedef, layout, *, codec, schedule, axis_name, key, a
   return (out, stats, jnp.float32(0), None) if slow_ctx.n == 1 else (out, stats, err, ref)
 
 
-def _moshpit(arrays, treedef, layout, *, codec, schedule, axis_name, key, average,
-             implementation, absent):
+def _moshpit(arrays, treedef, layout, opts: ReduceOptions, *, key, absent):
   """Moshpit averaging (:mod:`dynamiq_jax.moshpit`), bucket by bucket: each bucket's
   rounds are one bucket program (:class:`dynamiq_jax.moshpit.MoshpitRounds`)."""
-  ctx = axis_context(axis_name)
+  codec, schedule = opts.codec, opts.schedule
+  ctx = axis_context(opts.axis_name)
   xs = [pack(arrays, segs, None) for segs in layout]  # the rounds take means themselves
   nan = jnp.float32(jnp.nan)  # no error estimate: the rounds' errors compound
   if ctx.n == 1 and as_moshpit(schedule).grid is None:  # the mean of one rank: its input
@@ -415,30 +400,14 @@ def _moshpit(arrays, treedef, layout, *, codec, schedule, axis_name, key, averag
     return unpack(xs, layout, arrays, treedef), stats, jnp.float32(0), None
   plan = as_moshpit(schedule).plan(ctx.n)
   here = moshpit.presence(plan, schedule, key, absent, ctx.rank())
-  program = moshpit.MoshpitRounds(codec, plan, axis_name, implementation)
+  program = moshpit.MoshpitRounds(codec, plan, opts.axis_name, opts.implementation)
   outs = [r.out for r in engine.reduce_buckets(xs, program, key=key, states=(here,) * len(xs))]
-  if not average:
+  if not opts.average:
     outs = [o * np.float32(ctx.n) for o in outs]
   rep = moshpit.moshpit_report(bucket_sizes(layout), codec, plan, coords=layout_coords(layout))
   stats = AllReduceStats(jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank),
                          jnp.int32(rep.coords), uncompressed=jnp.int32(rep.uncompressed))
   return unpack(outs, layout, arrays, treedef), stats, nan, None
-
-
-def check_loss(loss, schedule, stacked=None):
-  """``packet_loss=`` checked: None or a :class:`PacketLoss` on ``schedule="two_step"``."""
-  if loss is None:
-    return
-  if not isinstance(loss, PacketLoss):
-    raise TypeError(f"packet_loss={loss!r} must be a dq.PacketLoss(p=...) or None")
-  if not (isinstance(schedule, str) and schedule == "two_step"):
-    raise ValueError(
-        f"packet_loss= runs on schedule='two_step', where a lost packet removes one rank's "
-        f"contribution, which the owner of the chunk can count and correct for; on "
-        f"schedule={schedule!r} a hop forwards partial sums, and one lost packet would take "
-        f"several ranks' contributions with it. Fix: schedule='two_step'")
-  if stacked is not None:
-    raise ValueError("stacked= does not run lossy links; leave stacked=None with packet_loss=")
 
 
 def _check_sharded_codec(codec, codec_state):
@@ -448,19 +417,3 @@ def _check_sharded_codec(codec, codec_state):
         f"the model axes {model_axes()} would make differ between model ranks; it is not "
         f"supported there. Fix: use a stateless codec (DynamiQ, MX(scale='e8m0'), Bf16, ...), or "
         f"make the shard_map manual over every mesh axis")
-
-
-def hierarchical_axes(axis_name, codec, codec_state, return_own):
-  """``(slow, fast)`` of ``schedule="hierarchical"``, or a ValueError saying the fix."""
-  names = axis_names(axis_name)
-  if len(names) != 2 or isinstance(axis_name, str):
-    raise ValueError(
-        f"schedule='hierarchical' needs axis_name=(slow, fast), e.g. ('host', 'local') for a "
-        f"2-axis mesh; got axis_name={axis_name!r}. Fix: pass both mesh axes, slow first, or "
-        f"use schedule='ring' for one axis")
-  if return_own or codec_state is not None or codec.stateful:
-    raise ValueError(
-        f"schedule='hierarchical' supports stateless codecs without error feedback; "
-        f"{codec!r} keeps state (or error feedback was asked for). Fix: use a flat schedule "
-        f"{FLAT_SCHEDULES} over axis_name={tuple(names)!r} for this codec")
-  return names

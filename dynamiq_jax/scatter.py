@@ -45,9 +45,7 @@ from dynamiq_jax import engine
 from dynamiq_jax._renamed import UNSET, renamed
 from dynamiq_jax._sizes import round_up
 from dynamiq_jax.allreduce import HIERARCHICAL
-from dynamiq_jax.allreduce import check_loss
 from dynamiq_jax.allreduce import allreduce_local
-from dynamiq_jax.allreduce import hierarchical_axes
 from dynamiq_jax.allreduce import hierarchical_share
 from dynamiq_jax.allreduce import wire_stats
 from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
@@ -65,11 +63,12 @@ from dynamiq_jax.buckets import resolve_leaf_order
 from dynamiq_jax.buckets import scatter_report
 from dynamiq_jax.buckets import sum_stats
 from dynamiq_jax.codec_names import resolve_codec
+from dynamiq_jax.options import ReduceOptions
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.names import SCATTER_SCHEDULES, check_schedule
 from dynamiq_jax.schedules.local import local_specs
 
-__all__ = ["reduce_scatter", "scatter_dimensions", "scatter_wire_stats"]
+__all__ = ["reduce_scatter", "run_reduce_scatter", "scatter_dimensions", "scatter_wire_stats"]
 
 WHOLE_LEAVES_STREAM = 0x5CA7
 """Folded into the key of the leaves all-reduced whole, so that their buckets' random
@@ -148,38 +147,29 @@ def reduce_scatter(tree, *, axis_name, codec, key=None, seed: int = 0,
   """
   codec = resolve_codec(codec, what="reduce_scatter")
   loss = renamed(packet_loss, loss, new="packet_loss", old="loss", where="reduce_scatter")
-  check_schedule(schedule, SCATTER_SCHEDULES, what="reduce_scatter")
-  key = jax.random.key(seed) if key is None else key
-  check_loss(loss, schedule)
-  hier = schedule in HIERARCHICAL
-  if hier:
-    hierarchical_axes(axis_name, codec, None, return_own)
-  if not codec.supports_scatter:
-    raise ValueError(
-        f"{codec!r} cannot reduce-scatter: its chunks mix coordinates that different ranks "
-        "own (supports_scatter=False). Fix: use a codec that can (codecs.DynamiQ(), "
-        "codecs.MX(scale='e8m0'), codecs.Bf16(), codecs.F32(), codecs.GlobalQSGD()), or "
-        "all-reduce with dq.allreduce / dq.compressed_psum and keep each rank's slice")
-  if codec.stateful:
-    raise ValueError(
-        f"{codec!r} keeps state from one call to the next, computed from the whole result, "
-        f"which no rank of a reduce-scatter has. Fix: use a stateless codec (DynamiQ, "
-        f"MX(scale='e8m0'), Bf16, ...)")
-  if return_own and not codec.reports_contribution:
-    raise ValueError(f"{type(codec).__name__} cannot report a rank's own contribution, "
-                     f"which error feedback needs; use error_feedback=False")
+  opts = ReduceOptions.build(
+      "reduce_scatter", codec=codec, axis_name=axis_name, schedule=schedule,
+      average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+      leaf_order=leaf_order, implementation=implementation, return_own=return_own,
+      loss=loss, scatter=True)
+  return run_reduce_scatter(tree, opts, key=jax.random.key(seed) if key is None else key,
+                            scatter_dimension=scatter_dimension, specs=specs)
+
+
+def run_reduce_scatter(tree, opts: ReduceOptions, *, key, scatter_dimension: Any = 0,
+                       specs=None):
+  """:func:`reduce_scatter` with its options built (:class:`ReduceOptions`, once, by the
+  caller) -> ``(tree, stats)``."""
+  names = axis_names(opts.axis_name)
   leaves, treedef = check_leaves(tree)
-  ctx = axis_context(tuple(axis_names(axis_name)) if hier else axis_name)
+  ctx = axis_context(tuple(names) if opts.hierarchical else opts.axis_name)
   check_varying(leaves, ctx)
-  n = axis_context(axis_names(axis_name)[1]).n if hier else ctx.n
+  n = axis_context(names[1]).n if opts.hierarchical else ctx.n
   dims = _dims(scatter_dimension, leaves, treedef, n)
   local = local_specs(leaves, flat_specs(specs, treedef), what="reduce_scatter")
-  run = functools.partial(
-      _reduce_scatter_local, axis_name=axis_name, codec=codec, schedule=schedule,
-      average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-      implementation=implementation, return_own=return_own, loss=loss)
+  run = functools.partial(_reduce_scatter_local, opts=opts)
   if local is None:
-    out, stats, _, _ = run(tree, dims=dims, key=key, leaf_order=leaf_order)
+    out, stats, _, _ = run(tree, dims=dims, key=key, leaf_order=opts.leaf_order)
     return out, stats
   for (path, _), spec, dim in zip(leaves, local, dims):
     if dim is not None and dim < len(spec) and spec[dim] is not None:
@@ -191,7 +181,8 @@ def reduce_scatter(tree, *, axis_name, codec, key=None, seed: int = 0,
 
   return engine.run_sharded(
       lambda leaves, idx, **kw: run(leaves, dims=[dims[i] for i in idx], **kw), tree, treedef,
-      local, key, leaf_order=leaf_order, return_own=return_own, no_estimate=float("nan"),
+      local, key, leaf_order=opts.leaf_order, return_own=opts.return_own,
+      no_estimate=float("nan"),
       scattered=any(d is not None for d in dims))
 
 
@@ -292,14 +283,15 @@ def _scattered_layout(pieces, codec, n: int, bucket_size: int, max_buckets):
                        leaf_order="forward")
 
 
-def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, average, bucket_size,
-                          max_buckets, leaf_order, implementation, return_own, loss=None):
+def _reduce_scatter_local(tree, *, opts: ReduceOptions, dims, key, leaf_order):
   """:func:`reduce_scatter` of local arrays -> ``(tree, stats, err, ref)``: ``err`` and
   ``ref`` the whole leaves' expected squared error and squared norm (None: no whole
   leaves, or no estimate from the codec), for a caller that weighs several groups."""
+  codec, schedule, axis_name = opts.codec, opts.schedule, opts.axis_name
+  average, return_own = opts.average, opts.return_own
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   arrays = [jnp.asarray(a) for a in leaves]
-  hier = schedule in HIERARCHICAL
+  hier = opts.hierarchical
   names = axis_names(axis_name)
   ctx = axis_context(tuple(names) if hier else axis_name)
   scat_ctx = axis_context(names[1]) if hier else ctx
@@ -315,7 +307,7 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
   if scat:
     rows_of = {i: _rank_rows(arrays[i], dims[i], n) for i in scat}
     pieces = [jax.ShapeDtypeStruct((rows_of[i].shape[1],), jnp.float32) for i in scat]
-    layout = _scattered_layout(pieces, codec, n, bucket_size, max_buckets)
+    layout = _scattered_layout(pieces, codec, n, opts.bucket_size, opts.max_buckets)
     buckets, widths = [], []
     for segs in layout:
       cols = [jnp.zeros((n, s.stop - s.start), jnp.float32) if s.leaf == PADDING
@@ -327,11 +319,11 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
       widths.append(width)
     if hier:  # HSDP: no all-gather back; fresh rounding per fast rank
       program = engine.Hierarchical(codec, HIERARCHICAL[schedule], names[0], names[1],
-                                    implementation, gather=False)
+                                    opts.implementation, gather=False)
       bucket_key = jax.random.fold_in(key, jax.lax.axis_index(names[1]))
     else:
-      program = engine.ReduceScatter(codec, schedule, axis_name, implementation, return_own,
-                                     loss)
+      program = engine.ReduceScatter(codec, schedule, axis_name, opts.implementation,
+                                     return_own, opts.loss)
       bucket_key = key
     results = engine.reduce_buckets(buckets, program, key=bucket_key)
     mine = {i: [] for i in scat}
@@ -361,10 +353,7 @@ def _reduce_scatter_local(tree, *, dims, axis_name, codec, schedule, key, averag
   if whole:
     sub = [arrays[i] for i in whole]
     out, stats, err, ref = allreduce_local(
-        sub, axis_name=axis_name, codec=codec, schedule=schedule,
-        key=jax.random.fold_in(key, WHOLE_LEAVES_STREAM), average=average,
-        bucket_size=bucket_size, max_buckets=max_buckets, leaf_order="forward",
-        implementation=implementation, codec_state=None, return_own=return_own, loss=loss)
+        sub, opts, key=jax.random.fold_in(key, WHOLE_LEAVES_STREAM), leaf_order="forward")
     for j, i in enumerate(whole):
       outs[i] = out[j]
       if return_own:
@@ -425,7 +414,7 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
   if scat:
     pieces = [jax.ShapeDtypeStruct((int(np.prod(np.shape(leaves[i]))) // n,), jnp.float32)
               for i in scat]
-    layout = _scattered_layout(pieces, codec, n, bucket_size, max_buckets)
+    layout = _scattered_layout(pieces, codec, n, opts.bucket_size, opts.max_buckets)
     sizes = [round_up(sum(s.stop - s.start for s in segs), unit) for segs in layout]
     parts.append(_scattered_report(sizes, codec, n, hier, slow,
                                    sum(int(np.prod(np.shape(leaves[i]))) for i in scat)))

@@ -18,9 +18,8 @@ from dynamiq_jax._renamed import UNSET, renamed
 from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.allreduce import HIERARCHICAL
-from dynamiq_jax.allreduce import allreduce
-from dynamiq_jax.codec_names import resolve_codec
-from dynamiq_jax.schedules.names import SCHEDULES, check_schedule
+from dynamiq_jax.allreduce import run_allreduce
+from dynamiq_jax.options import ReduceOptions
 
 __all__ = ["simulate", "SIM_AXIS"]
 
@@ -30,19 +29,11 @@ SIM_AXIS = "dynamiq_sim"
 SIM_HOST_AXIS = "dynamiq_sim_host"
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "schedule", "average", "bucket_size",
-                                             "max_buckets", "leaf_order", "implementation",
-                                             "mesh_shape", "stacked", "packet_loss"))
-def _run(grads, key, codec_state, absent, *, codec, schedule, average, bucket_size,
-         max_buckets, leaf_order, implementation, mesh_shape, stacked, packet_loss):
-  axis = (SIM_HOST_AXIS, SIM_AXIS) if mesh_shape else SIM_AXIS
+@functools.partial(jax.jit, static_argnames=("opts", "mesh_shape"))
+def _run(grads, key, codec_state, absent, *, opts: ReduceOptions, mesh_shape):
 
   def one(tree):
-    out, stats = allreduce(
-        tree, axis_name=axis, codec=codec, schedule=schedule, key=key,
-        average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-        leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
-        stacked=stacked, absent=absent, packet_loss=packet_loss)
+    out, stats = run_allreduce(tree, opts, key=key, codec_state=codec_state, absent=absent)
     return out, stats.codec_state
 
   if mesh_shape:  # workers laid out [slow, fast]: nested vmaps bind both axes
@@ -108,8 +99,6 @@ def simulate(grads, *, codec, schedule: str = "ring", seed: int = 0, key=None,
   """
   stacked = renamed(stacked, layers, new="stacked", old="layers", where="simulate")
   packet_loss = renamed(packet_loss, loss, new="packet_loss", old="loss", where="simulate")
-  codec = resolve_codec(codec, what="simulate")
-  check_schedule(schedule, SCHEDULES, what="simulate")
   leaves = jax.tree.leaves(grads)
   if not leaves:
     return grads
@@ -127,12 +116,13 @@ def simulate(grads, *, codec, schedule: str = "ring", seed: int = 0, key=None,
   elif schedule in HIERARCHICAL:
     raise ValueError(f"schedule={schedule!r} simulates a 2-axis mesh: pass "
                      f"mesh_shape=(slow, fast), e.g. (2, {lead[0] // 2})")
+  opts = ReduceOptions.build(
+      "simulate", codec=codec,
+      axis_name=(SIM_HOST_AXIS, SIM_AXIS) if mesh_shape is not None else SIM_AXIS,
+      schedule=schedule, average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+      leaf_order=leaf_order, implementation=implementation, stacked=stacked,
+      loss=packet_loss)
   if key is None:
     key = jax.random.key(seed)
-  if leaf_order is not None and not isinstance(leaf_order, str):
-    leaf_order = tuple(int(i) for i in leaf_order)  # hashable: a static argument
-  out, state = _run(grads, key, codec_state, absent, codec=codec, schedule=schedule,
-                    average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-                    leaf_order=leaf_order, implementation=implementation,
-                    mesh_shape=mesh_shape, stacked=stacked, packet_loss=packet_loss)
+  out, state = _run(grads, key, codec_state, absent, opts=opts, mesh_shape=mesh_shape)
   return (out, state) if return_state else out

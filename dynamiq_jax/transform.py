@@ -12,16 +12,13 @@ import optax
 from dynamiq_jax._renamed import UNSET, renamed
 from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
-from dynamiq_jax.allreduce import allreduce
-from dynamiq_jax.allreduce import check_loss
 from dynamiq_jax.allreduce import init_codec_state
+from dynamiq_jax.allreduce import run_allreduce
 from dynamiq_jax.codecs.dynamiq import DynamiQ
-from dynamiq_jax.codec_names import resolve_codec
-from dynamiq_jax.scatter import reduce_scatter
+from dynamiq_jax.options import ERROR_FEEDBACK, ReduceOptions, feedback_mode
+from dynamiq_jax.scatter import run_reduce_scatter
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
-from dynamiq_jax.schedules.names import SCATTER_SCHEDULES, SCHEDULES, check_schedule
-from dynamiq_jax.stacked import check_stateless
 
 __all__ = ["CompressedPsumState", "PerRank", "ERROR_FEEDBACK", "feedback_mode", "ef14_init",
            "ef14_update", "ef21m_init", "ef21m_update", "compressed_psum",
@@ -68,30 +65,6 @@ class CompressedPsumState(NamedTuple):
   mean: Any = None
 
 
-ERROR_FEEDBACK = ("ef14", "ef21m")
-"""The error-feedback rules of :func:`compressed_psum` (``False``: none)."""
-
-
-def feedback_mode(error_feedback, codec) -> str | None:
-  """``error_feedback`` (as :func:`compressed_psum` takes it) as ``None``, ``"ef14"`` or
-  ``"ef21m"``; ``None`` is the codec's own default (``codec.default_error_feedback``)."""
-  if error_feedback is None:
-    error_feedback = codec.default_error_feedback
-  if error_feedback is False:
-    return None
-  if error_feedback is True:
-    return "ef14"
-  if isinstance(error_feedback, str) and error_feedback in ERROR_FEEDBACK:
-    if not codec.reports_contribution:
-      raise ValueError(
-          f"error_feedback={error_feedback!r} needs each rank's own contribution, which "
-          f"{type(codec).__name__} does not report (reports_contribution=False); pass "
-          f"error_feedback=False with it")
-    return error_feedback
-  raise ValueError(f"error_feedback={error_feedback!r} must be False, True (= 'ef14'), "
-                   f"'ef14', 'ef21m' or None (the codec's default)")
-
-
 EF21M_MOMENTUM = 0.5
 """EF21-M's ``eta`` when none is given (the ARC-Top-K authors' synthetic experiment)."""
 
@@ -122,12 +95,13 @@ def ef14_init(params) -> PerRank:
 
 def ef14_update(updates, residual: PerRank, reduce):
   """One step of EF14 (EF-SGD): ``p = g + e``; ``e <- p - C(p)``, where ``reduce(p) ->
-  (the collective's result, this rank's C(p))``. Returns ``(the result in the gradients'
-  dtypes, new residual)``."""
+  (the collective's result, this rank's C(p), info)``, ``info`` anything the caller wants
+  back (the collective's stats). Returns ``(the result in the gradients' dtypes, new
+  residual, info)``."""
   grads = jax.tree.map(lambda g, e: g.astype(jnp.float32) + e[0], updates, residual.tree)
-  out, own = reduce(grads)
+  out, own, info = reduce(grads)
   residual = PerRank(jax.tree.map(lambda p, c: (p - c)[None], grads, own))
-  return jax.tree.map(lambda r, u: r.astype(u.dtype), out, updates), residual
+  return jax.tree.map(lambda r, u: r.astype(u.dtype), out, updates), residual, info
 
 
 def ef21m_init(params) -> tuple[PerRank, Any]:
@@ -143,19 +117,21 @@ def ef21m_update(updates, residual: PerRank, mean, reduce, momentum: float):
 
   ``v <- (1 - eta) v + eta g``; ``c = C(v - u)``; ``u <- u + c``;
   ``u_bar <- u_bar + reduce(c)``, where ``reduce(delta) -> (mean of C(delta) over the
-  ranks, this rank's C(delta))`` is the compressed collective and ``eta`` is
-  ``momentum``. Returns ``(u_bar in the gradients' dtypes, new residual, new u_bar)``:
-  ``u_bar`` is the mean of every rank's ``u``, the same bytes on every rank.
+  ranks, this rank's C(delta), info)`` is the compressed collective (``info`` anything the
+  caller wants back: its stats) and ``eta`` is ``momentum``. Returns ``(u_bar in the
+  gradients' dtypes, new residual, new u_bar, info)``: ``u_bar`` is the mean of every
+  rank's ``u``, the same bytes on every rank.
   """
   eta = jnp.float32(momentum)
   v = jax.tree.map(lambda m, g: (1 - eta) * m[0] + eta * g.astype(jnp.float32),
                    residual.tree["momentum"], updates)
   delta = jax.tree.map(lambda a, u: a - u[0], v, residual.tree["sent"])
-  reduced, own = reduce(delta)
+  reduced, own, info = reduce(delta)
   sent = jax.tree.map(lambda u, c: (u[0] + c)[None], residual.tree["sent"], own)
   mean = jax.tree.map(lambda m, r: m + r.astype(jnp.float32), mean, reduced)
   out = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, updates)
-  return out, PerRank({"momentum": jax.tree.map(lambda a: a[None], v), "sent": sent}), mean
+  return (out, PerRank({"momentum": jax.tree.map(lambda a: a[None], v), "sent": sent}), mean,
+          info)
 
 
 def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
@@ -243,12 +219,13 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     >>> import optax, dynamiq_jax as dq
     >>> tx = optax.chain(dq.compressed_psum("data"), optax.sgd(0.1))
   """
-  codec = resolve_codec(codec, DynamiQ(), what="compressed_psum")
   loss = renamed(packet_loss, loss, new="packet_loss", old="loss", where="compressed_psum")
-  check_schedule(schedule, SCHEDULES, what="compressed_psum")
-  mode = feedback_mode(error_feedback, codec)
-  check_stateless(stacked, codec)
-  check_loss(loss, schedule, stacked)
+  opts = ReduceOptions.build(
+      "compressed_psum", codec=codec, default_codec=DynamiQ(), axis_name=axis_name,
+      schedule=schedule, average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+      leaf_order=leaf_order, implementation=implementation, error_feedback=error_feedback,
+      stacked=stacked, loss=loss)
+  codec, mode = opts.codec, opts.feedback
   ef21m_momentum = check_momentum(ef21m_momentum, mode, error_feedback)
 
   def init_fn(params):
@@ -262,7 +239,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
         key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
         # structure only: the values depend on the axis size, set at step 0
         codec_state=init_codec_state(params, codec=codec, n=1, bucket_size=bucket_size,
-                                     max_buckets=max_buckets, leaf_order=leaf_order),
+                                     max_buckets=max_buckets, leaf_order=opts.leaf_order),
         residual=residual, error_estimate=jnp.zeros([], jnp.float32), mean=mean)
 
   @jax.named_scope("compressed_psum")  # labels the reduction's buffers and ops in profiles
@@ -273,28 +250,22 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     codec_state = state.codec_state
     if codec_state is not None:
       fresh = init_codec_state(updates, codec=codec, n=n, bucket_size=bucket_size,
-                               max_buckets=max_buckets, leaf_order=leaf_order)
+                               max_buckets=max_buckets, leaf_order=opts.leaf_order)
       codec_state = jax.tree.map(lambda f, o: jnp.where(state.step == 0, f, o),
                                  fresh, codec_state)
-    stats = None
 
-    def reduce(tree):
-      nonlocal stats
-      out, stats = allreduce(
-          tree, axis_name=axis_name, codec=codec, schedule=schedule, key=key,
-          average=average, bucket_size=bucket_size, max_buckets=max_buckets,
-          leaf_order=leaf_order, implementation=implementation, codec_state=codec_state,
-          return_own=mode is not None, specs=specs, stacked=stacked, packet_loss=loss)
-      return out, stats.own
+    def reduce(tree):  # -> (result, own contribution, stats)
+      out, stats = run_allreduce(tree, opts, key=key, codec_state=codec_state, specs=specs)
+      return out, stats.own, stats
 
     residual = mean = None
     if mode == "ef21m":
-      reduced, residual, mean = ef21m_update(updates, state.residual, state.mean, reduce,
-                                             ef21m_momentum)
+      reduced, residual, mean, stats = ef21m_update(updates, state.residual, state.mean,
+                                                    reduce, ef21m_momentum)
     elif mode == "ef14":
-      reduced, residual = ef14_update(updates, state.residual, reduce)
+      reduced, residual, stats = ef14_update(updates, state.residual, reduce)
     else:
-      reduced, _ = reduce(updates)
+      reduced, _, stats = reduce(updates)
     return reduced, CompressedPsumState(
         step=optax.safe_increment(state.step), key=state.key,
         codec_state=stats.codec_state if codec_state is not None else None,
@@ -397,21 +368,20 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
     >>> import optax, dynamiq_jax as dq
     >>> tx = optax.chain(dq.compressed_psum_scatter("data"), optax.adamw(1e-3))
   """
-  codec = resolve_codec(codec, DynamiQ(), what="compressed_psum_scatter")
   loss = renamed(packet_loss, loss, new="packet_loss", old="loss",
                  where="compressed_psum_scatter")
-  check_schedule(schedule, SCATTER_SCHEDULES, what="compressed_psum_scatter")
-  names = axis_names(axis_name)
-  if schedule in ("hierarchical", "hierarchical-butterfly") and len(names) != 2:
-    raise ValueError(f"schedule={schedule!r} needs axis_name=(slow, fast); got {axis_name!r}")
-  mode = feedback_mode(error_feedback, codec)
-  if mode == "ef21m":
+  opts = ReduceOptions.build(
+      "compressed_psum_scatter", codec=codec, default_codec=DynamiQ(), axis_name=axis_name,
+      schedule=schedule, average=average, bucket_size=bucket_size, max_buckets=max_buckets,
+      leaf_order=leaf_order, implementation=implementation, error_feedback=error_feedback,
+      loss=loss, scatter=True)
+  if opts.feedback == "ef21m":
     raise ValueError(
         "compressed_psum_scatter does not run error_feedback='ef21m' (EF21-M keeps the running "
         "mean of the whole update); use compressed_psum with a replicated optimizer, or "
         "error_feedback='ef14'")
-  error_feedback = mode == "ef14"
-  check_loss(loss, schedule)
+  names = axis_names(axis_name)
+  error_feedback = opts.feedback == "ef14"
 
   def init_fn(params):
     residual = ef14_init(params) if error_feedback else None
@@ -423,27 +393,20 @@ def compressed_psum_scatter(axis_name="data", *, codec=None, schedule: str = "ri
   @jax.named_scope("compressed_psum_scatter")  # as compressed_psum's
   def update_fn(updates, state, params=None, *, specs=None, **extra_args):
     del extra_args
-    hier = schedule in ("hierarchical", "hierarchical-butterfly")
-    n = axis_size(names[1] if hier else axis_name)  # the library's UnboundAxisError
+    n = axis_size(names[1] if opts.hierarchical else axis_name)  # the library's UnboundAxisError
     dims = (_inferred_dims(updates, params, n) if isinstance(scatter_dimension, str)
             and scatter_dimension == "params" else scatter_dimension)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-    stats = None
 
-    def reduce(tree):
-      nonlocal stats
-      out, stats = reduce_scatter(
-          tree, axis_name=axis_name, codec=codec, key=key, scatter_dimension=dims,
-          schedule=schedule, average=average, bucket_size=bucket_size,
-          max_buckets=max_buckets, leaf_order=leaf_order, implementation=implementation,
-          return_own=error_feedback, specs=specs, packet_loss=loss)
-      return out, stats.own
+    def reduce(tree):  # -> (shards, own contribution, stats)
+      out, stats = run_reduce_scatter(tree, opts, key=key, scatter_dimension=dims, specs=specs)
+      return out, stats.own, stats
 
     residual = None
     if error_feedback:
-      shards, residual = ef14_update(updates, state.residual, reduce)
+      shards, residual, stats = ef14_update(updates, state.residual, reduce)
     else:
-      shards, _ = reduce(updates)
+      shards, _, stats = reduce(updates)
     return shards, CompressedPsumState(
         step=optax.safe_increment(state.step), key=state.key, residual=residual,
         error_estimate=jnp.asarray(stats.error_estimate, jnp.float32))

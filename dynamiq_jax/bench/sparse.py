@@ -145,7 +145,7 @@ def topk_allgather(axis_name="data", *, ratio: float = 0.1, row: int = 1,
       total = total.at[where[r]].add(everyone[r].astype(jnp.float32), unique_indices=True)
     total = total / np.float32(ctx.n) if average else total
     own = jnp.zeros((h, row), jnp.float32).at[idx].set(mine.astype(jnp.float32))
-    return unravel(total.reshape(-1)[:d]), unravel(own.reshape(-1)[:d])
+    return unravel(total.reshape(-1)[:d]), unravel(own.reshape(-1)[:d]), None
 
   def init_fn(params):
     if mode == "ef21m":
@@ -158,13 +158,13 @@ def topk_allgather(axis_name="data", *, ratio: float = 0.1, row: int = 1,
   def update_fn(updates, state, params=None, **extra):
     del params, extra
     if mode == "ef21m":
-      out, residual, mean = ef21m_update(updates, state.residual, state.mean, reduce,
-                                         ef21m_momentum)
+      out, residual, mean, _ = ef21m_update(updates, state.residual, state.mean, reduce,
+                                            ef21m_momentum)
       return out, TopKState(residual, mean)
     if mode == "ef14":
-      out, residual = ef14_update(updates, state.residual, reduce)
+      out, residual, _ = ef14_update(updates, state.residual, reduce)
       return out, TopKState(residual)
-    out, _ = reduce(updates)
+    out, _, _ = reduce(updates)
     return jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
