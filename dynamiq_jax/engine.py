@@ -14,9 +14,9 @@ reduces them one after another, each by a *bucket program*:
   fast axis (without it, HSDP's reduce-scatter).
 
 One bucket, in order: :func:`guard` (one small all-reduce agreeing on
-non-finite values and a power-of-two scale, of data that exists once the
-previous bucket's last collective has arrived, so that the buckets'
-collectives run one after another: :func:`one_after_another`), then :func:`codec_pass`: ``codec.metadata``
+non-finite values and a power-of-two scale, carrying a value of the previous
+bucket's last collective so that the buckets' collectives run one after
+another: :func:`one_after_another`), then :func:`codec_pass`: ``codec.metadata``
 combined across ranks (:func:`combine_metadata`: a ``pmax``, or a sum in two
 collectives, :func:`~dynamiq_jax.schedules.executor.two_step`),
 ``codec.plan``, the schedule executor calling the codec's hop functions
@@ -55,34 +55,30 @@ from dynamiq_jax.guard import unguard
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context
 from dynamiq_jax.schedules.executor import HopOps, Lossy, decode_all, gather_payloads
-from dynamiq_jax.schedules.executor import in_chunk_order, reduce_scatter
+from dynamiq_jax.schedules.executor import in_chunk_order, reduce_scatter, trace_settings, two_step
 from dynamiq_jax.schedules.loss import REDUCE_HOP, loss_key
-from dynamiq_jax.schedules.executor import trace_settings, two_step
 from dynamiq_jax.schedules.local import run_on_local_shards, sharding_groups
 from dynamiq_jax.schedules.plan import TreePlan, get_plan
 
 __all__ = [
-    "BucketResult", "SAFE_EXPONENT", "guard", "guard_votes", "guarded", "guard_metadata", "unguard",
-    "one_after_another",
+    "BucketResult", "chain_value", "SAFE_EXPONENT", "guard", "guard_votes", "guarded",
+    "guard_metadata", "unguard", "one_after_another",
     "hop_ops", "combine_metadata", "plan_bucket", "lossy_receive", "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
     "reduce_buckets", "program_keys", "wire_pass", "decode_pass", "wire_loop", "zeros_after", "decode_loop",
     "run_sharded",
 ]
 
 class BucketResult(NamedTuple):
-  """What a bucket program (and :func:`codec_pass`) returns; None where a program has no
-  such value.
+  """What a bucket program (and :func:`codec_pass`) returns; None where it has no such value.
 
-  Attributes:
-    out: the reduced bucket (a reduce-scatter's: this rank's row).
-    sent: an array of the bucket's last collective (its gathered payloads, as they
-      arrived), which the next bucket chains to (:func:`one_after_another`).
-    state: the codec's new state (:class:`AllReduce`; the state it was given where the
-      bucket was sent with another codec).
-    own: this rank's contribution as the codec represented it (``return_own``).
-    err: the estimated squared error: a float32 scalar or terms whose sum it is
-      (:func:`~dynamiq_jax.buckets.error_total`), NaN where the codec makes none.
-    ref: the squared norm of the reduced share (:class:`Hierarchical`).
+  ``out`` the reduced bucket (a reduce-scatter's: this rank's row); ``sent`` an array of
+  its last collective, which the next bucket chains to (:func:`one_after_another`: the
+  gathered payloads, which wait for the decode anyway, or one value of a result);
+  ``state`` the codec's new state (:class:`AllReduce`); ``own`` this rank's contribution
+  as the codec represented it (``return_own``); ``err`` the estimated squared error, a
+  float32 scalar or terms whose sum it is (:func:`~dynamiq_jax.buckets.error_total`),
+  NaN where the codec makes none; ``ref`` the reduced share's squared norm
+  (:class:`Hierarchical`).
   """
 
   out: Any
@@ -93,6 +89,13 @@ class BucketResult(NamedTuple):
   ref: Any = None
 
 
+def chain_value(sent):
+  """float32: the value of a bucket's ``sent`` (:class:`BucketResult`) that the next
+  bucket's guard reads, its first element. Taken where it is read, after the barrier of
+  :func:`reduce_buckets`, so that it fuses into the guard's votes and costs no launch."""
+  return jnp.asarray(sent).reshape(-1)[0].astype(jnp.float32)
+
+
 def one_after_another(xs, reduce_one):
   """``[reduce_one(b, x, after) for b, x in enumerate(xs)]``: each bucket's collectives
   after the previous bucket's.
@@ -100,13 +103,11 @@ def one_after_another(xs, reduce_one):
   ``reduce_one(b, x, after)`` returns a :class:`BucketResult`, whose ``sent`` is an
   array of bucket b's last collective (its gathered payloads, as they
   arrived); ``after`` is bucket b-1's (None for the first), which bucket b's
-  data passes an ``optimization_barrier`` with (:func:`reduce_buckets`): so
-  bucket b's first collective (its guard, which reads that data) starts once
-  bucket b-1's last is off the wire, and XLA cannot combine collectives of
-  different buckets. Its combiners would otherwise merge, say, every bucket's
-  guard into one all-reduce that waits for the whole gradient, and no bucket
-  would start before the backward pass ends. The barrier computes nothing:
-  the chain costs no operation.
+  first collective (its guard) reads (:func:`chain_value`: a finite flag among
+  its votes): so bucket b's all-reduce starts once bucket b-1's is off the wire,
+  and XLA cannot combine collectives of different buckets. Its combiners would
+  otherwise merge, say, every bucket's guard into one all-reduce that waits for
+  the whole gradient, and no bucket would start before the backward pass ends.
   """
   results = []
   for b, x in enumerate(xs):
@@ -236,7 +237,7 @@ def codec_pass(x, codec: Codec, bucket: Bucket, state, keys: Keys, plan: TreePla
 
 
 # ----------------------------------------------------------------------------
-# Bucket programs: static configuration, called as program(x, words, index, state).
+# Bucket programs: static configuration, called as program(x, after, words, index, state).
 
 
 def program_keys(words, index, ctx: AxisContext, codec: Codec | None = None) -> Keys:
@@ -257,9 +258,10 @@ def program_keys(words, index, ctx: AxisContext, codec: Codec | None = None) -> 
 class AllReduce:
   """One bucket's all-reduce on a flat schedule.
 
-  ``program(x, words, index, state) ->`` :class:`BucketResult` (``out``, ``state``,
-  ``own`` or None, ``err``, ``sent``): ``x`` the bucket's flat float32 data, ``words`` its
-  key words, ``state`` the codec's state.
+  ``program(x, after, words, index, state) ->`` :class:`BucketResult` (``out``,
+  ``state``, ``own`` or None, ``err``, ``sent``): ``x`` the bucket's flat float32 data,
+  ``after`` the chained value (:func:`one_after_another`), ``words`` its key words,
+  ``state`` the codec's state.
   ``loss``: the reduce step's packet loss (two-step schedule), or None.
   """
 
@@ -270,14 +272,14 @@ class AllReduce:
   return_own: bool
   loss: Any = None
 
-  def __call__(self, x, words, index, state):
+  def __call__(self, x, after, words, index, state):
     ctx = axis_context(self.axis_name)
     plan = get_plan(self.schedule, ctx.n)
     d = x.shape[0]
     used = bucket_codec(self.codec, d, ctx.n)
     bucket = Bucket(index, d, ctx.n, self.implementation)
     keys = program_keys(words, index, ctx, self.codec)
-    nonfinite, x, scale, local = guard_metadata(x, used, bucket, keys, ctx)
+    nonfinite, x, scale, local = guard_metadata(x, used, bucket, keys, ctx, after)
     r = codec_pass(x, used, bucket, state, keys, plan, ctx, self.return_own, self.loss, local,
                    used.result_dtype)
     return BucketResult(unguard(r.out, nonfinite, scale, used.result_dtype), r.sent,
@@ -312,7 +314,7 @@ class AllReduce:
 class ReduceScatter:
   """One bucket's reduce-scatter on a flat schedule.
 
-  ``program(rows, words, index, state) ->`` :class:`BucketResult` (``out`` this rank's
+  ``program(rows, after, words, index, state) ->`` :class:`BucketResult` (``out`` this rank's
   row, ``own`` rows or None, ``sent``): ``rows`` [n, m], row r the slice that rank r keeps. ``loss``: as
   :class:`AllReduce`'s.
   """
@@ -324,7 +326,7 @@ class ReduceScatter:
   return_own: bool
   loss: Any = None
 
-  def __call__(self, rows, words, index, state):
+  def __call__(self, rows, after, words, index, state):
     del state
     ctx = axis_context(self.axis_name)
     n = ctx.n
@@ -334,13 +336,13 @@ class ReduceScatter:
     x = jnp.roll(rows, -plan.root, axis=0).reshape(-1)  # chunk c: rank (c + root) % n's row
     if n == 1:
       with jax.named_scope("guard"):
-        nonfinite, x, scale = guard(x, ctx)
+        nonfinite, x, scale = guard(x, ctx, after)
       out = unguard(x, nonfinite, scale)
-      return BucketResult(out, out, own=(x / scale)[None] if self.return_own else None)
+      return BucketResult(out, out[0], own=(x / scale)[None] if self.return_own else None)
     used = bucket_codec(self.codec, d, n)
     bucket = Bucket(index, d, n, self.implementation, scatter=True)
     keys = program_keys(words, index, ctx, self.codec)
-    nonfinite, x, scale, meta = guard_metadata(x, used, bucket, keys, ctx)
+    nonfinite, x, scale, meta = guard_metadata(x, used, bucket, keys, ctx, after)
     meta = meta if meta is not None else used.metadata(x, bucket, None, keys)
     p = plan_bucket(x, meta, used, bucket, None, keys, ctx)
     with jax.named_scope("reduce_scatter"):
@@ -357,7 +359,7 @@ class ReduceScatter:
       own = jnp.roll((used.contribution(x, p.aux, bucket) / scale).reshape(n, m), plan.root,
                      axis=0)
     piece = unguard(piece, nonfinite, scale, used.result_dtype)
-    return BucketResult(piece, piece, own=own)
+    return BucketResult(piece, piece[0], own=own)  # (sent: see Hierarchical)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +369,7 @@ class Hierarchical:
   The fast axis reduce-scatters the bucket exactly, each fast rank reduces
   its share with the codec over the slow axis (on ``inner``, a flat
   schedule), and with ``gather`` the fast axis all-gathers the shares:
-  ``program(x, words, index, state) ->`` :class:`BucketResult` (``out``, ``err``,
+  ``program(x, after, words, index, state) ->`` :class:`BucketResult` (``out``, ``err``,
   ``ref``: the share's estimated squared error and squared norm, ``sent``). Without
   ``gather`` (HSDP's reduce-scatter) ``x`` is ``rows`` [L, m], row r the
   slice fast rank r keeps, and ``out`` is this rank's row (no ``err`` nor ``ref``).
@@ -380,7 +382,7 @@ class Hierarchical:
   implementation: str | None
   gather: bool = True
 
-  def __call__(self, x, words, index, state):
+  def __call__(self, x, after, words, index, state):
     del state
     fast, slow = axis_context(self.fast), axis_context(self.slow)
     both = axis_context((self.slow, self.fast))
@@ -388,7 +390,7 @@ class Hierarchical:
     rows = None if self.gather else x
     flat = x if self.gather else x.reshape(-1)
     with jax.named_scope("guard"):  # over both axes: the fast reduce-scatter is guarded too
-      nonfinite, flat, scale = guard(flat, both)
+      nonfinite, flat, scale = guard(flat, both, after)
     with jax.named_scope("fast_reduce_scatter"):
       if self.gather:  # this rank owns share (r + 1) % size
         shares = hierarchical.split_shares(flat, fast.n, unit)
@@ -408,13 +410,16 @@ class Hierarchical:
       reduced, err = r.out, r.err
     if not self.gather:
       mine = unguard(reduced, nonfinite, scale, dtype)
-      return BucketResult(mine, mine)
+      return BucketResult(mine, mine[0])
     with jax.named_scope("fast_all_gather"):
       out = hierarchical.join_shares(hierarchical.all_gather_shares(fast, reduced),
                                      flat.shape[0], unit)
     unit_sq = scale * scale
     out = unguard(out, nonfinite, scale, dtype)
-    return BucketResult(out, out, err=err / unit_sq, ref=jnp.sum(reduced * reduced) / unit_sq)
+    # (sent: one value of the result, so that the next bucket's chain keeps no float
+    # result alive: on XLA:CPU a whole one waited for the next bucket's barrier)
+    return BucketResult(out, out[0], err=err / unit_sq,
+                        ref=jnp.sum(reduced * reduced) / unit_sq)
 
 
 def run_program(inputs, *, program):
@@ -443,9 +448,9 @@ def bucket_keys(key, count: int):
 def reduce_buckets(xs, program, *, key, states=None):
   """Reduces buckets ``xs`` one after another, each by the bucket program ``program``.
 
-  Each program gets its bucket's data (after an ``optimization_barrier`` with the
-  previous bucket's ``sent``, :func:`one_after_another`), its key words and index,
-  and ``states[b]`` (None by default), all through ``optimization_barrier`` s: the
+  Each program gets its bucket's data and the chained value of the previous bucket
+  (:func:`chain_value` of its ``sent``), its key words and index, and ``states[b]``
+  (None by default), all through ``optimization_barrier`` s: the
   program then holds no value of another bucket's and no constant of its own, so
   XLA compiles it once per shape. Returns the programs' outputs, in bucket order
   (``sent`` last).
@@ -458,15 +463,16 @@ def reduce_buckets(xs, program, *, key, states=None):
     rows = None if rows is None else jax.lax.optimization_barrier(rows)
 
   def reduce_one(b, x, after):
-    if after is not None:  # the chain: x exists once bucket b-1's payloads have arrived
-      x, _ = jax.lax.optimization_barrier((x, after))
+    # the first bucket chains to a finite 0: every bucket runs the same program
+    x, after = jax.lax.optimization_barrier((x, jnp.float32(0) if after is None else after))
+    chained = chain_value(after)  # read after the barrier: it fuses into the guard's votes
     # (a barrier's outputs vary over every mesh axis any of its inputs does: the rank-
     # invariant key words, index and codec state pass one of their own)
     # (the whole key rows: a program reads its own in place, where a row sliced for the
     # barrier would be one more launch per bucket)
     words = (k0, k1, s0[b], s1[b]) if rows is None else (k0, k1, rows)
     words, index, state = jax.lax.optimization_barrier((words, jnp.int32(b), states[b]))
-    return run_program((x, words, index, state), program=program)
+    return run_program((x, chained, words, index, state), program=program)
 
   return one_after_another(xs, reduce_one)
 

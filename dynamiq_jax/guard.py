@@ -20,7 +20,7 @@ SAFE_EXPONENT = 64
 residuals or rounding products can overflow float32 on finite inputs."""
 
 
-def guard(x, ctx: AxisContext):
+def guard(x, ctx: AxisContext, after=None):
   """Every rank's agreement on one bucket -> (any rank non-finite, guarded x, scale).
 
   One small all-reduce (max) of finite numbers per bucket, so it behaves the
@@ -29,19 +29,22 @@ def guard(x, ctx: AxisContext):
   every rank (:func:`unguard`; the codec itself sees zeros there, so its
   state stays finite), and finite inputs reach the codec scaled below
   :data:`SAFE_EXPONENT` exactly (the scale is a power of two, 1 for usual
-  gradients).
+  gradients). ``after``, a value of the previous bucket's result, rides
+  along as a finite flag: see :func:`one_after_another`.
   """
-  finite, votes = guard_votes(x)
+  finite, votes = guard_votes(x, after)
   agreed = ctx.pmax(jnp.stack(votes))
   return guarded(x, finite, agreed[0], agreed[1])
 
 
-def guard_votes(x):
+def guard_votes(x, after=None):
   """One rank's part of :func:`guard` -> (``isfinite(x)``, its votes: the largest finite
-  magnitude, 1.0 if any value is not finite), to be combined by a maximum over the
-  ranks."""
+  magnitude, 1.0 if any value is not finite, and ``after``'s finite flag if given), to be
+  combined by a maximum over the ranks."""
   finite = jnp.isfinite(x)
   votes = [jnp.max(jnp.where(finite, jnp.abs(x), 0.0)), jnp.any(~finite).astype(jnp.float32)]
+  if after is not None:
+    votes.append(jnp.isfinite(after).astype(jnp.float32))
   return finite, votes
 
 
@@ -59,7 +62,7 @@ def guarded(x, finite, amax, bad):
   return bad > 0, jnp.where(finite, x, 0.0) * scale, scale
 
 
-def guard_metadata(x, codec: Codec, bucket: Bucket, keys: Keys, ctx: AxisContext):
+def guard_metadata(x, codec: Codec, bucket: Bucket, keys: Keys, ctx: AxisContext, after=None):
   """:func:`guard` and the codec's local metadata of the guarded bucket in one pass over
   ``x``, where the codec has the hook ``guard_statistics(x, bucket, keys, *,
   safe_exponent)`` (DynamiQ: its votes ``[2, P]``, maximised over P and pmax-ed as
@@ -70,8 +73,12 @@ def guard_metadata(x, codec: Codec, bucket: Bucket, keys: Keys, ctx: AxisContext
   found = None if hook is None else hook(x, bucket, keys, safe_exponent=SAFE_EXPONENT)
   with jax.named_scope("guard"):  # (the hook's pass is the codec's own scope's)
     if found is None:
-      return (*guard(x, ctx), None)
-    agreed = ctx.pmax(jnp.max(found[0], axis=-1))  # found[0]: [2, P], P parts' votes
+      return (*guard(x, ctx, after), None)
+    votes = found[0]  # [2, P]: P parts' votes, with the chain's flag maximised at once
+    if after is not None:
+      flag = jnp.isfinite(after).astype(jnp.float32)
+      votes = jnp.concatenate([votes, jnp.broadcast_to(flag, (1, votes.shape[-1]))])
+    agreed = ctx.pmax(jnp.max(votes, axis=-1))
     nonfinite, guarded_x, scale = guarded(x, jnp.isfinite(x), agreed[0], agreed[1])
   return nonfinite, guarded_x, scale, found[1](scale)
 

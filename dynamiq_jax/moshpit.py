@@ -119,8 +119,8 @@ def moshpit_report(sizes, codec, plan: MoshpitPlan, coords: int | None = None
 class MoshpitRounds:
   """One bucket's Moshpit averaging: every round of ``plan`` in turn.
 
-  ``program(x, words, index, present) ->`` :class:`~dynamiq_jax.engine.BucketResult`
-  (``out``, ``sent``): ``x`` the bucket's
+  ``program(x, after, words, index, present) ->``
+  :class:`~dynamiq_jax.engine.BucketResult` (``out``, ``sent``): ``x`` the bucket's
   float32 data, ``present`` this rank's presence per round (float32 ``[rounds]``:
   :func:`presence`), ``out`` its value after the last round.
   """
@@ -130,7 +130,7 @@ class MoshpitRounds:
   axis_name: Any
   implementation: str | None
 
-  def __call__(self, x, words, index, present):
+  def __call__(self, x, after, words, index, present):
     n = axis_context(self.axis_name).n
     rank = jax.lax.axis_index(self.axis_name)
     k0, k1, s0, s1 = words
@@ -141,15 +141,16 @@ class MoshpitRounds:
       keys = Keys(k0, k1, index, ctx.rank(), (s0, s1)).prefix(jnp.uint32(t), stream)
       share = held / self.plan.held(t) if self.plan.weighted else jnp.float32(1)
       with jax.named_scope(f"round{t}"):
-        x, total, sent = self._round(x, present[t], share, ctx, keys, index)
+        x, total, sent = self._round(x, after, present[t], share, ctx, keys, index)
+        after = engine.chain_value(sent)
       held = jnp.where(present[t] > 0, total * self.plan.held(t), held)
     return engine.BucketResult(x, sent)  # (sent: the last round's payloads)
 
-  def _round(self, x, present, share, ctx, keys, index):
+  def _round(self, x, after, present, share, ctx, keys, index):
     here = present > 0
     mine = jnp.where(here, x * share, 0.0)  # an absent rank sends nothing of its own
     with jax.named_scope("guard"):  # one small collective: the guard's votes and the count
-      finite, votes = engine.guard_votes(mine)
+      finite, votes = engine.guard_votes(mine, after)
       agreed = ctx.all_gather(jnp.stack(votes + [present * share]))
       # the members' shares (small integers with everyone present: exact in any order),
       # summed in group order on every member
