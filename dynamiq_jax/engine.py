@@ -359,7 +359,7 @@ class ReduceScatter:
       own = jnp.roll((used.contribution(x, p.aux, bucket) / scale).reshape(n, m), plan.root,
                      axis=0)
     piece = unguard(piece, nonfinite, scale, used.result_dtype)
-    return BucketResult(piece, piece[0], own=own)  # (sent: see Hierarchical)
+    return BucketResult(piece, piece[0], own=own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,10 +416,7 @@ class Hierarchical:
                                      flat.shape[0], unit)
     unit_sq = scale * scale
     out = unguard(out, nonfinite, scale, dtype)
-    # (sent: one value of the result, so that the next bucket's chain keeps no float
-    # result alive: on XLA:CPU a whole one waited for the next bucket's barrier)
-    return BucketResult(out, out[0], err=err / unit_sq,
-                        ref=jnp.sum(reduced * reduced) / unit_sq)
+    return BucketResult(out, out[0], err=err / unit_sq, ref=jnp.sum(reduced * reduced) / unit_sq)
 
 
 def run_program(inputs, *, program):

@@ -145,7 +145,6 @@ def reduce_scatter(tree, *, axis_name, codec, key=None, seed: int = 0,
   References:
     ZeRO++ (Wang et al., 2023) quantises the same collective, hierarchically (qgZ).
   """
-  codec = resolve_codec(codec, what="reduce_scatter")
   loss = renamed(packet_loss, loss, new="packet_loss", old="loss", where="reduce_scatter")
   opts = ReduceOptions.build(
       "reduce_scatter", codec=codec, axis_name=axis_name, schedule=schedule,
