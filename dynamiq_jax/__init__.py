@@ -11,42 +11,42 @@ jax and optax: ``dq.multiprocess`` (one process per worker; POSIX only) and
 import importlib
 
 from dynamiq_jax import codecs
-from dynamiq_jax import dropcompute
+from dynamiq_jax.training import dropcompute
 from dynamiq_jax import schedules
-from dynamiq_jax.allreduce import AllReduceStats
-from dynamiq_jax.allreduce import allreduce
-from dynamiq_jax.allreduce import bucket_layout
-from dynamiq_jax.allreduce import init_codec_state
-from dynamiq_jax.allreduce import wire_stats
-from dynamiq_jax.dropcompute import DropCompute
-from dynamiq_jax.dropcompute import DropComputeStats
-from dynamiq_jax.dropcompute import choose_threshold
-from dynamiq_jax.dropcompute import dropcompute_step
-from dynamiq_jax.lossy import lossy_init
-from dynamiq_jax.moshpit import average_replicas
+from dynamiq_jax.api.allreduce import AllReduceStats
+from dynamiq_jax.api.allreduce import allreduce
+from dynamiq_jax.api.allreduce import bucket_layout
+from dynamiq_jax.api.allreduce import init_codec_state
+from dynamiq_jax.api.allreduce import wire_stats
+from dynamiq_jax.training.dropcompute import DropCompute
+from dynamiq_jax.training.dropcompute import DropComputeStats
+from dynamiq_jax.training.dropcompute import choose_threshold
+from dynamiq_jax.training.dropcompute import dropcompute_step
+from dynamiq_jax.training.lossy import lossy_init
+from dynamiq_jax.engine.moshpit import average_replicas
 from dynamiq_jax.registry import REDUCERS
 from dynamiq_jax.registry import TP_CODECS
 from dynamiq_jax.registry import codec_from_name
 from dynamiq_jax.registry import reducer
 from dynamiq_jax.registry import tp_codec_from_name
-from dynamiq_jax.scatter import reduce_scatter
-from dynamiq_jax.scatter import scatter_dimensions
-from dynamiq_jax.scatter import scatter_wire_stats
+from dynamiq_jax.api.scatter import reduce_scatter
+from dynamiq_jax.api.scatter import scatter_dimensions
+from dynamiq_jax.api.scatter import scatter_wire_stats
 from dynamiq_jax.schedules.context import UnboundAxisError
 from dynamiq_jax.schedules.loss import PacketLoss
 from dynamiq_jax.schedules.moshpit import Moshpit
-from dynamiq_jax.simulate import simulate
-from dynamiq_jax.tp import tp_psum
-from dynamiq_jax.train import as_varying
-from dynamiq_jax.train import baseline_psum
-from dynamiq_jax.train import data_parallel_init
-from dynamiq_jax.train import data_parallel_step
-from dynamiq_jax.train import per_rank_copies
-from dynamiq_jax.train import zero_shardings
-from dynamiq_jax.transform import CompressedPsumState
-from dynamiq_jax.transform import PerRank
-from dynamiq_jax.transform import compressed_psum
-from dynamiq_jax.transform import compressed_psum_scatter
+from dynamiq_jax.api.simulate import simulate
+from dynamiq_jax.api.tp import tp_psum
+from dynamiq_jax.training.train import as_varying
+from dynamiq_jax.training.train import baseline_psum
+from dynamiq_jax.training.train import data_parallel_init
+from dynamiq_jax.training.train import data_parallel_step
+from dynamiq_jax.training.train import per_rank_copies
+from dynamiq_jax.training.train import zero_shardings
+from dynamiq_jax.api.transform import CompressedPsumState
+from dynamiq_jax.api.transform import PerRank
+from dynamiq_jax.api.transform import compressed_psum
+from dynamiq_jax.api.transform import compressed_psum_scatter
 
 __version__ = "0.1.0"
 
@@ -56,7 +56,7 @@ _LAZY_SUBMODULES = ("multiprocess", "nnx")
 def __getattr__(name):
   """Imports ``dq.multiprocess`` and ``dq.nnx`` when first used."""
   if name in _LAZY_SUBMODULES:
-    return importlib.import_module(f"{__name__}.{name}")
+    return importlib.import_module(f"{__name__}.training.{name}")
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

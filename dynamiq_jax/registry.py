@@ -19,8 +19,8 @@ from dynamiq_jax.codec_names import codec_from_name
 from dynamiq_jax.codec_names import resolve_codec
 from dynamiq_jax.codec_names import tp_codec_from_name
 from dynamiq_jax.schedules.moshpit import Moshpit
-from dynamiq_jax.train import baseline_psum
-from dynamiq_jax.transform import compressed_psum
+from dynamiq_jax.training.train import baseline_psum
+from dynamiq_jax.api.transform import compressed_psum
 
 __all__ = ["REDUCERS", "TP_CODECS", "reducer", "codec_from_name", "tp_codec_from_name",
            "moshpit_options", "resolve_codec"]

@@ -1,4 +1,4 @@
-"""The examples' glue around :class:`dynamiq_jax.nnx.DataParallel`.
+"""The examples' glue around :class:`dynamiq_jax.training.nnx.DataParallel`.
 
 The package's helper holds the model and its ``nnx.Optimizer`` as one state
 pytree on a data-parallel mesh and builds the ``jax.shard_map`` step; this
@@ -8,7 +8,7 @@ loop with evaluation, checkpoints and metrics history).
 
 from __future__ import annotations
 
-from dynamiq_jax.nnx import DataParallel
+from dynamiq_jax.training.nnx import DataParallel
 from . import flags
 from . import loop
 

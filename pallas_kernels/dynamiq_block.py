@@ -65,7 +65,7 @@ GROUP = 16
 """Coordinates per scale group (one uint8 ``k``)."""
 GUESS_OFFSET = 0.5
 """Levels subtracted from the first guess of :func:`round_levels`."""
-_K_MAX = 255  # largest group multiplier k
+K_MAX = 255  # largest group multiplier k
 
 
 # ----------------------------------------------------------------------------
@@ -373,7 +373,7 @@ def _recip_up(c: float) -> np.float32:
   return r if float(r) * c >= 1.0 else np.nextafter(r, np.float32(np.inf))
 
 
-def _ceil_div_bf16(v, c: float):
+def ceil_div_bf16(v, c: float):
   """Smallest bf16-exact w >= v / c (c a small integer constant), without division."""
   w = bf16.ceil(v * _recip_up(c))
   return jnp.where(w * np.float32(c) < v, bf16.next_up(w), w)  # exact product
@@ -422,12 +422,12 @@ def scales(gmax, scale_rounding: str, keys, group_idx, div=None):
   top = np.float32(1.0)
   sg = lambda v: trailing(v, gmax.ndim)
   if scale_rounding == "up":
-    sg_scale = _ceil_div_bf16(_supergroup_max(gmax), float(top) * _K_MAX)
-    k = ceil_quotient(gmax, sg(sg_scale) * top, _K_MAX, div)  # (the product exact)
+    sg_scale = ceil_div_bf16(_supergroup_max(gmax), float(top) * K_MAX)
+    k = ceil_quotient(gmax, sg(sg_scale) * top, K_MAX, div)  # (the product exact)
     s = k * sg(sg_scale)  # exact: 8 x 8 significant bits
   else:
-    s = _ceil_div_bf16(gmax, float(top))  # bf16-exact, g top >= gmax
-    sg_scale = _ceil_div_bf16(_supergroup_max(s), _K_MAX)
+    s = ceil_div_bf16(gmax, float(top))  # bf16-exact, g top >= gmax
+    sg_scale = ceil_div_bf16(_supergroup_max(s), K_MAX)
     k = stochastic_k(s, sg(sg_scale), keys, group_idx, div)
   return jnp.where(sg(sg_scale > 0), k, 0.0), sg_scale, s
 
@@ -438,10 +438,10 @@ def stochastic_k(g, unit, keys, group_idx, div=None, floor=jnp.floor):
   with probability ``(g - kf unit) / unit``, decided as ``u unit < g - kf unit`` (exact
   products; the draw: :data:`~pallas_kernels.rng.Stream.DYNAMIQ_SCALE` at ``group_idx``;
   ``div``, ``floor`` as :func:`floor_quotient`'s)."""
-  kf = floor_quotient(g, unit, _K_MAX, div, floor=floor)
+  kf = floor_quotient(g, unit, K_MAX, div, floor=floor)
   k0, k1 = keys[0], keys[1]
   u = rng.uniform24(rng.hash_index(k0 ^ jnp.uint32(rng.Stream.DYNAMIQ_SCALE), k1, group_idx))
-  return kf + ((u * unit < g - kf * unit) & (kf < _K_MAX)).astype(jnp.float32)
+  return kf + ((u * unit < g - kf * unit) & (kf < K_MAX)).astype(jnp.float32)
 
 
 def decoded_scale(k, sg_scale):
@@ -651,21 +651,21 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
   and ``rs <= c / (2 g)``. Both unbiased up to ``rs``'s rounding (relative 2^-21).
   """
   _, _, top = lattice_consts(widths)
-  top_kmax = top * np.float32(_K_MAX)  # exact: 15 significant bits at most
+  top_kmax = top * np.float32(K_MAX)  # exact: 15 significant bits at most
   sg = lambda v: trailing(v, gmax.ndim)
   # a super-group with a NaN or an infinity (its maximum is not below infinity) gets k =
   # 0 and rs = 0 (k is made 0 before it becomes a table index: a NaN's integer is each
   # backend's own); so does an all-zero one
   amax = _supergroup_max(gmax)
   if scale_rounding == "up":
-    sg_scale = _ceil_div_bf16_by(amax, top_kmax, div)
+    sg_scale = ceil_div_bf16_by(amax, top_kmax, div)
   else:
-    gs = _ceil_div_bf16(gmax, 1.0)
-    sg_scale = _ceil_div_bf16_by(_supergroup_max(gs), top_kmax, div)
+    gs = ceil_div_bf16(gmax, 1.0)
+    sg_scale = ceil_div_bf16_by(_supergroup_max(gs), top_kmax, div)
   live = sg((sg_scale > 0) & (amax < np.float32(np.inf)))
   vt = sg(sg_scale * top)  # exact
   if scale_rounding == "up":
-    k = jnp.where(live, ceil_quotient(gmax, vt, _K_MAX, div), 0.0)
+    k = jnp.where(live, ceil_quotient(gmax, vt, K_MAX, div), 0.0)
     rs = lattice_reciprocal(small_int(k), jnp.broadcast_to(sg(sg_scale), k.shape), recip)
   else:
     k = jnp.where(live, stochastic_k(gs, vt, keys, group_idx, div), 0.0)
@@ -699,8 +699,8 @@ def lattice_level(codes, widths):
   return jnp.where(((codes >> (w - np.uint32(1))) & np.uint32(1)) == 1, lam, -lam)
 
 
-def _ceil_div_bf16_by(v, c, div=None):
-  """:func:`_ceil_div_bf16` by a per-element ``c`` (at most 16 significant bits): a guess
+def ceil_div_bf16_by(v, c, div=None):
+  """:func:`ceil_div_bf16` by a per-element ``c`` (at most 16 significant bits): a guess
   from ``div`` (None: exact ``/``) within one bf16 step, then corrected both ways by
   exact products, so any guess that close gives the same result."""
   w = bf16.ceil(v / c if div is None else div(v, c))

@@ -401,8 +401,8 @@ def _encode_rows(x, w_s, key_s, out_s, vs_s, s0, *, tabs: B.LevelTables, planes:
   gr = jnp.max(jnp.where(left, jnp.float32(0), a), axis=1)
   keys = tuple(key_s[i] for i in range(4))
   rank = key_s[4].astype(jnp.int32)
-  kmax = B._K_MAX  # pylint: disable=protected-access
-  div_up = B._ceil_div_bf16  # pylint: disable=protected-access
+  kmax = B.K_MAX
+  div_up = B.ceil_div_bf16
   if tabs.lattice:
     _encode_rows_lattice(x, w_s, out_s, vs_s, (gl, gr), keys, rank, col=col, row_sg=row_sg,
                          grow=grow, left=left, planes=planes, strata=strata,
@@ -467,18 +467,18 @@ def _encode_rows_lattice(x, w_s, out_s, vs_s, gmax, keys, rank, *, col, row_sg, 
   gather), the draws and the rounding of the block arithmetic."""
   shape = x.shape
   bcast = lambda v: lax.broadcast_in_dim(v, shape, (0,))
-  kmax = B._K_MAX  # pylint: disable=protected-access
+  kmax = B.K_MAX
   w_row = _row_vector([w_s[i] for i in range(BLOCK)], row_sg, jnp.int32)
   _, _, top = B.lattice_consts(w_row)
   top_kmax = top * jnp.float32(kmax)
-  div_by = B._ceil_div_bf16_by  # pylint: disable=protected-access
+  div_by = B.ceil_div_bf16_by
   recip = B.reciprocal_of_index
   gl, gr = gmax
   amax = _segment_max(jnp.maximum(gl, gr), vs_s, col)
   if scale_rounding == "up":
     v = div_by(amax, top_kmax)
   else:
-    gs = [B._ceil_div_bf16(g, 1.0) for g in (gl, gr)]  # pylint: disable=protected-access
+    gs = [B.ceil_div_bf16(g, 1.0) for g in (gl, gr)]
     v = div_by(_segment_max(jnp.maximum(*gs), vs_s, col), top_kmax)
   live = (v > 0) & (amax < jnp.float32(jnp.inf))  # no NaN or infinity in the super-group
   vt = v * top  # exact
@@ -541,7 +541,7 @@ def _assemble(words, k16, v16, widths, units: int, planes: int):
   s_count = widths.shape[0]
   plane_bytes = jax.lax.bitcast_convert_type(words.reshape(planes, s_count, _WORDS),
                                              jnp.uint8).reshape(planes, s_count, -1)
-  body = R._place(jnp.moveaxis(plane_bytes, 0, 1), widths, units, 1)  # pylint: disable=protected-access
+  body = R.place_planes(jnp.moveaxis(plane_bytes, 0, 1), widths, units, 1)
   u8 = lambda v: jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(-1)
   return jnp.concatenate([u8(k16), body.reshape(-1), u8(v16.reshape(s_count, _WORDS)[:, 0])])
 
@@ -637,7 +637,7 @@ def compress_planar(x, widths, units: int, *, eps, keys, rank=0, strata: int = 1
   One Mosaic GPU launch computes each super-group's scales and codes (the
   reference's arithmetic, :func:`~pallas_kernels.dynamiq_block.round_levels`,
   with levels from a select chain) and writes its plane words; XLA then places
-  the planes at their units (:func:`~pallas_kernels.dynamiq_reference._place`)
+  the planes at their units (:func:`~pallas_kernels.dynamiq_reference.place_planes`)
   and concatenates the planes, extra passes a finished kernel would not make.
 
   Args: as :func:`~pallas_kernels.dynamiq_reference.compress_reference`.

@@ -213,7 +213,7 @@ def _plane_offsets(widths, plane_bits: int = 2):
   return offs, counts
 
 
-def _place(planes_, widths, units: int, plane_bits: int = 2):
+def place_planes(planes_, widths, units: int, plane_bits: int = 2):
   """[S, P, nb] planes -> [units, nb], plane-major.
 
   Each whole plane is written at its offset in turn, so the rows past
@@ -461,7 +461,8 @@ def compress_reference(x, widths, units: int, *, eps, keys, rank=0, strata: int 
       pairs=_table(tabs.pairs), group_store=materialize, recip=_table(B.reciprocal_tables()))
   # the codes are not stored (materialize) before the planes are cut: XLA:CPU is faster fused
   scales = jnp.concatenate([k, bf16.to_bytes(sg_scale)], axis=-1)  # [S, 18]
-  body = _place(plane_bytes(codes.reshape(s_count, 256), plane_bits), widths, units, plane_bits)
+  body = place_planes(plane_bytes(codes.reshape(s_count, 256), plane_bits), widths, units,
+                      plane_bits)
   return jnp.concatenate([scales.reshape(-1), body.reshape(-1)])
 
 

@@ -163,7 +163,7 @@ def row_stats_block(x, j, k0, k1, *, safe_exponent: int, sqrt=jnp.sqrt):
     x: float [B, 256].
     j: int32 [B], each row's index in its chunk.
     k0, k1: uint32 [B], each row's key (its chunk's).
-    safe_exponent: the guard's :data:`~dynamiq_jax.engine.SAFE_EXPONENT`.
+    safe_exponent: the guard's :data:`~dynamiq_jax.engine.programs.SAFE_EXPONENT`.
   """
   x = x.astype(jnp.float32)
   finite = _finite(x)
@@ -186,7 +186,7 @@ def _row_shift(amax, safe_exponent: int):
 
 def guard_exponent(amax, safe_exponent: int):
   """The guard's scale exponent for the ranks' largest finite magnitude ``amax``:
-  ``min(safe_exponent - frexp(amax)[1], 0)`` (``dynamiq_jax.engine.guarded``)."""
+  ``min(safe_exponent - frexp(amax)[1], 0)`` (``dynamiq_jax.engine.guard.guarded``)."""
   return _row_shift(amax, safe_exponent)
 
 
@@ -602,4 +602,4 @@ def _implementation(implementation: D.Implementation) -> D.Implementation:
 
 def _quiet():
   from pallas_kernels import dynamiq_triton  # pylint: disable=import-outside-toplevel
-  dynamiq_triton._quiet_triton_deprecation()  # pylint: disable=protected-access
+  dynamiq_triton.quiet_triton_deprecation()

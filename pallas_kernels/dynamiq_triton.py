@@ -1017,7 +1017,7 @@ TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 """Start of the DeprecationWarning that jax >= 0.11 raises at each Triton lowering."""
 
 
-def _quiet_triton_deprecation():
+def quiet_triton_deprecation():
   """Ignores jax's Triton-deprecation DeprecationWarning, and only it.
 
   jax >= 0.11 warns at every lowering of a Triton ``pallas_call`` that the
@@ -1036,14 +1036,14 @@ def _quiet_triton_deprecation():
 def _triton_entry(kernel):
   """Decorates a kernel's entry point: a call that builds the Triton kernel
   (``interpret=False``) quiets jax's Triton deprecation
-  (:func:`_quiet_triton_deprecation`). The entry point runs on every trace of
+  (:func:`quiet_triton_deprecation`). The entry point runs on every trace of
   the caller's program, unlike the jitted launch below it, whose trace jax
   caches."""
 
   @functools.wraps(kernel)
   def entry(*args, interpret=False, **kwargs):
     if not interpret:
-      _quiet_triton_deprecation()
+      quiet_triton_deprecation()
     return kernel(*args, interpret=interpret, **kwargs)
 
   return entry

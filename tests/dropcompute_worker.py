@@ -13,8 +13,7 @@ import time
 
 
 def main(coordinator: str, processes: int, rank: int, reducer: str) -> None:
-  from dynamiq_jax import multiprocess
-
+  from dynamiq_jax.training import multiprocess
   multiprocess.initialize(coordinator, num_processes=processes, process_id=rank)
   import jax
   import jax.numpy as jnp

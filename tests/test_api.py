@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dynamiq_jax as dq
-from dynamiq_jax.train import CPU_SYNC_EVERY
-from dynamiq_jax.train import SyncedStep
-from dynamiq_jax.train import resolve_sync_every
+from dynamiq_jax.training.train import CPU_SYNC_EVERY
+from dynamiq_jax.training.train import SyncedStep
+from dynamiq_jax.training.train import resolve_sync_every
 
 KEY = jax.random.key(0)
 
@@ -90,11 +90,11 @@ def test_submodules_are_attributes_loaded_on_first_use():
   code = (
       "import sys\n"
       "import dynamiq_jax as dq, jax\n"
-      "assert 'flax' not in sys.modules and 'dynamiq_jax.multiprocess' not in sys.modules\n"
+      "assert 'flax' not in sys.modules and 'dynamiq_jax.training.multiprocess' not in sys.modules\n"
       "assert callable(dq.multiprocess.initialize), dq.multiprocess\n"
       "assert callable(dq.multiprocess.global_batch)\n"
       "assert not jax.distributed.is_initialized()\n"
-      "assert dq.nnx.DataParallel.__module__ == 'dynamiq_jax.nnx'\n"
+      "assert dq.nnx.DataParallel.__module__ == 'dynamiq_jax.training.nnx'\n"
       "assert {'multiprocess', 'nnx'} <= set(dir(dq))\n"
       "print(jax.process_count())\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -39,7 +39,7 @@ PAIRS = (("rank_nan", "normal"), ("inf", "big"), ("ninf", "nan"))
 
 # mxfp4: .ci/run-slow (a compile of its own); mxfp8 runs the same MX code with the adaptive
 # scale and its state (another element grid), and every codec's bucket sits behind the same
-# guard (dynamiq_jax.guard), which these values exercise.
+# guard (dynamiq_jax.engine.guard), which these values exercise.
 @pytest.mark.parametrize("name", [pytest.param(c, marks=pytest.mark.slow) if c == "mxfp4" else c
                                   for c in CODECS])
 def test_nonfinite_stays_nonfinite_and_finite_stays_finite(name):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import dynamiq_jax as dq
 from dynamiq_jax.codecs import DynamiQ, F32
+from dynamiq_jax.engine import buckets
 
 from dynamiq_jax.bench.reference import vnmse
 
@@ -124,32 +125,32 @@ def test_layout_cuts_buckets_of_one_size_and_pads_the_last():
   """One bucket size, so that XLA compiles every kernel of the bucket program once: at
   least MIN_BUCKETS buckets (for the overlap) where each holds a quarter of bucket_size,
   at most bucket_size each; the last padded to the size of the others."""
-  assert dq.buckets.MIN_BUCKETS == 8 and dq.buckets.SMALLEST_BUCKET_FRACTION == 4
+  assert buckets.MIN_BUCKETS == 8 and buckets.SMALLEST_BUCKET_FRACTION == 4
   # 1450 coordinates, bucket_size 512: 8 buckets of ceil(1450 / 8) = 182 (>= 512 // 4)
   assert _layout(_shapes(100, 1300, 50), bucket_size=512) == [
       [(2, 0, 50), (1, 0, 132)],  # leaf 1 goes on in the next bucket
       [(1, 132, 314)], [(1, 314, 496)], [(1, 496, 678)], [(1, 678, 860)], [(1, 860, 1042)],
-      [(1, 1042, 1224)], [(1, 1224, 1300), (0, 0, 100), (dq.buckets.PADDING, 0, 6)]]
+      [(1, 1042, 1224)], [(1, 1224, 1300), (0, 0, 100), (buckets.PADDING, 0, 6)]]
   # 5150: 8 buckets would pass 512, so the fewest of at most 512: 11 of 469 (5159)
   assert _layout(_shapes(100, 5000, 50), bucket_size=512)[-1] == [
-      (1, 4640, 5000), (0, 0, 100), (dq.buckets.PADDING, 0, 9)]
+      (1, 4640, 5000), (0, 0, 100), (buckets.PADDING, 0, 9)]
   assert len(_layout(_shapes(100, 5000, 50), bucket_size=512)) == 11
   # 500: fewer than 8 quarters of 512, so the fewest equal buckets of at most 128: 4 of 125
-  assert dq.buckets.bucket_sizes(dq.bucket_layout(_shapes(500), bucket_size=512)) == [125] * 4
+  assert buckets.bucket_sizes(dq.bucket_layout(_shapes(500), bucket_size=512)) == [125] * 4
   codec = DynamiQ()
   for total in (1000, 3 * (1 << 16) + 17, 5 * (1 << 20) + 4099, 40 * (1 << 20) + 1):
     for bucket_size in (1 << 18, 1 << 20):
       layout = dq.bucket_layout(_shapes(total), codec=codec, bucket_size=bucket_size,
                                 max_buckets=None)
-      sizes = dq.buckets.bucket_sizes(layout)
+      sizes = buckets.bucket_sizes(layout)
       assert len(set(sizes)) == 1 and max(sizes) <= bucket_size, (total, bucket_size, sizes)
-      assert dq.buckets.layout_coords(layout) == total
-      if total >= dq.buckets.MIN_BUCKETS * bucket_size // 4:
-        assert len(layout) >= dq.buckets.MIN_BUCKETS, (total, bucket_size, sizes)
+      assert buckets.layout_coords(layout) == total
+      if total >= buckets.MIN_BUCKETS * bucket_size // 4:
+        assert len(layout) >= buckets.MIN_BUCKETS, (total, bucket_size, sizes)
       else:  # the fewest buckets of at most a quarter
         assert len(layout) == -(-total // (bucket_size // 4)), (total, bucket_size, sizes)
       if len(layout) > 1:
-        assert sum(s.stop - s.start for s in layout[-1] if s.leaf == dq.buckets.PADDING) < (
+        assert sum(s.stop - s.start for s in layout[-1] if s.leaf == buckets.PADDING) < (
             codec.granularity * len(layout))
         assert sizes[0] % codec.granularity == 0
 
@@ -159,10 +160,10 @@ def test_pieces_are_cut_at_runtime_offsets_and_round_trip():
   an optimization barrier): a leaf of one shape cut from buckets at different offsets is
   then one kernel, where constant offsets made one kernel per piece. The padding is zeros
   in, dropped out."""
-  from dynamiq_jax.buckets import pack, unpack
+  from dynamiq_jax.engine.buckets import pack, unpack
   tree = [jnp.arange(700, dtype=jnp.float32) + 1000 * i for i in range(5)]
   layout = dq.bucket_layout(_shapes(*[700] * 5), bucket_size=1024, leaf_order="forward")
-  assert layout[-1][-1].leaf == dq.buckets.PADDING
+  assert layout[-1][-1].leaf == buckets.PADDING
   treedef = jax.tree.structure(tree)
 
   def round_trip(leaves):
@@ -171,13 +172,13 @@ def test_pieces_are_cut_at_runtime_offsets_and_round_trip():
 
   text = jax.jit(round_trip).lower(tree).as_text()
   pieces = [(s.stop - s.start, sum(t.stop - t.start for t in b)) for b in layout for s in b
-            if s.leaf != dq.buckets.PADDING]
+            if s.leaf != buckets.PADDING]
   from_leaves = sum(size < 700 for size, _ in pieces)  # pack: a piece short of its leaf
   from_buckets = sum(size < whole for size, whole in pieces)  # unpack: short of its bucket
   assert from_leaves >= 4 and "stablehlo.slice" not in text
   assert text.count("stablehlo.dynamic_slice") == from_leaves + from_buckets
   xs, out = jax.jit(round_trip)(tree)
-  assert [x.shape[0] for x in xs] == dq.buckets.bucket_sizes(layout)
+  assert [x.shape[0] for x in xs] == buckets.bucket_sizes(layout)
   assert float(jnp.abs(xs[-1][-layout[-1][-1].stop:]).max()) == 0.0
   for a, b in zip(out, tree):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -189,7 +190,7 @@ def test_layout_orders_and_their_errors():
       [(0, 0, 10), (1, 0, 20), (2, 0, 30)]]
   assert _layout(tree, bucket_size=24, leaf_order=[1, 2, 0]) == [  # 8 of 60 / 8 -> 8
       [(1, 0, 8)], [(1, 8, 16)], [(1, 16, 20), (2, 0, 4)], [(2, 4, 12)], [(2, 12, 20)],
-      [(2, 20, 28)], [(2, 28, 30), (0, 0, 6)], [(0, 6, 10), (dq.buckets.PADDING, 0, 4)]]
+      [(2, 20, 28)], [(2, 28, 30), (0, 0, 6)], [(0, 6, 10), (buckets.PADDING, 0, 4)]]
   for bad in ([0, 1], [0, 1, 1], [0, 1, 3], "backward", 3):
     with pytest.raises(ValueError, match=r"leaf_order=.*Fix: pass a permutation of range\(3\)"):
       dq.bucket_layout(tree, leaf_order=bad)
@@ -235,7 +236,7 @@ def test_wire_stats_and_codec_state_follow_the_layout():
   codec = dq.codecs.mxfp8()
   layout = dq.bucket_layout(tree, codec=codec, bucket_size=4096)
   state = dq.init_codec_state(tree, codec=codec, n=N, bucket_size=4096)
-  assert len(state) == len(layout) == dq.buckets.MIN_BUCKETS
+  assert len(state) == len(layout) == buckets.MIN_BUCKETS
   stats = dq.wire_stats(tree, codec=codec, n=N, bucket_size=4096)
   sizes = [sum(s.stop - s.start for s in b) for b in layout]
   assert sizes == [1024] * 8  # 8000 in MIN_BUCKETS, of whole blocks: b, then a, padded
@@ -255,7 +256,7 @@ def test_max_buckets_grows_the_buckets():
   assert covered == {leaf: 1000 for leaf in range(40)}  # every coordinate, once
   codec = DynamiQ()
   big = dq.bucket_layout(_shapes(10_000_000), codec=codec, bucket_size=1 << 20, max_buckets=4)
-  assert len(big) <= 4 and big[-1][-2].stop == 10_000_000 and big[-1][-1].leaf == dq.buckets.PADDING
+  assert len(big) <= 4 and big[-1][-2].stop == 10_000_000 and big[-1][-1].leaf == buckets.PADDING
   assert all(s.stop % codec.granularity == 0 for b in big[:-1] for s in b)  # whole super-groups
   with pytest.raises(ValueError, match="max_buckets=0 must be a positive integer"):
     dq.bucket_layout(tree, max_buckets=0)
@@ -302,7 +303,7 @@ def test_large_buckets_hold_whole_super_groups_for_every_n_dividing_64():
   splits each into n chunks of whole super-groups with no padding of its own (a copy of
   the bucket) for n | 64; the layout's own zeros stay below 0.4% of a bucket, no bucket
   passes bucket_size, and smaller buckets are cut as before (at the block)."""
-  from dynamiq_jax import buckets as B
+  from dynamiq_jax.engine import buckets as B
   codec = DynamiQ()
   tree = [jax.ShapeDtypeStruct((s,), jnp.float32) for s in (50_000_017, 33_333_333, 7_777_777)]
   for bucket_size in (B.DEFAULT_BUCKET_SIZE, 24_999_936):  # (PyTorch DDP's 25 MB, in blocks)

@@ -22,7 +22,7 @@ CLI_MODULES = _cli_modules()
 
 
 def test_the_programs_are_found():
-  assert {"dynamiq_jax.demo", "dynamiq_jax.multiprocess", "dynamiq_jax.bench.train",
+  assert {"dynamiq_jax.demo", "dynamiq_jax.training.multiprocess", "dynamiq_jax.bench.train",
           "examples.nnx_digits.main"} <= set(CLI_MODULES)
 
 

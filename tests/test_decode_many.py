@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import dynamiq_jax as dq
-from dynamiq_jax import engine
+from dynamiq_jax.engine import programs as engine
 from dynamiq_jax.codecs import DynamiQ, IntGroup
 from dynamiq_jax.codecs.dynamiq import RowError
 from dynamiq_jax.codecs.base import Bucket, Codec, Keys

@@ -16,11 +16,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dynamiq_jax as dq
-from dynamiq_jax import multiprocess
-from dynamiq_jax.dropcompute import ThresholdController
-from dynamiq_jax.dropcompute import finished_mask
-from dynamiq_jax.dropcompute import simulated_step
-from dynamiq_jax.dropcompute import throughput
+from dynamiq_jax.training import multiprocess
+from dynamiq_jax.training.dropcompute import ThresholdController
+from dynamiq_jax.training.dropcompute import finished_mask
+from dynamiq_jax.training.dropcompute import simulated_step
+from dynamiq_jax.training.dropcompute import throughput
 
 HERE = os.path.dirname(__file__)
 
@@ -126,7 +126,7 @@ def test_chooser_wants_a_clear_gain_before_dropping():
 def test_resampling_keeps_a_workers_step_together():
   """A busy host slows a worker's whole step, not one micro-batch here and there: drawn
   steps keep each worker's measured rows whole, so they never mix fast and slow ones."""
-  from dynamiq_jax.thresholds import _resample
+  from dynamiq_jax.training.thresholds import _resample
   t = np.array([[[1.0] * 4, [1.0] * 4], [[3.0] * 4, [2.0] * 4]])  # step 1: both slow
   drawn = _resample(t, 200, seed=0)
   assert drawn.shape == (200, 2, 4)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dynamiq_jax as dq
-from dynamiq_jax import engine
+from dynamiq_jax.engine import programs as engine
 from dynamiq_jax.codecs.supergroup_stats import DynamiQKeyTables, SupergroupStats
 from dynamiq_jax.codecs._exact import hypot_all, row_norm, stochastic_bf16, tree_sum
 from pallas_kernels import dynamiq_stats as S
@@ -353,7 +353,7 @@ def test_the_guard_scale_is_frexps_power_of_two_over_the_whole_float32_range():
   """``guard.guarded`` builds its scale from the exponent bits of the ranks' largest
   finite magnitude: it must be ``2^min(SAFE - frexp(amax)[1], 0)`` for zero, subnormals,
   normals around the threshold and the largest float32."""
-  from dynamiq_jax.guard import guarded
+  from dynamiq_jax.engine.guard import guarded
   tiny = np.finfo(np.float32).tiny
   amax = np.array([0.0, tiny / 2**20, tiny / 2, tiny, 1e-30, 0.5, 1.0, 3.0, 2.0**63,
                    np.nextafter(np.float32(2.0**64), np.float32(0)), 2.0**64, 2.0**64 * 1.5,

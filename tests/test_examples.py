@@ -192,7 +192,7 @@ def test_nnx_digits_main(tmp_path):
 
 
 def test_nnx_digits_model_keeps_batch_norm_and_dropout_state_and_evaluates_in_eval_mode():
-  from dynamiq_jax.nnx import DataParallel
+  from dynamiq_jax.training.nnx import DataParallel
   from flax import nnx
   config = digits_config.get_config(codec="psum-f32", batch_size=64, features=8, hidden=16,
                                     dropout=0.5)

@@ -3,7 +3,7 @@ the Mosaic GPU rows include the record <-> planar conversions): each backend's k
 (Triton ``"pallas"``, Mosaic GPU ``"mosaic"``) and the XLA reference compiled for the
 GPU (``"xla"``) against the reference on the CPU, bit for bit, on finite values (what
 the all-reduce feeds them: its guard zeroes non-finite values before the codec and
-makes the bucket NaN after it, ``dynamiq_jax.engine.guard``); and, with NaN and
+makes the bucket NaN after it, ``dynamiq_jax.engine.guard.guard``); and, with NaN and
 -Inf in some super-groups, every other super-group still bit for bit. How a
 super-group holding NaN/Inf is encoded is not the same on every platform (seen on an
 H100: NaN bit patterns, and Triton's compress can encode a NaN super-group as finite

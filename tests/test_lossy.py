@@ -1,5 +1,5 @@
 """Lossy links: the loss process, the unbiased estimate of what arrived, the lossy
-parameter broadcast and its bounded drift (dynamiq_jax.schedules.loss, dynamiq_jax.lossy)."""
+parameter broadcast and its bounded drift (dynamiq_jax.schedules.loss, dynamiq_jax.training.lossy)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dynamiq_jax as dq
-from dynamiq_jax import lossy
+from dynamiq_jax.training import lossy
 from dynamiq_jax.schedules.loss import loss_key
 
 N = 4

@@ -12,7 +12,7 @@ import dynamiq_jax as dq
 from _helpers import model_data, per_rank, rows_identical
 from dynamiq_jax.bench.reference import vnmse
 from dynamiq_jax.codecs import F32, DynamiQ
-from dynamiq_jax.moshpit import average_replicas, presence, replica_rounds
+from dynamiq_jax.engine.moshpit import average_replicas, presence, replica_rounds
 
 D = 1 << 12
 
@@ -207,7 +207,7 @@ def test_wire_accounting_sums_the_rounds():
   assert mosh.bytes_per_rank == pytest.approx(2 * ring.bytes_per_rank)
   assert mosh.bits_per_coord == pytest.approx(ring.bits_per_coord)
   assert mosh.bytes_per_rank > plain.bytes_per_rank
-  from dynamiq_jax.moshpit import round_reports
+  from dynamiq_jax.engine.moshpit import round_reports
   rounds = round_reports([1 << 16], codec, dq.Moshpit(grid=(2, 8)).plan(16))
   assert [r.bytes_per_rank for r in rounds] == [
       dq.wire_stats(g, codec=codec, n=m).bytes_per_rank for m in (2, 8)]

@@ -7,13 +7,11 @@ import time
 
 import pytest
 
-from dynamiq_jax import multiprocess
-
-
+from dynamiq_jax.training import multiprocess
 def _check(num_processes, *extra, env=None, timeout=400):
   coordinator = f"127.0.0.1:{multiprocess.free_port()}"  # one for all ranks
   return multiprocess.launch(
-      [[sys.executable, "-m", "dynamiq_jax.multiprocess", "--check", "--coordinator",
+      [[sys.executable, "-m", "dynamiq_jax.training.multiprocess", "--check", "--coordinator",
         coordinator, "--num-processes", str(num_processes),
         "--process-id", str(r), "--d", str(1 << 14), *extra] for r in range(num_processes)],
       timeout=timeout, env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})))
@@ -41,7 +39,7 @@ def test_a_dead_worker_stops_the_others_with_an_error():
   env = dict(os.environ, JAX_PLATFORMS="cpu", DYNAMIQ_JAX_FAULT_RANK="1")
   start = time.monotonic()
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "dynamiq_jax.multiprocess", "--check", "--coordinator",
+      [sys.executable, "-m", "dynamiq_jax.training.multiprocess", "--check", "--coordinator",
        coordinator, "--num-processes", "2", "--process-id", str(r), "--d", str(1 << 12)],
       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
   try:

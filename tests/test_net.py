@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dynamiq_jax.allreduce import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.api.allreduce import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.bench import net
 from dynamiq_jax.bench.netns import Network, can_shape, sweep_stale
 

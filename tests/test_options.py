@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 import dynamiq_jax as dq
-from dynamiq_jax.options import ReduceOptions
+from dynamiq_jax.engine.options import ReduceOptions
 
 
 def test_built_options_are_resolved_frozen_and_hashable():

@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 import dynamiq_jax as dq
 from dynamiq_jax.bench import hlo
 from dynamiq_jax.codecs import DynamiQ, F32, GlobalQSGD
-from dynamiq_jax.train import partial_manual
-from dynamiq_jax.train import _EXPLICIT_PARTIAL_MANUAL_KEEPS_SHARDING as _KEEPS_EXPLICIT
+from dynamiq_jax.training.train import partial_manual
+from dynamiq_jax.training.train import _EXPLICIT_PARTIAL_MANUAL_KEEPS_SHARDING as _KEEPS_EXPLICIT
 
 MESHES = {
     "4x2": ((4, 2), ("data", "model"), "model", "model"),
@@ -177,7 +177,7 @@ class TestAllreduceOnShards:
     # with the grouping switched off (negative control) it does not.
     if not grouped:
       one = lambda specs: [((), list(range(len(specs))))]
-      monkeypatch.setattr(importlib.import_module("dynamiq_jax.engine"), "sharding_groups", one)
+      monkeypatch.setattr(importlib.import_module("dynamiq_jax.engine.programs"), "sharding_groups", one)
     mesh = _mesh("2x2x2", "explicit")
     specs = _specs("2x2x2")
     g = _grads(2, 0, dyadic=False)

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import dynamiq_jax as dq
-from dynamiq_jax import stacked
+from dynamiq_jax.engine import stacked
 from dynamiq_jax.codecs import Bf16, DynamiQ, F32, MX
 from dynamiq_jax.schedules.context import varying_axes
 

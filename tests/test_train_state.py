@@ -271,7 +271,7 @@ def _lossy_tx(loss):
 
 
 class TestPacketLoss:
-  D = 2048  # sharded among the owners (at least dq.lossy.MIN_SIZE coordinates)
+  D = 2048  # sharded among the owners (at least dynamiq_jax.training.lossy.MIN_SIZE coordinates)
 
   def _run(self, mesh, **option):
     loss = next(iter(option.values()))

@@ -15,7 +15,7 @@ import dynamiq_jax as dq
 from dynamiq_jax.codecs import F32, ARCTopK, IntGroup
 from dynamiq_jax.schedules import HIERARCHICAL, plan
 from dynamiq_jax.schedules.names import FLAT_SCHEDULES, SCATTER_SCHEDULES, SCHEDULES
-from dynamiq_jax.tp import TP_SCHEDULES
+from dynamiq_jax.api.tp import TP_SCHEDULES
 
 N = 4
 G = np.random.default_rng(3).standard_normal((N, 2048)).astype(np.float32)  # host: no compile

@@ -57,7 +57,7 @@ def mixing(mosh, n: int, key):
   import jax.numpy as jnp
 
   from dynamiq_jax.bench import moshpit as B
-  from dynamiq_jax.moshpit import presence, replica_rounds
+  from dynamiq_jax.engine.moshpit import presence, replica_rounds
 
   eye = jnp.eye(n, dtype=jnp.float32)
   x = B.mixing_rows(mosh, n, key)

@@ -40,7 +40,7 @@ def main(argv=None):
     if label == "unchained":
       def unchained(xs, reduce_one):
         return [reduce_one(b, x, None) for b, x in enumerate(xs)]
-      importlib.import_module("dynamiq_jax.engine").one_after_another = unchained
+      importlib.import_module("dynamiq_jax.engine.programs").one_after_another = unchained
     config = sharded._config("zero", False, bucket_size=args.bucket_size, **model)  # noqa: SLF001
     lowered, dp = sharded._lowered(config, jax.devices(), text)  # noqa: SLF001
     r, _ = buffers.breakdown(lowered, sharded.categorize, {"gradient": sharded.GRADIENT})

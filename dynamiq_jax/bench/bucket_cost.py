@@ -65,6 +65,7 @@ def step_in_child(buckets: int, size: int, schedule: str = "ring", estimate: boo
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import dynamiq_jax as dq
+  from dynamiq_jax.engine.buckets import SMALLEST_BUCKET_FRACTION
 
   mesh = topologies.make_mesh(gpu_compile.h100_topology(DEVICES), (DEVICES,), ("data",))
   tree = [jax.ShapeDtypeStruct((size * DEVICES,), jnp.float32,
@@ -73,7 +74,7 @@ def step_in_child(buckets: int, size: int, schedule: str = "ring", estimate: boo
   def local(xs):
     out, stats = dq.allreduce(xs, axis_name="data", codec=dq.codecs.DynamiQ(),
                               schedule=schedule, key=jax.random.key(0),
-                              bucket_size=size * dq.buckets.SMALLEST_BUCKET_FRACTION)
+                              bucket_size=size * SMALLEST_BUCKET_FRACTION)
     return (out, stats.error_estimate) if estimate else out
 
   out_specs = (P("data"), P()) if estimate else P("data")

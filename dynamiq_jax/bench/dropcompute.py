@@ -416,7 +416,7 @@ def model_scaling(times: np.ndarray, comm_s: float, workers: list, *, seed: int 
     step grows with the expected maximum of ``w`` compute times.
   """
   import dynamiq_jax as dq
-  from dynamiq_jax.dropcompute import throughput
+  from dynamiq_jax.training.dropcompute import throughput
 
   rng = np.random.default_rng(seed)
   m = times.shape[-1]

@@ -163,7 +163,7 @@ def _full_second_moment(opt, params0, n: int):
   import jax
   import optax
 
-  from dynamiq_jax import lossy as dql
+  from dynamiq_jax.training import lossy as dql
   states = [s for s in jax.tree.leaves(opt, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
             if isinstance(s, optax.ScaleByAdamState)]
   if not states:
@@ -201,8 +201,7 @@ def estimator_stats(data, params, opt, batch, rates, keys: int) -> dict:
   import jax
 
   import dynamiq_jax as dq
-  from dynamiq_jax import lossy as dql
-
+  from dynamiq_jax.training import lossy as dql
   n = data.n
   p0 = _replica0(params)
   leaves, treedef = jax.tree.flatten(p0)

@@ -142,7 +142,7 @@ def run(cfg: dict, mesh, seed: int, dropout: float, every: int, weighted: bool =
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import dynamiq_jax as dq
-  from dynamiq_jax.moshpit import average_replicas, presence, replica_bytes_per_rank
+  from dynamiq_jax.engine.moshpit import average_replicas, presence, replica_bytes_per_rank
 
   n = mesh.shape["data"]
   mosh = dq.Moshpit(grid=tuple(cfg["grid"]), dropout=dropout, weighted=weighted)

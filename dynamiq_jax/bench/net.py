@@ -127,8 +127,7 @@ def _plan(method: str, cfg: dict, d: int, n: int):
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
-  from dynamiq_jax import multiprocess
-
+  from dynamiq_jax.training import multiprocess
   multiprocess.initialize(coordinator, num_processes=cfg["workers"], process_id=rank,
                           heartbeat_timeout_seconds=cfg["heartbeat_s"])
   import jax
@@ -225,7 +224,7 @@ def _lm_steps(cfg, mesh, rank, barrier):
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import dynamiq_jax as dq
-  from dynamiq_jax import multiprocess
+  from dynamiq_jax.training import multiprocess
   from dynamiq_jax.bench import lm
 
   lcfg = lm.LMConfig(**cfg["lm_model"])

@@ -66,10 +66,10 @@ def worker_job(module: str, workers: int, cfg_path: str, *, shaped: bool):
   """Runs ``python -m <module> --worker <r> --coordinator <host:port> --config <cfg_path>``
   for ``r < workers``: each in its own namespace of a :class:`Network` when
   ``shaped``, else on loopback. Yields ``(job, network or None)``
-  (:class:`dynamiq_jax.multiprocess.Job` with stdin pipes); every process
+  (:class:`dynamiq_jax.training.multiprocess.Job` with stdin pipes); every process
   and namespace is gone on exit.
   """
-  from dynamiq_jax import multiprocess
+  from dynamiq_jax.training import multiprocess
   from dynamiq_jax.bench.common import xla_flags_less
 
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -99,8 +99,7 @@ def join_job(cfg: dict, rank: int, coordinator: str, *, barrier: str):
   """
   import json
 
-  from dynamiq_jax import multiprocess
-
+  from dynamiq_jax.training import multiprocess
   multiprocess.initialize(coordinator, num_processes=cfg["workers"], process_id=rank,
                           heartbeat_timeout_seconds=cfg["heartbeat_s"])
   import jax
@@ -113,7 +112,7 @@ def join_job(cfg: dict, rank: int, coordinator: str, *, barrier: str):
 
 
 def driver_commands(*allowed: str, usage: str = ""):
-  """A worker's side of :meth:`dynamiq_jax.multiprocess.Job.send`: yields each command the
+  """A worker's side of :meth:`dynamiq_jax.training.multiprocess.Job.send`: yields each command the
   driver sends on stdin as its words, until ``quit`` (or the end of stdin); a command
   not in ``allowed`` stops the worker with an error (``usage`` says the form)."""
   for line in sys.stdin:

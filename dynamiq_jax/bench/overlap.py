@@ -76,8 +76,7 @@ def step_in_child(spec: dict) -> dict:
     from dynamiq_jax.schedules import executor
     executor.UNROLL_MAX_STEPS = spec["unroll_max_steps"]
   if spec.get("unordered"):  # ablation: buckets not tied one after another
-    from dynamiq_jax import engine
-
+    from dynamiq_jax.engine import programs as engine
     def unordered(xs, reduce_one):
       return [reduce_one(b, x, None) for b, x in enumerate(xs)]
 
@@ -256,7 +255,7 @@ def model_step(*, coords: int, bucket_size: int, max_buckets: int | None, n: int
   import jax
 
   from dynamiq_jax._sizes import round_up
-  from dynamiq_jax.buckets import bucket_layout
+  from dynamiq_jax.engine.buckets import bucket_layout
   from dynamiq_jax.schedules.plan import ring_bytes_per_rank
 
   layout = bucket_layout(jax.ShapeDtypeStruct((coords,), "float32"),
@@ -370,7 +369,7 @@ def main(argv=None) -> dict:
           f" {sum(counts['collectives'].values()):>12} {times['compile_s']:>10.1f}"
           f" {times['lower_s']:>8.1f}", flush=True)
 
-  from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE, DEFAULT_MAX_BUCKETS
+  from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE, DEFAULT_MAX_BUCKETS
   model = _model_table(sorted(set(sizes) | {DEFAULT_BUCKET_SIZE}), DEFAULT_MAX_BUCKETS)
   print(f"\nModelled step time (not measured): {MODEL_NOTE}")
   print(f"{'params':>8} {'link':>9} {'latency':>8} {'bucket':>10} {'max':>5} {'buckets':>8}"

@@ -19,7 +19,7 @@ same step, side by side:
 * ``pmean``: ``jax.lax.psum`` of the bf16 gradients (:func:`dynamiq_jax.baseline_psum`);
 * ``default``: ``dynamiq_jax.compressed_psum()`` with its defaults;
 * ``stacked`` (scanned layers only): ``compressed_psum(stacked="layers")``, the
-  stacked gradient reduced in loops (:mod:`dynamiq_jax.stacked`).
+  stacked gradient reduced in loops (:mod:`dynamiq_jax.engine.stacked`).
 
 For each: the child's CPU seconds (``time.process_time``, every thread) to
 trace and lower the step and to compile it, the device temporaries
@@ -142,7 +142,7 @@ def step_in_child(spec: dict) -> dict:
   import dynamiq_jax as dq
 
   if spec.get("unchained"):  # ablation: the buckets' collectives not tied one after another
-    from dynamiq_jax import engine
+    from dynamiq_jax.engine import programs as engine
     engine.one_after_another = lambda xs, reduce_one: [reduce_one(b, x, None)
                                                        for b, x in enumerate(xs)]
   mesh = topologies.make_mesh(gpu_compile.h100_topology(DEVICES), (DEVICES,), ("data",))

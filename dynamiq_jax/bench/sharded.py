@@ -30,7 +30,7 @@ devices, trained with ``dq.nnx.DataParallel`` and DynamiQ (5 bits):
    bucket as the backward pass produces it.
 4. ``hsdp``: the ``hsdp`` layout (2 hosts x 4 devices) trained for ``--steps``
    steps twice: on 8 simulated devices in this process, and as 2 processes x 4
-   CPU devices (:mod:`dynamiq_jax.multiprocess`, gloo), each process in its own
+   CPU devices (:mod:`dynamiq_jax.training.multiprocess`, gloo), each process in its own
    network namespace (:mod:`dynamiq_jax.bench.netns`), so that the ``host`` axis
    is the only traffic on a process's link. Each process reads its link's byte
    and packet counters around every step; the bytes are compared with what
@@ -153,7 +153,7 @@ def memory_rows(tiny: bool, text, codec: str = "dynamiq", bucket_sizes=(None,),
   each of ``bucket_sizes`` (None: the library's default), and what the step's scratch
   holds at its peak, by :func:`categorize` (:func:`dynamiq_jax.bench.buffers.breakdown`)."""
   import jax
-  from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
+  from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE
   from dynamiq_jax.bench import buffers
   rows = []
   for layout, bucket_size in [(a, b) for b in bucket_sizes for a in layouts]:
@@ -360,7 +360,7 @@ def _counters():
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
-  from dynamiq_jax import multiprocess
+  from dynamiq_jax.training import multiprocess
   multiprocess.initialize(coordinator, num_processes=cfg["processes"], process_id=rank,
                           local_devices=cfg["local_devices"])
   import jax

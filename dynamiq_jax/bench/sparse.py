@@ -60,7 +60,7 @@ from dynamiq_jax.bench import common
 from dynamiq_jax.codecs.arctopk import RowSelection
 from dynamiq_jax.codecs.base import round_up
 from dynamiq_jax.schedules.context import axis_context
-from dynamiq_jax.transform import ef14_init, ef14_update, ef21m_init, ef21m_update
+from dynamiq_jax.api.transform import ef14_init, ef14_update, ef21m_init, ef21m_update
 from pallas_kernels import rng
 
 __all__ = ["RandK", "topk_allgather", "topk_wire", "REDUCERS", "reducer", "wire", "rows_part",

@@ -63,7 +63,7 @@ def parse_method(name: str):
   """``"psum-f32"`` / ``"psum-bf16"`` -> (``"psum"``, dtype name, None); ``"<codec>/<schedule>"``
   -> (``"tp"``, codec name, schedule), names checked."""
   from dynamiq_jax.registry import TP_CODECS
-  from dynamiq_jax.tp import TP_SCHEDULES
+  from dynamiq_jax.api.tp import TP_SCHEDULES
   if name in ("psum-f32", "psum-bf16"):
     return "psum", {"psum-f32": "float32", "psum-bf16": "bfloat16"}[name], None
   codec, _, schedule = name.partition("/")
@@ -220,8 +220,7 @@ def gather_widths(n: int, d: int, families=("iid", "heavy"), seed: int = 0) -> l
 # -- a worker process -----------------------------------------------------------------
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:
-  from dynamiq_jax import multiprocess
-
+  from dynamiq_jax.training import multiprocess
   multiprocess.initialize(coordinator, num_processes=cfg["workers"], process_id=rank,
                           heartbeat_timeout_seconds=cfg["heartbeat_s"])
   import jax
@@ -382,7 +381,7 @@ def time_rows(per_rank: list, methods, generate: int) -> dict:
 def wire_bytes(method: str, tokens: int, d_model: int, n: int) -> float:
   """Bytes each rank sends per row-parallel all-reduce of ``tokens`` x ``d_model``."""
   import dynamiq_jax as dq
-  from dynamiq_jax.buckets import report
+  from dynamiq_jax.engine.buckets import report
   kind, what, _ = parse_method(method)
   d = tokens * d_model
   if kind == "psum":

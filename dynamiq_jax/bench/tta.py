@@ -156,7 +156,7 @@ class Trainer:
     from flax import nnx
 
     from dynamiq_jax.bench import lm
-    from dynamiq_jax.train import is_per_rank
+    from dynamiq_jax.training.train import is_per_rank
     _, state = nnx.split(lm.CharTransformer(self.lcfg, seed=seed), nnx.Param)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
     opt = jax.tree.map(np.asarray, self.tx.init(params))
@@ -244,7 +244,7 @@ def wire(cfg: dict, label: str) -> dict:
                      codec=dq.codec_from_name(name, **options), n=n, schedule=schedule)
   extra = 0.0  # the replicas' averaging: f32 parameters to the group mates, per round
   if every:
-    from dynamiq_jax.moshpit import replica_bytes_per_rank
+    from dynamiq_jax.engine.moshpit import replica_bytes_per_rank
     extra = replica_bytes_per_rank(jax.ShapeDtypeStruct((d,), jnp.float32),
                                    schedule.plan(n)) / every
   return {"params": d, "bits_per_coord": float(st.bits_per_coord),
@@ -259,7 +259,7 @@ def _replicas(options: dict):
 
 
 def _average_replicas(options: dict, every: int):
-  from dynamiq_jax.moshpit import average_replicas
+  from dynamiq_jax.engine.moshpit import average_replicas
   from dynamiq_jax.registry import moshpit_options
   schedule, _, _ = moshpit_options(options)
   return average_replicas("data", schedule=schedule, seed=0, every=every)

@@ -1,7 +1,7 @@
 """DynamiQ's statistics all-reduce (:class:`SupergroupStats`) and a bucket's key tables.
 
 Each super-group's local mean and residual norm are summed over the ranks in
-two collectives (the engine's :func:`~dynamiq_jax.engine.combine_metadata`),
+two collectives (the engine's :func:`~dynamiq_jax.engine.programs.combine_metadata`),
 carried by this codec; :class:`DynamiQKeyTables` are the keys DynamiQ derives
 once per bucket for its hops and for these statistics.
 """

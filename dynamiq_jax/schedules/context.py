@@ -89,7 +89,7 @@ def _unbound(axis_name) -> UnboundAxisError:
       f"that axis. Plain jax.jit over NamedSharding-ed arrays binds no axis name (XLA "
       f"partitions the program itself and would insert its own full-precision all-reduce). "
       f"Fix: build the step with dynamiq_jax.data_parallel_step(loss_fn, tx, mesh=mesh, "
-      f"axis_name={name!r}) (dynamiq_jax.nnx.DataParallel for Flax NNX models), or wrap "
+      f"axis_name={name!r}) (dynamiq_jax.training.nnx.DataParallel for Flax NNX models), or wrap "
       f"the per-rank part yourself: jax.jit(jax.shard_map(step, mesh=mesh, in_specs=..., "
       f"out_specs=...)) with a mesh that has the axis {name!r}, or "
       f"jax.pmap(..., axis_name={name!r}); or pass the axis name your mesh actually uses.")

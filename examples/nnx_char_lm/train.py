@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dynamiq_jax.nnx import DataParallel
+from dynamiq_jax.training.nnx import DataParallel
 from .. import datasets
 from .. import reduction
 from .config import Config

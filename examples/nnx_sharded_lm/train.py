@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dynamiq_jax as dq
-from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE
 
 VOCAB = 256  # bytes
 

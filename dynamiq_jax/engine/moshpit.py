@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dynamiq_jax import engine
-from dynamiq_jax.buckets import AllReduceStats, bucket_codec, report
+from dynamiq_jax.engine import programs as engine
+from dynamiq_jax.engine.buckets import AllReduceStats, bucket_codec, report
 from dynamiq_jax.codecs.base import Bucket, Codec, Keys
 from dynamiq_jax.schedules.context import axis_context
 from dynamiq_jax.schedules.moshpit import MoshpitPlan, as_moshpit, is_moshpit
@@ -120,7 +120,7 @@ class MoshpitRounds:
   """One bucket's Moshpit averaging: every round of ``plan`` in turn.
 
   ``program(x, after, words, index, present) ->``
-  :class:`~dynamiq_jax.engine.BucketResult` (``out``, ``sent``): ``x`` the bucket's
+  :class:`~dynamiq_jax.engine.programs.BucketResult` (``out``, ``sent``): ``x`` the bucket's
   float32 data, ``present`` this rank's presence per round (float32 ``[rounds]``:
   :func:`presence`), ``out`` its value after the last round.
   """

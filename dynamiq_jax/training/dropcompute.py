@@ -55,15 +55,15 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynamiq_jax.thresholds import DropCompute
-from dynamiq_jax.thresholds import ThresholdChoice
-from dynamiq_jax.thresholds import ThresholdController
-from dynamiq_jax.thresholds import choose_threshold
-from dynamiq_jax.thresholds import finished_mask
-from dynamiq_jax.thresholds import throughput
-from dynamiq_jax.train import opt_state_specs
-from dynamiq_jax.train import as_varying
-from dynamiq_jax.train import is_per_rank
+from dynamiq_jax.training.thresholds import DropCompute
+from dynamiq_jax.training.thresholds import ThresholdChoice
+from dynamiq_jax.training.thresholds import ThresholdController
+from dynamiq_jax.training.thresholds import choose_threshold
+from dynamiq_jax.training.thresholds import finished_mask
+from dynamiq_jax.training.thresholds import throughput
+from dynamiq_jax.training.train import opt_state_specs
+from dynamiq_jax.training.train import as_varying
+from dynamiq_jax.training.train import is_per_rank
 
 __all__ = [
     "DropCompute", "DropComputeStats", "ThresholdChoice", "ThresholdController",

@@ -20,26 +20,26 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynamiq_jax import lossy
-from dynamiq_jax.data_axes import data_dims
-from dynamiq_jax.data_axes import data_entry
-from dynamiq_jax.data_axes import data_parallel_init
-from dynamiq_jax.data_axes import gather_params
-from dynamiq_jax.data_axes import is_per_rank
-from dynamiq_jax.data_axes import is_spec
-from dynamiq_jax.data_axes import mean_over
-from dynamiq_jax.data_axes import mesh_spec
-from dynamiq_jax.data_axes import only_axes
-from dynamiq_jax.data_axes import opt_state_specs
-from dynamiq_jax.data_axes import per_rank_copies
-from dynamiq_jax.data_axes import zero_shardings
-from dynamiq_jax.step_checks import check_model_state_specs
-from dynamiq_jax.step_checks import check_per_rank
-from dynamiq_jax.step_checks import check_replicated
-from dynamiq_jax.step_checks import check_shard_updates
-from dynamiq_jax.step_checks import check_state_shared
-from dynamiq_jax.step_checks import expected_returns
-from dynamiq_jax.step_checks import settle_model_state
+from dynamiq_jax.training import lossy
+from dynamiq_jax.training.data_axes import data_dims
+from dynamiq_jax.training.data_axes import data_entry
+from dynamiq_jax.training.data_axes import data_parallel_init
+from dynamiq_jax.training.data_axes import gather_params
+from dynamiq_jax.training.data_axes import is_per_rank
+from dynamiq_jax.training.data_axes import is_spec
+from dynamiq_jax.training.data_axes import mean_over
+from dynamiq_jax.training.data_axes import mesh_spec
+from dynamiq_jax.training.data_axes import only_axes
+from dynamiq_jax.training.data_axes import opt_state_specs
+from dynamiq_jax.training.data_axes import per_rank_copies
+from dynamiq_jax.training.data_axes import zero_shardings
+from dynamiq_jax.training.step_checks import check_model_state_specs
+from dynamiq_jax.training.step_checks import check_per_rank
+from dynamiq_jax.training.step_checks import check_replicated
+from dynamiq_jax.training.step_checks import check_shard_updates
+from dynamiq_jax.training.step_checks import check_state_shared
+from dynamiq_jax.training.step_checks import expected_returns
+from dynamiq_jax.training.step_checks import settle_model_state
 from dynamiq_jax.schedules.context import as_varying
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
@@ -196,7 +196,7 @@ def data_parallel_step(loss_fn: Callable[..., Any], tx: optax.GradientTransforma
       at index r (:func:`per_rank_copies` makes them from one copy). Without it,
       such a reduction raises a ValueError rather than let replicas drift.
     packet_loss: a :class:`~dynamiq_jax.PacketLoss`: training over lossy links
-      (:mod:`dynamiq_jax.lossy`), with ``per_rank=True`` and one data axis. Each
+      (:mod:`dynamiq_jax.training.lossy`), with ``per_rank=True`` and one data axis. Each
       rank owns a shard of every large leaf: ``tx`` starts with
       ``dq.compressed_psum_scatter(schedule="two_step", packet_loss=...)`` and
       gets that shard (``dq.lossy_init`` makes the replicas and each rank's

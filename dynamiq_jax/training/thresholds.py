@@ -1,6 +1,6 @@
 """DropCompute's threshold: the stop rule, the expected throughput, and how it is chosen.
 
-Host-side policy of :mod:`dynamiq_jax.dropcompute` (numpy only, no device
+Host-side policy of :mod:`dynamiq_jax.training.dropcompute` (numpy only, no device
 code): :func:`finished_mask` applies the stop rule to a matrix of
 micro-batch times, :func:`throughput` is what a threshold buys,
 :func:`choose_threshold` picks the best one from measured steps, and

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dynamiq_jax import moshpit
-from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE, DEFAULT_MAX_BUCKETS, bucket_layout
+from dynamiq_jax.engine import moshpit
+from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE, DEFAULT_MAX_BUCKETS, bucket_layout
 from dynamiq_jax.codec_names import resolve_codec
 from dynamiq_jax.codecs.base import Codec
 from dynamiq_jax.schedules.context import axis_names
@@ -23,7 +23,7 @@ from dynamiq_jax.schedules.loss import PacketLoss
 from dynamiq_jax.schedules.moshpit import is_moshpit
 from dynamiq_jax.schedules.names import FLAT_SCHEDULES, HIERARCHICAL, SCATTER_SCHEDULES
 from dynamiq_jax.schedules.names import SCHEDULES, check_schedule
-from dynamiq_jax.stacked import check_stateless
+from dynamiq_jax.engine.stacked import check_stateless
 
 __all__ = ["ReduceOptions", "ERROR_FEEDBACK", "feedback_mode"]
 

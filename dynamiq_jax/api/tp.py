@@ -39,8 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dynamiq_jax import engine
-from dynamiq_jax.buckets import bucket_codec
+from dynamiq_jax.engine import programs as engine
+from dynamiq_jax.engine.buckets import bucket_codec
 from dynamiq_jax.codecs.base import Bucket, Codec, round_up
 from dynamiq_jax.codecs.intgroup import IntGroup
 from dynamiq_jax.codec_names import resolve_codec

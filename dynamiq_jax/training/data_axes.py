@@ -5,7 +5,7 @@ Partition specs over the data axes, the placement of optimizer state
 (:func:`data_parallel_init`), of parameters split over the data axes
 (:func:`zero_shardings`) and of per-rank copies (:func:`per_rank_copies`);
 the exact mean over the data axes and the all-gather of split parameters.
-:mod:`dynamiq_jax.train` builds the step from these.
+:mod:`dynamiq_jax.training.train` builds the step from these.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from jax.sharding import PartitionSpec as P
 from dynamiq_jax.schedules.context import as_varying
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.local import strip_axes
+from dynamiq_jax.api.transform import PerRank
+from dynamiq_jax.api.scatter import scatter_dimensions
+from dynamiq_jax.schedules.context import varying_axes
 
 __all__ = [
     "is_per_rank", "data_entry", "is_spec", "mesh_spec", "only_axes", "data_dims",
@@ -29,9 +32,8 @@ __all__ = [
 
 
 def is_per_rank(x):
-  """Whether ``x`` is a :class:`~dynamiq_jax.transform.PerRank` part of an optimizer
+  """Whether ``x`` is a :class:`~dynamiq_jax.api.transform.PerRank` part of an optimizer
   state (one value per rank, e.g. the error-feedback residual)."""
-  from dynamiq_jax.transform import PerRank
   return isinstance(x, PerRank)
 
 
@@ -160,7 +162,6 @@ def zero_shardings(params, *, mesh, axis_name="data", min_size: int = 1024):
     A pytree of ``NamedSharding`` shaped like ``params``
     (``jax.device_put(params, zero_shardings(params, mesh=mesh))``).
   """
-  from dynamiq_jax.scatter import scatter_dimensions
   axes = axis_names(axis_name)
   n = int(np.prod([mesh.shape[a] for a in axes]))
   specs = jax.tree.map(lambda p: mesh_spec(p, mesh), params)
@@ -186,7 +187,6 @@ def mean_over(x, axes):
 
 
 def _checked(axis) -> bool:
-  from dynamiq_jax.schedules.context import varying_axes
   return bool(set(axis_names(axis)) <= varying_axes(jax.lax.axis_index(axis)))
 
 

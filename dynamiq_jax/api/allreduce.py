@@ -4,9 +4,9 @@ Call it inside ``jax.shard_map``, ``jax.pmap`` or ``jax.vmap`` over
 ``axis_name``. The leaves (any float dtypes, any shapes), in the order the
 backward pass produces them (the reverse of the pytree's leaf order, unless
 ``leaf_order`` says otherwise), are laid end to end and cut into buckets of
-equal size (:func:`~dynamiq_jax.buckets.bucket_layout`). Each bucket is
+equal size (:func:`~dynamiq_jax.engine.buckets.bucket_layout`). Each bucket is
 all-reduced by the codec on the schedule on its own
-(:class:`dynamiq_jax.engine.AllReduce`): its guard, metadata pass, payload
+(:class:`dynamiq_jax.engine.programs.AllReduce`): its guard, metadata pass, payload
 ring and finish depend only on its own data, so the all-reduce of the last
 layers' gradients can start while the backward pass still computes the
 first layers'. The results are cut back into leaves of the original shapes
@@ -24,29 +24,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynamiq_jax import engine
-from dynamiq_jax import moshpit
-from dynamiq_jax import stacked as loops
+from dynamiq_jax.engine import programs as engine
+from dynamiq_jax.engine import moshpit
+from dynamiq_jax.engine import stacked as loops
 from dynamiq_jax._renamed import UNSET, renamed
 from dynamiq_jax._sizes import ceil_div
-from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
-from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
-from dynamiq_jax.buckets import AllReduceStats
-from dynamiq_jax.buckets import Segment
-from dynamiq_jax.buckets import bucket_layout
-from dynamiq_jax.buckets import bucket_sizes
-from dynamiq_jax.buckets import check_leaves
-from dynamiq_jax.buckets import check_varying
-from dynamiq_jax.buckets import error_total
-from dynamiq_jax.buckets import flat_specs
-from dynamiq_jax.buckets import layout_coords
-from dynamiq_jax.buckets import pack
-from dynamiq_jax.buckets import relative
-from dynamiq_jax.buckets import resolve_leaf_order
-from dynamiq_jax.buckets import report
-from dynamiq_jax.buckets import unpack
+from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.engine.buckets import DEFAULT_MAX_BUCKETS
+from dynamiq_jax.engine.buckets import AllReduceStats
+from dynamiq_jax.engine.buckets import Segment
+from dynamiq_jax.engine.buckets import bucket_layout
+from dynamiq_jax.engine.buckets import bucket_sizes
+from dynamiq_jax.engine.buckets import check_leaves
+from dynamiq_jax.engine.buckets import check_varying
+from dynamiq_jax.engine.buckets import error_total
+from dynamiq_jax.engine.buckets import flat_specs
+from dynamiq_jax.engine.buckets import layout_coords
+from dynamiq_jax.engine.buckets import pack
+from dynamiq_jax.engine.buckets import relative
+from dynamiq_jax.engine.buckets import resolve_leaf_order
+from dynamiq_jax.engine.buckets import report
+from dynamiq_jax.engine.buckets import unpack
 from dynamiq_jax.codec_names import resolve_codec
-from dynamiq_jax.options import ReduceOptions
+from dynamiq_jax.engine.options import ReduceOptions
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.local import local_specs, model_axes
@@ -135,7 +135,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key=None, seed:
       one re-encode, one all-gather: every value encoded twice whatever n),
       ``"hierarchical"``, or Moshpit averaging: ``"moshpit"`` or
       ``dq.Moshpit(grid=..., rounds=..., dropout=..., shuffle=...)``
-      (:mod:`dynamiq_jax.moshpit`: rounds of group all-reduces on a virtual
+      (:mod:`dynamiq_jax.engine.moshpit`: rounds of group all-reduces on a virtual
       grid; stateless codecs, one axis; results differ between ranks where
       some were absent).
     key: a ``jax.random`` key, identical on every rank (it seeds the shared
@@ -174,7 +174,7 @@ def allreduce(tree, *, axis_name, codec, schedule: str = "ring", key=None, seed:
       (every leaf below it, e.g. ``"layers"``) or a callable ``(path, leaf)
       -> bool``. The gradient is then reduced in loops of equal buckets,
       stacked leaves layer by layer, then the others
-      (:mod:`dynamiq_jax.stacked`): XLA compiles the bucket program once
+      (:mod:`dynamiq_jax.engine.stacked`): XLA compiles the bucket program once
       instead of once per bucket, and nothing overlaps the backward
       pass (a scanned model's gradient arrives at once, at the end of its
       backward loop). ``bucket_size`` bounds a bucket; ``max_buckets`` and
@@ -265,7 +265,7 @@ def allreduce_local(tree, opts: ReduceOptions, *, key, leaf_order, codec_state=N
   squared error and the squared norm of the result, or ``(estimate, None)`` where the
   estimate is final (one rank, or an empty tree). ``leaf_order``: the options' (or, for
   a group of the leaves, theirs); ``stacked``: None, or which leaves are stacked (a flag
-  per leaf): the loops of :mod:`dynamiq_jax.stacked`."""
+  per leaf): the loops of :mod:`dynamiq_jax.engine.stacked`."""
   codec, bucket_size, max_buckets = opts.codec, opts.bucket_size, opts.max_buckets
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   arrays = [jnp.asarray(leaf) for leaf in leaves]
@@ -329,7 +329,7 @@ def loop_stats(shapes, flags, codec, n: int, bucket_size: int) -> AllReduceStats
 
 def _looped(arrays, treedef, flags, opts: ReduceOptions, *, key):
   """:func:`allreduce_local` with ``stacked``: every group of leaves in loops
-  (:mod:`dynamiq_jax.stacked`)."""
+  (:mod:`dynamiq_jax.engine.stacked`)."""
   codec, bucket_size, return_own = opts.codec, opts.bucket_size, opts.return_own
   n = axis_context(opts.axis_name).n
   get_plan(opts.schedule, n)  # its size fits the schedule, before tracing any bucket
@@ -364,7 +364,7 @@ def hierarchical_share(d: int, codec, fast: int) -> int:
 
 def _hierarchical(arrays, treedef, layout, opts: ReduceOptions, *, key):
   """``schedule="hierarchical"`` (see :mod:`dynamiq_jax.schedules.hierarchical`), bucket by
-  bucket (:class:`dynamiq_jax.engine.Hierarchical`)."""
+  bucket (:class:`dynamiq_jax.engine.programs.Hierarchical`)."""
   codec = opts.codec
   slow, fast = axis_names(opts.axis_name)
   fast_ctx, slow_ctx = axis_context(fast), axis_context(slow)
@@ -389,8 +389,8 @@ def _hierarchical(arrays, treedef, layout, opts: ReduceOptions, *, key):
 
 
 def _moshpit(arrays, treedef, layout, opts: ReduceOptions, *, key, absent):
-  """Moshpit averaging (:mod:`dynamiq_jax.moshpit`), bucket by bucket: each bucket's
-  rounds are one bucket program (:class:`dynamiq_jax.moshpit.MoshpitRounds`)."""
+  """Moshpit averaging (:mod:`dynamiq_jax.engine.moshpit`), bucket by bucket: each bucket's
+  rounds are one bucket program (:class:`dynamiq_jax.engine.moshpit.MoshpitRounds`)."""
   codec, schedule = opts.codec, opts.schedule
   ctx = axis_context(opts.axis_name)
   xs = [pack(arrays, segs, None) for segs in layout]  # the rounds take means themselves

@@ -1,6 +1,6 @@
 """The guard of every bucket: the ranks agree on non-finite values and on a power-of-two
 scale before a codec sees the bucket (:func:`guard`), and the codec's result is put back
-in input units (:func:`unguard`). :mod:`dynamiq_jax.engine` runs them around each bucket
+in input units (:func:`unguard`). :mod:`dynamiq_jax.engine.programs` runs them around each bucket
 program; Moshpit and tensor parallelism call them directly."""
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 
 from dynamiq_jax._renamed import UNSET, renamed
-from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
-from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
-from dynamiq_jax.allreduce import HIERARCHICAL
-from dynamiq_jax.allreduce import run_allreduce
-from dynamiq_jax.options import ReduceOptions
+from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.engine.buckets import DEFAULT_MAX_BUCKETS
+from dynamiq_jax.api.allreduce import HIERARCHICAL
+from dynamiq_jax.api.allreduce import run_allreduce
+from dynamiq_jax.engine.options import ReduceOptions
 
 __all__ = ["simulate", "SIM_AXIS"]
 

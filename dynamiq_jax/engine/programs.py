@@ -2,7 +2,7 @@
 
 :func:`dynamiq_jax.allreduce`, :func:`dynamiq_jax.reduce_scatter`, their
 hierarchical forms and ``simulate`` cut the gradient into buckets
-(:mod:`dynamiq_jax.buckets`) and hand them to :func:`reduce_buckets`, which
+(:mod:`dynamiq_jax.engine.buckets`) and hand them to :func:`reduce_buckets`, which
 reduces them one after another, each by a *bucket program*:
 
 * :class:`AllReduce`: the guard, the codec's metadata pass, the payload's
@@ -45,13 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from dynamiq_jax.buckets import AllReduceStats, bucket_codec, group_keys, group_order, relative
-from dynamiq_jax.buckets import sum_stats
+from dynamiq_jax.engine.buckets import AllReduceStats, bucket_codec, group_keys, group_order, relative
+from dynamiq_jax.engine.buckets import sum_stats
 from dynamiq_jax.codecs import base as codec_base
 from dynamiq_jax.codecs.base import Bucket, Codec, Keys, bucket_key_states
 from dynamiq_jax.codecs.base import key_rows, tables_from_flat
-from dynamiq_jax.guard import SAFE_EXPONENT, guard, guard_metadata, guard_votes, guarded
-from dynamiq_jax.guard import unguard
+from dynamiq_jax.engine.guard import SAFE_EXPONENT, guard, guard_metadata, guard_votes, guarded
+from dynamiq_jax.engine.guard import unguard
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import AxisContext, axis_context
 from dynamiq_jax.schedules.executor import HopOps, Lossy, decode_all, gather_payloads
@@ -76,7 +76,7 @@ class BucketResult(NamedTuple):
   gathered payloads, which wait for the decode anyway, or one value of a result);
   ``state`` the codec's new state (:class:`AllReduce`); ``own`` this rank's contribution
   as the codec represented it (``return_own``); ``err`` the estimated squared error, a
-  float32 scalar or terms whose sum it is (:func:`~dynamiq_jax.buckets.error_total`),
+  float32 scalar or terms whose sum it is (:func:`~dynamiq_jax.engine.buckets.error_total`),
   NaN where the codec makes none; ``ref`` the reduced share's squared norm
   (:class:`Hierarchical`).
   """
@@ -492,7 +492,7 @@ def _split_static(tree):
 def wire_loop(bucket, count: int, program, *, key):
   """The collectives of ``count`` equal buckets, one after another in a ``scan``
   (``program.wire``, compiled once whatever the number of buckets): the first of the
-  two loops of :mod:`dynamiq_jax.stacked`, whose buckets do not overlap the backward
+  two loops of :mod:`dynamiq_jax.engine.stacked`, whose buckets do not overlap the backward
   pass. ``bucket(b)`` makes bucket ``b`` (traced index) from the gradient, inside the
   loop.
 
@@ -554,7 +554,7 @@ def run_sharded(reduce_local, tree, treedef, local, key, *, leaf_order, return_o
   its own, ``reduce_local(leaves, idx, key=, leaf_order=) -> (leaves, stats, err,
   ref)`` (``idx``: the group's leaf indices), inside a ``shard_map`` manual over
   every mesh axis (:func:`~dynamiq_jax.schedules.local.run_on_local_shards`), with
-  a key of its own (:func:`~dynamiq_jax.buckets.group_keys`). The error estimate
+  a key of its own (:func:`~dynamiq_jax.engine.buckets.group_keys`). The error estimate
   counts each coordinate once (summed over its shards only); it is NaN where
   ``scattered`` (no estimate for a reduce-scatter), ``no_estimate`` where no
   group gave one.

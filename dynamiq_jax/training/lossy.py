@@ -30,10 +30,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dynamiq_jax.scatter import scatter_dimensions
+from dynamiq_jax.api.scatter import scatter_dimensions
 from dynamiq_jax.schedules.context import axis_names
+from dynamiq_jax.training.data_axes import per_rank_copies
 from dynamiq_jax.schedules.loss import BROADCAST_HOP, PacketLoss, loss_key
-from dynamiq_jax.transform import CompressedPsumState
+from dynamiq_jax.api.transform import CompressedPsumState
 
 __all__ = ["MIN_SIZE", "owner_dims", "owner_shard", "lossy_init", "broadcast_key",
            "lossy_broadcast", "check_lossy_step"]
@@ -69,8 +70,6 @@ def lossy_init(tx, params, *, mesh, axis_name="data"):
   dims = owner_dims(params, n)
   states = [tx.init(treedef.unflatten([owner_shard(jnp.asarray(a), d, r, n)
                                        for a, d in zip(leaves, dims)])) for r in range(n)]
-  # here, not at the top: dynamiq_jax.train imports this module
-  from dynamiq_jax.train import per_rank_copies  # pylint: disable=import-outside-toplevel
   stacked = jax.tree.map(lambda *s: jnp.stack(s), *states)
   return (per_rank_copies(params, mesh=mesh, axis_name=names[0]),
           jax.device_put(stacked, NamedSharding(mesh, P(names[0]))))

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import optax
 
 from dynamiq_jax._renamed import UNSET, renamed
-from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
-from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
-from dynamiq_jax.allreduce import init_codec_state
-from dynamiq_jax.allreduce import run_allreduce
+from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.engine.buckets import DEFAULT_MAX_BUCKETS
+from dynamiq_jax.api.allreduce import init_codec_state
+from dynamiq_jax.api.allreduce import run_allreduce
 from dynamiq_jax.codecs.dynamiq import DynamiQ
-from dynamiq_jax.options import ERROR_FEEDBACK, ReduceOptions, feedback_mode
-from dynamiq_jax.scatter import run_reduce_scatter
+from dynamiq_jax.engine.options import ERROR_FEEDBACK, ReduceOptions, feedback_mode
+from dynamiq_jax.api.scatter import run_reduce_scatter
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import axis_size
 
@@ -201,7 +201,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
       leading axis of layers: a pytree key's name (e.g. ``"layers"``) or a
       callable ``(path, leaf) -> bool``; the gradient is then reduced in
       loops, its bucket program compiled once
-      (:func:`dynamiq_jax.allreduce`, :mod:`dynamiq_jax.stacked`).
+      (:func:`dynamiq_jax.allreduce`, :mod:`dynamiq_jax.engine.stacked`).
     packet_loss: a :class:`~dynamiq_jax.PacketLoss` with ``schedule="two_step"``: the
       reduce step loses packets and each chunk's sum is estimated without bias
       from those that arrived (:func:`dynamiq_jax.allreduce`); simulated.

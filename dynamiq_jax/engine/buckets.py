@@ -2,7 +2,7 @@
 
 Written once for every reduction of the library (:func:`dynamiq_jax.allreduce`,
 :func:`dynamiq_jax.reduce_scatter`, their hierarchical forms, ``simulate`` and
-the wire accounting); :mod:`dynamiq_jax.engine` reduces the buckets.
+the wire accounting); :mod:`dynamiq_jax.engine.programs` reduces the buckets.
 
 * **Layout** (:func:`bucket_layout`): the leaves in the order the backward pass
   produces them, end to end, cut into buckets of one size (the last padded with

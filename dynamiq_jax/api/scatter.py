@@ -41,29 +41,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynamiq_jax import engine
+from dynamiq_jax.engine import programs as engine
 from dynamiq_jax._renamed import UNSET, renamed
 from dynamiq_jax._sizes import round_up
-from dynamiq_jax.allreduce import HIERARCHICAL
-from dynamiq_jax.allreduce import allreduce_local
-from dynamiq_jax.allreduce import hierarchical_share
-from dynamiq_jax.allreduce import wire_stats
-from dynamiq_jax.buckets import DEFAULT_BUCKET_SIZE
-from dynamiq_jax.buckets import DEFAULT_MAX_BUCKETS
-from dynamiq_jax.buckets import AllReduceStats
-from dynamiq_jax.buckets import bucket_layout
-from dynamiq_jax.buckets import bucket_sizes
-from dynamiq_jax.buckets import check_leaves
-from dynamiq_jax.buckets import check_varying
-from dynamiq_jax.buckets import flat_specs
-from dynamiq_jax.buckets import relative
-from dynamiq_jax.buckets import PADDING
-from dynamiq_jax.buckets import report
-from dynamiq_jax.buckets import resolve_leaf_order
-from dynamiq_jax.buckets import scatter_report
-from dynamiq_jax.buckets import sum_stats
+from dynamiq_jax.api.allreduce import HIERARCHICAL
+from dynamiq_jax.api.allreduce import allreduce_local
+from dynamiq_jax.api.allreduce import hierarchical_share
+from dynamiq_jax.api.allreduce import wire_stats
+from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE
+from dynamiq_jax.engine.buckets import DEFAULT_MAX_BUCKETS
+from dynamiq_jax.engine.buckets import AllReduceStats
+from dynamiq_jax.engine.buckets import bucket_layout
+from dynamiq_jax.engine.buckets import bucket_sizes
+from dynamiq_jax.engine.buckets import check_leaves
+from dynamiq_jax.engine.buckets import check_varying
+from dynamiq_jax.engine.buckets import flat_specs
+from dynamiq_jax.engine.buckets import relative
+from dynamiq_jax.engine.buckets import PADDING
+from dynamiq_jax.engine.buckets import report
+from dynamiq_jax.engine.buckets import resolve_leaf_order
+from dynamiq_jax.engine.buckets import scatter_report
+from dynamiq_jax.engine.buckets import sum_stats
 from dynamiq_jax.codec_names import resolve_codec
-from dynamiq_jax.options import ReduceOptions
+from dynamiq_jax.engine.options import ReduceOptions
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.names import SCATTER_SCHEDULES, check_schedule
 from dynamiq_jax.schedules.local import local_specs

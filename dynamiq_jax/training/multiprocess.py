@@ -10,7 +10,7 @@ shard with :func:`global_batch`.
 Launch example (two processes on one machine; on a cluster use the first
 host's address and one process per host)::
 
-    python -m dynamiq_jax.multiprocess --check --num-processes 2   # spawns both
+    python -m dynamiq_jax.training.multiprocess --check --num-processes 2   # spawns both
 
 or, per process::
 
@@ -265,11 +265,13 @@ def _check(args) -> None:
   import numpy as np
   from jax.sharding import PartitionSpec as P
 
-  import dynamiq_jax as dq
+  from dynamiq_jax.api.allreduce import allreduce
+  from dynamiq_jax.api.simulate import simulate
+  from dynamiq_jax.codec_names import codec_from_name
   from dynamiq_jax.synthetic import paper_model_gradients
 
   n = jax.device_count()
-  codec = dq.codec_from_name(args.codec)
+  codec = codec_from_name(args.codec)
   grads = paper_model_gradients("iid", n, args.d, args.data_seed).astype(np.float32)
   mesh = jax.make_mesh((n,), ("data",), devices=jax.devices())
   per = args.local_devices
@@ -279,8 +281,8 @@ def _check(args) -> None:
   @jax.jit
   def run(x):
     def body(g):
-      out, stats = dq.allreduce(g[0], axis_name="data", codec=codec, schedule=args.schedule,
-                                key=jax.random.key(args.seed))
+      out, stats = allreduce(g[0], axis_name="data", codec=codec, schedule=args.schedule,
+                             key=jax.random.key(args.seed))
       return out[None]
     return jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(x)
 
@@ -289,7 +291,7 @@ def _check(args) -> None:
   out = run(x)
   mine = np.concatenate([np.asarray(s.data) for s in out.addressable_shards])
   if args.compare:
-    expected = np.asarray(dq.simulate(grads, codec=codec, schedule=args.schedule, seed=args.seed))
+    expected = np.asarray(simulate(grads, codec=codec, schedule=args.schedule, seed=args.seed))
     expected = expected[jax.process_index() * per:(jax.process_index() + 1) * per]
     same = bool(np.array_equal(mine.view(np.uint32), expected.view(np.uint32)))
     print(f"rank {jax.process_index()}: {n} workers, {args.codec} {args.schedule}: "
@@ -301,7 +303,7 @@ def _check(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
   """The ``--check`` entry point's flags (``--help`` shows each with its default)."""
-  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.multiprocess",
+  p = argparse.ArgumentParser(prog="python -m dynamiq_jax.training.multiprocess",
                               description="Checks a multi-process all-reduce against simulate.",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--check", action="store_true",
@@ -338,7 +340,7 @@ def main(argv=None):
     _check(args)
     return
   coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
-  base = [sys.executable, "-m", "dynamiq_jax.multiprocess", "--check",
+  base = [sys.executable, "-m", "dynamiq_jax.training.multiprocess", "--check",
           "--coordinator", coordinator, "--num-processes", str(args.num_processes),
           "--local-devices", str(args.local_devices), "--codec", args.codec,
           "--schedule", args.schedule, "--d", str(args.d), "--seed", str(args.seed),

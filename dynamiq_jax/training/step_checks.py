@@ -12,11 +12,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dynamiq_jax.data_axes import data_dims
-from dynamiq_jax.data_axes import data_entry
-from dynamiq_jax.data_axes import is_spec
-from dynamiq_jax.data_axes import mean_over
+from dynamiq_jax.training.data_axes import data_dims
+from dynamiq_jax.training.data_axes import data_entry
+from dynamiq_jax.training.data_axes import is_spec
+from dynamiq_jax.training.data_axes import mean_over
 from dynamiq_jax.schedules.context import axis_names
+from dynamiq_jax.schedules.context import varying_axes
 
 __all__ = [
     "expected_returns", "check_model_state_specs", "settle_model_state", "check_per_rank",
@@ -42,7 +43,6 @@ def check_model_state_specs(mstate_specs, axes):
 def settle_model_state(new, old, mode, axes):
   """The new model state, the same on every rank: checked (``True``) or averaged
   (``"mean"``)."""
-  from dynamiq_jax.schedules.context import varying_axes
   if jax.tree.structure(new) != jax.tree.structure(old):
     raise ValueError(
         f"loss_fn returned a new model state of structure {jax.tree.structure(new)} for one "
@@ -86,7 +86,6 @@ def check_per_rank(spec_leaves, axes):
 def check_replicated(updates, axes, update, args):
   """Replicated parameters need updates every rank shares. ``update(*args)`` is the chain's
   update, traced again only to tell a missing reduction from a per-rank one."""
-  from dynamiq_jax.schedules.context import varying_axes
   for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
     if set(axes) & varying_axes(u):
       name = jax.tree_util.keystr(path)
@@ -135,7 +134,6 @@ def _flat_axes(names) -> tuple:
 def check_state_shared(opt_state, data_state, axes):
   """The optimizer state replicated over the data axes must stay the same on every rank: a
   reduction that is not first in the chain leaves the transforms before it per-rank."""
-  from dynamiq_jax.schedules.context import varying_axes
   specs = jax.tree.leaves(data_state, is_leaf=is_spec)
   leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
   if len(specs) != len(leaves):

@@ -60,18 +60,18 @@ from jax.sharding import PartitionSpec as P
 from dynamiq_jax.schedules.context import axis_names
 from dynamiq_jax.schedules.context import varying_axes
 from dynamiq_jax.schedules.local import strip_axes
-from dynamiq_jax.step_checks import check_replicated
-from dynamiq_jax.train import SyncedStep
-from dynamiq_jax.train import data_dims
-from dynamiq_jax.train import data_entry
-from dynamiq_jax.train import gather_params
-from dynamiq_jax.train import is_per_rank
-from dynamiq_jax.train import is_spec
-from dynamiq_jax.train import mean_over
-from dynamiq_jax.train import mesh_spec
-from dynamiq_jax.train import only_axes
-from dynamiq_jax.train import partial_manual
-from dynamiq_jax.train import resolve_sync_every
+from dynamiq_jax.training.step_checks import check_replicated
+from dynamiq_jax.training.train import SyncedStep
+from dynamiq_jax.training.train import data_dims
+from dynamiq_jax.training.train import data_entry
+from dynamiq_jax.training.train import gather_params
+from dynamiq_jax.training.train import is_per_rank
+from dynamiq_jax.training.train import is_spec
+from dynamiq_jax.training.train import mean_over
+from dynamiq_jax.training.train import mesh_spec
+from dynamiq_jax.training.train import only_axes
+from dynamiq_jax.training.train import partial_manual
+from dynamiq_jax.training.train import resolve_sync_every
 
 __all__ = ["DataParallel"]
 
@@ -313,7 +313,7 @@ class DataParallel:
       donate: donate the state buffers to the step.
       sync_every: wait for the results every this many steps (0: never);
         ``None`` means after every step on a CPU mesh
-        (:data:`dynamiq_jax.train.CPU_SYNC_EVERY`: XLA's CPU collectives can
+        (:data:`dynamiq_jax.training.train.CPU_SYNC_EVERY`: XLA's CPU collectives can
         deadlock when many steps are queued) and never elsewhere.
 
     Returns:

@@ -27,9 +27,9 @@ that XLA compiles the bucket program once:
 Between the two loops wait the gathered payloads (about the codec's bits per
 coordinate), not float32 results: the stacked gradient is read by the first
 loop and the results are written by the second, into a buffer made after it
-(:func:`~dynamiq_jax.engine.zeros_after`), so the two are not alive at once.
+(:func:`~dynamiq_jax.engine.programs.zeros_after`), so the two are not alive at once.
 Bucket ``b`` of the loop (the stacked leaves' first) is keyed by ``b``, as
-:func:`~dynamiq_jax.engine.reduce_buckets` keys its buckets. Flat schedules
+:func:`~dynamiq_jax.engine.programs.reduce_buckets` keys its buckets. Flat schedules
 (``"ring"``, ``"butterfly"``) and stateless codecs only.
 """
 
@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dynamiq_jax import engine
+from dynamiq_jax.engine import programs as engine
 from dynamiq_jax._sizes import ceil_div, round_up
-from dynamiq_jax.buckets import Segment, pack
+from dynamiq_jax.engine.buckets import Segment, pack
 
 __all__ = ["check_stateless", "stacked_flags", "loop_bucket", "loop_sizes", "reduce_stacked"]
 
@@ -158,7 +158,7 @@ def _cut(flat, like):
 
 
 def _flat(arrays, n_divide):
-  """``arrays`` end to end as one float32 vector (:func:`~dynamiq_jax.buckets.pack`)."""
+  """``arrays`` end to end as one float32 vector (:func:`~dynamiq_jax.engine.buckets.pack`)."""
   return pack(arrays, [Segment(i, 0, a.size) for i, a in enumerate(arrays)], n_divide)
 
 
@@ -219,9 +219,9 @@ def _unpack(rows, arrays, flags, layers: int, per_layer: int):
 
 def reduce_stacked(arrays, flags, program, *, key, size: int, n_divide: int | None):
   """All leaves in loops (see the module docstring): one loop of every bucket's
-  collectives (:func:`~dynamiq_jax.engine.wire_loop`; the stacked leaves' buckets layer
+  collectives (:func:`~dynamiq_jax.engine.programs.wire_loop`; the stacked leaves' buckets layer
   by layer, then the others'), then one of their decoding
-  (:func:`~dynamiq_jax.engine.decode_loop`) into one buffer made after the collectives,
+  (:func:`~dynamiq_jax.engine.programs.decode_loop`) into one buffer made after the collectives,
   which the results are cut from. What waits between the two loops is the payloads; the
   results are new arrays (typed as identical on every rank under ``check_vma``).
 
