@@ -265,7 +265,7 @@ def test_ef21m_trains_a_regression_to_its_optimum():
 
 
 def test_rand_k_sends_the_same_random_rows_everywhere_and_new_ones_each_step():
-  from dynamiq_jax.bench.sparse import RandK
+  from dynamiq_jax.bench.baselines import RandK
   g = _grads(seed=5)
   codec = RandK(ratio=0.125, row=ROW, values="f32")
   picks = []
@@ -283,7 +283,7 @@ def test_rand_k_sends_the_same_random_rows_everywhere_and_new_ones_each_step():
 
 @pytest.mark.parametrize("row", [1, ROW])
 def test_top_k_all_gather_sums_every_ranks_own_top_rows(row):
-  from dynamiq_jax.bench.sparse import topk_allgather, topk_wire
+  from dynamiq_jax.bench.baselines import topk_allgather, topk_wire
   g = _grads(seed=6)
   tx = topk_allgather("i", ratio=0.1, row=row, values="f32", error_feedback=False)
   out, _ = jax.vmap(lambda x, s: tx.update(x, s), axis_name="i")(

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from dynamiq_jax.bench import harness
 from dynamiq_jax.bench import tta
 
 
@@ -15,29 +16,40 @@ def _run(evals):
 def test_target_and_steps_to_target():
   bf16 = _run([(0, 9.0), (10, 6.0), (20, 5.0), (30, 4.0), (40, 3.0), (50, 2.9)])
   # 0.8 of 50 steps = step 40; smoothed over 2 evaluations: (4.0 + 3.0) / 2
-  assert tta.target_of(bf16, 0.8, 2) == pytest.approx(3.5)
-  assert tta.target_of(bf16, 0.8, 1) == pytest.approx(3.0)
-  assert tta.steps_to_target(bf16, 3.5, 2) == 40
+  assert harness.target_of(bf16, 0.8, 2) == pytest.approx(3.5)
+  assert harness.target_of(bf16, 0.8, 1) == pytest.approx(3.0)
+  assert harness.steps_to_target(bf16, 3.5, 2) == 40
   slow = _run([(0, 9.0), (10, 8.0), (20, 6.0), (30, 5.0), (40, 4.0), (50, 3.4)])
-  assert tta.steps_to_target(slow, 3.5, 1) == 50
-  assert tta.steps_to_target(slow, 3.5, 2) is None  # (4.0 + 3.4) / 2 > 3.5
-  assert tta.steps_to_target(_run([(0, 1.0), (10, 2.0)]), 1.5, 1) is None  # step 0 never counts
+  assert harness.steps_to_target(slow, 3.5, 1) == 50
+  assert harness.steps_to_target(slow, 3.5, 2) is None  # (4.0 + 3.4) / 2 > 3.5
+  assert harness.steps_to_target(_run([(0, 1.0), (10, 2.0)]), 1.5, 1) is None  # step 0 never counts
 
 
 def test_bad_flags():
   with pytest.raises(SystemExit):
-    tta._parse(["--codecs", "DynamiQ 5b"])  # no BF16 baseline
+    tta.parse(["--codecs", "DynamiQ 5b"])  # no BF16 baseline
   with pytest.raises(SystemExit):
-    tta._parse(["--codecs", "BF16 psum,zip"])
+    tta.parse(["--codecs", "BF16 psum,zip"])
   with pytest.raises(SystemExit):
-    tta._parse(["--phases", "simulate,fly"])
+    tta.parse(["--phases", "simulate,fly"])
   with pytest.raises(SystemExit):
-    tta._parse(["--real-seed", "7"])
+    tta.parse(["--real-seed", "7"])
+  for bad in (["--workers", "1"], ["--target-at", "0"], ["--steps", "5", "--eval-every", "10"]):
+    with pytest.raises(SystemExit):
+      harness.training_args(bad)
+
+
+def test_codec_rows_a_benchmark_adds_are_found_only_where_passed():
+  row = ("ARC-Top-K 0.2 rows 64", "arc-topk", {"ratio": 0.2, "row": 64})
+  assert harness.codec_row("DynamiQ 5b")[1] == "dynamiq"
+  assert harness.codec_row(row[0], extra=(row,)) == row
+  with pytest.raises(ValueError, match="ARC-Top-K 0.2 rows 64"):
+    harness.codec_row(row[0])
 
 
 def test_earlier_phases_kept_only_for_the_same_training(tmp_path, capsys):
-  args = tta._parse(["--tiny"])
-  cfg = tta._training_config(args)
+  args = tta.parse(["--tiny"])
+  cfg = harness.training_config(args)
   path = os.path.join(tmp_path, "tta_tiny.json")
   with open(path, "w") as f:
     json.dump({"training": cfg, "simulate": {"runs": {}}, "measure": {"rows": []}}, f)
@@ -82,6 +94,6 @@ def test_moshpit_rows_train_each_rank_its_own_replica(tmp_path):
   assert absent[0] == 0.0 and absent[-1] > 0.0
   assert runs["Moshpit 5b"]["0"]["evals"][-1]["eval_loss"] < runs["Moshpit 5b"]["0"][
       "evals"][0]["eval_loss"] - 0.2  # it learnt
-  wire = tta.wire(report["training"], "Moshpit 5b")
-  ring = tta.wire(report["training"], "DynamiQ 5b")
+  wire = harness.wire(report["training"], "Moshpit 5b")
+  ring = harness.wire(report["training"], "DynamiQ 5b")
   assert wire["bytes_per_rank"] > ring["bytes_per_rank"]  # two rounds of pairs vs a ring of 4

@@ -309,17 +309,17 @@ def print_factors(result: dict) -> None:
 
 
 def lm_part(args, devices) -> dict:
-  """The variants on bench.tta's LM, against BF16 psum's runs of the same seeds."""
+  """The variants on bench.harness's LM, against BF16 psum's runs of the same seeds."""
   import jax
 
-  from dynamiq_jax.bench import tta
+  from dynamiq_jax.bench import harness
   variants = [parse_variant(s) for s in args.lm_variants.split(";") if s.strip()]
   seeds = [int(s) for s in args.lm_seeds.split(",") if s.strip()]
   targv = ["--tiny"] if args.tiny else []
   if args.lm_steps:
     targv += ["--steps", str(args.lm_steps)]
-  targs = tta._parse(targv)
-  cfg = tta._training_config(targs)
+  targs = harness.training_args(targv)
+  cfg = harness.training_config(targs)
   mesh = jax.make_mesh((cfg["workers"],), ("data",), devices=devices[:cfg["workers"]])
   stored = os.path.join(common.results_dir(None), "tta.json")
   base_runs = {}
@@ -327,7 +327,7 @@ def lm_part(args, devices) -> dict:
     with open(stored) as f:
       report = json.load(f)
     if report.get("training") == cfg:
-      base_runs = report["simulate"]["runs"].get(tta.BASELINE, {})
+      base_runs = report["simulate"]["runs"].get(harness.BASELINE, {})
   labels = []
   for v in variants:
     options = {k: v[k] for k in ("ratio", "rank", "row") if k in v}
@@ -335,31 +335,30 @@ def lm_part(args, devices) -> dict:
       options["values"] = v.codec().values
     options.update(v.transform_options())
     labels.append((f"ARC-Top-K {v.label()}".replace(",", ";"), "arc-topk", options))
-  tta.CODECS = tta.CODECS + tuple(c for c in labels if c not in tta.CODECS)
   runs = {}
-  for label in [tta.BASELINE] + [c[0] for c in labels]:
+  for label in [harness.BASELINE] + [c[0] for c in labels]:
     runs[label] = {}
     for seed in seeds:
-      if label == tta.BASELINE and str(seed) in base_runs:
+      if label == harness.BASELINE and str(seed) in base_runs:
         runs[label][str(seed)] = base_runs[str(seed)]
         continue
       t0 = time.perf_counter()
-      run = tta.train_run(tta.Trainer(cfg, mesh, label), seed, cfg["steps"])
+      run = harness.train_run(harness.Trainer(cfg, mesh, label, extra=labels), seed, cfg["steps"])
       run.pop("step_s", None)
       runs[label][str(seed)] = run
       print(f"{label:<48} seed {seed}: final eval loss {run['evals'][-1]['eval_loss']:.4f} "
             f"({time.perf_counter() - t0:.0f} s)", flush=True)
   table = []
-  targets = {s: tta.target_of(runs[tta.BASELINE][str(s)], targs.target_at, targs.smooth)
+  targets = {s: harness.target_of(runs[harness.BASELINE][str(s)], targs.target_at, targs.smooth)
              for s in seeds}
-  base_final = np.mean([runs[tta.BASELINE][str(s)]["evals"][-1]["eval_loss"] for s in seeds])
+  base_final = np.mean([runs[harness.BASELINE][str(s)]["evals"][-1]["eval_loss"] for s in seeds])
   for label, per_seed in runs.items():
     finals = [per_seed[str(s)]["evals"][-1]["eval_loss"] for s in seeds]
-    hits = [tta.steps_to_target(per_seed[str(s)], targets[s], targs.smooth) for s in seeds]
+    hits = [harness.steps_to_target(per_seed[str(s)], targets[s], targs.smooth) for s in seeds]
     options = dict(next((c[2] for c in labels if c[0] == label), {}))
     if "values" in options:
       options["values"] = repr(options["values"])
-    bits = (tta.wire(cfg, label)["bits_per_coord"])
+    bits = harness.wire(cfg, label, extra=labels)["bits_per_coord"]
     table.append({"label": label, "options": options, "bits_per_coord": bits,
                   "final_eval_loss": finals, "vs_bf16": float(np.mean(finals) / base_final - 1),
                   "steps_to_target": hits, "reached": sum(h is not None for h in hits)})

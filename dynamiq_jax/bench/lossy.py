@@ -48,7 +48,7 @@ import sys
 import numpy as np
 
 from dynamiq_jax.bench import common
-from dynamiq_jax.bench import tta
+from dynamiq_jax.bench import harness
 
 __all__ = ["main", "SETTINGS", "ESTIMATORS", "MODELS", "ZeroFill", "run", "estimator_stats",
            "summarize", "fit_against_ranks"]
@@ -58,7 +58,7 @@ SETTINGS = (("no loss", 0.0, None), ("1%", 0.01, None), ("5%", 0.05, None),
             ("10%", 0.1, None), ("10% in bursts of 4", 0.1, 4.0))
 ESTIMATORS = ("unbiased", "zero-fill")
 # the LM of bench.tta, and a smaller one for tens of simulated ranks on a few cores
-MODELS = {"tta": tta.MODEL,
+MODELS = {"tta": harness.MODEL,
           "small": dict(vocab=2048, seq_len=32, d_model=64, heads=2, layers=2, mlp=4)}
 LINKS = ("both", "reduce", "broadcast")
 OPTIMIZERS = ("adamw", "sgd")
@@ -110,7 +110,7 @@ def run(cfg: dict, mesh, seed: int, p: float, burst, estimator: str, progress=No
 
   if links not in LINKS:
     raise ValueError(f"links={links!r}: one of {LINKS}")
-  data = tta.Trainer(cfg, mesh, "DynamiQ 5b")  # model, data and evaluation of bench.tta
+  data = harness.Trainer(cfg, mesh, "DynamiQ 5b")  # model, data and evaluation of bench.tta
   loss = (dq.PacketLoss if estimator == "unbiased" else ZeroFill)(p, burst=burst)
   lossless = dq.PacketLoss(0.0)
   tx = optax.chain(
@@ -304,8 +304,8 @@ def summarize(runs_by_workers: dict, smooth: int, target_at: float = 0.8) -> lis
           changes.append(math.exp(final - base_final) - 1.0)
           drifts.append(max(r["drift"]) / r["param_norm"])
           if base:
-            steps.append(tta.steps_to_target(r, tta.target_of(base, target_at, smooth),
-                                             smooth))
+            target = harness.target_of(base, target_at, smooth)
+            steps.append(harness.steps_to_target(r, target, smooth))
         rows.append({"workers": int(workers), "setting": label, "p": p, "burst": burst,
                      "estimator": est, "eval_loss": float(np.mean(finals)),
                      "perplexity": float(math.exp(np.mean(finals))),
@@ -457,7 +457,7 @@ def main(argv=None):
   import jax
   from tqdm.auto import tqdm
 
-  targs = tta.build_parser(tiny=args.tiny).parse_args(["--tiny"] if args.tiny else [])
+  targs = harness.training_args(["--tiny"] if args.tiny else [])
   targs.steps, targs.eval_every = args.steps, args.eval_every
   if not args.tiny:
     targs.lr, targs.warmup = args.lr, args.warmup
@@ -474,7 +474,7 @@ def main(argv=None):
     for n in workers:
       targs.workers = n
       targs.batch = args.global_batch // n if args.global_batch else targs.batch
-      cfg = tta._training_config(targs)  # pylint: disable=protected-access
+      cfg = harness.training_config(targs)
       if not args.tiny:
         cfg["model"] = dict(MODELS[args.model])
       cfg["optimizer"] = args.optimizer

@@ -5,14 +5,8 @@
     python -m dynamiq_jax.bench.sparse --parts training     # EF21-M's momentum, row width
     python -m dynamiq_jax.bench.sparse --tiny               # smoke test (CI)
 
-The baselines live here, in the benchmarks only (the library ships ARC-Top-K):
-
-* :class:`RandK`: Rand-K with shared random rows: every rank sends the same
-  ``k`` rows, drawn from the step's key (no metadata), reduced like ARC-Top-K's.
-* :func:`topk_allgather`: Top-K with an all-gather of values and indices, what
-  ARC-Top-K replaces: each rank keeps its own ``k`` largest rows (``row=1``:
-  coordinates), every rank gathers every rank's values and int32 indices and
-  adds them up in rank order.
+The baselines live in :mod:`~dynamiq_jax.bench.baselines` (benchmarks only; the
+library ships ARC-Top-K).
 
 Parts:
 
@@ -34,7 +28,7 @@ Parts:
    ranks (``jax.vmap`` over the data axis): no compression, Rand-K, local
    Top-K (all-gather), ARC-Top-K exact and with a rank-2 sketch. Writes the
    distance to the optimum and the loss per step, and the curves.
-3. ``training``: ARC-Top-K 0.2 trained on :mod:`dynamiq_jax.bench.tta`'s word
+3. ``training``: ARC-Top-K 0.2 trained on :mod:`dynamiq_jax.bench.harness`'s word
    LM (AdamW after the reduction; its simulated phase, seed 0) with EF21-M
    at eta 0.1, 0.5 and 1 (EF21), with EF14, and with rows of 64 and 1024.
 
@@ -44,161 +38,21 @@ Writes ``docs/results/sparse.json`` and ``sparse_synthetic.png``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.flatten_util import ravel_pytree
 
 from dynamiq_jax.bench import common
-from dynamiq_jax.codecs.arctopk import RowSelection
-from dynamiq_jax.codecs.base import round_up
-from dynamiq_jax.schedules.context import axis_context
-from dynamiq_jax.api.transform import ef14_init, ef14_update, ef21m_init, ef21m_update
-from pallas_kernels import rng
+from dynamiq_jax.bench import harness
+from dynamiq_jax.bench.baselines import RandK, topk_allgather
 
-__all__ = ["RandK", "topk_allgather", "topk_wire", "REDUCERS", "reducer", "wire", "rows_part",
-           "synthetic_part", "training_part", "RobustShiftedObjective", "build_parser", "main"]
-
-
-# ---------------------------------------------------------------------------
-# the baselines
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RandK(RowSelection):
-  """Rand-K with shared random rows: the same ``k`` rows on every rank, drawn from the
-  bucket's key (no metadata pass); the rows reduced as ARC-Top-K's (``values``).
-
-  Examples:
-    >>> round(RandK(ratio=0.2, row=256).wire_bits(1 << 20, 8) / (1 << 20), 3)
-    3.219
-  """
-
-  def select(self, meta, bucket, keys):
-    del meta
-    h, k = self.rows(bucket.d, bucket.n)
-    k0, k1 = keys.derive(rng.Stream.RANDK_ROWS)
-    rows = jnp.arange(round_up(h, bucket.n), dtype=jnp.uint32)
-    draw = jnp.where(rows < h, (rng.hash_index(k0, k1, rows) >> 1).astype(jnp.int32), -1)
-    _, idx = jax.lax.top_k(draw, k)  # k distinct rows, uniformly at random
-    return jnp.sort(idx).astype(jnp.int32)
-
-
-class TopKState(NamedTuple):
-  """:func:`topk_allgather`'s state: the error feedback's per-rank and shared parts."""
-
-  residual: Any = None
-  mean: Any = None
-
-
-def _topk_rows(d: int, row: int, ratio: float) -> tuple[int, int]:
-  """``(h, k)``: :func:`topk_allgather`'s rows of ``d`` coordinates, and the rows each rank
-  sends."""
-  h = -(-d // row)
-  return h, max(1, int(math.floor(ratio * h)))
-
-
-def topk_wire(d: int, n: int, ratio: float, row: int = 1, value_bits: int = 16) -> dict:
-  """Bytes each rank sends in :func:`topk_allgather` of ``d`` coordinates, and the bits
-  per coordinate an all-reduce would need to send as much (``2 (n - 1) / n`` of its
-  ``bits x d``)."""
-  _, k = _topk_rows(d, row, ratio)
-  sent = (n - 1) * k * (row * value_bits + 32) / 8  # a ring all-gather: n - 1 hops of k rows
-  return {"bytes_per_rank": float(sent), "bits_per_coord": sent * 8 / (2 * (n - 1) / n * d),
-          "k": k}
-
-
-def topk_allgather(axis_name="data", *, ratio: float = 0.1, row: int = 1,
-                   values: str = "bf16", average: bool = True,
-                   error_feedback="ef21m", ef21m_momentum: float = 0.5):
-  """Top-K with an all-gather of values and indices, as an optax transform (benchmarks only).
-
-  The gradient's leaves are laid end to end and read as rows of ``row``
-  coordinates; each rank keeps the ``k = max(1, floor(ratio h))`` rows of
-  largest norm of its own (``row=1``: the classic element-wise Top-K), all
-  ranks gather every rank's values (``values``: bf16 or f32) and int32 row
-  indices, and add them up in rank order (the same bytes on every rank).
-  ``error_feedback``: ``"ef21m"`` (default), ``"ef14"`` or False.
-  """
-  dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[values]
-  mode = {"ef21m": "ef21m", "ef14": "ef14", False: None, None: None}[error_feedback]
-
-  def reduce(tree):
-    flat, unravel = ravel_pytree(tree)
-    flat = flat.astype(jnp.float32)
-    d = flat.shape[0]
-    h, k = _topk_rows(d, row, ratio)
-    rows = jnp.pad(flat, (0, h * row - d)).reshape(h, row)
-    _, idx = jax.lax.top_k(jnp.sum(rows * rows, axis=-1), k)
-    mine = rows[idx].astype(dtype)
-    ctx = axis_context(axis_name)  # typed invariant under shard_map(check_vma=True)
-    everyone, where = ctx.all_gather((mine, idx.astype(jnp.int32)))
-    total = jnp.zeros((h, row), jnp.float32)
-    for r in range(everyone.shape[0]):  # rank order: the same sum on every rank
-      total = total.at[where[r]].add(everyone[r].astype(jnp.float32), unique_indices=True)
-    total = total / np.float32(ctx.n) if average else total
-    own = jnp.zeros((h, row), jnp.float32).at[idx].set(mine.astype(jnp.float32))
-    return unravel(total.reshape(-1)[:d]), unravel(own.reshape(-1)[:d]), None
-
-  def init_fn(params):
-    if mode == "ef21m":
-      residual, mean = ef21m_init(params)
-      return TopKState(residual, mean)
-    if mode == "ef14":
-      return TopKState(ef14_init(params))
-    return TopKState()
-
-  def update_fn(updates, state, params=None, **extra):
-    del params, extra
-    if mode == "ef21m":
-      out, residual, mean, _ = ef21m_update(updates, state.residual, state.mean, reduce,
-                                            ef21m_momentum)
-      return out, TopKState(residual, mean)
-    if mode == "ef14":
-      out, residual, _ = ef14_update(updates, state.residual, reduce)
-      return out, TopKState(residual)
-    out, _, _ = reduce(updates)
-    return jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates), state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-REDUCERS = ("topk-allgather", "randk")
-"""The baselines' reducer names (:func:`reducer`), beside the library's ``dq.REDUCERS``."""
-
-
-def reducer(name: str, axis_name="data", *, seed: int = 0, ratio: float = 0.1, row: int = 1,
-            values: str = "bf16", error_feedback="ef21m", ef21m_momentum: float = 0.5, **kw):
-  """A baseline by name, as an optax transform: ``"topk-allgather"`` or ``"randk"``."""
-  import dynamiq_jax as dq
-  if name == "topk-allgather":
-    return topk_allgather(axis_name, ratio=ratio, row=row, values=values,
-                          error_feedback=error_feedback, ef21m_momentum=ef21m_momentum, **kw)
-  if name == "randk":
-    return dq.compressed_psum(axis_name, codec=RandK(ratio=ratio, row=row, values=values),
-                              seed=seed, error_feedback=error_feedback,
-                              ef21m_momentum=ef21m_momentum, **kw)
-  raise ValueError(f"baseline {name!r} is not one of {REDUCERS}")
-
-
-def wire(name: str, d: int, n: int, **options) -> dict:
-  """``{"bits_per_coord", "bytes_per_rank"}`` of a baseline on ``d`` coordinates."""
-  import dynamiq_jax as dq
-  options = {k: v for k, v in options.items() if k not in ("error_feedback", "ef21m_momentum")}
-  if name == "topk-allgather":
-    values = options.get("values", "bf16")
-    w = topk_wire(d, n, options.get("ratio", 0.1), options.get("row", 1),
-                  16 if values == "bf16" else 32)
-    return {"bits_per_coord": w["bits_per_coord"], "bytes_per_rank": w["bytes_per_rank"]}
-  st = dq.wire_stats(jax.ShapeDtypeStruct((d,), jnp.float32), codec=RandK(**options), n=n)
-  return {"bits_per_coord": float(st.bits_per_coord), "bytes_per_rank": float(st.bytes_per_rank)}
+__all__ = ["rows_part", "synthetic_part", "training_part", "RobustShiftedObjective",
+           "build_parser", "main"]
 
 
 # ---------------------------------------------------------------------------
@@ -271,8 +125,7 @@ def _capture(groups, ratio, rank, rng_, sketches):
 
 def rows_part(args) -> list[dict]:
   from dynamiq_jax.bench import lm
-  from dynamiq_jax.bench.tta import MODEL, TINY_MODEL
-  cfg = lm.LMConfig(**(TINY_MODEL if args.tiny else MODEL))
+  cfg = lm.LMConfig(**(harness.TINY_MODEL if args.tiny else harness.MODEL))
   steps = (0, 20) if args.tiny else (0, 100, 300)
   n = 4
   grads, info = lm.cached_gradients(args.cache or None, "sparse-rows", n, steps, cfg,
@@ -441,22 +294,20 @@ TRAINING = (  # (EF21-M's eta or None, the feedback rule, row width)
 
 
 def training_part(args, devices) -> list[dict]:
-  """ARC-Top-K 0.2 on bench.tta's word LM (AdamW after the reduction, one seed, its
+  """ARC-Top-K 0.2 on bench.harness's word LM (AdamW after the reduction, one seed, its
   simulated phase's training): EF21-M at several momenta, EF14, and other row widths."""
-  from dynamiq_jax.bench import tta
   labels = []
   for eta, rule, row in TRAINING[:1] if args.tiny else TRAINING:  # --tiny: one, for CI's time
     options = {"ratio": 0.2, "row": row, "values": "bf16", "error_feedback": rule}
     if eta is not None:
       options["ef21m_momentum"] = eta
     labels.append((f"ARC-Top-K 0.2 rows {row} {rule}" + (f" eta {eta:g}" if eta else ""),
-                   "arc-topk", options))  # (no commas: bench.tta's --codecs splits at them)
-  tta.CODECS = tta.CODECS + tuple(c for c in labels if c not in tta.CODECS)
-  cfg = tta._training_config(tta._parse(["--tiny"] if args.tiny else []))
+                   "arc-topk", options))
+  cfg = harness.training_config(harness.training_args(["--tiny"] if args.tiny else []))
   mesh = jax.make_mesh((cfg["workers"],), ("data",), devices=devices[:cfg["workers"]])
   out = []
   for label, _, options in labels:
-    run = tta.train_run(tta.Trainer(cfg, mesh, label), 0, cfg["steps"])
+    run = harness.train_run(harness.Trainer(cfg, mesh, label, extra=labels), 0, cfg["steps"])
     final = run["evals"][-1]["eval_loss"]
     out.append({"label": label, "options": options, "evals": run["evals"],
                 "final_eval_loss": final})

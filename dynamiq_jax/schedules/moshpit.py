@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dynamiq_jax.schedules.context import AxisContext
-from dynamiq_jax.schedules.names import FLAT_SCHEDULES, check_schedule
+from dynamiq_jax.schedules.names import FLAT_SCHEDULES, MOSHPIT, ScheduleObject, check_schedule
 from dynamiq_jax.schedules.plan import get_plan
 
 __all__ = ["Moshpit", "MoshpitPlan", "GroupContext", "default_grid", "is_moshpit"]
@@ -58,7 +58,7 @@ def default_grid(n: int) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Moshpit:
+class Moshpit(ScheduleObject):
   """``schedule=Moshpit(...)``: Moshpit averaging on a virtual grid
   (``schedule="moshpit"`` is ``Moshpit()``).
 
@@ -92,6 +92,7 @@ class Moshpit:
   shuffle: int | None = None
   inner: str = "ring"
   weighted: bool = True
+  name = MOSHPIT  # (not a field) what check_schedule reads
 
   def __post_init__(self):
     if self.grid is not None:

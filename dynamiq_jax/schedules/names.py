@@ -10,7 +10,7 @@ unknown name fails where it is passed, with every valid name in the message.
 from __future__ import annotations
 
 __all__ = ["FLAT_SCHEDULES", "HIERARCHICAL", "MOSHPIT", "SCHEDULES", "SCATTER_SCHEDULES",
-           "check_schedule", "schedule_choices"]
+           "ScheduleObject", "check_schedule", "schedule_choices"]
 
 FLAT_SCHEDULES = ("ring", "butterfly", "two_step")
 """The schedules over one axis, each a static plan (``schedules.plan.get_plan``)."""
@@ -26,6 +26,15 @@ SCHEDULES = FLAT_SCHEDULES + tuple(HIERARCHICAL) + (MOSHPIT,)
 
 SCATTER_SCHEDULES = FLAT_SCHEDULES + tuple(HIERARCHICAL)
 """The schedules of ``dq.reduce_scatter`` and ``dq.compressed_psum_scatter``."""
+
+
+
+class ScheduleObject:
+  """A schedule given as an object instead of a name; ``name`` is the name it stands for
+  (``dq.Moshpit`` is the one: ``name = "moshpit"``)."""
+
+  name: str = ""
+
 
 _NOTES = {
     "butterfly": "'butterfly' needs a power-of-two axis",
@@ -53,9 +62,7 @@ def check_schedule(schedule, allowed=SCHEDULES, *, what: str = "allreduce",
   Raises:
     ValueError: an unknown name, or one ``what`` does not run.
   """
-  from dynamiq_jax.schedules.moshpit import Moshpit  # moshpit.py imports this module
-
-  if isinstance(schedule, Moshpit):
+  if isinstance(schedule, ScheduleObject) and schedule.name == MOSHPIT:
     if MOSHPIT in allowed:
       return schedule
     raise ValueError(f"{what} does not run Moshpit averaging ({keyword}={schedule!r}). Fix: "
