@@ -1,5 +1,6 @@
 """DynamiQ's block arithmetic: levels, scales, draws and rounding of a block of super-groups.
 
+The level tables are :mod:`pallas_kernels.dynamiq_levels`' (re-exported here).
 One function of arrays, shared by the Pallas kernels and the pure-jnp
 reference, so that on the same inputs they give the same bits: the kernels
 (:mod:`pallas_kernels.dynamiq_triton`) and the reference
@@ -41,15 +42,18 @@ coordinates at its own code width ``w`` in ``width_set`` (a subset of 2..8):
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ml_dtypes import bfloat16
 
 from pallas_kernels import bf16
 from pallas_kernels import rng
+from pallas_kernels.block_ops import REFERENCE_OPS, BlockOps, ref_fma, ref_max_last
+from pallas_kernels.dynamiq_levels import GUESS_OFFSET, LATTICE, LevelTables, eps_for
+from pallas_kernels.dynamiq_levels import LATTICE_Y0, ROUND_Y0, lattice_table, level_key
+from pallas_kernels.dynamiq_levels import level_table, level_tables
 
 __all__ = [
     "SUPERGROUP", "GROUP", "GUESS_OFFSET", "level_table", "eps_for", "LevelTables",
@@ -63,198 +67,7 @@ SUPERGROUP = 256
 """Coordinates per super-group: one code width, one super-group scale."""
 GROUP = 16
 """Coordinates per scale group (one uint8 ``k``)."""
-GUESS_OFFSET = 0.5
-"""Levels subtracted from the first guess of :func:`round_levels`."""
 K_MAX = 255  # largest group multiplier k
-
-
-# ----------------------------------------------------------------------------
-# Levels.
-
-
-@functools.lru_cache(maxsize=None)
-def level_table(bits: int, eps: float) -> np.ndarray:
-  """MEE level magnitudes ``lam[0..R]`` of a ``bits``-wide code, as bf16-exact float32."""
-  r = 2 ** (bits - 1) - 1
-  idx = np.arange(r + 1, dtype=np.float64)
-  if r == 1:
-    lam = idx / r
-  else:
-    q = 1.0 + 2.0 * eps * eps
-    lam = (q**idx - 1.0) / (q**r - 1.0)
-  lam = lam.astype(np.float32).astype(bfloat16).astype(np.float32)
-  if not np.all(np.diff(lam) > 0):
-    raise ValueError(
-        f"eps={eps} gives {bits}-bit MEE levels that coincide at bfloat16 "
-        "precision; use a larger eps")
-  lam.setflags(write=False)
-  return lam
-
-
-def eps_for(width: int, eps: dict[int, float]) -> float:
-  """MEE eps of a width: given, or interpolated linearly between given widths
-  (0.23 below the smallest given width)."""
-  if width in eps:
-    return float(eps[width])
-  ws = sorted(eps)
-  lo = max([w for w in ws if w < width], default=None)
-  hi = min([w for w in ws if w > width], default=None)
-  if lo is None or hi is None:
-    return float(eps[lo if hi is None else hi]) if (lo or hi) else 0.23
-  return float(eps[lo] + (eps[hi] - eps[lo]) * (width - lo) / (hi - lo))
-
-
-class LevelTables:
-  """Concatenated level tables and per-width rounding constants of a width set (static).
-
-  Attributes:
-    widths: the sorted width set.
-    table: float32, every width's ``lam[0..R]`` in turn, from ``base``.
-    pairs: int32, ``lam_l`` (bf16 bits, low half) and ``lam_(l+1)`` (high
-      half), ``lam_(R+1) = lam_R``, from ``pbase``; entry ``pbase - 1`` is ``(0,
-      lam_0)``, so that a guess of -1 needs no clamp.
-    lev: float32 ``lam_l`` for ``l`` in [-1, R + 1] from ``lbase - 1``
-      (``lam_(-1) = 0``, read by a guess of -1 and never used; ``lam_(R+1) =
-      lam_R``).
-    dec: float32, the signed level of each code: ``-lam_(R-c)`` for ``c <= R``,
-      ``lam_(c-R-1)`` above, from ``dbase`` (lattice, sign-magnitude codes: ``-lam_c``
-      for ``c <= R``; every width 2..8 from ``2^w - 4``, whatever the set).
-    r, c1, c2, k, c1k: per width ``R``, ``(1 + 2 eps^2)^R - 1``, ``1 /
-      log2(1 + 2 eps^2)``, ``2^(-GUESS_OFFSET / c2)`` and ``c1 k`` (the first
-      guess of :func:`round_levels`; ternary widths: 1; empty for the lattice).
-  """
-
-  def __init__(self, eps, widths):
-    tabs, base, r, c1, c2 = [], [], [], [], []
-    off = 0
-    self.widths = tuple(sorted(widths))
-    self.lattice = eps == LATTICE
-    for w in self.widths:
-      rr = 2 ** (w - 1) - 1
-      t = lattice_table(w)[0] if self.lattice else level_table(w, eps_for(w, eps))
-      tabs.append(t)
-      base.append(off)
-      off += t.size
-      r.append(rr)
-      if self.lattice:  # no first guess: the MEE constants stay empty
-        continue
-      if rr == 1:  # ternary: j = 0 whatever the guess (clipped to r - 1 = 0)
-        c1.append(1.0)
-        c2.append(1.0)
-      else:
-        qq = 1.0 + 2.0 * eps_for(w, eps)**2
-        c1.append(np.float32(qq**rr - 1.0))
-        c2.append(np.float32(1.0 / np.log2(qq)))
-    self.table = np.concatenate(tabs).astype(np.float32)
-    bits = [(t.view(np.uint32) >> 16) for t in tabs]
-    self.pairs = np.concatenate([np.concatenate([[0], b | (np.append(b[1:], b[-1]) << 16)])
-                                 for b in bits]).astype(np.uint32).view(np.int32)
-    self.pbase = np.array(base, np.int32) + 1 + np.arange(len(tabs), dtype=np.int32)
-    self.lev = np.concatenate([np.concatenate([[0.0], t, t[-1:]]) for t in tabs]).astype(np.float32)
-    self.lbase = np.array(base, np.int32) + 1 + 2 * np.arange(len(tabs), dtype=np.int32)
-    # the signed level of each code: MEE -lam_(R-c) for c <= R, lam_(c-R-1) above;
-    # lattice (sign-magnitude) -lam_c for c <= R, lam_(c-R-1) above
-    if self.lattice:  # every width 2..8 at 2^w - 4 (lattice_dbase), whatever the set
-      dec = [np.concatenate([-t, t]).astype(np.float32)
-             for t in (lattice_table(w)[0] for w in range(2, 9))]
-      self.dbase = np.array([(1 << w) - 4 for w in self.widths], np.int32)
-    else:
-      dec = [np.concatenate([-t[::-1], t]).astype(np.float32) for t in tabs]
-      self.dbase = np.cumsum([0] + [d.size for d in dec[:-1]]).astype(np.int32)
-    self.dec = np.concatenate(dec)
-    self.base = np.array(base, np.int32)
-    self.r = np.array(r, np.int32)
-    self.c1 = np.array(c1, np.float32)
-    self.c2 = np.array(c2, np.float32)
-    self.k = np.exp2(-GUESS_OFFSET / self.c2.astype(np.float64)).astype(np.float32)
-    self.c1k = (self.c1.astype(np.float64) * self.k).astype(np.float32)
-
-  def row(self, widths):
-    """int32 per super-group: the row of :meth:`dec_rows` its codes index (the width;
-    for a width outside the set the one whose table :attr:`dbase` would give it)."""
-    if self.lattice:
-      return jnp.clip(widths, 2, 8).astype(jnp.int32)
-    return self.select(widths, np.array(self.widths, np.int32))
-
-  def dec_rows(self) -> np.ndarray:
-    """float32 [9 * 256]: :attr:`dec` with each width's table at ``256 w`` (zeros between),
-    so that a code and its row make the index ``code | row << 8``."""
-    rows = np.zeros((9, 256), np.float32)
-    for w in range(9):
-      if (self.lattice and w >= 2) or w in self.widths:
-        b = (1 << w) - 4 if self.lattice else self.dbase[self.widths.index(w)]
-        rows[w, :1 << w] = self.dec[b:b + (1 << w)]
-    return rows.reshape(-1)
-
-  def select(self, widths, values):
-    """Per-super-group constant ``values[index of width]`` (the smallest width's for a
-    width outside the set): a select chain over the static width set, not a
-    gather, so that the same code runs in a kernel."""
-    out = jnp.full(widths.shape, values[0], values.dtype)
-    for i, w in enumerate(self.widths[1:], start=1):
-      out = jnp.where(widths == w, values[i], out)
-    return out
-
-
-def level_key(eps):
-  """The level set as a hashable static argument: :data:`LATTICE`, or MEE's ``eps`` (a dict
-  or ``(width, eps)`` pairs) as sorted ``(width, eps)`` pairs."""
-  if isinstance(eps, str):
-    if eps != LATTICE:
-      raise ValueError(f"levels {eps!r}: the level set is {LATTICE!r} or MEE eps pairs")
-    return eps
-  return tuple(sorted((int(w), float(e)) for w, e in dict(eps).items()))
-
-
-def level_tables(eps, widths) -> LevelTables:
-  """:class:`LevelTables` of ``eps`` (a dict or ``(width, eps)`` pairs: MEE levels; or
-  :data:`LATTICE`) and ``widths``."""
-  return LevelTables(LATTICE if eps == LATTICE else dict(eps), widths)
-
-
-# ----------------------------------------------------------------------------
-# Lattice levels.
-
-LATTICE = "lattice"
-"""The level set whose rounding is a float addition (:func:`lattice_table`)."""
-
-LATTICE_Y0 = 1.25
-"""Where every width's lattice starts (:func:`lattice_table`)."""
-
-ROUND_Y0 = np.float32(LATTICE_Y0 / 2)
-"""Where :func:`round_lattice` adds ``t / 2``: the rounding runs at half scale, ``y / 2 =
-Y0 / 2 + t / 2`` (the same fraction bits as ``Y0 + t``), so that ``t / 2 <= lam_R / 2 < 1``
-and one saturating product (``mul.rn.sat.f32``) both keeps it in range and maps a NaN
-to 0."""
-
-
-def _lattice_point(l, m: int) -> float:
-  return 2.0 ** (l >> m) * (1 + (l & ((1 << m) - 1)) / 2**m)
-
-
-@functools.lru_cache(maxsize=None)
-def lattice_table(bits: int):
-  """The lattice levels of a ``bits``-wide code -> (``lam[0..R]`` float32, ``Y0``, ``F``).
-
-  The float32 numbers with ``M = max(w - 1, 2)`` fraction bits form a lattice whose
-  step doubles at every power of two; its ``R + 1`` points from ``Y0`` =
-  :data:`LATTICE_Y0` less ``Y0`` are the levels, ``lam_l = y_(l0+l) - Y0`` (at most
-  ``w`` significant bits each; the top ``lam_R = 5/4 - 2^(2-w)``, at most 7): about
-  three quarters of the steps below 2, the rest twice as wide. A value ``t`` in [0,
-  lam_R] is rounded stochastically to its neighbours by adding ``F = 23 - M``
-  random bits to the float32 bits of ``Y0 + t`` and keeping the bits above them:
-  consecutive points differ by ``2^F`` in their bits, so the level is ``(bits(Y0
-  + t) + u - bits(Y0)) >> F`` and the rounding is unbiased (:func:`round_lattice`).
-  """
-  m = max(bits - 1, 2)
-  l0 = int((LATTICE_Y0 - 1) * 2**m)
-  r = 2 ** (bits - 1) - 1
-  y = np.array([_lattice_point(l, m) for l in range(l0, l0 + r + 1)], np.float64)
-  lam = (y - y[0]).astype(np.float32)
-  if not np.array_equal(lam.astype(np.float64), y - y[0]):
-    raise AssertionError(f"lattice levels of {bits} bits are not float32-exact")
-  lam.setflags(write=False)
-  return lam, np.float32(y[0]), 23 - m
 
 
 def trailing(v, ndim: int):
@@ -273,85 +86,6 @@ def reduce_trailing(v, ndim: int, last):
 def sum_last(v):
   """The sum over the last axis (:func:`reduce_trailing`'s ``last`` for sums)."""
   return jnp.sum(v, axis=-1)
-
-
-# ----------------------------------------------------------------------------
-# The instructions a kernel may replace.
-
-
-def _floor_int(v):
-  """``floor(v)`` as int32 (NaN -> 0, saturating)."""
-  return jnp.floor(v).astype(jnp.int32)
-
-
-def _fma(a, b, c):
-  return a * b + c
-
-
-def _frac_mul(w, d):
-  """``(w + 1) d``, rounded once (``w + 1`` is exact for ``w`` in (-2, -1])."""
-  return (w + np.float32(1.0)) * d
-
-
-def _lt_mask(a, b):
-  """int32 -1 where ``a < b`` (ordered: false for NaN), else 0."""
-  return -(a < b).astype(jnp.int32)
-
-
-def _mul_add_rounded(a, b, c):
-  """``sat(a b) + c`` with the product rounded first (two roundings), ``sat`` the
-  clamp to [0, 1] where a NaN product gives 0 (the GPU's ``mul.rn.sat.f32``; maxNum
-  with 0, then the minimum with 1). The clamp also keeps a compiler from fusing the
-  product and the sum into one ``fma`` (XLA:CPU does at its default optimisation
-  level), and a non-finite element (whose super-group has ``rs = 0``: infinity times
-  0) gets the same code everywhere instead of one made from a NaN's bits, which
-  backends set differently."""
-  return jnp.minimum(jnp.fmax(a * b, np.float32(0.0)), np.float32(1.0)) + c
-
-
-def _or_unless(z, bits, neg):
-  """``z | (bits & ~neg)`` (uint32)."""
-  return z | (bits & ~neg.astype(jnp.uint32))
-
-
-def _max_last(a):
-  """The maximum of float32 ``a >= 0`` (or NaN) over its last axis, NaN if any is NaN: taken
-  on the float bits as integers (their order for non-negative floats, NaN's above
-  infinity's). XLA:CPU reduces a float maximum over an axis that is not the minor one
-  with a library kernel that drops NaN (a kernel's ``interpret=True`` view of its
-  registers), so a float reduction would not give every backend the same result."""
-  m = jnp.max(jax.lax.bitcast_convert_type(a, jnp.int32), axis=-1)
-  return jax.lax.bitcast_convert_type(m, jnp.float32)
-
-
-class BlockOps(NamedTuple):
-  """The operations of the block arithmetic that a kernel may implement by one GPU
-  instruction each (:data:`REFERENCE_OPS`: the jnp ones).
-
-  ``floor_int``, ``lt_mask``, ``frac_mul``, ``mulhi`` and ``mul_add_rounded`` must
-  equal the reference's on every input; ``fma`` may be fused or not (every sum it
-  feeds has an exact product, except the first guess); ``log2`` and ``div``
-  feed only first guesses, so any approximation within 2^-20 (``log2``) or a
-  few ulp for divisors in [2^-126, 2^126] (``div``; None: exact ``/``, whose
-  operands are then not rescaled) gives the same codes. ``max_last``: the maximum of
-  non-negative floats (or NaN) over the last axis, NaN if any is (a GPU's float
-  maximum propagates NaN).
-  """
-
-  log2: Callable = jnp.log2
-  floor_int: Callable = _floor_int
-  fma: Callable = _fma
-  lt_mask: Callable = _lt_mask
-  frac_mul: Callable = _frac_mul
-  div: Callable | None = None
-  mulhi: Callable = rng.mulhi
-  mul_add_rounded: Callable = _mul_add_rounded
-  or_unless: Callable = _or_unless
-  max_last: Callable = _max_last
-
-
-REFERENCE_OPS = BlockOps()
-"""The jnp operations (the reference's, and the kernels' in interpret mode)."""
 
 
 # ----------------------------------------------------------------------------
@@ -673,7 +407,7 @@ def lattice_scales(gmax, widths, scale_rounding: str, keys, group_idx, recip, di
   return k, sg_scale, jnp.where(live & (gmax > 0), rs, 0.0)
 
 
-def group_max(a, gdims: int, max_last=_max_last):
+def group_max(a, gdims: int, max_last=ref_max_last):
   """The maximum of float32 ``a >= 0`` (or NaN) over the axes past the first ``gdims`` (a
   block's groups), NaN if any is NaN (``max_last``: :attr:`BlockOps.max_last`)."""
   return reduce_trailing(a, gdims, max_last)
@@ -818,7 +552,7 @@ def encode_block(x, widths, tabs: LevelTables, *, keys, rank, strata: int, idx, 
   return codes, small_int(k).astype(jnp.uint8), sg_scale
 
 
-def decode_block(codes, scale, widths, tabs: LevelTables, *, lookup, addend=None, fma=_fma,
+def decode_block(codes, scale, widths, tabs: LevelTables, *, lookup, addend=None, fma=ref_fma,
                  rows=False):
   """codes uint32 [S, G, 16] (or [S, G, CB, P]), decoded group scale f32 [S, G]
   -> float32 shaped as codes; ``lookup(i) -> tabs.dec[i]``. ``rows``: the codes are

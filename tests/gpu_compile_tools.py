@@ -1,8 +1,8 @@
 """The deviceless GPU compile of the tests: :mod:`dynamiq_jax.bench.gpu_compile`, run from here.
 
 Everything of :mod:`dynamiq_jax.bench.gpu_compile` (the compile-only H100
-topology, the child process, the HLO readers), with :func:`compile_in_child`
-set up for the tests: the child imports from ``tests/`` and the repository
+topology, the child process) and :mod:`dynamiq_jax.bench.hlo` (the HLO
+readers), with :func:`compile_in_child` set up for the tests: the child imports from ``tests/`` and the repository
 root, runs in the root with ``-W error::DeprecationWarning``, and dumps the
 PTX XLA makes.
 """
@@ -14,8 +14,10 @@ import pathlib
 from dynamiq_jax.bench import gpu_compile
 from dynamiq_jax.bench.gpu_compile import *  # noqa: F401,F403  (the tests' namespace)
 from dynamiq_jax.bench.gpu_compile import __all__ as _SHARED
+from dynamiq_jax.bench.hlo import *  # noqa: F401,F403
+from dynamiq_jax.bench.hlo import __all__ as _HLO
 
-__all__ = ["ROOT", *_SHARED]
+__all__ = ["ROOT", *_SHARED, *_HLO]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -69,8 +69,8 @@ def _both(g, real, rule, tile=32, planes=None):
 
 def _hops_plane_table(widths, planes):
   """The plane table the hop kernels make of the widths themselves."""
-  from pallas_kernels import dynamiq_triton  # pylint: disable=import-outside-toplevel
-  return np.asarray(dynamiq_triton._plane_table(jnp.asarray(widths), *planes))  # pylint: disable=protected-access
+  from pallas_kernels import triton_chunk  # pylint: disable=import-outside-toplevel
+  return np.asarray(triton_chunk.plane_table_of_widths(jnp.asarray(widths), *planes))
 
 
 @pytest.mark.parametrize("kind", ["random", "tied", "zeros", "all_zero"])

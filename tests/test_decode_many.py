@@ -29,6 +29,7 @@ from dynamiq_jax.schedules import executor
 from pallas_kernels import dynamiq as K
 from pallas_kernels import dynamiq_reference as R
 from pallas_kernels import dynamiq_triton as T
+from pallas_kernels import triton_chunk
 
 import gpu_compile_tools as GT
 import test_gpu_compile as G
@@ -356,7 +357,7 @@ def test_plan_carries_the_widths_plane_table():
     keys = Keys.from_key(jax.random.key(0), bucket=0, rank=0)
     aux = codec.plan(x, codec.metadata(x, bucket, None, keys).local, bucket, None, keys).aux
     assert len(set(np.asarray(aux.widths).tolist())) > 1
-    own = T._plane_table(aux.widths, aux.layout.plane_bits, aux.layout.units)  # pylint: disable=protected-access
+    own = triton_chunk.plane_table_of_widths(aux.widths, aux.layout.plane_bits, aux.layout.units)
     _same(aux.ptab, own)
 
 

@@ -16,7 +16,9 @@ from pallas_kernels import dispatch as D
 from pallas_kernels import dynamiq_block as B
 from pallas_kernels import dynamiq as K
 from pallas_kernels import dynamiq_reference as R
+from pallas_kernels import plane_words
 from pallas_kernels import dynamiq_triton as T
+from pallas_kernels import triton_chunk
 from pallas_kernels import rng
 
 import gpu_compile_tools as GT
@@ -106,13 +108,13 @@ def test_plane_transposition_is_the_reference_layout(planes):
   r = np.random.default_rng(planes)
   codes = r.integers(0, 2**planes, (64, 8)).astype(np.uint32)
   ref = np.asarray(R.plane_bytes(jnp.asarray(np.tile(codes, (1, 32))), plane_bits=1))[:, :planes, 0]
-  got = R.codes_to_planes(jnp.asarray(codes), planes)
+  got = plane_words.codes_to_planes(jnp.asarray(codes), planes)
   np.testing.assert_array_equal(np.stack([np.asarray(b) for b in got], 1), ref)
   words = [sum(jnp.asarray(ref[:, p]).astype(jnp.uint32) << (8 * (p % 4))
                for p in range(h, min(h + 4, planes))) if h < planes else None
            for h in (0, 4)]
   lane = jax.lax.broadcasted_iota(jnp.uint32, codes.shape, 1)
-  np.testing.assert_array_equal(R.planes_to_codes(words, lane, planes), codes)
+  np.testing.assert_array_equal(plane_words.planes_to_codes(words, lane, planes), codes)
 
 
 def _case_id(c):
@@ -158,7 +160,7 @@ def test_all_four_kernels_equal_the_reference(levels, case):
   # kernels' own from the widths, and a hop given them writes the same bytes
   counts = [int(np.sum(np.asarray(widths) == w)) for w in sorted(ws)]
   ptab = T.plane_table(jnp.asarray(counts, jnp.int32), ws, pb, units)
-  _same(ptab, T._plane_table(widths, pb, units))  # pylint: disable=protected-access
+  _same(ptab, triton_chunk.plane_table_of_widths(widths, pb, units))
   _same(T.decompress_accumulate_recompress_pallas(p_ref, x, widths, units, **enc2, **geo,
                                                   ptab=ptab, interpret=True, fill=0xA5), want)
 
@@ -495,15 +497,15 @@ def test_plane_table_checks_its_input():
 
 @pytest.mark.parametrize("pieces", [1, 2])
 def test_joined_parts_are_the_dense_block(pieces):
-  """The Triton kernels' one array of a block's parts (``_joined``) is the dense
-  ``[S, G / 2, 2, CB, P]`` view with its pieces split out, and ``_split`` undoes it."""
-  cfg = T._Config(eps=(), width_set=(2, 8), plane_bits=1, scale_rounding="up", sg=3,
+  """The Triton kernels' one array of a block's parts (``join_parts``) is the dense
+  ``[S, G / 2, 2, CB, P]`` view with its pieces split out, and ``split_parts`` undoes it."""
+  cfg = triton_chunk.Config(eps=(), width_set=(2, 8), plane_bits=1, scale_rounding="up", sg=3,
                   num_warps=4, pieces=pieces)
   dense = jnp.arange(3 * 256, dtype=jnp.int32).reshape(cfg.dense(3))
-  parts = [dense[:, :, h, c, q * cfg.piece:(q + 1) * cfg.piece] for h, c, q in T._parts(cfg)]
-  joined = T._joined(parts, cfg)
-  np.testing.assert_array_equal(joined, dense.reshape(T._joined_shape(cfg)))
-  for got, want in zip(T._split(joined, cfg), parts, strict=True):
+  parts = [dense[:, :, h, c, q * cfg.piece:(q + 1) * cfg.piece] for h, c, q in triton_chunk.part_keys(cfg)]
+  joined = triton_chunk.join_parts(parts, cfg)
+  np.testing.assert_array_equal(joined, dense.reshape(triton_chunk.joined_shape(cfg)))
+  for got, want in zip(triton_chunk.split_parts(joined, cfg), parts, strict=True):
     np.testing.assert_array_equal(got, want)
 
 

@@ -24,7 +24,7 @@ H100s (``tests/test_gpu_compile.py``'s ``compile_step``: a 512 x 256 weight,
 :data:`pallas_kernels.dispatch.MOSAIC_FIRST` is off; with it on, Mosaic GPU on
 jax >= 0.12 and Triton on 0.10.2), ``"mosaic"`` and ``"pallas"`` (Triton), and counts per
 step (from the call graph and the loops' trip counts,
-:func:`~dynamiq_jax.bench.gpu_compile.per_step`) each backend's kernel
+:func:`~dynamiq_jax.bench.hlo.per_step`) each backend's kernel
 launches, by the op that launched them, the payload hops, and each kernel's
 registers and spill bytes.
 
@@ -122,21 +122,22 @@ def measure_step() -> dict:
   import collections
 
   from dynamiq_jax.bench import gpu_compile as G
+  from dynamiq_jax.bench import hlo as H
   out = {}
   for impl in (None, "mosaic", "pallas"):
     with G.compile_in_child(f"{_TESTS}/test_gpu_compile.py:compile_step",
                             kwargs={"implementation": impl}, path=[_TESTS], ptx=True,
                             xla_flags=G.DEVICELESS_XLA_FLAGS) as build:
-      comps = G.parse_hlo(build.hlo[0])
-      runs, _ = G.executions(comps)
+      comps = H.parse_hlo(build.hlo[0])
+      runs, _ = H.executions(comps)
       launches = collections.Counter()
       for name, comp in comps.items():
         for ins in comp.instructions:
-          if ins.opcode == "custom-call" and ("mosaic_gpu" in ins.line or G.TRITON in ins.line):
+          if ins.opcode == "custom-call" and ("mosaic_gpu" in ins.line or H.TRITON in ins.line):
             backend = "mosaic_gpu" if "mosaic_gpu" in ins.line else "triton"
             launches[f"{backend}:{_launcher(ins.line)}"] += runs.get(name, 1)
       out[str(impl)] = {"launches_per_step": dict(sorted(launches.items())),
-                        "payload_hops_per_step": G.per_step(comps, G.is_payload_hop),
+                        "payload_hops_per_step": H.per_step(comps, H.is_payload_hop),
                         "ptxas": dict(sorted(_ptxas(build).items())),
                         "seconds": build.seconds}
   return out
@@ -145,6 +146,7 @@ def measure_step() -> dict:
 def measure() -> dict:
   """The report: per kernel its custom calls, registers, spill bytes and compile seconds."""
   from dynamiq_jax.bench import gpu_compile as G
+  from dynamiq_jax.bench import hlo as H
   with G.compile_in_child(f"{__file__}:compile_kernels", ptx=True) as build:
     info = build.info
     ptxas = _ptxas(build)
@@ -152,7 +154,7 @@ def measure() -> dict:
       targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
       info["kernels"][name]["custom_calls"] = {
           t: targets.count(t) for t in sorted(set(targets))
-          if t.startswith("mosaic_gpu") or t == G.TRITON}
+          if t.startswith("mosaic_gpu") or t == H.TRITON}
       backend, op = name.split("/")
       entry = f"dynamiq_mosaic_{op}" if backend == "mosaic" else f"dynamiq_units_{op}_p1"
       info["kernels"][name].update(ptxas.get(entry, {"registers": None, "spill_bytes": None}))

@@ -39,6 +39,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dynamiq_jax.bench import gpu_compile  # noqa: E402
+from dynamiq_jax.bench.hlo import is_gemm, parse_hlo  # noqa: E402
 from dynamiq_jax.bench import overlap  # noqa: E402
 
 MODEL = {"layers": 12, "width": 2048, "batch": 2048}
@@ -88,7 +89,7 @@ def hops(hlo: str) -> dict:
     around a Mosaic GPU kernel, which has no scope) by kind (the opcode, with a fusion's
     kind and a custom call's target), the backward GEMMs, and the rest.
   """
-  comps = gpu_compile.parse_hlo(hlo)
+  comps = parse_hlo(hlo)
   entry = comps["ENTRY"].instructions
   counts = collections.Counter()
   gap = collections.Counter()
@@ -107,7 +108,7 @@ def hops(hlo: str) -> dict:
       for op in entry[last_end[bucket]:i]:
         if op.opcode in _PLAIN:
           continue
-        if gpu_compile.is_gemm(op, comps):
+        if is_gemm(op, comps):
           counts["gap_backward_gemms"] += "transpose(jvp" in op.attributes
           continue
         if "compressed_psum/" not in op.attributes and "dynamic_slice_fusion" not in op.name:

@@ -42,6 +42,7 @@ import re
 import sys
 
 from dynamiq_jax.bench import gpu_compile
+from dynamiq_jax.bench.hlo import parse_hlo
 
 __all__ = ["step_in_child", "top_level", "kernels", "by_scope", "measure", "main"]
 
@@ -155,7 +156,7 @@ def measure(size: int, schedule: str = "ring", estimate: bool = False) -> dict:
         "dynamiq_jax.bench.bucket_cost:step_in_child",
         kwargs={"buckets": k, "size": size, "schedule": schedule, "estimate": estimate},
         xla_flags=gpu_compile.DEVICELESS_XLA_FLAGS, ptx=False, strict_warnings=False) as build:
-      comps = gpu_compile.parse_hlo(build.hlo[0])
+      comps = parse_hlo(build.hlo[0])
       runs[k] = {"instructions": len(_instructions(comps)), "top_level": len(top_level(comps)),
                  "kernels": kernels(comps),
                  "sorts": sum(ins.opcode == "sort" for _, ins in _instructions(comps)),

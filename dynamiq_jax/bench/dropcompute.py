@@ -72,7 +72,7 @@ import numpy as np
 from dynamiq_jax.bench import common
 from dynamiq_jax.bench import harness
 from dynamiq_jax.bench.dropcompute_report import BASELINE, MODELS, MODES
-from dynamiq_jax.bench.dropcompute_report import key, markdown, model_scaling, plot, summarize
+from dynamiq_jax.bench.dropcompute_report import markdown, model_scaling, plot, run_key, summarize
 
 __all__ = ["main", "noise_delays", "summarize", "markdown", "model_scaling", "MODELS"]
 
@@ -194,7 +194,7 @@ class _Worker:
           value, digest = run["tr"].evaluate(run["params"])
           run["out"]["evals"].append({"step": s, "eval_loss": value, "digest": digest,
                                       "micro_batches": run["seen"]})
-    return {key(label, mode): run["out"] for (label, mode), run in zip(configs, runs)}
+    return {run_key(label, mode): run["out"] for (label, mode), run in zip(configs, runs)}
 
 
 def _worker(cfg: dict, rank: int, coordinator: str) -> None:

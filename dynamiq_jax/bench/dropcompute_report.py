@@ -13,7 +13,7 @@ import numpy as np
 
 from dynamiq_jax.bench import harness
 
-__all__ = ["MODES", "MODELS", "BASELINE", "QUALITY_TOLERANCE", "key", "run_stats",
+__all__ = ["MODES", "MODELS", "BASELINE", "QUALITY_TOLERANCE", "run_key", "run_stats",
            "summarize", "model_scaling", "markdown", "plot"]
 
 MODES = ("sync", "dropcompute")
@@ -61,7 +61,7 @@ def summarize(report: dict, args) -> dict:
   train = report.get("train")
   if train:
     runs = train["runs"]
-    base = runs[key(*BASELINE)]
+    base = runs[run_key(*BASELINE)]
     target = harness.target_of(base, args.target_at, args.smooth)
     rows = {}
     for key, run in runs.items():
@@ -73,7 +73,7 @@ def summarize(report: dict, args) -> dict:
                    "final_eval_loss": run["evals"][-1]["eval_loss"],
                    "wall_s": float(np.sum(run["step_s"])), "ranks_agree": run["ranks_agree"]}
     for key, row in rows.items():
-      sync = rows[key(row["codec"], "sync")]
+      sync = rows[run_key(row["codec"], "sync")]
       row["final_vs_sync"] = row["final_eval_loss"] / sync["final_eval_loss"] - 1
       row["speedup_vs"] = {other: (rows[other]["tta_s"] / row["tta_s"]
                                    if row["tta_s"] and rows[other]["tta_s"] else None)
@@ -85,7 +85,7 @@ def summarize(report: dict, args) -> dict:
     rows = {key: {"codec": key.split("|")[0], "mode": key.split("|")[1],
                   **run_stats(run, cfg, n)} for key, run in quiet["runs"].items()}
     for row in rows.values():
-      sync = rows[key(row["codec"], "sync")]
+      sync = rows[run_key(row["codec"], "sync")]
       row["vs_sync"] = row["seconds_per_step"] / sync["seconds_per_step"]
     out["quiet"] = {"rows": rows}
   scaling = report.get("scaling")
@@ -94,7 +94,7 @@ def summarize(report: dict, args) -> dict:
   return out
 
 
-def key(label: str, mode: str) -> str:
+def run_key(label: str, mode: str) -> str:
   return f"{label}|{mode}"
 
 
@@ -103,7 +103,7 @@ def _scaling_summary(report, cfg) -> dict:
   label = cfg["scaling_codec"]
   measured = {}
   sources = dict(report["scaling"]["runs"])
-  sources[str(cfg["workers"])] = {mode: report["train"]["runs"][key(label, mode)]
+  sources[str(cfg["workers"])] = {mode: report["train"]["runs"][run_key(label, mode)]
                                   for mode in MODES}
   for workers, runs in sorted(sources.items(), key=lambda kv: int(kv[0])):
     sync = run_stats(runs["sync"], cfg, int(workers), skip)
@@ -114,7 +114,7 @@ def _scaling_summary(report, cfg) -> dict:
                          "drop_rate": dc["drop_rate"], "threshold_s": dc["threshold_s_median"],
                          "sync_seconds_per_step": sync["seconds_per_step"],
                          "dropcompute_seconds_per_step": dc["seconds_per_step"]}
-  base_run = report["train"]["runs"][key(label, "sync")]
+  base_run = report["train"]["runs"][run_key(label, "sync")]
   model = model_scaling(_full_times(base_run), _comm_s(base_run), cfg["model_workers"],
                         seed=cfg["seed"])
   return {"codec": label, "measured": measured, "model": model}
@@ -213,7 +213,7 @@ def markdown(summary: dict) -> str:
   lines = []
   train = summary.get("train")
   if train:
-    dq_sync = key("DynamiQ 5b", "sync")
+    dq_sync = run_key("DynamiQ 5b", "sync")
     lines += ["| all-reduce | step | steps | micro-batches | s / step | drop rate | "
               "micro-batches / s | time to target | vs BF16 sync | vs DynamiQ sync | "
               "final eval loss | vs its sync |",
@@ -224,7 +224,7 @@ def markdown(summary: dict) -> str:
           f"| {r['codec']} | {r['mode']} | {r['steps']} | {r['micro_batches']} | "
           f"{r['seconds_per_step']:.2f} s | "
           f"{100 * r['drop_rate']:.1f}% | {r['throughput']:.1f} | {tta_cell} | "
-          f"{_fmt(r['speedup_vs'].get(key(*BASELINE)), '.2f')}x | "
+          f"{_fmt(r['speedup_vs'].get(run_key(*BASELINE)), '.2f')}x | "
           f"{_fmt(r['speedup_vs'].get(dq_sync), '.2f')}x | {r['final_eval_loss']:.4f} | "
           f"{100 * r['final_vs_sync']:+.2f}% |")
     lines += ["", _quality_line(train)]

@@ -37,14 +37,9 @@ the same on jax 0.10.2 and 0.12:
   on every dump (MLIR after each pass, layout constraint systems: about a
   minute more for the 8 x H100 step), and writes nothing into a directory
   that does not exist.
-* **HLO readers**: :func:`parse_hlo` (computations and their instructions,
-  from the text of jax 0.10.2 and 0.12: ``%`` before names or not, jax
-  0.12's nested tuple shapes of asynchronous starts), :func:`executions`
-  (how many times each computation runs per step, from the call graph and
-  the while loops' known trip counts, so a count does not depend on how XLA
-  peels or unrolls a loop), :func:`per_step`, :func:`kernel_name`,
-  :func:`is_payload_hop`, :func:`is_gemm` and :func:`async_windows` (what
-  the schedule places between an asynchronous start and its done).
+
+The readers of the optimized HLO these compiles make are in
+:mod:`dynamiq_jax.bench.hlo`.
 
 Run as a script it is the child of :func:`compile_in_child` (``--child``); nothing else.
 """
@@ -65,22 +60,18 @@ import sys
 import tempfile
 import time
 
+from dynamiq_jax.bench.hlo import MOSAIC, TRITON
+
 __all__ = [
     "TARGET_CONFIG", "TRITON", "MOSAIC", "MOSAIC_DUMP_ENV", "PTX_FLAGS", "DEVICELESS_XLA_FLAGS", "H100_KIND",
     "missing", "ptxas",
     "h100", "gpu_target", "abstract_h100_mesh", "h100_topology", "h100_devices", "h100_mesh",
     "Build", "compile_in_child", "build_parser", "ptxas_report", "mosaic_ptxas_report",
     "sass_instructions",
-    "Instruction", "Computation", "parse_hlo", "executions", "per_step",
-    "kernel_name", "is_payload_hop", "is_gemm", "Window", "async_windows",
 ]
 
 TARGET_CONFIG = pathlib.Path(__file__).resolve().parent / "h100_sxm.txtpb"
 """XLA's H100 SXM GPU spec: the target of the compile-only topology."""
-TRITON = "__gpu$xla.gpu.triton"
-"""custom_call_target of a Pallas Triton kernel in GPU HLO."""
-MOSAIC = "mosaic_gpu"
-"""custom_call_target prefix of a Pallas Mosaic GPU kernel in GPU HLO (``mosaic_gpu_v2``)."""
 MOSAIC_DUMP_ENV = {"MOSAIC_GPU_DUMP_PTXAS": "1"}
 """Environment of the CUDA plugin's Mosaic GPU pipeline: it prints the ``ptxas -v`` output of
 each kernel it compiles on standard output."""
@@ -405,216 +396,6 @@ def _read_ptxas(text: str, out: dict, prefix: str, strip: str = "") -> None:
     prev = out.get(name, {"registers": 0, "spill_bytes": 0})
     out[name] = {"registers": max(prev["registers"], int(regs)),
                  "spill_bytes": max(prev["spill_bytes"], int(stores) + int(loads))}
-
-
-# ----------------------------------------------------------------------------
-# HLO text.
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-  """One HLO instruction: ``name = shape opcode(operands), attributes``."""
-  name: str
-  shape: str
-  opcode: str
-  operands: str
-  attributes: str
-  line: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Computation:
-  """A computation: its name (``"ENTRY"`` for the entry) and instructions in text
-  order (the schedule order, in a scheduled module)."""
-  name: str
-  instructions: tuple[Instruction, ...]
-
-
-_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
-
-
-def _balanced(text: str, i: int) -> int:
-  """Index just past the bracket group that opens at ``text[i]``."""
-  depth = 0
-  for j in range(i, len(text)):
-    if text[j] in "([{":
-      depth += 1
-    elif text[j] in ")]}":
-      depth -= 1
-      if depth == 0:
-        return j + 1
-  raise ValueError(f"unbalanced brackets in {text[:200]!r}")
-
-
-def _instruction(line: str) -> Instruction | None:
-  m = _INSTRUCTION.match(line)
-  if not m:
-    return None
-  i = m.end()
-  end = _balanced(line, i) if line[i] == "(" else line.index(" ", i)
-  shape, rest = line[i:end], line[end:].lstrip()
-  op = re.match(r"([\w\-]+)\(", rest)
-  if not op:
-    return None
-  close = _balanced(rest, op.end() - 1)
-  return Instruction(name=m.group(1), shape=shape, opcode=op.group(1),
-                     operands=rest[op.end():close - 1], attributes=rest[close:], line=line)
-
-
-def parse_hlo(text: str) -> dict[str, Computation]:
-  """HLO module text -> ``{computation name: Computation}``; the entry is ``"ENTRY"``.
-
-  Reads the text ``Compiled.as_text()`` prints on jax 0.10.2 and 0.12 (the
-  latter's file and stack-frame tables are skipped).
-  """
-  comps, name, body = {}, None, []
-  for line in text.splitlines():
-    if name is None:
-      head = _HEADER.match(line)
-      if head:
-        name, body = ("ENTRY" if head.group(1) else head.group(2)), []
-    elif line == "}":
-      comps[name] = Computation(name, tuple(body))
-      name = None
-    else:
-      ins = _instruction(line)
-      if ins is not None:
-        body.append(ins)
-  return comps
-
-
-def _trip_count(ins: Instruction) -> int | None:
-  m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attributes)
-  return int(m.group(1)) if m else None
-
-
-def _callees(ins: Instruction) -> list[tuple[str, int | None]]:
-  """(computation, runs per run of ``ins``) for each computation ``ins`` calls;
-  None: a while loop's unknown trip count."""
-  out = []
-  for key, names in re.findall(r"\b(body|condition|to_apply|calls|branch_computations|"
-                               r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)",
-                               ins.attributes):
-    for callee in re.findall(r"%?([\w.\-]+)", names):
-      trips = _trip_count(ins)
-      if key == "body":
-        out.append((callee, trips))
-      elif key == "condition":
-        out.append((callee, 1 if trips is None else trips + 1))
-      else:  # a call, fusion, async wrapper, reduction, or a conditional's branch
-        out.append((callee, 1))
-  return out
-
-
-def executions(comps: dict[str, Computation]) -> tuple[dict[str, int], list[str]]:
-  """How many times each computation runs per run of the entry.
-
-  From the call graph: a while body runs its loop's known trip count per
-  run of the loop, a condition one more, anything else called (fusions,
-  calls, async wrappers, reducers) once per call, and each branch of a
-  conditional as often as the conditional (an upper bound). Counts summed
-  over every call site, so a loop that XLA peeled (one iteration before the
-  loop, the rest inside) or unrolled (k copies per iteration, n / k trips)
-  counts the same per step as the loop it was.
-
-  Returns:
-    ``({computation: runs}, [while bodies whose trip count is unknown])``;
-    an unknown trip count is counted as 1.
-  """
-  calls = {name: [] for name in comps}
-  unknown = []
-  for name, comp in comps.items():
-    for ins in comp.instructions:
-      for callee, times in _callees(ins):
-        if callee in comps:
-          if times is None:
-            unknown.append(callee)
-          calls[callee].append((name, 1 if times is None else times))
-  memo = {"ENTRY": 1}
-
-  def runs(name, seen=()):
-    if name not in memo:
-      if name in seen:
-        raise ValueError(f"recursive call graph at {name}")
-      memo[name] = sum(runs(caller, seen + (name,)) * t for caller, t in calls[name])
-    return memo[name]
-
-  return {name: runs(name) for name in comps}, sorted(set(unknown))
-
-
-def per_step(comps: dict[str, Computation], predicate) -> int:
-  """Runs per step of the instructions for which ``predicate(instruction)`` holds."""
-  runs, _ = executions(comps)
-  return sum(runs[name] for name, comp in comps.items()
-             for ins in comp.instructions if predicate(ins))
-
-
-def kernel_name(ins: Instruction) -> str | None:
-  """The Pallas kernel a Triton or Mosaic GPU custom call launches (``"?"`` if unnamed),
-  else None. A Mosaic GPU kernel is named by the ``kernel_name`` given to ``plgpu.kernel``
-  (``dynamiq_mosaic_*``), which its op name carries."""
-  if ins.opcode != "custom-call":
-    return None
-  if TRITON in ins.attributes:
-    m = re.search(r'/(dynamiq_\w+)/pallas_call', ins.attributes)
-  elif f'custom_call_target="{MOSAIC}' in ins.attributes:
-    m = re.search(r'op_name="[^"]*/(dynamiq_mosaic_\w+)/', ins.attributes)
-  else:
-    return None
-  return m.group(1) if m else "?"
-
-
-def is_payload_hop(ins: Instruction) -> bool:
-  """A collective permute (or its async start) of a uint8 payload: one ring hop."""
-  return (ins.opcode in ("collective-permute", "collective-permute-start")
-          and "u8[" in ins.shape)
-
-
-def is_gemm(ins: Instruction, comps: dict[str, Computation]) -> bool:
-  """A matrix multiply as XLA:GPU emits one: a cuBLAS / cuBLASLt custom call, or a
-  fusion (``gemm_fusion_*``, ``kind=kCustom``, or any other) whose computation holds a
-  ``dot``."""
-  if ins.opcode == "custom-call":
-    target = re.search(r'custom_call_target="([^"]*)"', ins.attributes)
-    cublas = r"__cublas\$(lt\$)?(gemm|matmul)"
-    return target is not None and re.match(cublas, target.group(1)) is not None
-  if ins.opcode not in ("fusion", "fusion-start"):
-    return False
-  called = re.search(r"\bcalls=%?([\w.\-]+)", ins.attributes)
-  comp = comps.get(called.group(1)) if called else None
-  return comp is not None and any(i.opcode == "dot" for i in comp.instructions)
-
-
-@dataclasses.dataclass(frozen=True)
-class Window:
-  """An asynchronous op's window: its start, its done, and what the schedule
-  runs between them (in one computation)."""
-  start: Instruction
-  done: Instruction
-  between: tuple[Instruction, ...]
-
-
-def async_windows(comp: Computation, opcode: str | None = None) -> list[Window]:
-  """The ``*-start`` / ``*-done`` pairs of ``comp`` and the instructions between them.
-
-  Args:
-    comp: a computation of a scheduled module (text order is schedule order).
-    opcode: e.g. ``"collective-permute"``, ``"all-reduce"``, ``"all-gather"``
-      (None: every asynchronous op).
-  """
-  index = {ins.name: i for i, ins in enumerate(comp.instructions)}
-  out = []
-  for i, done in enumerate(comp.instructions):
-    if not done.opcode.endswith("-done"):
-      continue
-    if opcode is not None and done.opcode != f"{opcode}-done":
-      continue
-    first = re.match(r"\s*%?([\w.\-]+)", done.operands)
-    j = index.get(first.group(1)) if first else None
-    if j is not None and comp.instructions[j].opcode.endswith("-start"):
-      out.append(Window(comp.instructions[j], done, comp.instructions[j + 1:i]))
-  return out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,6 +52,7 @@ import sys
 import time
 
 from dynamiq_jax.bench import gpu_compile
+from dynamiq_jax.bench.hlo import Instruction, async_windows, is_gemm, parse_hlo
 
 __all__ = ["main", "schedule_counts", "model_step", "model_job", "compile_step"]
 
@@ -148,12 +149,12 @@ COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-broadcast",
                "collective-permute", "reduce-scatter")
 
 
-def _bucket(ins: gpu_compile.Instruction) -> int | None:
+def _bucket(ins: Instruction) -> int | None:
   scope = _BUCKET.search(ins.attributes)
   return int(scope.group(1)) if scope else None
 
 
-def _collectives(ins: gpu_compile.Instruction, comps) -> list[str]:
+def _collectives(ins: Instruction, comps) -> list[str]:
   """The collectives ``ins`` runs: itself (``-start`` or synchronous), or those of the
   computations it calls (XLA 0.12 wraps some in an asynchronous ``fusion-start``)."""
   kind = ins.opcode.removesuffix("-start")
@@ -175,10 +176,10 @@ def schedule_counts(hlo: str) -> dict:
     ``{"gemms", "backward_gemms", "backward_gemms_in_windows",
     "codec_ops_in_other_buckets_windows", "codec_ops", "buckets",
     "collectives": {kind: count}}``: a GEMM is one of
-    :func:`~dynamiq_jax.bench.gpu_compile.is_gemm`; a backward GEMM is one
+    :func:`~dynamiq_jax.bench.hlo.is_gemm`; a backward GEMM is one
     whose source (``op_name``) is ``transpose(jvp(...))``; a window is that of
     an asynchronous start and its done
-    (:func:`~dynamiq_jax.bench.gpu_compile.async_windows`) that runs a
+    (:func:`~dynamiq_jax.bench.hlo.async_windows`) that runs a
     collective; a codec op is a fusion or custom call of scope
     ``allreduce/bucket<b>``; a collective is one of :data:`COLLECTIVES`,
     asynchronous (counted at its start) or not, on its own or inside a fusion
@@ -187,12 +188,12 @@ def schedule_counts(hlo: str) -> dict:
   Raises:
     ValueError: the text has no entry computation.
   """
-  comps = gpu_compile.parse_hlo(hlo)
+  comps = parse_hlo(hlo)
   if "ENTRY" not in comps:
     raise ValueError("no ENTRY computation in the HLO text")
   entry = comps["ENTRY"]
   inside = collections.defaultdict(list)  # instruction name -> buckets of its windows
-  for window in gpu_compile.async_windows(entry):
+  for window in async_windows(entry):
     if not _collectives(window.start, comps):
       continue  # e.g. XLA 0.12's asynchronous dynamic-slice fusions
     for ins in window.between:
@@ -206,7 +207,7 @@ def schedule_counts(hlo: str) -> dict:
     collectives = _collectives(ins, comps)
     if collectives:
       kinds.update(collectives)
-    elif gpu_compile.is_gemm(ins, comps):
+    elif is_gemm(ins, comps):
       counts["gemms"] += 1
       if "transpose(jvp" in ins.attributes:
         counts["backward_gemms"] += 1

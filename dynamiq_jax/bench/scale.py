@@ -42,6 +42,7 @@ import sys
 import time
 
 from dynamiq_jax.bench import gpu_compile
+from dynamiq_jax.bench.hlo import parse_hlo
 
 __all__ = ["SIZES", "model_shapes", "loss_fn", "step_in_child", "compile_step", "median_run",
            "instructions", "bucket_scopes", "main"]
@@ -236,7 +237,7 @@ def bucket_scopes(hlo: str) -> dict:
 
   launches = collections.Counter(
       m.group(1) for m in (_SCOPE.search(ins.line)
-                           for ins in bucket_cost.top_level(gpu_compile.parse_hlo(hlo))) if m)
+                           for ins in bucket_cost.top_level(parse_hlo(hlo))) if m)
   counts = collections.Counter()
   buckets = set()
   for line in hlo.splitlines():
