@@ -123,12 +123,12 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_mosaic_gpu_where_triton_is_not_usable",
         )),
     Mutation(
-        name="guard-local-vote",
-        what="The non-finite guard decides on each rank's own values instead of the ranks' "
-             "agreed vote: a NaN on one rank poisons only that rank's bucket.",
+        name="guard-ignores-the-vote",
+        what="The non-finite guard never reports the ranks' agreed vote: a NaN or Inf on "
+             "one rank is zeroed silently instead of skipping the step everywhere.",
         path="dynamiq_jax/engine/guard.py",
         old="  return bad > 0, jnp.where(finite, x, 0.0) * scale, scale\n",
-        new="  return jnp.any(~finite), jnp.where(finite, x, 0.0) * scale, scale  # mutation\n",
+        new="  return bad > 1, jnp.where(finite, x, 0.0) * scale, scale  # mutation\n",
         tests=(
             "tests/test_bad_input.py::test_nonfinite_stays_nonfinite_and_finite_stays_finite[f32]",
             "tests/test_transform.py::TestTraining::test_nan_on_one_rank_skips_the_step_everywhere",
