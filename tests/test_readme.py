@@ -81,16 +81,22 @@ def _close(text, value):
 
 
 def test_network_figures_are_the_measured_ones():
+  """docs/results.md's network table (and its summary row) against net_64mb/net.json."""
   rows = json.loads((RESULTS / "net_64mb" / "net.json").read_text())["rows"]
   speedup = {(r["rate_mbit"], r["size_mb"], r["method"]): r["speedup"] for r in rows}
-  m = re.search(r"A 64 MB all-reduce is ([\d.]+)x faster than `psum` of bf16 with DynamiQ at "
-                r"100 Mbit/s \(MXFP8 ([\d.]+)x\) and ([\d.]+)x at 1 Gbit/s \(MXFP8 ([\d.]+)x\)",
-                " ".join(README.split()))
-  assert m, "the network sentence moved: update this test"
-  want = [(100.0, "dynamiq/ring"), (100.0, "mxfp8/ring"), (1000.0, "dynamiq/ring"),
-          (1000.0, "mxfp8/ring")]
-  for got, (rate, method) in zip(m.groups(), want):
-    assert float(got) == pytest.approx(speedup[(rate, 64.0, method)], abs=0.005), (rate, method)
+  results = (ROOT / "docs" / "results.md").read_text()
+  for label, method in (("DynamiQ 5b", "dynamiq/ring"), ("DynamiQ 4b", "dynamiq4/ring"),
+                        ("MXFP8", "mxfp8/ring")):
+    m = re.search(r"^\| " + re.escape(label) + r" \| [^|]+ \| \**([\d.]+)x\** \| \**([\d.]+)x",
+                  results, re.M)
+    assert m, f"results.md's network row of {label} moved: update this test"
+    for got, rate in zip(m.groups(), (100.0, 1000.0)):
+      assert float(got) == pytest.approx(speedup[(rate, 64.0, method)], abs=0.005), (label, rate)
+  m = re.search(r"DynamiQ 5b ([\d.]+)x faster than `psum` of bf16 at 100 Mbit/s, ([\d.]+)x at "
+                r"1 Gbit/s", results)
+  assert m, "results.md's network summary moved: update this test"
+  assert float(m.group(1)) == pytest.approx(speedup[(100.0, 64.0, "dynamiq/ring")], abs=0.005)
+  assert float(m.group(2)) == pytest.approx(speedup[(1000.0, 64.0, "dynamiq/ring")], abs=0.005)
 
 
 def test_the_tested_versions_agree():
