@@ -11,8 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _cli_modules() -> list[str]:
   """Every module with a ``__main__`` block: the package's, the benchmarks', the examples'."""
-  files = (sorted((ROOT / "dynamiq_jax").glob("*.py"))
-           + sorted((ROOT / "dynamiq_jax" / "bench").glob("*.py"))
+  files = (sorted((ROOT / "dynamiq_jax").rglob("*.py"))
            + sorted((ROOT / "examples").glob("*/main.py")))
   return [".".join(f.relative_to(ROOT).with_suffix("").parts) for f in files
           if 'if __name__ == "__main__":' in f.read_text()]
