@@ -141,8 +141,8 @@ def _fetch(gmem, smem, bars, s0, planes: int, more=()):
   (:func:`_copy_all`; ``bars``: :func:`_fetch_barriers` of them)."""
   units_g, k_g, sc_g, w_g, ptab_g = gmem
   u_s, k_s, sc_s, w_s, ptab_s = smem
-  copies = [(ptab_g, ptab_s), (k_g.at[pl.ds(s0 * BLOCK, MR.ROWS)], k_s),
-            (sc_g.at[pl.ds(s0, BLOCK)], sc_s), (w_g.at[pl.ds(s0, BLOCK)], w_s), *more]
+  copies = [(ptab_g, ptab_s), (k_g.at[pl.ds(s0 * MR.BLOCK, MR.ROWS)], k_s),
+            (sc_g.at[pl.ds(s0, MR.BLOCK)], sc_s), (w_g.at[pl.ds(s0, MR.BLOCK)], w_s), *more]
   _copy_all(copies, bars)
   _copy_all([(units_g.at[pl.ds((ptab_s[p] + s0) * MR.WORDS, MR.ROWS)], u_s.at[p])
              for p in range(planes)], bars, first=len(copies))
@@ -157,15 +157,15 @@ def _decode_kernel(*refs, tabs: B.LevelTables, planes: int, s_count: int, accumu
     (units_g, k_g, sc_g, w_g, ptab_g, out_g,
      u_s, k_s, sc_s, w_s, ptab_s, o_s, bar) = refs
     x_g = x_s = None
-  s0 = lax.axis_index("b") * BLOCK
+  s0 = lax.axis_index("b") * MR.BLOCK
   _fetch((units_g, k_g, sc_g, w_g, ptab_g), (u_s, k_s, sc_s, w_s, ptab_s), bar, s0, planes,
-         [(x_g.at[pl.ds(s0 * BLOCK, MR.ROWS)], x_s)] if accumulate else [])
+         [(x_g.at[pl.ds(s0 * MR.BLOCK, MR.ROWS)], x_s)] if accumulate else [])
   out = MR.decode_rows(u_s, k_s, sc_s, w_s, ptab_s, s0, tabs=tabs, planes=planes)
   if accumulate:
     out = out + x_s[...].astype(jnp.float32)
   o_s[...] = out
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_s, out_g.at[pl.ds(s0 * BLOCK, MR.ROWS)])
+  plgpu.copy_smem_to_gmem(o_s, out_g.at[pl.ds(s0 * MR.BLOCK, MR.ROWS)])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -183,7 +183,7 @@ def _decode(planar, x, widths, *, units, eps, plane_bits, width_set, interpret):
   accumulate = x is not None
   operands = [units_w, k16, sc16, widths.astype(jnp.int32), ptab]
   scratch = [plgpu.SMEM((planes, MR.ROWS), jnp.uint32), plgpu.SMEM((MR.ROWS,), jnp.uint16),
-             plgpu.SMEM((BLOCK,), jnp.uint16), plgpu.SMEM((BLOCK,), jnp.int32),
+             plgpu.SMEM((MR.BLOCK,), jnp.uint16), plgpu.SMEM((MR.BLOCK,), jnp.int32),
              plgpu.SMEM((MR.PTAB,), jnp.int32)]
   if accumulate:
     operands.append(x.reshape(s_count * MR.WORDS, 32))
@@ -194,7 +194,7 @@ def _decode(planar, x, widths, *, units, eps, plane_bits, width_set, interpret):
       functools.partial(_decode_kernel, tabs=tabs, planes=planes, s_count=s_count,
                         accumulate=accumulate),
       out_type=jax.ShapeDtypeStruct((s_count * MR.WORDS, 32), jnp.float32),
-      grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
+      grid=(-(-s_count // MR.BLOCK),), grid_names=("b",), scratch_types=scratch,
       kernel_name=f"{KERNEL_PREFIX}decompress{'_accumulate' if accumulate else ''}",
       interpret=interpret_params() if interpret else None)
   return _launch(kernel, operands).reshape(s_count, B.SUPERGROUP)
@@ -240,8 +240,8 @@ def decompress_accumulate_planar(planar, x, widths, units: int, *, eps,
 def _encode_kernel(x_g, w_g, key_g, codes_g, k_g, v_g, x_s, w_s, key_s, codes_s, k_s, v_s,
                    vs_s, bar, **static):
   """One program: 8 super-groups -> their plane words, k bytes and scale bits (per row)."""
-  s0 = lax.axis_index("b") * BLOCK
-  _copy_all([(x_g.at[pl.ds(s0 * BLOCK, MR.ROWS)], x_s), (w_g.at[pl.ds(s0, BLOCK)], w_s),
+  s0 = lax.axis_index("b") * MR.BLOCK
+  _copy_all([(x_g.at[pl.ds(s0 * MR.BLOCK, MR.ROWS)], x_s), (w_g.at[pl.ds(s0, MR.BLOCK)], w_s),
              (key_g, key_s)], bar)
   MR.encode_rows(x_s[...].astype(jnp.float32), w_s, key_s, (codes_s, k_s, v_s), vs_s, s0,
                **static)
@@ -251,9 +251,9 @@ def _encode_kernel(x_g, w_g, key_g, codes_g, k_g, v_g, x_s, w_s, key_s, codes_s,
 def _store_encoded(smem, gmem, s0):
   """Plane words, k words and scale bits of the block from shared to global memory."""
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(smem[0], gmem[0].at[:, pl.ds(s0 * BLOCK, MR.ROWS)])
+  plgpu.copy_smem_to_gmem(smem[0], gmem[0].at[:, pl.ds(s0 * MR.BLOCK, MR.ROWS)])
   for src, dst in zip(smem[1:], gmem[1:]):
-    plgpu.copy_smem_to_gmem(src, dst.at[pl.ds(s0 * BLOCK, MR.ROWS)])
+    plgpu.copy_smem_to_gmem(src, dst.at[pl.ds(s0 * MR.BLOCK, MR.ROWS)])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -268,13 +268,13 @@ def _compress(x, widths, keys, rank, *, units, eps, strata, scale_rounding, plan
   tabs = B.level_tables(eps, width_set)
   planes = max(width_set)
   rows = s_count * MR.WORDS
-  scratch = [plgpu.SMEM((MR.ROWS, 32), x.dtype), plgpu.SMEM((BLOCK,), jnp.int32),
+  scratch = [plgpu.SMEM((MR.ROWS, 32), x.dtype), plgpu.SMEM((MR.BLOCK,), jnp.int32),
              *_encode_scratch(planes), plgpu.Barrier(num_barriers=3)]
   kernel = plgpu.kernel(
       functools.partial(_encode_kernel, tabs=tabs, planes=planes, strata=strata,
                         scale_rounding=scale_rounding),
       out_type=_encode_outputs(rows, planes),
-      grid=(-(-s_count // BLOCK),), grid_names=("b",), scratch_types=scratch,
+      grid=(-(-s_count // MR.BLOCK),), grid_names=("b",), scratch_types=scratch,
       kernel_name=f"{KERNEL_PREFIX}compress",
       interpret=interpret_params() if interpret else None)
   operands = (x.reshape(rows, 32), widths.astype(jnp.int32), rng.key_operand(keys, rank))
@@ -337,9 +337,9 @@ def _dar_kernel(units_g, k_g, sc_g, w_g, ptab_g, x_g, key_g, codes_g, ko_g, vo_g
                 tabs: B.LevelTables, planes: int, **static):
   """One program of the ring hop: decode 8 super-groups, add x, encode the sum (kept in
   registers) into plane words, k words and scale bits."""
-  s0 = lax.axis_index("b") * BLOCK
+  s0 = lax.axis_index("b") * MR.BLOCK
   _fetch((units_g, k_g, sc_g, w_g, ptab_g), (u_s, k_s, sc_s, w_s, ptab_s), bar, s0, planes,
-         [(x_g.at[pl.ds(s0 * BLOCK, MR.ROWS)], x_s), (key_g, key_s)])
+         [(x_g.at[pl.ds(s0 * MR.BLOCK, MR.ROWS)], x_s), (key_g, key_s)])
   acc = MR.decode_rows(u_s, k_s, sc_s, w_s, ptab_s, s0, tabs=tabs, planes=planes)
   acc = acc + x_s[...].astype(jnp.float32)
   MR.encode_rows(acc, w_s, key_s, (codes_s, ko_s, vo_s), vs_s, s0, tabs=tabs, planes=planes,
@@ -360,13 +360,13 @@ def _dar(planar, x, widths, keys, rank, *, units, eps, strata, scale_rounding, p
   rows = s_count * MR.WORDS
   k16, units_w, sc16 = P.planes(planar, s_count, units, plane_bits)
   scratch = [plgpu.SMEM((planes, MR.ROWS), jnp.uint32), plgpu.SMEM((MR.ROWS,), jnp.uint16),
-             plgpu.SMEM((BLOCK,), jnp.uint16), plgpu.SMEM((BLOCK,), jnp.int32),
+             plgpu.SMEM((MR.BLOCK,), jnp.uint16), plgpu.SMEM((MR.BLOCK,), jnp.int32),
              plgpu.SMEM((MR.PTAB,), jnp.int32), plgpu.SMEM((MR.ROWS, 32), x.dtype),
              *_encode_scratch(planes), plgpu.Barrier(num_barriers=_fetch_barriers(planes, 2))]
   kernel = plgpu.kernel(
       functools.partial(_dar_kernel, tabs=tabs, planes=planes, strata=strata,
                         scale_rounding=scale_rounding),
-      out_type=_encode_outputs(rows, planes), grid=(-(-s_count // BLOCK),), grid_names=("b",),
+      out_type=_encode_outputs(rows, planes), grid=(-(-s_count // MR.BLOCK),), grid_names=("b",),
       scratch_types=scratch, kernel_name=f"{KERNEL_PREFIX}decompress_accumulate_recompress",
       interpret=interpret_params() if interpret else None)
   operands = (units_w, k16, sc16, widths.astype(jnp.int32),

@@ -65,12 +65,12 @@ def compile_step(block: int | None = None, implementation: str | None = None,
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import dynamiq_jax as dq
-  from pallas_kernels import dynamiq_mosaic, dynamiq_triton, mosaic_rows
+  from pallas_kernels import dynamiq_triton, mosaic_rows
 
   if block is not None:  # read when the kernels are traced, below
     dynamiq_triton.BLOCK = block
   if mosaic_block is not None:  # the rows of a program's [rows, 32] block follow it
-    dynamiq_mosaic.BLOCK = mosaic_rows.BLOCK = mosaic_block
+    mosaic_rows.BLOCK = mosaic_block
     mosaic_rows.ROWS = mosaic_block * 8
   mesh = T.h100_mesh((DEVICES,), ("data",))
   tx = optax.chain(dq.compressed_psum("data", implementation=implementation),
