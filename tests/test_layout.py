@@ -6,6 +6,7 @@ The layers themselves are import-linter's contracts in pyproject.toml
 
 import ast
 import graphlib
+import importlib.util
 import pathlib
 
 import grimp
@@ -32,13 +33,15 @@ def private_uses(module: str, source: str, modules: set[str]) -> list[str]:
   """The private names of other modules of ``modules`` that ``source`` (of ``module``) uses:
   ``from m import _x``, and ``alias._x`` where ``alias`` is bound to a module ``m``
   (``import m as alias``, ``from p import m``), wherever in the file the import is."""
-  package = module if module in _packages(modules) else module.rpartition(".")[0]
+  is_package = any(m.startswith(module + ".") for m in modules)
+  package = module if is_package else module.rpartition(".")[0]
+  tree = ast.parse(source)
   found, aliases = [], {}
-  for node in ast.walk(ast.parse(source)):
+  for node in ast.walk(tree):
     if isinstance(node, ast.ImportFrom):
       base = node.module or ""
       if node.level:
-        base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+        base = importlib.util.resolve_name("." * node.level + base, package)
       if base.split(".")[0] not in PACKAGES or base == module:
         continue
       for a in node.names:
@@ -50,15 +53,11 @@ def private_uses(module: str, source: str, modules: set[str]) -> list[str]:
       for a in node.names:
         if a.name.split(".")[0] in PACKAGES and a.asname:
           aliases[a.asname] = a.name
-  for node in ast.walk(ast.parse(source)):
+  for node in ast.walk(tree):
     if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
         and node.value.id in aliases and aliases[node.value.id] != module and _private(node.attr)):
       found.append(f"{aliases[node.value.id]}.{node.attr}")
   return found
-
-
-def _packages(modules):
-  return {m.rpartition(".")[0] for m in modules if "." in m}
 
 
 def test_no_private_names_cross_modules():
