@@ -26,8 +26,9 @@ Usage::
 
 ``--list`` prints the mutations and exits. ``--only`` runs the named ones (default:
 all). ``--out`` is where the JSON record goes (default
-``docs/results/mutations.json``): the command line, the date, the git commit, the
-jax version and each mutation's result, seconds and pytest's summary line.
+``docs/results/mutations.json``, written by ``bench.common.write_tool_json``: the
+command, the machine (date, commit, jax) and its load, and each mutation's result,
+seconds and pytest's summary line).
 ``--baseline`` first runs every selected mutation's tests on the unmutated tree and
 stops if they do not pass (a mutation "killed" by an already failing test says
 nothing). The exit status is 1 if any mutation survived, errored or was stale.
@@ -41,9 +42,6 @@ seconds to a few minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
-import json
 import os
 import pathlib
 import shlex
@@ -52,6 +50,8 @@ import subprocess
 import sys
 import time
 from typing import NamedTuple
+
+from dynamiq_jax.bench import common
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_OUT = "docs/results/mutations.json"
@@ -239,20 +239,6 @@ def _git(*args: str) -> str:
                         check=True).stdout
 
 
-def _commit() -> str | None:
-  try:
-    return _git("rev-parse", "--short", "HEAD").strip()
-  except (OSError, subprocess.CalledProcessError):
-    return None
-
-
-def _jax_version() -> str | None:
-  try:
-    return importlib.metadata.version("jax")
-  except importlib.metadata.PackageNotFoundError:
-    return None
-
-
 def _dirty(paths) -> list[str]:
   """``git status --porcelain`` lines for ``paths`` (changes there: staged, unstaged,
   untracked)."""
@@ -398,20 +384,12 @@ def main(argv=None) -> int:
     results.append(r)
   _print_table(results)
 
-  out = ROOT / args.out
-  out.parent.mkdir(parents=True, exist_ok=True)
-  payload = {
-      "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "commit": _commit(),
-      "jax": _jax_version(),
+  common.write_tool_json(str(ROOT / args.out), "tools/mutations.py", argv, {
       "pytest": " ".join(_command(["<tests>"])[1:]),
       "timeout_s": args.timeout,
       "baseline": baseline,
       "results": results,
-  }
-  out.write_text(json.dumps(payload, indent=1) + "\n")
-  print(f"\nwrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+  })
   return 0 if all(r["result"] == "killed" for r in results) else 1
 
 
