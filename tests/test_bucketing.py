@@ -244,6 +244,29 @@ def test_wire_stats_and_codec_state_follow_the_layout():
   assert stats.bits_per_coord == pytest.approx(bits / 8000)
 
 
+@pytest.mark.parametrize("bucket_size", [4096, 1 << 20])
+def test_scatter_wire_stats_is_what_the_reduce_scatter_reports(bucket_size):
+  """Outside of tracing, ``scatter_wire_stats`` counts what ``reduce_scatter`` sends: a
+  scattered leaf's rows in buckets of ``bucket_size / n`` per rank, the unscattered
+  (odd-shaped) leaf all-reduced."""
+  tree = {"a": np.zeros((N, 8 * 700), np.float32), "b": np.zeros((N, 8, 300), np.float32),
+          "odd": np.zeros((N, 13), np.float32)}
+  codec = DynamiQ()
+
+  def f(x):
+    return dq.reduce_scatter(x, axis_name="i", codec=codec, bucket_size=bucket_size,
+                             scatter_dimension={"a": 0, "b": 0, "odd": None},
+                             key=jax.random.key(0))[1][:3]
+
+  bits, nbytes, coords = jax.jit(jax.vmap(f, axis_name="i"))(tree)
+  like = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in tree.items()}
+  want = dq.scatter_wire_stats(like, codec=codec, n=N, bucket_size=bucket_size,
+                               scatter_dimension={"a": 0, "b": 0, "odd": None})
+  assert int(coords[0]) == want.coords == 8 * 700 + 8 * 300 + 13
+  assert float(bits[0]) == pytest.approx(want.bits_per_coord, rel=1e-6)
+  assert float(nbytes[0]) == pytest.approx(want.bytes_per_rank, rel=1e-6)
+
+
 def test_max_buckets_grows_the_buckets():
   tree = _shapes(*([1000] * 40))
   assert len(dq.bucket_layout(tree, bucket_size=1024, max_buckets=None)) == 40

@@ -96,9 +96,11 @@ class TestCompressed:
     # what equal buckets add is their padding: per coordinate sent, no more bits than the
     # unrolled buckets'
     plain = dq.wire_stats(one, codec=DynamiQ(), n=N, bucket_size=1 << 15)
-    sizes, coords = stacked.loop_sizes([a.shape for a in jax.tree.leaves(one)], [
-        "layers" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(one)],
-        1 << 15, DynamiQ().granularity * N)
+    shapes = [a.shape for a in jax.tree.leaves(one)]
+    flags = ["layers" in jax.tree_util.keystr(p)
+             for p, _ in jax.tree_util.tree_leaves_with_path(one)]
+    sizes, coords = stacked.loop_sizes(
+        shapes, flags, stacked.loop_bucket(shapes, flags, 1 << 15, DynamiQ().granularity * N))
     assert coords == want.coords and sum(sizes) > coords
     assert want.bits_per_coord * coords / sum(sizes) <= plain.bits_per_coord * 1.001
 

@@ -46,7 +46,7 @@ from dynamiq_jax.engine.buckets import resolve_leaf_order
 from dynamiq_jax.engine.buckets import report
 from dynamiq_jax.engine.buckets import unpack
 from dynamiq_jax.codec_names import resolve_codec
-from dynamiq_jax.engine.options import ReduceOptions
+from dynamiq_jax.engine.options import Bucketing, ReduceOptions
 from dynamiq_jax.schedules import hierarchical
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.local import local_specs, model_axes
@@ -56,7 +56,7 @@ from dynamiq_jax.schedules.plan import get_plan
 
 __all__ = [
     "allreduce", "run_allreduce", "allreduce_local", "AllReduceStats", "wire_stats",
-    "init_codec_state", "bucket_layout", "Segment", "DEFAULT_BUCKET_SIZE",
+    "init_codec_state", "layout_states", "bucket_layout", "Segment", "DEFAULT_BUCKET_SIZE",
     "DEFAULT_MAX_BUCKETS", "HIERARCHICAL", "hierarchical_share",
 ]
 
@@ -81,12 +81,11 @@ def wire_stats(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
   """
   codec = resolve_codec(codec, what="wire_stats")
   check_schedule(schedule, SCHEDULES, what="wire_stats")
+  buckets = Bucketing.build(codec, bucket_size, max_buckets, leaf_order)
   flags = loops.stacked_flags(jax.tree_util.tree_flatten_with_path(tree)[0], stacked)
   if flags is not None:
-    return loop_stats([np.shape(x) for x in jax.tree.leaves(tree)], flags, codec, n,
-                      bucket_size)
-  layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
-                         leaf_order=leaf_order)
+    return loop_stats([np.shape(x) for x in jax.tree.leaves(tree)], flags, buckets, n)
+  layout = buckets.layout(tree)
   if is_moshpit(schedule) and n > 1:
     return moshpit.moshpit_report(bucket_sizes(layout), codec, as_moshpit(schedule).plan(n),
                                   coords=layout_coords(layout))
@@ -101,8 +100,13 @@ def init_codec_state(tree, *, codec, n: int, bucket_size: int = DEFAULT_BUCKET_S
   not depend on ``n``; only its values do.
   """
   codec = resolve_codec(codec, what="init_codec_state")
-  layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
-                         leaf_order=leaf_order)
+  layout = Bucketing.build(codec, bucket_size, max_buckets, leaf_order).layout(tree)
+  return layout_states(codec, layout, n)
+
+
+def layout_states(codec, layout, n: int):
+  """The codec's initial state of each bucket of ``layout`` over ``n`` ranks (None if
+  stateless)."""
   if not codec.stateful or not layout:
     return None
   return tuple(codec.init_state(d, n) for d in bucket_sizes(layout))
@@ -246,7 +250,8 @@ def run_allreduce(tree, opts: ReduceOptions, *, key, codec_state=None, specs=Non
   check_varying(leaves, ctx)
   local = local_specs(leaves, flat_specs(specs, treedef), what="allreduce")
   if local is None:
-    out, stats, err, ref = allreduce_local(tree, opts, key=key, leaf_order=opts.leaf_order,
+    out, stats, err, ref = allreduce_local(tree, opts, key=key,
+                                           leaf_order=opts.buckets.leaf_order,
                                            codec_state=codec_state, stacked=flags,
                                            absent=absent)
     return out, stats._replace(error_estimate=err if ref is None else relative(err, ref))
@@ -255,7 +260,8 @@ def run_allreduce(tree, opts: ReduceOptions, *, key, codec_state=None, specs=Non
       lambda leaves, idx, **kw: allreduce_local(
           leaves, opts, codec_state=codec_state, absent=absent,
           stacked=None if flags is None else [flags[i] for i in idx], **kw),
-      tree, treedef, local, key, leaf_order=opts.leaf_order, return_own=opts.return_own,
+      tree, treedef, local, key, leaf_order=opts.buckets.leaf_order,
+      return_own=opts.return_own,
       no_estimate=np.nan if opts.moshpit else 0.0)
 
 
@@ -266,14 +272,13 @@ def allreduce_local(tree, opts: ReduceOptions, *, key, leaf_order, codec_state=N
   estimate is final (one rank, or an empty tree). ``leaf_order``: the options' (or, for
   a group of the leaves, theirs); ``stacked``: None, or which leaves are stacked (a flag
   per leaf): the loops of :mod:`dynamiq_jax.engine.stacked`."""
-  codec, bucket_size, max_buckets = opts.codec, opts.bucket_size, opts.max_buckets
+  codec = opts.codec
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   arrays = [jnp.asarray(leaf) for leaf in leaves]
   if stacked is not None:
     resolve_leaf_order(len(arrays), leaf_order)  # still validated
     return _looped(arrays, treedef, stacked, opts, key=key)
-  layout = bucket_layout(tree, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
-                         leaf_order=leaf_order)
+  layout = opts.buckets.layout(tree, leaf_order)
   if not layout:
     return tree, AllReduceStats(jnp.float32(0), jnp.float32(0), jnp.int32(0)), jnp.float32(0), None
   if opts.hierarchical:
@@ -284,13 +289,14 @@ def allreduce_local(tree, opts: ReduceOptions, *, key, leaf_order, codec_state=N
   sizes = bucket_sizes(layout)
   states = codec_state
   if states is None:
-    states = init_codec_state(tree, codec=codec, n=ctx.n, bucket_size=bucket_size,
-                              max_buckets=max_buckets, leaf_order=leaf_order)
+    states = layout_states(codec, layout, ctx.n)
   states = states if states is not None else (None,) * len(layout)
   if len(states) != len(layout):
+    b = opts.buckets
     raise ValueError(
         f"codec_state holds {len(states)} buckets, the tree needs {len(layout)} (with "
-        f"bucket_size={bucket_size}, max_buckets={max_buckets}, leaf_order={leaf_order!r}): "
+        f"bucket_size={b.bucket_size}, max_buckets={b.max_buckets}, "
+        f"leaf_order={leaf_order!r}): "
         f"pass the state that the previous call with the same tree and bucketing returned")
   xs = [pack(arrays, segs, ctx.n if opts.average else None) for segs in layout]
   rep = report(sizes, codec, ctx.n, coords=layout_coords(layout))
@@ -302,9 +308,7 @@ def allreduce_local(tree, opts: ReduceOptions, *, key, leaf_order, codec_state=N
     stats = stats._replace(codec_state=tuple(states) if codec.stateful else None, own=own)
     return unpack(xs, layout, arrays, treedef), stats, jnp.float32(0), None
   get_plan(opts.schedule, ctx.n)  # its size fits the schedule, before tracing any bucket
-  program = engine.AllReduce(codec, opts.schedule, opts.axis_name, opts.implementation,
-                             opts.return_own, opts.loss)
-  results = engine.reduce_buckets(xs, program, key=key, states=states)
+  results = engine.reduce_buckets(xs, opts.program(), key=key, states=states)
   outs = [r.out for r in results]
   own = None
   if opts.return_own:
@@ -316,25 +320,24 @@ def allreduce_local(tree, opts: ReduceOptions, *, key, leaf_order, codec_state=N
           sum(jnp.sum(o * o) for o in outs))
 
 
-def loop_stats(shapes, flags, codec, n: int, bucket_size: int) -> AllReduceStats:
+def loop_stats(shapes, flags, buckets: Bucketing, n: int) -> AllReduceStats:
   """Exact wire accounting of :func:`allreduce` with ``stacked`` over ``n`` ranks: every
   bucket of the loops, padding included, per coordinate of the gradient."""
-  bucket_layout({}, codec=codec, bucket_size=bucket_size)  # validates bucket_size
-  sizes, coords = loops.loop_sizes(shapes, flags, bucket_size, codec.granularity * n)
+  sizes, coords = loops.loop_sizes(shapes, flags, buckets.loop_size(shapes, flags, n))
   if coords == 0:
     return AllReduceStats(0.0, 0.0, 0)
-  rep = report(sizes, codec, n)
+  rep = report(sizes, buckets.codec, n)
   return rep._replace(bits_per_coord=rep.bits_per_coord * sum(sizes) / coords, coords=coords)
 
 
 def _looped(arrays, treedef, flags, opts: ReduceOptions, *, key):
   """:func:`allreduce_local` with ``stacked``: every group of leaves in loops
   (:mod:`dynamiq_jax.engine.stacked`)."""
-  codec, bucket_size, return_own = opts.codec, opts.bucket_size, opts.return_own
+  return_own = opts.return_own
   n = axis_context(opts.axis_name).n
   get_plan(opts.schedule, n)  # its size fits the schedule, before tracing any bucket
   shapes = [a.shape for a in arrays]
-  rep = loop_stats(shapes, flags, codec, n, bucket_size)
+  rep = loop_stats(shapes, flags, opts.buckets, n)
   stats = AllReduceStats(jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank),
                          jnp.int32(rep.coords), uncompressed=jnp.int32(rep.uncompressed))
   if n == 1 or rep.coords == 0:  # the mean of one rank is its input, bit for bit
@@ -343,10 +346,8 @@ def _looped(arrays, treedef, flags, opts: ReduceOptions, *, key):
       own = jax.tree_util.tree_unflatten(treedef, [a.astype(jnp.float32) for a in arrays])
     return (jax.tree_util.tree_unflatten(treedef, arrays), stats._replace(own=own),
             jnp.float32(0), None)
-  program = engine.AllReduce(codec, opts.schedule, opts.axis_name, opts.implementation,
-                             return_own)
-  size = loops.loop_bucket(shapes, flags, bucket_size, codec.granularity * n)
-  outs, owns, err, ref = loops.reduce_stacked(arrays, flags, program, key=key, size=size,
+  size = opts.buckets.loop_size(shapes, flags, n)
+  outs, owns, err, ref = loops.reduce_stacked(arrays, flags, opts.program(), key=key, size=size,
                                               n_divide=n if opts.average else None)
   own = None
   if return_own:

@@ -63,7 +63,7 @@ from dynamiq_jax.engine.buckets import resolve_leaf_order
 from dynamiq_jax.engine.buckets import scatter_report
 from dynamiq_jax.engine.buckets import sum_stats
 from dynamiq_jax.codec_names import resolve_codec
-from dynamiq_jax.engine.options import ReduceOptions
+from dynamiq_jax.engine.options import Bucketing, ReduceOptions
 from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.names import SCATTER_SCHEDULES, check_schedule
 from dynamiq_jax.schedules.local import local_specs
@@ -168,7 +168,7 @@ def run_reduce_scatter(tree, opts: ReduceOptions, *, key, scatter_dimension: Any
   local = local_specs(leaves, flat_specs(specs, treedef), what="reduce_scatter")
   run = functools.partial(_reduce_scatter_local, opts=opts)
   if local is None:
-    out, stats, _, _ = run(tree, dims=dims, key=key, leaf_order=opts.leaf_order)
+    out, stats, _, _ = run(tree, dims=dims, key=key, leaf_order=opts.buckets.leaf_order)
     return out, stats
   for (path, _), spec, dim in zip(leaves, local, dims):
     if dim is not None and dim < len(spec) and spec[dim] is not None:
@@ -180,7 +180,7 @@ def run_reduce_scatter(tree, opts: ReduceOptions, *, key, scatter_dimension: Any
 
   return engine.run_sharded(
       lambda leaves, idx, **kw: run(leaves, dims=[dims[i] for i in idx], **kw), tree, treedef,
-      local, key, leaf_order=opts.leaf_order, return_own=opts.return_own,
+      local, key, leaf_order=opts.buckets.leaf_order, return_own=opts.return_own,
       no_estimate=float("nan"),
       scattered=any(d is not None for d in dims))
 
@@ -272,16 +272,6 @@ def _shard_shape(shape, dim: int, n: int):
   return shape[:dim] + (shape[dim] // n,) + shape[dim + 1:]
 
 
-def _scattered_layout(pieces, codec, n: int, bucket_size: int, max_buckets):
-  """The buckets of the scattered leaves' per-rank rows (``pieces``, already in the
-  order the backward pass produces them): ``bucket_size`` over all ranks, so a
-  ``1 / n`` share of it per row, in whole codec blocks."""
-  unit = codec.granularity
-  return bucket_layout(pieces, codec=codec, max_buckets=max_buckets,
-                       bucket_size=max(unit, bucket_size // n // unit * unit),
-                       leaf_order="forward")
-
-
 def _reduce_scatter_local(tree, *, opts: ReduceOptions, dims, key, leaf_order):
   """:func:`reduce_scatter` of local arrays -> ``(tree, stats, err, ref)``: ``err`` and
   ``ref`` the whole leaves' expected squared error and squared norm (None: no whole
@@ -306,7 +296,7 @@ def _reduce_scatter_local(tree, *, opts: ReduceOptions, dims, key, leaf_order):
   if scat:
     rows_of = {i: _rank_rows(arrays[i], dims[i], n) for i in scat}
     pieces = [jax.ShapeDtypeStruct((rows_of[i].shape[1],), jnp.float32) for i in scat]
-    layout = _scattered_layout(pieces, codec, n, opts.bucket_size, opts.max_buckets)
+    layout = opts.buckets.rows(pieces, n)
     buckets, widths = [], []
     for segs in layout:
       cols = [jnp.zeros((n, s.stop - s.start), jnp.float32) if s.leaf == PADDING
@@ -321,8 +311,7 @@ def _reduce_scatter_local(tree, *, opts: ReduceOptions, dims, key, leaf_order):
                                     opts.implementation, gather=False)
       bucket_key = jax.random.fold_in(key, jax.lax.axis_index(names[1]))
     else:
-      program = engine.ReduceScatter(codec, schedule, axis_name, opts.implementation,
-                                     return_own, opts.loss)
+      program = opts.program(engine.ReduceScatter)
       bucket_key = key
     results = engine.reduce_buckets(buckets, program, key=bucket_key)
     mine = {i: [] for i in scat}
@@ -402,6 +391,7 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
   """
   codec = resolve_codec(codec, what="scatter_wire_stats")
   check_schedule(schedule, SCATTER_SCHEDULES, what="scatter_wire_stats")
+  buckets = Bucketing.build(codec, bucket_size, max_buckets)
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   dims = _dims(scatter_dimension, [((), a) for a in leaves], treedef, n)
   order = resolve_leaf_order(len(leaves), leaf_order)
@@ -413,15 +403,14 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
   if scat:
     pieces = [jax.ShapeDtypeStruct((int(np.prod(np.shape(leaves[i]))) // n,), jnp.float32)
               for i in scat]
-    layout = _scattered_layout(pieces, codec, n, opts.bucket_size, opts.max_buckets)
+    layout = buckets.rows(pieces, n)
     sizes = [round_up(sum(s.stop - s.start for s in segs), unit) for segs in layout]
     parts.append(_scattered_report(sizes, codec, n, hier, slow,
                                    sum(int(np.prod(np.shape(leaves[i]))) for i in scat)))
   if whole:
     sub = [leaves[i] for i in whole]
     if hier:
-      lay = bucket_layout(sub, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets,
-                          leaf_order="forward")
+      lay = buckets.layout(sub, leaf_order="forward")
       shares = [hierarchical_share(d, codec, n) for d in bucket_sizes(lay)]
       parts.append(report(shares, codec, slow)._replace(
           coords=sum(int(np.prod(np.shape(a))) for a in sub), error_estimate=0.0))

@@ -12,7 +12,7 @@ import optax
 from dynamiq_jax._renamed import UNSET, renamed
 from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.engine.buckets import DEFAULT_MAX_BUCKETS
-from dynamiq_jax.api.allreduce import init_codec_state
+from dynamiq_jax.api.allreduce import layout_states
 from dynamiq_jax.api.allreduce import run_allreduce
 from dynamiq_jax.codecs.dynamiq import DynamiQ
 from dynamiq_jax.engine.options import ERROR_FEEDBACK, ReduceOptions, feedback_mode
@@ -238,8 +238,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
         step=jnp.zeros([], jnp.int32),
         key=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
         # structure only: the values depend on the axis size, set at step 0
-        codec_state=init_codec_state(params, codec=codec, n=1, bucket_size=bucket_size,
-                                     max_buckets=max_buckets, leaf_order=opts.leaf_order),
+        codec_state=layout_states(codec, opts.buckets.layout(params), 1),
         residual=residual, error_estimate=jnp.zeros([], jnp.float32), mean=mean)
 
   @jax.named_scope("compressed_psum")  # labels the reduction's buffers and ops in profiles
@@ -249,8 +248,7 @@ def compressed_psum(axis_name="data", *, codec=None, schedule: str = "ring",
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
     codec_state = state.codec_state
     if codec_state is not None:
-      fresh = init_codec_state(updates, codec=codec, n=n, bucket_size=bucket_size,
-                               max_buckets=max_buckets, leaf_order=opts.leaf_order)
+      fresh = layout_states(codec, opts.buckets.layout(updates), n)
       codec_state = jax.tree.map(lambda f, o: jnp.where(state.step == 0, f, o),
                                  fresh, codec_state)
 

@@ -15,7 +15,10 @@ import dataclasses
 from typing import Any
 
 from dynamiq_jax.engine import moshpit
-from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE, DEFAULT_MAX_BUCKETS, bucket_layout
+from dynamiq_jax.engine import programs
+from dynamiq_jax.engine import stacked as loops
+from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE, DEFAULT_MAX_BUCKETS, Layout
+from dynamiq_jax.engine.buckets import bucket_layout
 from dynamiq_jax.codec_names import resolve_codec
 from dynamiq_jax.codecs.base import Codec
 from dynamiq_jax.schedules.context import axis_names
@@ -25,7 +28,7 @@ from dynamiq_jax.schedules.names import FLAT_SCHEDULES, HIERARCHICAL, SCATTER_SC
 from dynamiq_jax.schedules.names import SCHEDULES, check_schedule
 from dynamiq_jax.engine.stacked import check_stateless
 
-__all__ = ["ReduceOptions", "ERROR_FEEDBACK", "feedback_mode"]
+__all__ = ["ReduceOptions", "Bucketing", "ERROR_FEEDBACK", "feedback_mode"]
 
 ERROR_FEEDBACK = ("ef14", "ef21m")
 """The error-feedback rules (:func:`dynamiq_jax.compressed_psum`'s ``error_feedback``)."""
@@ -53,6 +56,75 @@ def feedback_mode(error_feedback, codec: Codec) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Bucketing:
+  """How a reduction cuts a gradient into buckets: ``bucket_size``, ``max_buckets`` and
+  ``leaf_order`` as :func:`dynamiq_jax.allreduce` takes them, checked by :meth:`build`.
+
+  ``bucket_size`` bounds a bucket over all ranks; each kind of reduction reads it
+  here, and only here:
+
+  * the flat and hierarchical schedules and Moshpit: buckets of at most
+    ``bucket_size`` coordinates (:meth:`layout`, :func:`dynamiq_jax.bucket_layout`);
+  * a reduce-scatter: buckets of ``n`` rank rows, so each row holds a ``1 / n`` share
+    of ``bucket_size`` in whole codec blocks (:meth:`rows`);
+  * the stacked leaves' loops: one bucket size for every loop, of about
+    ``bucket_size`` coordinates, the candidate that pads least (:meth:`loop_size`).
+
+  Attributes:
+    codec: the codec whose block a bucket holds whole.
+    bucket_size: the most coordinates in one bucket (a multiple of the codec's block).
+    max_buckets: the most buckets (None: no limit).
+    leaf_order: None, ``"reverse"``, ``"forward"`` or a permutation (a tuple) of the
+      leaves.
+  """
+
+  codec: Codec
+  bucket_size: int = DEFAULT_BUCKET_SIZE
+  max_buckets: int | None = DEFAULT_MAX_BUCKETS
+  leaf_order: Any = None
+
+  @classmethod
+  def build(cls, codec: Codec, bucket_size: int = DEFAULT_BUCKET_SIZE,
+            max_buckets: int | None = DEFAULT_MAX_BUCKETS, leaf_order=None) -> Bucketing:
+    """The bucketing, checked: a ValueError naming the fix for a ``bucket_size`` that is
+    not a positive multiple of the codec's block, a bad ``max_buckets``, or a
+    ``leaf_order`` that is not an order's name or a sequence of indices (which tree's
+    permutation it is, each call checks)."""
+    if isinstance(leaf_order, str) or leaf_order is None:
+      order = leaf_order
+    else:
+      try:
+        order = tuple(int(i) for i in leaf_order)  # hashable; checked per tree later
+      except TypeError:
+        raise ValueError(f"leaf_order={leaf_order!r} is not a sequence of leaf indices. "
+                         f"Fix: pass a permutation of the leaves' indices, 'reverse' or "
+                         f"'forward'") from None
+    bucket_layout({}, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets)
+    return cls(codec, int(bucket_size), max_buckets, order)
+
+  def layout(self, tree, leaf_order=None) -> Layout:
+    """``tree``'s buckets (:func:`dynamiq_jax.bucket_layout`), its leaves in
+    ``leaf_order`` (None: this bucketing's)."""
+    return bucket_layout(tree, codec=self.codec, bucket_size=self.bucket_size,
+                         max_buckets=self.max_buckets,
+                         leaf_order=self.leaf_order if leaf_order is None else leaf_order)
+
+  def rows(self, pieces, n: int) -> Layout:
+    """A reduce-scatter's buckets of the per-rank rows ``pieces`` (one leaf's row each,
+    in the order the backward pass produces them): ``bucket_size`` over all ``n``
+    ranks, so a ``1 / n`` share of it per row, in whole codec blocks."""
+    unit = self.codec.granularity
+    return bucket_layout(pieces, codec=self.codec, max_buckets=self.max_buckets,
+                         bucket_size=max(unit, self.bucket_size // n // unit * unit),
+                         leaf_order="forward")
+
+  def loop_size(self, shapes, flags, n: int) -> int:
+    """The one bucket size of the stacked leaves' loops over ``n`` ranks
+    (:func:`dynamiq_jax.engine.stacked.loop_bucket`)."""
+    return loops.loop_bucket(shapes, flags, self.bucket_size, self.codec.granularity * n)
+
+
+@dataclasses.dataclass(frozen=True)
 class ReduceOptions:
   """How a gradient is reduced: :func:`dynamiq_jax.allreduce`'s options (or
   :func:`dynamiq_jax.reduce_scatter`'s, ``scatter=True``), checked together by
@@ -63,10 +135,8 @@ class ReduceOptions:
     schedule: a schedule's name or a ``dq.Moshpit``.
     axis_name: the data-parallel axis; ``(slow, fast)`` for the hierarchical schedules.
     average: the mean over ranks (True) or the sum.
-    bucket_size: the most coordinates in one bucket (a multiple of the codec's block).
-    max_buckets: the most buckets (None: no limit).
-    leaf_order: None, ``"reverse"``, ``"forward"`` or a permutation (a tuple) of the
-      leaves.
+    buckets: how the gradient is cut into buckets (:class:`Bucketing`: ``bucket_size``,
+      ``max_buckets``, ``leaf_order``).
     implementation: the kernels' implementation (None, ``"pallas"``, ``"mosaic"``,
       ``"xla"``).
     return_own: also return each rank's contribution as the codec represented it.
@@ -82,9 +152,7 @@ class ReduceOptions:
   schedule: Any
   axis_name: Any
   average: bool = True
-  bucket_size: int = DEFAULT_BUCKET_SIZE
-  max_buckets: int | None = DEFAULT_MAX_BUCKETS
-  leaf_order: Any = None
+  buckets: Bucketing | None = None
   implementation: str | None = None
   return_own: bool = False
   feedback: str | None = None
@@ -117,20 +185,17 @@ class ReduceOptions:
     check_schedule(schedule, SCATTER_SCHEDULES if scatter else SCHEDULES, what=what)
     feedback = feedback_mode(error_feedback, codec)
     return_own = bool(return_own) or feedback is not None
-    if isinstance(leaf_order, str) or leaf_order is None:
-      order = leaf_order
-    else:
-      try:
-        order = tuple(int(i) for i in leaf_order)  # hashable; checked per tree later
-      except TypeError:
-        raise ValueError(f"leaf_order={leaf_order!r} is not a sequence of leaf indices. "
-                         f"Fix: pass a permutation of the leaves' indices, 'reverse' or "
-                         f"'forward'") from None
-    bucket_layout({}, codec=codec, bucket_size=bucket_size, max_buckets=max_buckets)
-    opts = cls(codec, schedule, axis_name, bool(average), bucket_size, max_buckets, order,
-               implementation, return_own, feedback, stacked, loss, scatter)
+    buckets = Bucketing.build(codec, bucket_size, max_buckets, leaf_order)
+    opts = cls(codec, schedule, axis_name, bool(average), buckets, implementation, return_own, feedback, stacked, loss, scatter)
     opts._check(what)
     return opts
+
+  def program(self, kind: type[programs.FlatProgram] = programs.AllReduce):
+    """One bucket's program on a flat schedule with these options: ``kind``
+    :class:`~dynamiq_jax.engine.programs.AllReduce` (also a reduce-scatter's whole
+    leaves) or :class:`~dynamiq_jax.engine.programs.ReduceScatter`."""
+    return kind(self.codec, self.schedule, self.axis_name, self.implementation,
+                self.return_own, self.loss)
 
   @property
   def hierarchical(self) -> bool:

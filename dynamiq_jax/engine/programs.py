@@ -63,9 +63,10 @@ from dynamiq_jax.schedules.plan import TreePlan, get_plan
 __all__ = [
     "BucketResult", "chain_value", "SAFE_EXPONENT", "guard", "guard_votes", "guarded",
     "guard_metadata", "unguard", "one_after_another",
-    "hop_ops", "combine_metadata", "plan_bucket", "lossy_receive", "codec_pass", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
-    "reduce_buckets", "program_keys", "wire_pass", "decode_pass", "wire_loop", "zeros_after", "decode_loop",
-    "run_sharded",
+    "hop_ops", "combine_metadata", "plan_bucket", "lossy_receive", "codec_pass",
+    "FlatProgram", "AllReduce", "ReduceScatter", "Hierarchical", "bucket_keys", "run_program",
+    "reduce_buckets", "program_keys", "wire_pass", "decode_pass", "wire_loop", "zeros_after",
+    "decode_loop", "run_sharded",
 ]
 
 class BucketResult(NamedTuple):
@@ -255,15 +256,11 @@ def program_keys(words, index, ctx: AxisContext, codec: Codec | None = None) -> 
 
 
 @dataclasses.dataclass(frozen=True)
-class AllReduce:
-  """One bucket's all-reduce on a flat schedule.
-
-  ``program(x, after, words, index, state) ->`` :class:`BucketResult` (``out``,
-  ``state``, ``own`` or None, ``err``, ``sent``): ``x`` the bucket's flat float32 data,
-  ``after`` the chained value (:func:`one_after_another`), ``words`` its key words,
-  ``state`` the codec's state.
-  ``loss``: the reduce step's packet loss (two-step schedule), or None.
-  """
+class FlatProgram:
+  """What one bucket's program on a flat schedule runs with: the codec, the schedule's
+  name, the data-parallel axis, the kernels' implementation, whether each rank's own
+  contribution is returned, and the reduce step's packet loss (two-step schedule) or
+  None. Its two programs: :class:`AllReduce` and :class:`ReduceScatter`."""
 
   codec: Codec
   schedule: str
@@ -271,6 +268,17 @@ class AllReduce:
   implementation: str | None
   return_own: bool
   loss: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduce(FlatProgram):
+  """One bucket's all-reduce on a flat schedule.
+
+  ``program(x, after, words, index, state) ->`` :class:`BucketResult` (``out``,
+  ``state``, ``own`` or None, ``err``, ``sent``): ``x`` the bucket's flat float32 data,
+  ``after`` the chained value (:func:`one_after_another`), ``words`` its key words,
+  ``state`` the codec's state.
+  """
 
   def __call__(self, x, after, words, index, state):
     ctx = axis_context(self.axis_name)
@@ -311,20 +319,13 @@ class AllReduce:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReduceScatter:
+class ReduceScatter(FlatProgram):
   """One bucket's reduce-scatter on a flat schedule.
 
-  ``program(rows, after, words, index, state) ->`` :class:`BucketResult` (``out`` this rank's
-  row, ``own`` rows or None, ``sent``): ``rows`` [n, m], row r the slice that rank r keeps. ``loss``: as
-  :class:`AllReduce`'s.
+  ``program(rows, after, words, index, state) ->`` :class:`BucketResult` (``out`` this
+  rank's row, ``own`` rows or None, ``sent``): ``rows`` [n, m], row r the slice that
+  rank r keeps.
   """
-
-  codec: Codec
-  schedule: str
-  axis_name: Any
-  implementation: str | None
-  return_own: bool
-  loss: Any = None
 
   def __call__(self, rows, after, words, index, state):
     del state

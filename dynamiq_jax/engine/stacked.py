@@ -139,10 +139,10 @@ def loop_bucket(shapes, flags, bucket_size: int, unit: int) -> int:
   return min(fits, key=lambda c: (sum(m * (round_up(t, c) - t) for t, m in groups), -c))
 
 
-def loop_sizes(shapes, flags, bucket_size: int, unit: int) -> tuple[list[int], int]:
-  """``(bucket sizes, coordinates)``: every bucket the loops reduce (padding
-  included), and the gradient's coordinates (padding excluded)."""
-  size = loop_bucket(shapes, flags, bucket_size, unit)
+def loop_sizes(shapes, flags, size: int) -> tuple[list[int], int]:
+  """``(bucket sizes, coordinates)``: every bucket the loops reduce in buckets of
+  ``size`` (:func:`loop_bucket`; padding included), and the gradient's coordinates
+  (padding excluded)."""
   groups = _groups(shapes, flags)
   return ([size] * sum(m * ceil_div(t, size) for t, m in groups),
           sum(t * m for t, m in groups))
