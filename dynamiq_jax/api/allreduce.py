@@ -52,7 +52,6 @@ from dynamiq_jax.schedules.context import axis_context, axis_names
 from dynamiq_jax.schedules.local import local_specs, model_axes
 from dynamiq_jax.schedules.moshpit import as_moshpit, is_moshpit
 from dynamiq_jax.schedules.names import SCHEDULES, check_schedule
-from dynamiq_jax.schedules.plan import get_plan
 
 __all__ = [
     "allreduce", "run_allreduce", "allreduce_local", "AllReduceStats", "wire_stats",
@@ -307,8 +306,9 @@ def allreduce_local(tree, opts: ReduceOptions, *, key, leaf_order, codec_state=N
     own = unpack(xs, layout, arrays, treedef, cast=False) if opts.return_own else None
     stats = stats._replace(codec_state=tuple(states) if codec.stateful else None, own=own)
     return unpack(xs, layout, arrays, treedef), stats, jnp.float32(0), None
-  get_plan(opts.schedule, ctx.n)  # its size fits the schedule, before tracing any bucket
-  results = engine.reduce_buckets(xs, opts.program(), key=key, states=states)
+  program = opts.program()
+  program.plan(ctx.n)  # its size fits the schedule, before tracing any bucket
+  results = engine.reduce_buckets(xs, program, key=key, states=states)
   outs = [r.out for r in results]
   own = None
   if opts.return_own:
@@ -335,7 +335,8 @@ def _looped(arrays, treedef, flags, opts: ReduceOptions, *, key):
   (:mod:`dynamiq_jax.engine.stacked`)."""
   return_own = opts.return_own
   n = axis_context(opts.axis_name).n
-  get_plan(opts.schedule, n)  # its size fits the schedule, before tracing any bucket
+  program = opts.program()
+  program.plan(n)  # its size fits the schedule, before tracing any bucket
   shapes = [a.shape for a in arrays]
   rep = loop_stats(shapes, flags, opts.buckets, n)
   stats = AllReduceStats(jnp.float32(rep.bits_per_coord), jnp.float32(rep.bytes_per_rank),
@@ -347,7 +348,7 @@ def _looped(arrays, treedef, flags, opts: ReduceOptions, *, key):
     return (jax.tree_util.tree_unflatten(treedef, arrays), stats._replace(own=own),
             jnp.float32(0), None)
   size = opts.buckets.loop_size(shapes, flags, n)
-  outs, owns, err, ref = loops.reduce_stacked(arrays, flags, opts.program(), key=key, size=size,
+  outs, owns, err, ref = loops.reduce_stacked(arrays, flags, program, key=key, size=size,
                                               n_divide=n if opts.average else None)
   own = None
   if return_own:

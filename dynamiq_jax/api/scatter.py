@@ -51,7 +51,6 @@ from dynamiq_jax.api.allreduce import wire_stats
 from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.engine.buckets import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.engine.buckets import AllReduceStats
-from dynamiq_jax.engine.buckets import bucket_layout
 from dynamiq_jax.engine.buckets import bucket_sizes
 from dynamiq_jax.engine.buckets import check_leaves
 from dynamiq_jax.engine.buckets import check_varying

@@ -257,10 +257,9 @@ def program_keys(words, index, ctx: AxisContext, codec: Codec | None = None) -> 
 
 @dataclasses.dataclass(frozen=True)
 class FlatProgram:
-  """What one bucket's program on a flat schedule runs with: the codec, the schedule's
-  name, the data-parallel axis, the kernels' implementation, whether each rank's own
-  contribution is returned, and the reduce step's packet loss (two-step schedule) or
-  None. Its two programs: :class:`AllReduce` and :class:`ReduceScatter`."""
+  """A bucket program on a flat schedule (:class:`AllReduce`, :class:`ReduceScatter`):
+  codec, schedule, axis, kernels, whether each rank's own contribution is returned,
+  and the reduce step's packet loss (two-step schedule) or None."""
 
   codec: Codec
   schedule: str
@@ -268,6 +267,9 @@ class FlatProgram:
   implementation: str | None
   return_own: bool
   loss: Any = None
+
+  def plan(self, n: int):  # a ValueError where n does not fit the schedule
+    return get_plan(self.schedule, n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +284,7 @@ class AllReduce(FlatProgram):
 
   def __call__(self, x, after, words, index, state):
     ctx = axis_context(self.axis_name)
-    plan = get_plan(self.schedule, ctx.n)
+    plan = self.plan(ctx.n)
     d = x.shape[0]
     used = bucket_codec(self.codec, d, ctx.n)
     bucket = Bucket(index, d, ctx.n, self.implementation)
@@ -304,7 +306,7 @@ class AllReduce(FlatProgram):
     keys = program_keys(words, index, ctx, self.codec)
     nonfinite, x, scale, local = guard_metadata(x, used, bucket, keys, ctx)
     payloads, aux, own = wire_pass(
-        x, used, bucket, None, keys, get_plan(self.schedule, ctx.n), ctx, self.return_own,
+        x, used, bucket, None, keys, self.plan(ctx.n), ctx, self.return_own,
         self.loss, local)
     return payloads, aux, (nonfinite, scale), own / scale if self.return_own else None
 
@@ -313,7 +315,7 @@ class AllReduce(FlatProgram):
     n = axis_context(self.axis_name).n
     used = bucket_codec(self.codec, d, n)
     out, _, err = decode_pass(payloads, aux, used, Bucket(index, d, n, self.implementation),
-                              None, get_plan(self.schedule, n), used.result_dtype)
+                              None, self.plan(n), used.result_dtype)
     nonfinite, scale = guarded
     return unguard(out, nonfinite, scale, used.result_dtype), err / (scale * scale)
 
@@ -331,7 +333,7 @@ class ReduceScatter(FlatProgram):
     del state
     ctx = axis_context(self.axis_name)
     n = ctx.n
-    plan = get_plan(self.schedule, n)
+    plan = self.plan(n)
     m = rows.shape[1]
     d = n * m
     x = jnp.roll(rows, -plan.root, axis=0).reshape(-1)  # chunk c: rank (c + root) % n's row
