@@ -8,6 +8,7 @@ import pytest
 
 import dynamiq_jax as dq
 from dynamiq_jax.engine import stacked
+from dynamiq_jax.engine.options import Bucketing
 from dynamiq_jax.codecs import Bf16, DynamiQ, F32, MX
 from dynamiq_jax.schedules.context import varying_axes
 
@@ -99,8 +100,8 @@ class TestCompressed:
     shapes = [a.shape for a in jax.tree.leaves(one)]
     flags = ["layers" in jax.tree_util.keystr(p)
              for p, _ in jax.tree_util.tree_leaves_with_path(one)]
-    sizes, coords = stacked.loop_sizes(
-        shapes, flags, stacked.loop_bucket(shapes, flags, 1 << 15, DynamiQ().granularity * N))
+    size = Bucketing.build(DynamiQ(), 1 << 15).loop_size(shapes, flags, N)
+    sizes, coords = stacked.loop_sizes(shapes, flags, size)
     assert coords == want.coords and sum(sizes) > coords
     assert want.bits_per_coord * coords / sum(sizes) <= plain.bits_per_coord * 1.001
 

@@ -26,7 +26,6 @@ from dynamiq_jax.schedules.loss import PacketLoss
 from dynamiq_jax.schedules.moshpit import is_moshpit
 from dynamiq_jax.schedules.names import FLAT_SCHEDULES, HIERARCHICAL, SCATTER_SCHEDULES
 from dynamiq_jax.schedules.names import SCHEDULES, check_schedule
-from dynamiq_jax.engine.stacked import check_stateless
 
 __all__ = ["ReduceOptions", "Bucketing", "ERROR_FEEDBACK", "feedback_mode"]
 
@@ -134,9 +133,9 @@ class ReduceOptions:
     codec: the codec (a :class:`~dynamiq_jax.codecs.Codec`, resolved from its name).
     schedule: a schedule's name or a ``dq.Moshpit``.
     axis_name: the data-parallel axis; ``(slow, fast)`` for the hierarchical schedules.
-    average: the mean over ranks (True) or the sum.
     buckets: how the gradient is cut into buckets (:class:`Bucketing`: ``bucket_size``,
       ``max_buckets``, ``leaf_order``).
+    average: the mean over ranks (True) or the sum.
     implementation: the kernels' implementation (None, ``"pallas"``, ``"mosaic"``,
       ``"xla"``).
     return_own: also return each rank's contribution as the codec represented it.
@@ -151,8 +150,8 @@ class ReduceOptions:
   codec: Codec
   schedule: Any
   axis_name: Any
+  buckets: Bucketing
   average: bool = True
-  buckets: Bucketing | None = None
   implementation: str | None = None
   return_own: bool = False
   feedback: str | None = None
@@ -186,7 +185,8 @@ class ReduceOptions:
     feedback = feedback_mode(error_feedback, codec)
     return_own = bool(return_own) or feedback is not None
     buckets = Bucketing.build(codec, bucket_size, max_buckets, leaf_order)
-    opts = cls(codec, schedule, axis_name, bool(average), buckets, implementation, return_own, feedback, stacked, loss, scatter)
+    opts = cls(codec, schedule, axis_name, buckets, bool(average), implementation, return_own,
+               feedback, stacked, loss, scatter)
     opts._check(what)
     return opts
 
@@ -222,7 +222,7 @@ class ReduceOptions:
           f"{type(codec).__name__} cannot report a rank's own contribution "
           f"(reports_contribution=False), which error feedback needs; use a codec that "
           f"does, or error_feedback=False")
-    check_stateless(self.stacked, codec)
+    loops.check_stateless(self.stacked, codec)
     if self.stacked is not None and self.hierarchical:
       raise ValueError(
           f"stacked= reduces in loops on the flat schedules {FLAT_SCHEDULES}, not on "
@@ -286,4 +286,4 @@ class ReduceOptions:
     if self.moshpit:
       moshpit.check_moshpit(self.schedule, self.axis_name, self.codec, codec_state,
                             self.return_own)
-    check_stateless(self.stacked, self.codec, codec_state)
+    loops.check_stateless(self.stacked, self.codec, codec_state)
