@@ -2,8 +2,9 @@
 
     python -m dynamiq_jax.bench.lossy            # 4 ranks, 200 steps, every setting
     python -m dynamiq_jax.bench.lossy --tiny     # smoke test (CI)
-    python -m dynamiq_jax.bench.lossy --workers 16,32,64 --global-batch 64 --model small \
-        --settings 'no loss,10%' --stats-every 25 --name lossy_ranks   # the ranks' sweep
+    python -m dynamiq_jax.bench.lossy --workers 4,16,32,64 --global-batch 64 --model small \
+        --settings 'no loss,10%' --steps 150 --stats-every 25 --stats-keys 4 \
+        --name lossy_ranks                         # the ranks' sweep
 
 The word-level LM, data, AdamW schedule and evaluations of
 :mod:`dynamiq_jax.bench.tta` (its ``simulate`` phase: ``--workers`` simulated
