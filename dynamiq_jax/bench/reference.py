@@ -57,8 +57,13 @@ def simulated_vnmse(codec, workers, seed: int) -> float:
   return vnmse(np.asarray(dq.simulate(workers, codec=codec, seed=seed))[0], workers)
 
 
-def allreduce_over_keys(codec, workers, draws: int, key_seed: int = 7):
+def allreduce_over_keys(codec, workers, draws: int, key_seed: int = 7,
+                        batch_elements: int = 1 << 23):
   """Rank 0's ring all-reduce of ``workers`` [n, d] under ``draws`` random keys.
+
+  The draws run in batches of keys under ``vmap`` (one compile), each batch at
+  most ``batch_elements`` of the ranks' coordinates; a key's result does not
+  depend on the batch it runs in.
 
   Returns:
     ``(float64 [draws, d] results, float64 [d] exact mean)``: the spread of
@@ -69,16 +74,23 @@ def allreduce_over_keys(codec, workers, draws: int, key_seed: int = 7):
 
   import dynamiq_jax as dq
 
-  @jax.jit
+  if draws < 1:
+    raise ValueError(f"draws={draws}: need at least one rounding key")
+
   def one(key, x):
     f = lambda x: dq.allreduce(x, axis_name="i", codec=codec, key=key)[0]
     return jax.vmap(f, axis_name="i")(x)[0]
 
-  # A host loop over one compiled draw: nested in lax.map's loop, the ring's own
-  # loop took XLA:CPU minutes to compile (jax 0.12), the draws themselves milliseconds.
+  # Keys batched by vmap, not looped by lax.map: nested in lax.map's loop, the
+  # ring's own loop took XLA:CPU minutes to compile (jax 0.12).
+  many = jax.jit(jax.vmap(one, in_axes=(0, None)))
   x = jax.numpy.asarray(workers)  # an argument, not a constant for XLA to fold
+  batch = max(1, min(draws, batch_elements // max(1, x.size)))
   keys = jax.random.split(jax.random.key(key_seed), draws)
-  y = np.stack([np.asarray(one(k, x), np.float64) for k in keys])
+  # the last batch filled up with repeated keys (one shape, one compile), then cut
+  keys = jax.numpy.concatenate([keys, keys[:-draws % batch]])  # batch <= draws
+  y = np.concatenate([np.asarray(many(keys[i:i + batch], x), np.float64)
+                      for i in range(0, keys.shape[0], batch)])[:draws]
   return y, np.asarray(workers, np.float64).mean(0)
 
 
