@@ -415,7 +415,7 @@ def build_parser(tiny: bool = False) -> argparse.ArgumentParser:
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   if tiny:  # smaller defaults; flags given explicitly still win
     p.set_defaults(workers=2, sizes_mb=[1.0], rates=[200.0], repeats=1, lm_steps=1,
-                   lm_batch=2, tile_mb=0.5,
+                   lm_batch=2, tile_mb=2.0,
                    methods=["psum-f32", "psum-bf16", "bf16-ring/ring", "dynamiq/ring"])
   return p
 
