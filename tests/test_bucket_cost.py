@@ -40,9 +40,16 @@ outputs)."""
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def kernel_cache(tmp_path_factory):
+  """One XLA kernel cache for the module's compiles: each compiles the kernels the
+  first one compiled, which changes no instruction counted here."""
+  return str(tmp_path_factory.mktemp("bucket_cost_kernels") / "kernels.bin")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, kernel_cache):
   out = tmp_path_factory.mktemp("bucket_cost")
-  payload = bucket_cost.main(["--tiny", "--out", str(out)])
+  payload = bucket_cost.main(["--tiny", "--out", str(out), "--kernel-cache", kernel_cache])
   with open(out / "bucket_cost_tiny.json") as f:
     assert json.load(f)["per_bucket"] == payload["per_bucket"]
   return payload
@@ -66,11 +73,11 @@ super-group's term, which one reduction sums for every bucket at once, and the r
 squared norm is summed per bucket; 89 when a fusion read the bucket's result again)."""
 
 
-def test_the_error_estimate_adds_little(tiny):
+def test_the_error_estimate_adds_little(tiny, kernel_cache):
   """The estimate costs a bucket one launch (its result's squared norm): its terms come
   from the finish's kernel and are summed with every other bucket's in one reduction, and
   nothing reads the result a second time."""
-  kept = bucket_cost.measure(1 << 16, estimate=True)
+  kept = bucket_cost.measure(1 << 16, estimate=True, kernel_cache=kernel_cache)
   extra = {k: kept["per_bucket"][k] - tiny["per_bucket"][k] for k in ("instructions", "top_level")}
   assert 0 < extra["instructions"] <= ESTIMATE_INSTRUCTIONS, (extra, kept["phases"])
   assert 0 <= extra["top_level"] <= 1, (extra, kept["phases"])

@@ -30,16 +30,19 @@ and, for one bucket in the middle, both by the named scope that made them
 top-level operations are their sum (the difference above also counts what
 changes at the end of the step: each leaf's output, the last bucket's result
 unfused). Counts are deterministic (no timing); the CPU seconds of each compile
-are printed beside them, a shared machine's.
+are printed beside them, a shared machine's (the second compile reuses the first's
+kernels through XLA's kernel cache).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import sys
+import tempfile
 
 from dynamiq_jax.bench import gpu_compile
 from dynamiq_jax.bench.hlo import parse_hlo
@@ -147,20 +150,32 @@ def by_scope(comps, bucket: int) -> dict:
   return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
 
 
-def measure(size: int, schedule: str = "ring", estimate: bool = False) -> dict:
+def measure(size: int, schedule: str = "ring", estimate: bool = False,
+            kernel_cache: str | os.PathLike | None = None) -> dict:
   """One bucket's cost: the compiles of 3 and 4 buckets, their difference, and bucket 2's
-  instructions by phase."""
-  runs = {}
-  for k in (3, 4):
-    with gpu_compile.compile_in_child(
-        "dynamiq_jax.bench.bucket_cost:step_in_child",
-        kwargs={"buckets": k, "size": size, "schedule": schedule, "estimate": estimate},
-        xla_flags=gpu_compile.DEVICELESS_XLA_FLAGS, ptx=False, strict_warnings=False) as build:
-      comps = parse_hlo(build.hlo[0])
-      runs[k] = {"instructions": len(_instructions(comps)), "top_level": len(top_level(comps)),
-                 "kernels": kernels(comps),
-                 "sorts": sum(ins.opcode == "sort" for _, ins in _instructions(comps)),
-                 "cpu_s": build.info["cpu_s"], "phases": by_scope(comps, 2)}
+  instructions by phase.
+
+  The compiles share XLA's kernel cache (``--xla_gpu_kernel_cache_file``): the second
+  takes the first's compiled kernels instead of compiling them again, which changes
+  no HLO, only its CPU seconds. ``kernel_cache``: the cache file (e.g. one for several
+  calls); None: a temporary one for this call's two compiles.
+  """
+  with contextlib.ExitStack() as stack:
+    if kernel_cache is None:
+      kernel_cache = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()),
+                                  "kernels.bin")
+    flags = (*gpu_compile.DEVICELESS_XLA_FLAGS, f"--xla_gpu_kernel_cache_file={kernel_cache}")
+    runs = {}
+    for k in (3, 4):
+      with gpu_compile.compile_in_child(
+          "dynamiq_jax.bench.bucket_cost:step_in_child",
+          kwargs={"buckets": k, "size": size, "schedule": schedule, "estimate": estimate},
+          xla_flags=flags, ptx=False, strict_warnings=False) as build:
+        comps = parse_hlo(build.hlo[0])
+        runs[k] = {"instructions": len(_instructions(comps)), "top_level": len(top_level(comps)),
+                   "kernels": kernels(comps),
+                   "sorts": sum(ins.opcode == "sort" for _, ins in _instructions(comps)),
+                   "cpu_s": build.info["cpu_s"], "phases": by_scope(comps, 2)}
   return {"size": size, "schedule": schedule, "devices": DEVICES, "estimate": estimate,
           "per_bucket": {key: runs[4][key] - runs[3][key]
                          for key in ("instructions", "top_level", "kernels", "sorts")},
@@ -180,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--estimate", action="store_true",
                  help="keep the error estimate (as compressed_psum does)")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI): buckets of 2^16")
+  p.add_argument("--kernel-cache", default=None,
+                 help="XLA's kernel cache file for the compiles (kept; e.g. shared by "
+                      "several runs); unset: a temporary one")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   return p
 
@@ -195,14 +213,14 @@ def main(argv=None) -> dict:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads the machine
   from dynamiq_jax.bench.common import command_line, machine, write_results
 
-  r = measure(size, args.schedule, args.estimate)
+  r = measure(size, args.schedule, args.estimate, args.kernel_cache)
   print(f"one bucket of {size} coordinates, {args.schedule} of {DEVICES} (8 x H100, compile-only)"
         + (", error estimate kept" if args.estimate else ""))
   print(f"  HLO instructions {r['per_bucket']['instructions']:>6}   top-level operations "
         f"{r['per_bucket']['top_level']:>4}   kernels {r['per_bucket']['kernels']}   "
         f"sorts {r['per_bucket']['sorts']}   "
         f"(compile CPU s: 3 buckets "
-        f"{r['runs']['3']['cpu_s']}, 4 buckets {r['runs']['4']['cpu_s']})")
+        f"{r['runs']['3']['cpu_s']}, 4 buckets {r['runs']['4']['cpu_s']} with the 3's kernels)")
   print(f"  a middle bucket's own top-level operations {r['middle_top_level']}, by phase:")
   print(f"  {'phase':<12} {'instructions':>12} {'top-level':>9}")
   for phase, (ins, top) in r["phases"].items():
