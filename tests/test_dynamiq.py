@@ -15,7 +15,7 @@ from dynamiq_jax.bench.reference import AUTHORS_ALL_IN_BITS, REFERENCE, allreduc
 from dynamiq_jax.bench.reference import simulated_vnmse, vnmse
 from dynamiq_jax.codecs import DynamiQ
 
-from _helpers import model_data, rows_identical
+from _helpers import model_data, rows_identical, xla_defaults
 
 N = 8
 D = 1 << 20
@@ -115,7 +115,8 @@ class TestAccuracy:
   @staticmethod
   @functools.lru_cache(maxsize=None)  # both tests below use the independent rounding's draws
   def _many_keys(codec, draws=1024):
-    return allreduce_over_keys(codec, model_data("heavy", N, 1 << 14, 3), draws)
+    return allreduce_over_keys(codec, model_data("heavy", N, 1 << 14, 3), draws,
+                               compiler_options=xla_defaults())
 
   def test_allreduce_is_unbiased_with_independent_rounding(self):
     """Mean over 1024 rounding keys of the full ring equals the exact mean."""

@@ -58,12 +58,13 @@ def simulated_vnmse(codec, workers, seed: int) -> float:
 
 
 def allreduce_over_keys(codec, workers, draws: int, key_seed: int = 7,
-                        batch_elements: int = 1 << 23):
+                        batch_elements: int = 1 << 23, compiler_options: dict | None = None):
   """Rank 0's ring all-reduce of ``workers`` [n, d] under ``draws`` random keys.
 
   The draws run in batches of keys under ``vmap`` (one compile), each batch at
   most ``batch_elements`` of the ranks' coordinates; a key's result does not
-  depend on the batch it runs in.
+  depend on the batch it runs in. ``compiler_options``: XLA's, for that one
+  program (``jax.jit``'s argument).
 
   Returns:
     ``(float64 [draws, d] results, float64 [d] exact mean)``: the spread of
@@ -83,7 +84,7 @@ def allreduce_over_keys(codec, workers, draws: int, key_seed: int = 7,
 
   # Keys batched by vmap, not looped by lax.map: nested in lax.map's loop, the
   # ring's own loop took XLA:CPU minutes to compile (jax 0.12).
-  many = jax.jit(jax.vmap(one, in_axes=(0, None)))
+  many = jax.jit(jax.vmap(one, in_axes=(0, None)), compiler_options=compiler_options)
   x = jax.numpy.asarray(workers)  # an argument, not a constant for XLA to fold
   batch = max(1, min(draws, batch_elements // max(1, x.size)))
   keys = jax.random.split(jax.random.key(key_seed), draws)
