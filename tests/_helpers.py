@@ -34,7 +34,7 @@ def xla_defaults() -> dict:
   """``jax.jit(compiler_options=...)`` that give one program XLA's own settings back
   in place of the speed flags the root conftest.py sets for every compile
   (``DYNAMIQ_TEST_XLA_FLAGS``): for a test whose time goes into running its program
-  many times rather than into compiling it (unoptimised code runs it about 6x slower)."""
+  many times rather than into compiling it."""
   defaults = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
   names = [f.split("=")[0].lstrip("-") for f in os.environ["DYNAMIQ_TEST_XLA_FLAGS"].split()]
   assert set(names) <= set(defaults), f"no default known for {names}"
