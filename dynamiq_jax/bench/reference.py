@@ -88,8 +88,9 @@ def allreduce_over_keys(codec, workers, draws: int, key_seed: int = 7,
   x = jax.numpy.asarray(workers)  # an argument, not a constant for XLA to fold
   batch = max(1, min(draws, batch_elements // max(1, x.size)))
   keys = jax.random.split(jax.random.key(key_seed), draws)
-  # the last batch filled up with repeated keys (one shape, one compile), then cut
-  keys = jax.numpy.concatenate([keys, keys[:-draws % batch]])  # batch <= draws
+  # the last batch filled up with the first keys again (one shape, one compile), then cut
+  pad = (batch - draws % batch) % batch  # < batch <= draws
+  keys = jax.numpy.concatenate([keys, keys[:pad]])
   y = np.concatenate([np.asarray(many(keys[i:i + batch], x), np.float64)
                       for i in range(0, keys.shape[0], batch)])[:draws]
   return y, np.asarray(workers, np.float64).mean(0)
