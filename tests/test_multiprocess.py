@@ -34,13 +34,15 @@ def test_multi_process_equals_simulate_bitwise(num_processes, extra):
 
 
 def test_a_dead_worker_stops_the_others_with_an_error():
-  """Rank 1 dies before the all-reduce: rank 0 must fail, not hang."""
+  """Rank 1 dies before the all-reduce: rank 0 must fail, not hang (within the heartbeat
+  timeout, here 5 s instead of the default 20)."""
   coordinator = f"127.0.0.1:{multiprocess.free_port()}"
   env = dict(os.environ, JAX_PLATFORMS="cpu", DYNAMIQ_JAX_FAULT_RANK="1")
   start = time.monotonic()
   procs = [subprocess.Popen(
       [sys.executable, "-m", "dynamiq_jax.training.multiprocess", "--check", "--coordinator",
-       coordinator, "--num-processes", "2", "--process-id", str(r), "--d", str(1 << 12)],
+       coordinator, "--num-processes", "2", "--process-id", str(r), "--d", str(1 << 12),
+       "--heartbeat-timeout", "5"],
       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
   try:
     _, err0 = procs[0].communicate(timeout=180)
@@ -63,3 +65,8 @@ def test_launcher_names_the_failed_rank():
 def test_bad_rank_is_refused():
   with pytest.raises(ValueError, match="process_id=2 is not in"):
     multiprocess.initialize("127.0.0.1:1", num_processes=2, process_id=2)
+
+
+def test_a_heartbeat_timeout_under_a_second_is_refused():
+  with pytest.raises(SystemExit, match="--heartbeat-timeout 0: give at least 1 second"):
+    multiprocess.main(["--check", "--heartbeat-timeout", "0"])

@@ -260,7 +260,8 @@ def _read(f) -> str:
 def _check(args) -> None:
   """One rank of ``--check``: all-reduce synthetic gradients, compare with simulate."""
   initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
-             local_devices=args.local_devices)
+             local_devices=args.local_devices,
+             heartbeat_timeout_seconds=args.heartbeat_timeout)
   import jax
   import numpy as np
   from jax.sharding import PartitionSpec as P
@@ -323,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="skip the bit-for-bit comparison with simulate")
   p.add_argument("--timeout", type=float, default=300,
                  help="seconds the spawned job may take before it is stopped")
+  p.add_argument("--heartbeat-timeout", type=int, default=20,
+                 help="seconds a silent process may take before the others fail with an "
+                      "error (initialize's heartbeat_timeout_seconds)")
   return p
 
 
@@ -334,6 +338,8 @@ def main(argv=None):
   args = _parse(argv)
   if not args.check:
     raise SystemExit("nothing to do: pass --check (see --help)")
+  if args.heartbeat_timeout < 1:
+    raise SystemExit(f"--heartbeat-timeout {args.heartbeat_timeout}: give at least 1 second")
   if args.process_id is not None:
     if args.coordinator is None:
       raise SystemExit("--process-id needs --coordinator host:port (process 0's address)")
@@ -344,7 +350,8 @@ def main(argv=None):
           "--coordinator", coordinator, "--num-processes", str(args.num_processes),
           "--local-devices", str(args.local_devices), "--codec", args.codec,
           "--schedule", args.schedule, "--d", str(args.d), "--seed", str(args.seed),
-          "--data-seed", str(args.data_seed)] + ([] if args.compare else ["--no-compare"])
+          "--data-seed", str(args.data_seed), "--heartbeat-timeout",
+          str(args.heartbeat_timeout)] + ([] if args.compare else ["--no-compare"])
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   outs = launch([base + ["--process-id", str(r)] for r in range(args.num_processes)],
                 timeout=args.timeout, env=env)
