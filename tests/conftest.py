@@ -14,6 +14,15 @@ def mesh():
   return jax.make_mesh((N_DEVICES,), ("data",))
 
 
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory):
+  """One XLA GPU kernel cache file for the deviceless compiles of this test process that
+  read only the optimized HLO (``gpu_compile.compile_in_child(kernel_cache=)``): a kernel
+  an earlier compile made is not compiled again, which changes no HLO. Compiles that
+  check registers and spills read ptxas' output and take no cache."""
+  return str(tmp_path_factory.mktemp("xla_gpu_kernels") / "kernels.bin")
+
+
 def pytest_configure(config):
   """On jax < 0.12 (0.10.2 in CI) Mosaic GPU refuses the hop kernels at lowering, so with
   Mosaic-first dispatch on (pallas_kernels.dispatch.MOSAIC_FIRST) every

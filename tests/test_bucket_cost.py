@@ -40,13 +40,6 @@ outputs)."""
 
 
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
-  """One XLA kernel cache for the module's compiles: each compiles the kernels the
-  first one compiled, which changes no instruction counted here."""
-  return str(tmp_path_factory.mktemp("bucket_cost_kernels") / "kernels.bin")
-
-
-@pytest.fixture(scope="module")
 def tiny(tmp_path_factory, kernel_cache):
   out = tmp_path_factory.mktemp("bucket_cost")
   payload = bucket_cost.main(["--tiny", "--out", str(out), "--kernel-cache", kernel_cache])
@@ -97,3 +90,11 @@ def test_the_phases_are_the_buckets(tiny):
 def test_a_size_not_of_whole_supergroups_is_refused(size):
   with pytest.raises(SystemExit, match=f"--size {size} must be a positive multiple of 256"):
     bucket_cost.main(["--size", size])
+
+
+def test_a_kernel_cache_with_the_ptx_dump_is_refused(kernel_cache):
+  """A kernel taken from the cache makes no PTX: a build that dumps PTX (the register and
+  spill checks) would miss it, so compile_in_child refuses the pair before compiling."""
+  with pytest.raises(ValueError, match="kernel_cache=.* with ptx=True.*pass ptx=False"):
+    gpu_compile.compile_in_child("dynamiq_jax.bench.bucket_cost:step_in_child",
+                                 kernel_cache=kernel_cache, ptx=True)

@@ -45,9 +45,9 @@ TEMP_VS_PMEAN = 0.8
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, kernel_cache):
   out = tmp_path_factory.mktemp("scale")
-  payload = scale.main(["--tiny", "--out", str(out)])
+  payload = scale.main(["--tiny", "--out", str(out), "--kernel-cache", kernel_cache])
   with open(out / "scale_tiny.json") as f:
     assert json.load(f)["runs"] == payload["runs"]
   return payload["runs"]["tiny"]
@@ -79,13 +79,14 @@ def test_temporaries_stay_below_pmeans(tiny, record_property):
   assert ratio <= TEMP_VS_PMEAN
 
 
-def test_buckets_overlap_only_one_after_another(tiny, record_property):
+def test_buckets_overlap_only_one_after_another(tiny, record_property, kernel_cache):
   """The default overlaps at least as much as pmean, most of the backward pass; the
   same step with the chain removed (negative control) overlaps nothing."""
   pmean, default = tiny["pmean"], tiny["default"]
   unchained = scale.compile_step({"method": "default", "model": scale.TINY,
                                   "seq": scale.TINY_SEQ, "unchained": True,
-                                  "options": {"bucket_size": scale.TINY_BUCKET}})
+                                  "options": {"bucket_size": scale.TINY_BUCKET}},
+                                 kernel_cache=kernel_cache)
   counts = [r["backward_gemms_in_windows"] for r in (pmean, default, unchained)]
   record_property("backward_gemms_in_windows", json.dumps(
       dict(zip(("pmean", "default", "unchained"), counts), of=default["backward_gemms"])))

@@ -164,13 +164,13 @@ def measure(size: int, schedule: str = "ring", estimate: bool = False,
     if kernel_cache is None:
       kernel_cache = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()),
                                   "kernels.bin")
-    flags = (*gpu_compile.DEVICELESS_XLA_FLAGS, f"--xla_gpu_kernel_cache_file={kernel_cache}")
     runs = {}
     for k in (3, 4):
       with gpu_compile.compile_in_child(
           "dynamiq_jax.bench.bucket_cost:step_in_child",
           kwargs={"buckets": k, "size": size, "schedule": schedule, "estimate": estimate},
-          xla_flags=flags, ptx=False, strict_warnings=False) as build:
+          xla_flags=gpu_compile.DEVICELESS_XLA_FLAGS, ptx=False, strict_warnings=False,
+          kernel_cache=kernel_cache) as build:
         comps = parse_hlo(build.hlo[0])
         runs[k] = {"instructions": len(_instructions(comps)), "top_level": len(top_level(comps)),
                    "kernels": kernels(comps),

@@ -224,7 +224,8 @@ class Build:
 
 def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), path=(),
                      cwd: str | os.PathLike | None = None, ptx: bool = True,
-                     strict_warnings: bool = True, timeout: float = 600) -> Build:
+                     strict_warnings: bool = True, timeout: float = 600,
+                     kernel_cache: str | os.PathLike | None = None) -> Build:
   """Runs ``target`` in a fresh process and collects its build.
 
   The function is imported (``path`` first on ``sys.path``), called with
@@ -251,6 +252,11 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
       (:data:`MOSAIC_DUMP_ENV`) in :attr:`Build.mosaic_ptxas`.
     strict_warnings: run the child with ``-W error::DeprecationWarning``.
     timeout: seconds before the child is stopped.
+    kernel_cache: a file for XLA's GPU kernel cache (``--xla_gpu_kernel_cache_file``),
+      read and extended by the child: a kernel compiled by an earlier build that shared
+      the file is taken from it instead of being compiled again. The optimized HLO is the
+      same; the child's CPU seconds are less, and such a kernel leaves no PTX, so it
+      needs ``ptx=False``.
 
   Returns:
     A :class:`Build`; use it as a context manager (or call ``cleanup()``) to
@@ -258,9 +264,14 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
 
   Raises:
     RuntimeError: the child failed (its standard error's end is in the message).
+    ValueError: ``kernel_cache`` with ``ptx=True``.
   """
   from dynamiq_jax.bench.common import xla_flags_less  # pylint: disable=import-outside-toplevel
 
+  if kernel_cache is not None and ptx:
+    raise ValueError(f"kernel_cache={str(kernel_cache)!r} with ptx=True: a kernel taken from "
+                     "the cache makes no PTX, so the PTX dump would miss it; pass ptx=False "
+                     "(or no kernel_cache)")
   start = time.perf_counter()
   tmp = tempfile.TemporaryDirectory()
   out = pathlib.Path(tmp.name)
@@ -268,6 +279,8 @@ def compile_in_child(target: str, *, kwargs: dict | None = None, xla_flags=(), p
   env = dict(os.environ)
   # the caller's optimisation level stays with the caller: the build is a user's job's
   flags = xla_flags_less(env, "--xla_backend_optimization_level") + list(xla_flags)
+  if kernel_cache is not None:
+    flags.append(f"--xla_gpu_kernel_cache_file={os.fspath(kernel_cache)}")
   if ptx:
     flags += [f"--xla_dump_to={dump}", *PTX_FLAGS]
     env.update(MOSAIC_DUMP_ENV)

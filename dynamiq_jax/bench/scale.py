@@ -254,15 +254,19 @@ def bucket_scopes(hlo: str) -> dict:
           "top_level": ordered[len(ordered) // 2] if ordered else 0}
 
 
-def compile_step(spec: dict, library: str | None = None) -> dict:
+def compile_step(spec: dict, library: str | None = None,
+                 kernel_cache: str | None = None) -> dict:
   """Compiles ``spec`` (:func:`step_in_child`) in a child process -> its figures (this file
-  is loaded by path there: with ``library`` the child's dynamiq_jax is that one)."""
+  is loaded by path there: with ``library`` the child's dynamiq_jax is that one).
+  ``kernel_cache``: XLA's GPU kernel cache file (:func:`gpu_compile.compile_in_child`):
+  the same HLO, but CPU seconds without the kernels an earlier compile left there."""
   from dynamiq_jax.bench.overlap import schedule_counts
 
   with gpu_compile.compile_in_child(
       f"{__file__}:step_in_child", kwargs={"spec": spec},
       xla_flags=gpu_compile.DEVICELESS_XLA_FLAGS, path=[library] if library else [],
-      cwd=library, ptx=False, strict_warnings=False, timeout=3600) as build:
+      cwd=library, ptx=False, strict_warnings=False, timeout=3600,
+      kernel_cache=kernel_cache) as build:
     hlo, info = build.hlo[0], dict(build.info)
   counts = schedule_counts(hlo)
   info.update(instructions=instructions(hlo), collectives=counts["collectives"],
@@ -302,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "vary by 10-20%% on a shared machine")
   p.add_argument("--label", default=None, help="writes scale_<label>.json instead of scale.json")
   p.add_argument("--tiny", action="store_true", help="smoke-test size (CI)")
+  p.add_argument("--kernel-cache", default=None,
+                 help="XLA's GPU kernel cache file, shared by the compiles (kept): a kernel "
+                      "already there is not compiled again, so the CPU seconds and their "
+                      "ratios leave it out; the HLO figures are the same. Unset: none")
   p.add_argument("--out", default=None, help="results directory; unset: docs/results")
   return p
 
@@ -372,7 +380,7 @@ def main(argv=None) -> dict:
                 "options": options if method != "pmean" else {}}
         if args.tiny:
           spec["seq"] = TINY_SEQ
-        r = compile_step(spec, library=args.library)
+        r = compile_step(spec, library=args.library, kernel_cache=args.kernel_cache)
         r["total_cpu_s"] = round(r["lower_cpu_s"] + r["compile_cpu_s"], 2)
         found[method].append(r)
         print(_row(name, method, r, found["pmean"][-1] if method != "pmean" else None),
@@ -400,7 +408,9 @@ def main(argv=None) -> dict:
     runs[name] = {"model": model, "scan": scan, "options": options, **rows}
   payload = {"benchmark": "scale", "command": command_line(), "machine": machine(),
              "target": f"{DEVICES} x H100 (compile-only)", "library": args.library or
-             "this checkout", "compute": args.compute, "remat": args.remat, "batch": [BATCH, TINY_SEQ if args.tiny else SEQ], "runs": runs}
+             "this checkout", "compute": args.compute, "remat": args.remat,
+             "batch": [BATCH, TINY_SEQ if args.tiny else SEQ],
+             "kernel_cache": args.kernel_cache, "runs": runs}
   write_results("scale", args, payload)
   return payload
 
