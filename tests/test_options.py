@@ -17,7 +17,7 @@ from dynamiq_jax.engine.options import ReduceOptions
 def test_built_options_are_resolved_frozen_and_hashable():
   opts = ReduceOptions.build("allreduce", codec=dq.codecs.Bf16(), axis_name="data",
                              leaf_order=[1, 0], error_feedback="ef14")
-  assert isinstance(opts.codec, dq.codecs.Bf16)
+  assert isinstance(opts.codec, dq.codecs.Bf16) and opts.codec is opts.buckets.codec  # held once
   assert opts.buckets.leaf_order == (1, 0) and opts.return_own and opts.feedback == "ef14"
   assert hash(opts) == hash(dataclasses.replace(opts))  # a static argument of a jit
   with pytest.raises(dataclasses.FrozenInstanceError):

@@ -130,11 +130,10 @@ class ReduceOptions:
   :meth:`build`. Frozen and hashable (a static argument of a jitted function).
 
   Attributes:
-    codec: the codec (a :class:`~dynamiq_jax.codecs.Codec`, resolved from its name).
     schedule: a schedule's name or a ``dq.Moshpit``.
     axis_name: the data-parallel axis; ``(slow, fast)`` for the hierarchical schedules.
-    buckets: how the gradient is cut into buckets (:class:`Bucketing`: ``bucket_size``,
-      ``max_buckets``, ``leaf_order``).
+    buckets: how the gradient is cut into buckets (:class:`Bucketing`: the codec,
+      ``bucket_size``, ``max_buckets``, ``leaf_order``); :attr:`codec` is its codec.
     average: the mean over ranks (True) or the sum.
     implementation: the kernels' implementation (None, ``"pallas"``, ``"mosaic"``,
       ``"xla"``).
@@ -147,7 +146,6 @@ class ReduceOptions:
     scatter: a reduce-scatter's options (its schedules; its codecs).
   """
 
-  codec: Codec
   schedule: Any
   axis_name: Any
   buckets: Bucketing
@@ -185,10 +183,16 @@ class ReduceOptions:
     feedback = feedback_mode(error_feedback, codec)
     return_own = bool(return_own) or feedback is not None
     buckets = Bucketing.build(codec, bucket_size, max_buckets, leaf_order)
-    opts = cls(codec, schedule, axis_name, buckets, bool(average), implementation, return_own,
+    opts = cls(schedule, axis_name, buckets, bool(average), implementation, return_own,
                feedback, stacked, loss, scatter)
     opts._check(what)
     return opts
+
+  @property
+  def codec(self) -> Codec:
+    """The codec (a :class:`~dynamiq_jax.codecs.Codec`, resolved from its name): the
+    buckets' own, held once."""
+    return self.buckets.codec
 
   def program(self, kind: type[programs.FlatProgram] = programs.AllReduce):
     """One bucket's program on a flat schedule with these options: ``kind``
