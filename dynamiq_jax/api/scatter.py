@@ -47,7 +47,6 @@ from dynamiq_jax._sizes import round_up
 from dynamiq_jax.api.allreduce import HIERARCHICAL
 from dynamiq_jax.api.allreduce import allreduce_local
 from dynamiq_jax.api.allreduce import hierarchical_share
-from dynamiq_jax.api.allreduce import wire_stats
 from dynamiq_jax.engine.buckets import DEFAULT_BUCKET_SIZE
 from dynamiq_jax.engine.buckets import DEFAULT_MAX_BUCKETS
 from dynamiq_jax.engine.buckets import AllReduceStats
@@ -55,6 +54,7 @@ from dynamiq_jax.engine.buckets import bucket_sizes
 from dynamiq_jax.engine.buckets import check_leaves
 from dynamiq_jax.engine.buckets import check_varying
 from dynamiq_jax.engine.buckets import flat_specs
+from dynamiq_jax.engine.buckets import layout_coords
 from dynamiq_jax.engine.buckets import relative
 from dynamiq_jax.engine.buckets import PADDING
 from dynamiq_jax.engine.buckets import report
@@ -406,16 +406,15 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
     sizes = [round_up(sum(s.stop - s.start for s in segs), unit) for segs in layout]
     parts.append(_scattered_report(sizes, codec, n, hier, slow,
                                    sum(int(np.prod(np.shape(leaves[i]))) for i in scat)))
-  if whole:
+  if whole:  # all-reduced whole, in the same buckets as the scattered rows' options
     sub = [leaves[i] for i in whole]
+    lay = buckets.layout(sub, leaf_order="forward")
     if hier:
-      lay = buckets.layout(sub, leaf_order="forward")
       shares = [hierarchical_share(d, codec, n) for d in bucket_sizes(lay)]
       parts.append(report(shares, codec, slow)._replace(
           coords=sum(int(np.prod(np.shape(a))) for a in sub), error_estimate=0.0))
     else:
-      parts.append(wire_stats(sub, codec=codec, n=n, bucket_size=bucket_size,
-                              max_buckets=max_buckets, leaf_order="forward"))
+      parts.append(report(bucket_sizes(lay), codec, n, coords=layout_coords(lay)))
   if not parts:
     return AllReduceStats(0.0, 0.0, 0)
   coords = sum(p.coords for p in parts)
