@@ -232,11 +232,13 @@ def estimator_stats(data, params, opt, batch, rates, keys: int) -> dict:
     # (the same key, so the same rounding) is shared
     jitted = jax.jit(lambda g, key: [reduce(g, key, loss) for loss in losses])
 
-    def flat(g, key):  # each owner's slice put back in place; a whole leaf from rank 0
-      return [np.concatenate([(o[0] if d is None else np.concatenate(list(o), axis=d))
-                              .reshape(-1) for o, d in zip(
-                                  [np.asarray(o, np.float64) for o in out], dims)])
-              for out in jitted(g, key)]
+    def whole(out):  # each owner's slice put back in place; a whole leaf from rank 0
+      out = [np.asarray(o, np.float64) for o in out]
+      return np.concatenate([(o[0] if d is None else np.concatenate(list(o), axis=d)).reshape(-1)
+                             for o, d in zip(out, dims)])
+
+    def flat(g, key):
+      return [whole(out) for out in jitted(g, key)]
     cache["reduce"], cache["rates"] = flat, list(rates)
   from jax.sharding import NamedSharding, PartitionSpec as P
   grads = jax.device_put(cache["grads"](p0, (xs, ys)), NamedSharding(data.mesh, P("data")))

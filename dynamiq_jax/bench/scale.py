@@ -363,11 +363,14 @@ def main(argv=None) -> dict:
   if methods - {"pmean", "default", "stacked"}:
     sys.exit(f"--methods: unknown {sorted(methods - {'pmean', 'default', 'stacked'})}; choose "
              f"from pmean, default, stacked")
+  if args.repeat < 1:
+    sys.exit(f"--repeat {args.repeat}: give at least 1 compile of each step")
+  if args.kernel_cache:
+    print(f"(the compiles share the kernel cache {args.kernel_cache}: their CPU seconds leave "
+          f"out the kernels already there)")
   print(f"{'model':<10} {'method':<8} {'M par':>7} {'lower s':>8} {'compile s':>9} "
         f"{'temp GiB':>8} {'HLO instr':>9} {'bwd GEMMs':>11} {'CPU s':>7} {'temp':>7} "
         f"{'buckets':>7}")
-  if args.repeat < 1:
-    sys.exit(f"--repeat {args.repeat}: give at least 1 compile of each step")
   runs = {}
   for name, (model, scan, options) in cases.items():
     chosen = [m for m in ("pmean", "default", "stacked")
