@@ -210,14 +210,15 @@ def estimator_stats(data, params, opt, batch, rates, keys: int) -> dict:
   x, y = (np.asarray(a) for a in batch)
   xs, ys = x.reshape(n, -1, *x.shape[1:]), y.reshape(n, -1, *y.shape[1:])
   est_cls = {"unbiased": dq.PacketLoss, "zero-fill": ZeroFill}
-  # the reductions of one key: lossless, then each rate with each estimator
-  losses = [dq.PacketLoss(0.0)] + [cls(p, burst=burst) for p, burst in rates
-                                   for cls in est_cls.values()]
   cache = data.__dict__.setdefault("_stats_fns", {})
   if "grads" not in cache:
     cache["grads"] = jax.jit(jax.vmap(jax.grad(data.loss), in_axes=(None, 0)))
   if cache.get("rates") != rates:
     from jax.sharding import PartitionSpec as P
+
+    # the reductions of one key: lossless, then each rate with each estimator
+    losses = [dq.PacketLoss(0.0)] + [cls(p, burst=burst) for p, burst in rates
+                                     for cls in est_cls.values()]
 
     def reduce(g, key, loss):
       def local(t):  # on each rank of the mesh: its gradient -> its slices, as in training
