@@ -75,10 +75,12 @@ def _commit_hashes(text):
           if re.search(r"[a-f]", w) and re.search(r"[0-9]", w)]
 
 
-@pytest.mark.parametrize("name", ["results.md", "design.md", "mosaic_gpu.md"])
-def test_no_work_log_in_the_manual(name):
-  """No commit hashes, tracker numbers or work-log words: the docs describe the code as it is."""
-  text = (DOCS / name).read_text().replace(LOG_POINTER, "")
+@pytest.mark.parametrize("path", sorted(DOCS.glob("*.md")) + [ROOT / "README.md"],
+                         ids=lambda p: p.name)
+def test_no_work_log_in_the_manual(path):
+  """No commit hashes, tracker numbers or work-log words: the docs describe the code as it is
+  (the measured results files under ``docs/results/`` name the commit they ran at)."""
+  text = path.read_text().replace(LOG_POINTER, "")
   assert not _commit_hashes(text), _commit_hashes(text)
   log = re.findall(r"(?i)\bissue\s*#?\d+|(?<![\w/&])#\d+\b|\bstop \d+\b|\bsessions?\b"
                    r"|an earlier note|lost to a restart", text)

@@ -1,4 +1,4 @@
-"""Why the Mosaic GPU step overlaps less of the backward pass than Triton's (issue #33).
+"""Why the Mosaic GPU step overlaps less of the backward pass than Triton's.
 
     python tools/mosaic_overlap.py            # Triton, Mosaic GPU, Mosaic GPU with a planar wire
     python tools/mosaic_overlap.py --only mosaic
