@@ -37,8 +37,8 @@ INSTRUCTIONS_PER_BUCKET = 600
 jax 0.12, 450 on jax 0.10.2; a bucket written as ``jnp`` glue took several thousand)."""
 TEMP_VS_PMEAN = 0.8
 """The most temporaries the tiny step may hold, as a fraction of pmean's, on every jax
-(about 0.2 on jax 0.10.2 and 0.12): the buckets' payloads and results must not outgrow
-pmean's single bf16 all-reduce buffer."""
+(about 0.2 on jax 0.10.2 and 0.12): what the buckets' payloads and results hold must
+stay below what pmean's step holds."""
 
 
 @pytest.fixture(scope="module")

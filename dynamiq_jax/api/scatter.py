@@ -407,12 +407,11 @@ def scatter_wire_stats(tree, *, codec, n: int, scatter_dimension: Any = 0,
     parts.append(_scattered_report(sizes, codec, n, hier, slow,
                                    sum(int(np.prod(np.shape(leaves[i]))) for i in scat)))
   if whole:  # all-reduced whole, in the same buckets as the scattered rows' options
-    sub = [leaves[i] for i in whole]
-    lay = buckets.layout(sub, leaf_order="forward")
+    lay = buckets.layout([leaves[i] for i in whole], leaf_order="forward")
     if hier:
       shares = [hierarchical_share(d, codec, n) for d in bucket_sizes(lay)]
-      parts.append(report(shares, codec, slow)._replace(
-          coords=sum(int(np.prod(np.shape(a))) for a in sub), error_estimate=0.0))
+      parts.append(report(shares, codec, slow)._replace(coords=layout_coords(lay),
+                                                        error_estimate=0.0))
     else:
       parts.append(report(bucket_sizes(lay), codec, n, coords=layout_coords(lay)))
   if not parts:

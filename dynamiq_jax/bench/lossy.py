@@ -200,6 +200,7 @@ def estimator_stats(data, params, opt, batch, rates, keys: int) -> dict:
   (the ranks' mean ``|g_r - mean|^2 / |mean|^2``, the gradients' heterogeneity).
   """
   import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   import dynamiq_jax as dq
   from dynamiq_jax.training import lossy as dql
@@ -214,8 +215,6 @@ def estimator_stats(data, params, opt, batch, rates, keys: int) -> dict:
   if "grads" not in cache:
     cache["grads"] = jax.jit(jax.vmap(jax.grad(data.loss), in_axes=(None, 0)))
   if cache.get("rates") != rates:
-    from jax.sharding import PartitionSpec as P
-
     # the reductions of one key: lossless, then each rate with each estimator
     losses = [dq.PacketLoss(0.0)] + [cls(p, burst=burst) for p, burst in rates
                                      for cls in est_cls.values()]
@@ -241,7 +240,6 @@ def estimator_stats(data, params, opt, batch, rates, keys: int) -> dict:
     def flat(g, key):
       return [whole(out) for out in jitted(g, key)]
     cache["reduce"], cache["rates"] = flat, list(rates)
-  from jax.sharding import NamedSharding, PartitionSpec as P
   grads = jax.device_put(cache["grads"](p0, (xs, ys)), NamedSharding(data.mesh, P("data")))
   per_rank = np.concatenate([np.asarray(a, np.float64).reshape(n, -1)
                              for a in jax.tree.leaves(grads)], axis=1)
