@@ -39,9 +39,8 @@ steps 3 and 4 the program's own block. The prefix count of step 4 is
 k writes ``dest`` and ``order_t`` of its block (``order_t`` by a scatter
 store: a slot's position), and program 0 the position widths and counts.
 
-Compiled for sm_90a from a CPU host (tests/test_allocation_kernel.py): 161 and 139
-registers (all-reduce and reduce-scatter) on jax 0.10.2, 135 and 141 on jax 0.12, no
-spills. Its run time on a GPU
+Compiled for sm_90a from a CPU host, both variants (all-reduce and reduce-scatter)
+compile without spills (tests/test_allocation_kernel.py). Its run time on a GPU
 is not measured yet (no GPU here): a single program per block that makes
 ~70 dependent passes over the norms is latency-bound: an estimate (not a
 measurement) puts it at milliseconds at 2^25 coordinates, not microseconds;
@@ -79,10 +78,14 @@ __all__ = [
 ]
 
 TILE = 1024
-"""Super-groups per tile of the kernel's loops: 8 per thread with :data:`NUM_WARPS` warps."""
+"""Super-groups per tile of the kernel's loops: 4 per thread with :data:`NUM_WARPS` warps."""
 
-NUM_WARPS = 4
-"""Warps per program."""
+NUM_WARPS = 8
+"""Warps per program. A thread's code in a loop body grows with its super-groups per
+tile, and LLVM's SLP vectorizer, which takes most of the kernel's compile time, grows
+faster than that code: 8 warps compile in about two thirds of 4 warps' time, with fewer
+registers; 16 spill in the reduce-scatter's variant (``tools/kernel_compile_cpu.py``,
+``tests/test_allocation_kernel.py``)."""
 
 
 # ----------------------------------------------------------------------------

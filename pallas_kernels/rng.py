@@ -161,11 +161,10 @@ class Rank(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def gf_rows_table() -> np.ndarray:
   """uint32 [8, 3]: :func:`_gf_row` of ``i`` for k = 1, 2, 3, for every ``i < 8``, computed
-  once (eagerly, also when first asked for inside a trace). A row is read only for ``q =
+  once in numpy (no jax operation to dispatch, also when first asked for inside a trace). A row is read only for ``q =
   2^k <= 8`` strata, whose ranks are below 8 (:class:`Rank`)."""
-  with jax.ensure_compile_time_eval():
-    i = jnp.arange(8, dtype=jnp.uint32)
-    out = np.stack([np.asarray(_gf_row(i, k)) for k in (1, 2, 3)], axis=1).astype(np.uint32)
+  i = np.arange(8, dtype=np.uint32)
+  out = np.stack([_gf_row(i, k, xp=np) for k in (1, 2, 3)], axis=1).astype(np.uint32)
   out.setflags(write=False)
   return out
 
@@ -275,26 +274,27 @@ _GF_POLY = {
 }
 
 
-def _gf_row(i, k: int):
+def _gf_row(i, k: int, xp=jnp):
   """The products ``alpha i`` in GF(2^k) for every ``alpha < 2^k``, ``k``-bit
   fields of one uint32 (field ``alpha`` at bit ``k alpha``); ``k <= 3``.
 
   ``alpha i`` is linear in ``alpha``'s bits: the XOR of ``x^j i`` over the set
   bits ``j``. So the whole row costs a few operations on the scalar ``i``,
   and a product with a per-coordinate ``alpha`` is then one shift and mask
-  (:func:`stratum`) instead of ``k`` rounds of :func:`_gf_mul`."""
-  poly = jnp.uint32(_GF_POLY[k])
-  top = jnp.uint32(1 << k)
-  m = [_u32(i)]
+  (:func:`stratum`) instead of ``k`` rounds of :func:`_gf_mul`. ``xp``: ``jnp`` (traced),
+  or ``np`` (:func:`gf_rows_table`'s eager table, the same operations)."""
+  poly = xp.uint32(_GF_POLY[k])
+  top = xp.uint32(1 << k)
+  m = [xp.asarray(i).astype(xp.uint32)]
   for _ in range(k - 1):
-    a = m[-1] << 1
-    m.append(jnp.where((a & top) != 0, a ^ poly, a))
-  row = jnp.zeros_like(m[0])
-  prod = [jnp.zeros_like(m[0])]
+    a = m[-1] << xp.uint32(1)
+    m.append(xp.where((a & top) != 0, a ^ poly, a))
+  row = xp.zeros_like(m[0])
+  prod = [xp.zeros_like(m[0])]
   for alpha in range(1, 1 << k):
     low = (alpha & -alpha).bit_length() - 1
     prod.append(prod[alpha & (alpha - 1)] ^ m[low])
-    row = row | (prod[alpha] << jnp.uint32(k * alpha))
+    row = row | (prod[alpha] << xp.uint32(k * alpha))
   return row
 
 

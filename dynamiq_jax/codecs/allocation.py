@@ -77,14 +77,25 @@ def lattice_error(width: int) -> float:
   return _gaussian_error(block.lattice_table(int(width))[0].astype(np.float64), 16)
 
 
-def _gaussian_error(lam, groups: int, supergroups: int = 4096) -> float:
+@functools.lru_cache(maxsize=None)
+def _gaussian_sample(groups: int, supergroups: int):
+  """The fixed sample of :func:`_gaussian_error`, drawn once for every level table:
+  ``|x|`` by group, each group's maximum, and ``||x||^2`` (read-only)."""
   x = np.random.default_rng(12345).standard_normal((supergroups, 256))  # one super-group each
   a = np.abs(x).reshape(supergroups, groups, -1)
-  s = a.max(-1, keepdims=True) / lam[-1]
+  amax = a.max(-1, keepdims=True)
+  for v in (a, amax):
+    v.setflags(write=False)
+  return a, amax, (x**2).sum()
+
+
+def _gaussian_error(lam, groups: int, supergroups: int = 4096) -> float:
+  a, amax, norm2 = _gaussian_sample(groups, supergroups)
+  s = amax / lam[-1]
   t = a / s
   j = np.clip(np.searchsorted(lam, t, side="right") - 1, 0, lam.size - 2)
   var = (t - lam[j]) * (lam[j + 1] - t) * s**2
-  return float(var.sum() / (x**2).sum())
+  return float(var.sum() / norm2)
 
 
 def hull_widths(errors: Mapping[int, float], cost_per_position: Mapping[int, int]) -> list[int]:
