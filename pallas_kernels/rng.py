@@ -161,8 +161,9 @@ class Rank(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def gf_rows_table() -> np.ndarray:
   """uint32 [8, 3]: :func:`_gf_row` of ``i`` for k = 1, 2, 3, for every ``i < 8``, computed
-  once in numpy (no jax operation to dispatch, also when first asked for inside a trace). A row is read only for ``q =
-  2^k <= 8`` strata, whose ranks are below 8 (:class:`Rank`)."""
+  once in numpy (no jax operation to dispatch, also when first asked for inside a trace).
+  A row is read only for ``q = 2^k <= 8`` strata, whose ranks are below 8
+  (:class:`Rank`)."""
   i = np.arange(8, dtype=np.uint32)
   out = np.stack([_gf_row(i, k, xp=np) for k in (1, 2, 3)], axis=1).astype(np.uint32)
   out.setflags(write=False)
