@@ -103,8 +103,10 @@ def _plan_kernel(g_ref, dest_ref, order_ref, widths_ref, counts_ref, *ptab_ref, 
                  real: int, tile: int, planes: tuple[int, int] | None = None,
                  stride: int = 1, column: int = 0):
   """Program k: the allocation of block k (module docstring); with ``planes``, program 0
-  also stores the hops' plane table (:func:`~pallas_kernels.allocation_reference.plane_table`). The norm of super-group i is
-  entry ``i stride + column`` of ``g_ref`` (a column of the statistics, read in place)."""
+  also stores the hops' plane table
+  (:func:`~pallas_kernels.allocation_reference.plane_table`). The norm of super-group i
+  is entry ``i stride + column`` of ``g_ref`` (a column of the statistics, read in
+  place)."""
   k = pl.program_id(0)
   total, per, n, positions = rule.total, rule.per, rule.n, rule.positions
   bounds = len(rule.t)
