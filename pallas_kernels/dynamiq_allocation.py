@@ -83,9 +83,9 @@ TILE = 1024
 NUM_WARPS = 8
 """Warps per program. A thread's code in a loop body grows with its super-groups per
 tile, and LLVM's SLP vectorizer, which takes most of the kernel's compile time, grows
-faster than that code: 8 warps compile in about two thirds of 4 warps' time, with fewer
-registers; 16 spill in the reduce-scatter's variant (``tools/kernel_compile_cpu.py``,
-``tests/test_allocation_kernel.py``)."""
+faster than that code: 8 warps halve each thread's share of 4 warps' (fewer registers,
+less compile, ``tools/kernel_compile_cpu.py``); 16 spill in the reduce-scatter's
+variant (``tests/test_allocation_kernel.py``)."""
 
 
 # ----------------------------------------------------------------------------

@@ -165,7 +165,7 @@ def gf_rows_table() -> np.ndarray:
   A row is read only for ``q = 2^k <= 8`` strata, whose ranks are below 8
   (:class:`Rank`)."""
   i = np.arange(8, dtype=np.uint32)
-  out = np.stack([_gf_row(i, k, xp=np) for k in (1, 2, 3)], axis=1).astype(np.uint32)
+  out = np.stack([_gf_row(i, k, xp=np) for k in (1, 2, 3)], axis=1)  # uint32, as _gf_row's
   out.setflags(write=False)
   return out
 
